@@ -1,0 +1,35 @@
+"""The exception types of LayerZero, one per kind of failure.
+
+This module is a leaf (it imports nothing of ours), so passes, the runtime and the
+compiler can all raise the same types. The CLI maps them to exit codes:
+``UnsupportedModelError`` / ``InvalidInputError`` -> 2, ``VerificationError`` -> 1.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "InvalidInputError",
+    "LayerZeroError",
+    "UnsupportedModelError",
+    "VerificationError",
+]
+
+
+class LayerZeroError(Exception):
+    """Base class of every error LayerZero raises on purpose."""
+
+    exit_code = 2
+
+
+class UnsupportedModelError(LayerZeroError):
+    """The model (file, graph, op or scope) cannot be compiled; the message names what and why."""
+
+
+class InvalidInputError(LayerZeroError):
+    """A user-supplied input (feed, shape, file, option) is wrong; the message names it."""
+
+
+class VerificationError(LayerZeroError):
+    """The compiled model does not match the reference within tolerance."""
+
+    exit_code = 1

@@ -1,0 +1,37 @@
+"""Compile options: one dataclass, written into the bundle's manifest."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+__all__ = ["CompileOptions"]
+
+
+@dataclasses.dataclass
+class CompileOptions:
+    """What ``compile`` does.
+
+    ``assume_finite``: fold ``x * 0`` (and MatMul/Gemm/Conv with an all-zero weight) to 0. This is
+    wrong when x holds NaN or Inf (``NaN * 0`` is NaN), which inference activations normally do not;
+    the numerical verification of every compile is the guard. Turn it off for graphs that compute
+    with non-finite values on purpose.
+    """
+
+    assume_finite: bool = True
+    flag_pattern: str = "*.flag"
+    max_iterations: int = 10
+    fold_max_elements: int = 1 << 20
+    verify: bool = True
+    atol: float = 1e-4
+    rtol: float = 1e-3
+    seed: int = 0
+    shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    sample_inputs: Path | None = None
+    target: str = "onnxruntime"
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["sample_inputs"] = None if self.sample_inputs is None else str(self.sample_inputs)
+        out["shapes"] = {k: list(v) for k, v in self.shapes.items()}
+        return out

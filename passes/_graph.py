@@ -1,0 +1,180 @@
+"""Graph helpers shared by the passes: traversal, constants, value replacement, scopes.
+
+Private to ``layerzero.passes`` (DESIGN.md: passes import nothing of ours but ``passes/_*.py``
+and the leaf ``layerzero.errors``).
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import onnx_ir as ir
+
+__all__ = [
+    "NAME_SCOPES_KEY",
+    "NameFactory",
+    "const_array",
+    "iter_graphs",
+    "iter_nodes",
+    "layer_of",
+    "make_constant",
+    "replace_value",
+    "same_shape",
+    "scope_of",
+]
+
+# torch.onnx (dynamo) records each node's module path in this metadata entry.
+NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
+
+
+def iter_graphs(graph: ir.Graph) -> Iterator[ir.Graph]:
+    """``graph`` and every subgraph (If/Loop/Scan bodies), outermost first."""
+    yield graph
+    for node in graph:
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.GRAPH:
+                yield from iter_graphs(attr.value)
+            elif attr.type == ir.AttributeType.GRAPHS:
+                for sub in attr.value:
+                    yield from iter_graphs(sub)
+
+
+def iter_nodes(graph: ir.Graph) -> Iterator[ir.Node]:
+    """Every node of ``graph`` and its subgraphs (a snapshot, safe to mutate while iterating)."""
+    for g in list(iter_graphs(graph)):
+        yield from list(g)
+
+
+def const_array(value: ir.Value | None) -> np.ndarray | None:
+    """The value's constant contents (initializer or Constant node), or None."""
+    if value is None:
+        return None
+    tensor = value.const_value
+    if tensor is None:
+        producer = value.producer()
+        if producer is None or producer.op_type != "Constant" or producer.domain not in ("", "ai.onnx"):
+            return None
+        tensor = ir.convenience.get_const_tensor(value)
+        if tensor is None:
+            return None
+    if value.is_graph_input():
+        # An initializer that is also a graph input can be overridden at run time.
+        return None
+    try:
+        return tensor.numpy()
+    except Exception:  # string tensors without numpy form, unsupported dtypes
+        return None
+
+
+class NameFactory:
+    """Fresh, model-wide unique value and node names."""
+
+    def __init__(self, graph: ir.Graph) -> None:
+        self._taken: set[str] = set()
+        for g in iter_graphs(graph):
+            self._taken.update(v.name for v in g.inputs if v.name)
+            self._taken.update(g.initializers)
+            for node in g:
+                if node.name:
+                    self._taken.add(node.name)
+                self._taken.update(v.name for v in node.outputs if v.name)
+        self._counter = itertools.count()
+
+    def __call__(self, hint: str) -> str:
+        hint = hint or "lz"
+        name = hint
+        while name in self._taken:
+            name = f"{hint}__lz{next(self._counter)}"
+        self._taken.add(name)
+        return name
+
+
+def make_constant(root: ir.Graph, names: NameFactory, hint: str, array: np.ndarray) -> ir.Value:
+    """Register ``array`` as an initializer of the root graph (visible to every subgraph)."""
+    name = names(hint)
+    value = ir.Value(name=name, const_value=ir.tensor(np.asarray(array), name=name))
+    value.shape = ir.Shape(np.asarray(array).shape)
+    value.dtype = value.const_value.dtype
+    root.register_initializer(value)
+    return value
+
+
+def replace_value(old: ir.Value, new: ir.Value, names: NameFactory) -> None:
+    """Make every consumer of ``old`` read ``new``; keep graph output names stable.
+
+    A graph output keeps its name (users address outputs by name): it becomes
+    ``Identity(new)`` under the old name.
+    """
+    if old is new:
+        return
+    old.replace_all_uses_with(new, replace_graph_outputs=False)
+    graph = old.graph
+    if graph is None or not old.is_graph_output():
+        return
+    for i, out in enumerate(list(graph.outputs)):
+        if out is not old:
+            continue
+        old_name = old.name
+        old.name = names(f"{old_name}__replaced")
+        ident = ir.Node("", "Identity", [new], name=names(f"{old_name}__identity"))
+        ident.outputs[0].name = old_name
+        ident.outputs[0].shape = old.shape
+        ident.outputs[0].type = old.type
+        graph.append(ident)
+        graph.outputs[i] = ident.outputs[0]
+
+
+def same_shape(a: ir.Value, b: ir.Value) -> bool:
+    """True when both values provably have the same dtype and shape (symbolic dims by name)."""
+    if a.dtype is None or a.dtype != b.dtype:
+        return False
+    sa, sb = a.shape, b.shape
+    if sa is None or sb is None or len(sa) != len(sb):
+        return False
+    for da, db in zip(sa, sb):
+        if isinstance(da, int) and isinstance(db, int):
+            if da != db:
+                return False
+            continue
+        na = getattr(da, "value", None)
+        nb = getattr(db, "value", None)
+        if not isinstance(na, str) or not isinstance(nb, str) or na != nb:
+            return False
+    return True
+
+
+_SEP = re.compile(r"[/.]+")
+
+
+def scope_of(node: ir.Node) -> str:
+    """The dotted module scope of a node ("" when it has none).
+
+    Read from the exporter's name-scope metadata (``['', 'model', 'model.layers.0']`` → ``model.layers.0``)
+    or from a path-like node name (``/model/layers.0/self_attn/MatMul`` → ``model.layers.0.self_attn``).
+    """
+    raw = node.metadata_props.get(NAME_SCOPES_KEY)
+    if raw:
+        try:
+            scopes = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            scopes = None
+        if isinstance(scopes, (list, tuple)) and scopes:
+            return ".".join(p for p in _SEP.split(str(scopes[-1])) if p)
+    name = node.name or ""
+    if "/" not in name:
+        return ""
+    parts = [p for p in name.split("/") if p]
+    return ".".join(p for p in _SEP.split(".".join(parts[:-1])) if p)
+
+
+_LAYER = re.compile(r"^(.*?(?:^|\.)\d+)(?:\.|$)")
+
+
+def layer_of(scope: str) -> str | None:
+    """The repeated-block scope a scope belongs to: ``model.layers.3.mlp`` → ``model.layers.3``."""
+    m = _LAYER.match(scope)
+    return m.group(1) if m else None

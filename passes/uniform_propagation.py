@@ -1,0 +1,278 @@
+"""Uniform-value propagation: `x*0`, zero weights, `Cos(0)`, identities, through dynamic shapes."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx_ir as ir
+
+from layerzero.passes._graph import NameFactory, iter_graphs, make_constant, replace_value, same_shape
+from layerzero.passes._lattice import transfer, uniform_of_constant
+
+__all__ = ["PropagateUniforms"]
+
+logger = logging.getLogger(__name__)
+
+_CANONICAL = frozenset({"Constant", "ConstantOfShape"})
+
+
+def _is_one(c: np.ndarray | None) -> bool:
+    return c is not None and c.dtype != np.bool_ and bool(c == 1)
+
+
+def _is_zero(c: np.ndarray | None) -> bool:
+    return c is not None and not bool(c)
+
+
+class PropagateUniforms(ir.passes.InPlacePass):
+    """Track which values are uniform (every element equal) and rewrite what that proves.
+
+    Cases:
+    1. A uniform value that a surviving consumer reads is materialised as
+       ``ConstantOfShape(shape)``: the shape is static, or built from ``Shape`` of the graph inputs
+       that carry its symbolic dims, so the value keeps its (dynamic) shape. Its producer chain dies.
+       Uniform sources: all-equal constants (including all-zero weights) and ConstantOfShape.
+    2. An op whose output provably equals one input is bypassed: ``x + 0``, ``0 + x``, ``x - 0``,
+       ``x * 1``, ``1 * x``, ``x / 1``, ``x ** 1``, ``Where(true, x, y)``, ``Where(false, y, x)``,
+       ``x and true``, ``x or false``; and Reshape/Expand/Cast/Identity that keep shape and dtype.
+       Only when the output's dtype and (symbolic) shape equal the input's.
+    3. ``x * 0``, ``MatMul(x, 0)``, ``Gemm``/``Conv`` with zero weights and Einsum with a zero
+       operand are 0 only when x is finite: they fold under ``assume_finite`` (default on).
+    Transfer functions: ``passes/_lattice.py``. Subgraphs are visited.
+    """
+
+    def __init__(self, assume_finite: bool = True) -> None:
+        super().__init__()
+        self.assume_finite = assume_finite
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        root = model.graph
+        names = NameFactory(root)
+        dim_sources: dict[str, tuple[ir.Value, int]] = {}
+        for value in root.inputs:
+            for axis, dim in enumerate(value.shape or ()):
+                if isinstance(getattr(dim, "value", None), str):
+                    dim_sources.setdefault(dim.value, (value, axis))
+        use_shape_range = dict(model.opset_imports).get("", 18) >= 15
+        modified = False
+        for graph in list(iter_graphs(root)):
+            rewriter = _GraphRewriter(graph, root, names, dim_sources, self.assume_finite, use_shape_range)
+            modified |= rewriter.run()
+        return ir.passes.PassResult(model, modified=modified)
+
+
+class _GraphRewriter:
+    def __init__(
+        self,
+        graph: ir.Graph,
+        root: ir.Graph,
+        names: NameFactory,
+        dim_sources: dict[str, tuple[ir.Value, int]],
+        assume_finite: bool,
+        use_shape_range: bool,
+    ) -> None:
+        self.graph = graph
+        self.root = root
+        self.names = names
+        self.dim_sources = dim_sources
+        self.assume_finite = assume_finite
+        self.use_shape_range = use_shape_range
+        self.uniform: dict[ir.Value, np.ndarray] = {}
+        self.alias: dict[ir.Value, ir.Value] = {}
+        self._shape_cache: dict[tuple, ir.Value] = {}
+
+    def state(self, value: ir.Value | None) -> np.ndarray | None:
+        if value is None:
+            return None
+        if value in self.uniform:
+            return self.uniform[value]
+        return uniform_of_constant(value)
+
+    def run(self) -> bool:
+        nodes = list(self.graph)
+        for node in nodes:
+            ins = [self.state(v) for v in node.inputs]
+            target = self._alias_target(node, ins)
+            if target is not None:
+                self.alias[node.outputs[0]] = target
+                c = self.state(target)
+                if c is not None:
+                    self.uniform[node.outputs[0]] = c
+                continue
+            for out, c in zip(node.outputs, transfer(node, ins, assume_finite=self.assume_finite)):
+                if c is not None and out.shape is not None and out.dtype is not None:
+                    self.uniform[out] = c
+        modified = False
+        for node in nodes:  # Case 2
+            out = node.outputs[0] if node.outputs else None
+            if out is not None and out in self.alias:
+                replace_value(out, self._resolve(out), self.names)
+                modified = True
+        for node in nodes:  # Case 1
+            for out in node.outputs:
+                if self._needs_materialising(out):
+                    modified |= self._materialise(node, out)
+        return modified
+
+    def _resolve(self, value: ir.Value) -> ir.Value:
+        while value in self.alias:
+            value = self.alias[value]
+        return value
+
+    # Case 2
+    def _alias_target(self, node: ir.Node, ins: list[np.ndarray | None]) -> ir.Value | None:
+        if node.domain not in ("", "ai.onnx") or len(node.outputs) != 1:
+            return None
+        op, inputs = node.op_type, node.inputs
+        candidate: ir.Value | None = None
+        if op == "Add" and len(inputs) == 2:
+            candidate = inputs[0] if _is_zero(ins[1]) else inputs[1] if _is_zero(ins[0]) else None
+        elif op == "Sub" and _is_zero(ins[1]):
+            candidate = inputs[0]
+        elif op == "Mul":
+            candidate = inputs[0] if _is_one(ins[1]) else inputs[1] if _is_one(ins[0]) else None
+        elif op in ("Div", "Pow") and _is_one(ins[1]):
+            candidate = inputs[0]
+        elif op == "Where" and ins[0] is not None:
+            candidate = inputs[1] if bool(ins[0]) else inputs[2]
+        elif op == "And" and ins[1] is not None and bool(ins[1]):
+            candidate = inputs[0]
+        elif op == "And" and ins[0] is not None and bool(ins[0]):
+            candidate = inputs[1]
+        elif op == "Or" and _is_zero(ins[1]):
+            candidate = inputs[0]
+        elif op == "Or" and _is_zero(ins[0]):
+            candidate = inputs[1]
+        elif op in ("Reshape", "Expand", "Cast", "Identity", "CastLike") and inputs:
+            candidate = inputs[0]
+        if candidate is None:
+            return None
+        candidate = self._resolve(candidate)
+        out = node.outputs[0]
+        if out.is_graph_output() and (op == "Identity" or candidate.is_graph_input()):
+            return None  # a graph output keeps its name through an Identity: nothing to gain
+        return candidate if same_shape(out, candidate) else None
+
+    # Case 1
+    def _canonical(self, value: ir.Value) -> bool:
+        if value.is_initializer() or value.const_value is not None:
+            return True
+        producer = value.producer()
+        if producer is None:
+            return True  # graph input
+        if producer.op_type in _CANONICAL:
+            return True
+        return (
+            producer.op_type == "Identity" and bool(producer.inputs) and self._canonical(producer.inputs[0])
+        )
+
+    def _covered(self, node: ir.Node) -> bool:
+        """True when every used output of ``node`` is rewritten away in this graph."""
+        if node.graph is not self.graph:
+            return False
+        for out in node.outputs:
+            if not (out.uses() or out.is_graph_output()):
+                continue
+            if out in self.alias:
+                continue
+            if out in self.uniform and self._shape_dims(out) is not None:
+                continue
+            return False
+        return True
+
+    def _needs_materialising(self, value: ir.Value) -> bool:
+        if value not in self.uniform or self._canonical(value):
+            return False
+        if value.is_graph_output():
+            return True
+        return any(not self._covered(user) for user, _ in value.uses())
+
+    def _shape_dims(self, value: ir.Value) -> list[int | tuple[ir.Value, int]] | None:
+        if value.shape is None:
+            return None
+        dims: list[int | tuple[ir.Value, int]] = []
+        for dim in value.shape:
+            if isinstance(dim, int):
+                dims.append(dim)
+                continue
+            name = getattr(dim, "value", None)
+            if not isinstance(name, str) or name not in self.dim_sources:
+                return None
+            dims.append(self.dim_sources[name])
+        return dims
+
+    def _shape_tensor(self, dims: list[int | tuple[ir.Value, int]], before: ir.Node) -> ir.Value:
+        key = tuple(d if isinstance(d, int) else (id(d[0]), d[1]) for d in dims)
+        if key in self._shape_cache:
+            return self._shape_cache[key]
+        if all(isinstance(d, int) for d in dims):
+            shape = make_constant(self.root, self.names, "lz_shape", np.array(dims, dtype=np.int64))
+            self._shape_cache[key] = shape
+            return shape
+        pieces: list[ir.Value] = []
+        new_nodes: list[ir.Node] = []
+        pending: list[int] = []
+        for d in dims:
+            if isinstance(d, int):
+                pending.append(d)
+                continue
+            if pending:
+                pieces.append(make_constant(self.root, self.names, "lz_dims", np.array(pending, np.int64)))
+                pending = []
+            source, axis = d
+            if self.use_shape_range:
+                node = ir.Node(
+                    "",
+                    "Shape",
+                    [source],
+                    attributes=[ir.AttrInt64("start", axis), ir.AttrInt64("end", axis + 1)],
+                    name=self.names(f"{source.name}_dim{axis}"),
+                )
+            else:
+                full = ir.Node("", "Shape", [source], name=self.names(f"{source.name}_shape"))
+                index = make_constant(self.root, self.names, "lz_axis", np.array([axis], np.int64))
+                new_nodes.append(full)
+                node = ir.Node("", "Gather", [full.outputs[0], index], name=self.names("lz_gather_dim"))
+            node.outputs[0].name = self.names(f"{source.name}_dim{axis}")
+            new_nodes.append(node)
+            pieces.append(node.outputs[0])
+        if pending:
+            pieces.append(make_constant(self.root, self.names, "lz_dims", np.array(pending, np.int64)))
+        if len(pieces) == 1:
+            shape = pieces[0]
+        else:
+            concat = ir.Node(
+                "", "Concat", pieces, attributes=[ir.AttrInt64("axis", 0)], name=self.names("lz_shape")
+            )
+            concat.outputs[0].name = self.names("lz_shape")
+            new_nodes.append(concat)
+            shape = concat.outputs[0]
+        self.graph.insert_before(before, new_nodes)
+        self._shape_cache[key] = shape
+        return shape
+
+    def _materialise(self, producer: ir.Node, value: ir.Value) -> bool:
+        dims = self._shape_dims(value)
+        if dims is None:
+            logger.debug("uniform %s has a shape we cannot build: %s", value.name, value.shape)
+            return False
+        c = self.uniform[value]
+        # Insert before the first node of this graph, so the shape pieces (graph inputs) dominate.
+        anchor = producer
+        shape = self._shape_tensor(dims, anchor)
+        fill = ir.tensor(np.asarray(c).reshape(1))
+        node = ir.Node(
+            "",
+            "ConstantOfShape",
+            [shape],
+            attributes=[ir.AttrTensor("value", fill)],
+            name=self.names("lz_uniform"),
+        )
+        new = node.outputs[0]
+        new.name = self.names(f"{value.name}_uniform")
+        new.shape = value.shape
+        new.type = value.type
+        self.graph.insert_before(anchor, node)
+        replace_value(value, new, self.names)
+        return True

@@ -1,0 +1,170 @@
+"""Declared zero flags: bypass the layer a ``<scope>.flag = 0`` tensor or metadata entry names."""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import logging
+import re
+
+import onnx_ir as ir
+
+from layerzero.errors import UnsupportedModelError
+from layerzero.passes._graph import NameFactory, const_array, replace_value, same_shape, scope_of
+
+__all__ = ["BypassedLayer", "FoldZeroFlags", "declared_flags"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class BypassedLayer:
+    """One declared layer the pass removed: its scope, the flag that named it, where it was declared."""
+
+    scope: str
+    flag: str
+    declared_in: str  # "initializer" | "metadata"
+    nodes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DeclaredFlag:
+    name: str
+    scope: str
+    value: float
+    declared_in: str
+
+
+def _scope_regex(pattern: str) -> re.Pattern[str]:
+    # "*.flag" -> the scope is what the first "*" matched.
+    head, star, tail = pattern.partition("*")
+    if not star:
+        raise UnsupportedModelError(f"flag pattern {pattern!r} needs one '*' standing for the scope")
+    return re.compile(
+        re.escape(head)
+        + "(?P<scope>.+)"
+        + fnmatch.translate(tail).removeprefix("(?s:").removesuffix(")\\Z")
+        + r"\Z"
+    )
+
+
+def declared_flags(model: ir.Model, pattern: str = "*.flag") -> list[DeclaredFlag]:
+    """Flags declared next to a scope: unconsumed one-element initializers and metadata entries."""
+    regex = _scope_regex(pattern)
+    flags: list[DeclaredFlag] = []
+    graph = model.graph
+    for name, init in graph.initializers.items():
+        match = regex.match(name)
+        if match is None or init.uses() or init.is_graph_input():
+            continue  # a consumed flag is computed with: constant propagation handles it
+        array = const_array(init)
+        if array is None or array.size != 1:
+            raise UnsupportedModelError(
+                f"flag initializer {name!r} must hold exactly one number, "
+                f"it has shape {list(init.shape or [])}"
+            )
+        flags.append(DeclaredFlag(name, match["scope"], float(array.reshape(-1)[0]), "initializer"))
+    for name, text in model.metadata_props.items():
+        match = regex.match(name)
+        if match is None:
+            continue
+        try:
+            value = float(text)
+        except ValueError:
+            raise UnsupportedModelError(f"metadata flag {name!r} = {text!r} is not a number") from None
+        flags.append(DeclaredFlag(name, match["scope"], value, "metadata"))
+    return flags
+
+
+class FoldZeroFlags(ir.passes.InPlacePass):
+    """Replace each declared zero-flag layer by its residual input.
+
+    Cases:
+    1. A one-element initializer named by ``pattern`` (default ``*.flag``) that no node consumes,
+       or a model metadata entry of that name, equal to 0: the scope is the name without the
+       suffix (``layers.12.attention.rotary_emb.flag`` → ``layers.12.attention.rotary_emb``).
+       The scope's nodes are those whose scope (node-name path or exporter name-scope metadata)
+       is the scope or below it. If exactly one value leaves the scope, and exactly one value
+       entering it has that value's dtype and shape (the residual stream; side inputs such as
+       masks or position tables are allowed), uses of the output are rewired to that input.
+       DCE removes the rest. The declaration is removed, so a second run changes nothing.
+    2. A flag whose scope lies inside a scope bypassed on this run is dropped with it.
+    3. Anything else with a zero flag (no such nodes, several outputs, no or several matching
+       inputs) raises UnsupportedModelError naming the scope and why.
+    Flags equal to 1 are left as they are. Only the main graph is searched for scopes.
+    """
+
+    def __init__(self, pattern: str = "*.flag") -> None:
+        super().__init__()
+        self.pattern = pattern
+        self.bypassed: list[BypassedLayer] = []
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        zero = [f for f in declared_flags(model, self.pattern) if f.value == 0.0]
+        if not zero:
+            return ir.passes.PassResult(model, modified=False)
+        names = NameFactory(graph)
+        scopes = {node: scope_of(node) for node in graph}
+        done: list[str] = []
+        for flag in sorted(zero, key=lambda f: (f.scope.count("."), f.scope)):
+            inside = next((s for s in done if flag.scope == s or flag.scope.startswith(s + ".")), None)
+            if inside is None:
+                members = [n for n, s in scopes.items() if s == flag.scope or s.startswith(flag.scope + ".")]
+                self._bypass(graph, flag, members, names)
+                self.bypassed.append(BypassedLayer(flag.scope, flag.name, flag.declared_in, len(members)))
+                done.append(flag.scope)
+            else:  # Case 2
+                logger.info("flag %s lies inside bypassed scope %s", flag.name, inside)
+            if flag.declared_in == "initializer":
+                graph.initializers.pop(flag.name)
+            else:
+                del model.metadata_props[flag.name]
+        return ir.passes.PassResult(model, modified=True)
+
+    @staticmethod
+    def _bypass(graph: ir.Graph, flag: DeclaredFlag, members: list[ir.Node], names: NameFactory) -> None:
+        where = f"zero flag {flag.name!r} ({flag.declared_in})"
+        if not members:  # Case 3
+            raise UnsupportedModelError(
+                f"{where}: no node has scope {flag.scope!r}; "
+                "check the flag's name against the scopes `layerzero inspect` lists"
+            )
+        member_set = set(members)
+        produced = {out for node in members for out in node.outputs}
+        leaving = [
+            out
+            for node in members
+            for out in node.outputs
+            if out.is_graph_output() or any(user not in member_set for user, _ in out.uses())
+        ]
+        if len(leaving) != 1:
+            listed = ", ".join(repr(v.name) for v in leaving) or "none"
+            raise UnsupportedModelError(
+                f"{where}: scope {flag.scope!r} has {len(leaving)} outputs ({listed}); "
+                "a layer that can be bypassed has exactly one"
+            )
+        out = leaving[0]
+        entering: list[ir.Value] = []
+        for node in members:
+            for value in node.inputs:
+                if value is None or value in produced or value in entering:
+                    continue
+                if const_array(value) is not None or value.is_initializer():
+                    continue
+                entering.append(value)
+        matching = [v for v in entering if same_shape(v, out)]
+        if len(matching) != 1:
+            listed = ", ".join(f"{v.name}: {_describe(v)}" for v in entering) or "none"
+            raise UnsupportedModelError(
+                f"{where}: scope {flag.scope!r} output {out.name!r} is {_describe(out)}, and "
+                f"{len(matching)} of its inputs ({listed}) have that dtype and shape; exactly one must "
+                "(the residual stream) for the layer to be bypassed"
+            )
+        replace_value(out, matching[0], names)
+
+
+def _describe(value: ir.Value) -> str:
+    dtype = value.dtype.name.lower() if value.dtype is not None else "?"
+    shape = "?" if value.shape is None else "[" + ",".join(str(d) for d in value.shape) + "]"
+    return f"{dtype}{shape}"
