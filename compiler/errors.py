@@ -33,3 +33,7 @@ class VerificationError(LayerZeroError):
     """The compiled model does not match the reference within tolerance."""
 
     exit_code = 1
+
+    def __init__(self, message: str, result: object = None) -> None:
+        super().__init__(message)
+        self.result = result  # the VerificationResult, when there is one

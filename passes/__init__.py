@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from layerzero.passes._lattice import uniform_of_constant
 from layerzero.passes.constant_folding import FoldConstants
 from layerzero.passes.dead_code import RemoveDeadCode
 from layerzero.passes.uniform_propagation import PropagateUniforms
-from layerzero.passes.zero_flags import BypassedLayer, FoldZeroFlags, declared_flags
+from layerzero.passes.zero_flags import BypassedLayer, FoldZeroFlags, declared_flags, flag_regex
 
 __all__ = [
     "BypassedLayer",
@@ -14,4 +15,6 @@ __all__ = [
     "PropagateUniforms",
     "RemoveDeadCode",
     "declared_flags",
+    "flag_regex",
+    "uniform_of_constant",
 ]

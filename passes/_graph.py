@@ -111,21 +111,23 @@ def replace_value(old: ir.Value, new: ir.Value, names: NameFactory) -> None:
     """
     if old is new:
         return
-    old.replace_all_uses_with(new, replace_graph_outputs=False)
     graph = old.graph
-    if graph is None or not old.is_graph_output():
-        return
-    for i, out in enumerate(list(graph.outputs)):
-        if out is not old:
-            continue
+    if graph is not None and old.is_graph_output():
+        # Graph outputs first: onnx-ir refuses to rewire the uses of a value that is still an output.
         old_name = old.name
         old.name = names(f"{old_name}__replaced")
-        ident = ir.Node("", "Identity", [new], name=names(f"{old_name}__identity"))
-        ident.outputs[0].name = old_name
-        ident.outputs[0].shape = old.shape
-        ident.outputs[0].type = old.type
-        graph.append(ident)
-        graph.outputs[i] = ident.outputs[0]
+        output_name = old_name
+        for i, out in enumerate(list(graph.outputs)):
+            if out is not old:
+                continue
+            ident = ir.Node("", "Identity", [new], name=names(f"{old_name}__identity"))
+            ident.outputs[0].name = output_name
+            output_name = names(old_name)  # a value listed twice as an output: names stay unique
+            ident.outputs[0].shape = old.shape
+            ident.outputs[0].type = old.type
+            graph.append(ident)
+            graph.outputs[i] = ident.outputs[0]
+    old.replace_all_uses_with(new, replace_graph_outputs=False)
 
 
 def same_shape(a: ir.Value, b: ir.Value) -> bool:

@@ -167,9 +167,7 @@ def transfer(node: ir.Node, ins: list[np.ndarray | None], *, assume_finite: bool
     return outs
 
 
-def _transfer_first(
-    node: ir.Node, op: str, ins: list[np.ndarray | None], assume_finite: bool
-) -> np.ndarray | None:
+def _transfer_first(node: ir.Node, op: str, ins: list[np.ndarray | None], assume_finite: bool) -> np.ndarray | None:
     def known(k: int) -> np.ndarray | None:
         return ins[k] if k < len(ins) else None
 

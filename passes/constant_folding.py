@@ -62,6 +62,9 @@ class FoldConstants(ir.passes.InPlacePass):
             return False
         if not any(out.uses() or out.is_graph_output() for out in node.outputs):
             return False  # dead: DCE's job
+        if node.op_type == "Identity" and node.outputs[0].is_graph_output():
+            # Already folded: Identity(constant) is how a graph output keeps its name (replace_value).
+            return False
         results = self._static_shape_fold(node)
         if results is None:
             results = self._evaluate(node, opsets)

@@ -70,11 +70,7 @@ class RemoveDeadCode(ir.passes.InPlacePass):
     @staticmethod
     def _remove_unused_initializers(graph: ir.Graph) -> bool:
         graph_inputs = set(graph.inputs)
-        dead = [
-            name
-            for name, value in graph.initializers.items()
-            if value not in graph_inputs and not _used(value)
-        ]
+        dead = [name for name, value in graph.initializers.items() if value not in graph_inputs and not _used(value)]
         for name in dead:  # Case 2
             graph.initializers.pop(name)
         return bool(dead)

@@ -106,7 +106,7 @@ class _GraphRewriter:
         modified = False
         for node in nodes:  # Case 2
             out = node.outputs[0] if node.outputs else None
-            if out is not None and out in self.alias:
+            if out is not None and out in self.alias and (out.uses() or out.is_graph_output()):
                 replace_value(out, self._resolve(out), self.names)
                 modified = True
         for node in nodes:  # Case 1
@@ -163,9 +163,7 @@ class _GraphRewriter:
             return True  # graph input
         if producer.op_type in _CANONICAL:
             return True
-        return (
-            producer.op_type == "Identity" and bool(producer.inputs) and self._canonical(producer.inputs[0])
-        )
+        return producer.op_type == "Identity" and bool(producer.inputs) and self._canonical(producer.inputs[0])
 
     def _covered(self, node: ir.Node) -> bool:
         """True when every used output of ``node`` is rewritten away in this graph."""
@@ -242,9 +240,7 @@ class _GraphRewriter:
         if len(pieces) == 1:
             shape = pieces[0]
         else:
-            concat = ir.Node(
-                "", "Concat", pieces, attributes=[ir.AttrInt64("axis", 0)], name=self.names("lz_shape")
-            )
+            concat = ir.Node("", "Concat", pieces, attributes=[ir.AttrInt64("axis", 0)], name=self.names("lz_shape"))
             concat.outputs[0].name = self.names("lz_shape")
             new_nodes.append(concat)
             shape = concat.outputs[0]

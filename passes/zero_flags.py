@@ -12,7 +12,7 @@ import onnx_ir as ir
 from layerzero.errors import UnsupportedModelError
 from layerzero.passes._graph import NameFactory, const_array, replace_value, same_shape, scope_of
 
-__all__ = ["BypassedLayer", "FoldZeroFlags", "declared_flags"]
+__all__ = ["BypassedLayer", "FoldZeroFlags", "declared_flags", "flag_regex"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,22 +35,20 @@ class DeclaredFlag:
     declared_in: str
 
 
-def _scope_regex(pattern: str) -> re.Pattern[str]:
+def flag_regex(pattern: str) -> re.Pattern[str]:
+    """A regex for flag names with a named group ``scope`` standing for the pattern's ``*``."""
     # "*.flag" -> the scope is what the first "*" matched.
     head, star, tail = pattern.partition("*")
     if not star:
         raise UnsupportedModelError(f"flag pattern {pattern!r} needs one '*' standing for the scope")
     return re.compile(
-        re.escape(head)
-        + "(?P<scope>.+)"
-        + fnmatch.translate(tail).removeprefix("(?s:").removesuffix(")\\Z")
-        + r"\Z"
+        re.escape(head) + "(?P<scope>.+)" + fnmatch.translate(tail).removeprefix("(?s:").removesuffix(")\\Z") + r"\Z"
     )
 
 
 def declared_flags(model: ir.Model, pattern: str = "*.flag") -> list[DeclaredFlag]:
     """Flags declared next to a scope: unconsumed one-element initializers and metadata entries."""
-    regex = _scope_regex(pattern)
+    regex = flag_regex(pattern)
     flags: list[DeclaredFlag] = []
     graph = model.graph
     for name, init in graph.initializers.items():
@@ -60,8 +58,7 @@ def declared_flags(model: ir.Model, pattern: str = "*.flag") -> list[DeclaredFla
         array = const_array(init)
         if array is None or array.size != 1:
             raise UnsupportedModelError(
-                f"flag initializer {name!r} must hold exactly one number, "
-                f"it has shape {list(init.shape or [])}"
+                f"flag initializer {name!r} must hold exactly one number, it has shape {list(init.shape or [])}"
             )
         flags.append(DeclaredFlag(name, match["scope"], float(array.reshape(-1)[0]), "initializer"))
     for name, text in model.metadata_props.items():

@@ -1,0 +1,100 @@
+"""Build the example transformer, compile it, run both, and show what went to zero.
+
+The example is a small Llama-style transformer (layerzero.models) with zero flags: some blocks
+declared off (`layers.N.flag = 0`), the rotary encoding of one block off, one norm off in the
+consumed form. The demo compiles it (verified), runs the original and the compiled bundle with the
+LayerZero runtime, and prints nodes, parameters and p50 latency before → after.
+
+examples:
+  layerzero demo
+  layerzero demo --layers 8 --workdir demo-out
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+from rich.table import Table
+
+from layerzero.cli._common import console, progress
+from layerzero.cli.compile import print_verification
+from layerzero.compile import compile_file
+from layerzero.models import TransformerConfig, build_transformer, example_feeds
+from layerzero.options import CompileOptions
+from layerzero.runtime import Engine
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layers", type=int, default=8, help="transformer blocks (default 8)")
+    p.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
+    p.add_argument("--seq", type=int, default=32, help="tokens per request (default 32)")
+    p.add_argument("--runs", type=int, default=50, help="timed runs per model (default 50)")
+    p.add_argument("--workdir", type=Path, help="keep the model and bundle here (default: a temporary dir)")
+
+
+def _p50_ms(engine: Engine, feeds: dict[str, np.ndarray], runs: int) -> float:
+    for _ in range(3):
+        engine.run(feeds)
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        engine.run(feeds)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times) * 1e3)
+
+
+def run(args: argparse.Namespace) -> int:
+    n = max(args.layers, 4)
+    config = TransformerConfig(
+        num_layers=n,
+        hidden=args.hidden,
+        num_heads=max(args.hidden // 64, 1),
+        ffn=args.hidden * 4,
+        vocab_size=1024,
+        zero_blocks=tuple(range(1, n, 2))[: n // 4 or 1],  # a quarter of the blocks, declared off
+        zero_rotary=(0,),
+    )
+    with tempfile.TemporaryDirectory(prefix="layerzero-demo-") as tmp:
+        workdir = args.workdir or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        source = workdir / "transformer.onnx"
+        bundle = workdir / "transformer.lz"
+        onnx.save_model(build_transformer(config), source)
+        console.print(
+            f"example: {n}-block transformer, hidden {config.hidden}; declared zero flags on blocks "
+            f"{list(config.zero_blocks)} and on the rotary encoding of block 0 → {source}"
+        )
+        with progress("compiling") as say:
+            result = compile_file(source, bundle, CompileOptions(), progress=say, overwrite=True)
+        feeds = example_feeds(config, batch=1, seq=args.seq)
+        original = Engine.load(source)
+        compiled = Engine.load(bundle)
+        out_o = original.run(feeds).outputs["logits"]
+        run_c = compiled.run(feeds)
+        with progress("timing"):
+            t_o = _p50_ms(original, feeds, args.runs)
+            t_c = _p50_ms(compiled, feeds, args.runs)
+        table = Table(title=f"LayerZero demo ({args.seq} tokens, ORT CPU)")
+        for col in ("", "original", "compiled", "ratio"):
+            table.add_column(col, justify="right")
+        b, a = result.before, result.after
+        table.add_row("nodes", f"{b.nodes:,}", f"{a.nodes:,}", f"{a.nodes / b.nodes:.2f}")
+        table.add_row("parameters", f"{b.params:,}", f"{a.params:,}", f"{a.params / b.params:.2f}")
+        table.add_row("p50 latency", f"{t_o:.2f} ms", f"{t_c:.2f} ms", f"{t_c / t_o:.2f}")
+        console.print(table)
+        for r in result.removed:
+            console.print(f"removed {r.scope} ({r.kind}, {r.nodes} nodes, {r.params:,} parameters)")
+        print_verification(result.verification)
+        deviation = float(np.abs(out_o - run_c.outputs["logits"]).max())
+        console.print(f"report: {run_c.report.summary()}")
+        console.print(
+            f"max |original - compiled| = {deviation:.3g}: the declared layers' impact "
+            "(a declared flag does not change the original's math; compiling removes the layer)"
+        )
+        console.print(f"bundle: {bundle}" if args.workdir else "(pass --workdir DIR to keep the model and bundle)")
+    return 0

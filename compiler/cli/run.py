@@ -1,0 +1,78 @@
+"""Run a compiled bundle (or a plain .onnx file) with the LayerZero runtime.
+
+Prints each output (shape, dtype, values, abbreviated) and the zeroing report. Inputs come from an
+.npz file and/or NAME=VALUES items; a flat list given for an input of higher rank gets leading
+dims of 1 (input_ids=1,2,3 feeds a [batch, seq] input as [1, 3]).
+
+examples:
+  layerzero run model.lz --input input_ids=1,2,3,4
+  layerzero run model.lz --inputs feeds.npz --save out.npz --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from layerzero.cli._common import console, parse_feeds
+from layerzero.errors import InvalidInputError
+from layerzero.runtime import Engine
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("bundle", type=Path, help="a bundle written by `layerzero compile`, or an .onnx file")
+    p.add_argument("--input", action="append", metavar="NAME=VALUES", help="an input, e.g. input_ids=1,2,3")
+    p.add_argument("--inputs", type=Path, metavar="NPZ", help="inputs from an .npz file")
+    p.add_argument("--save", type=Path, metavar="NPZ", help="write the outputs to an .npz file")
+    p.add_argument("--masks", action="store_true", help="include per-token skip masks in the report")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="execution device (default cpu)")
+    p.add_argument("--json", action="store_true", help="print outputs and report as JSON")
+
+
+def _fit_ranks(engine: Engine, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    specs = {s.name: s for s in engine.input_specs}
+    for name, value in feeds.items():
+        spec = specs.get(name)
+        if spec is not None and spec.rank is not None and value.ndim == 1 and spec.rank > 1:
+            feeds[name] = value.reshape((1,) * (spec.rank - 1) + value.shape)
+        if spec is not None and value.dtype != spec.dtype and value.dtype.kind == spec.dtype.kind == "i":
+            feeds[name] = value.astype(spec.dtype)
+    return feeds
+
+
+def run(args: argparse.Namespace) -> int:
+    engine = Engine.load(args.bundle, device=args.device)
+    feeds = parse_feeds(args.inputs, args.input)
+    if not feeds and engine.input_specs:
+        names = ", ".join(s.describe() for s in engine.input_specs)
+        raise InvalidInputError(f"no inputs given; the model expects {names} (use --input or --inputs)")
+    feeds = _fit_ranks(engine, feeds)
+    start = time.perf_counter()
+    result = engine.run(feeds, masks=args.masks)
+    ms = (time.perf_counter() - start) * 1e3
+    if args.save is not None:
+        np.savez(args.save, **result.outputs)
+    if args.json:
+        doc = {
+            "outputs": {
+                k: {"shape": list(v.shape), "dtype": str(v.dtype), "values": v.tolist()}
+                for k, v in result.outputs.items()
+            },
+            "report": result.report.to_dict(),
+            "latency_ms": ms,
+        }
+        console.print_json(json.dumps(doc))
+        return 0
+    with np.printoptions(precision=4, threshold=20, edgeitems=3, suppress=True):
+        for name, value in result.outputs.items():
+            console.print(f"{name} {value.dtype}{list(value.shape)}")
+            console.print(str(value))
+    console.print(f"report: {result.report.summary()}  ({ms:.2f} ms)")
+    if args.masks and result.report.masks:
+        for path, mask in result.report.masks.items():
+            console.print(f"  mask {path}: {np.asarray(mask).astype(int).tolist()}")
+    return 0

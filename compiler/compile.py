@@ -1,0 +1,216 @@
+"""``compile_model``: load → static passes → verify → engine bundle."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from layerzero import __version__
+from layerzero.errors import InvalidInputError, VerificationError
+from layerzero.inspect import ModelSummary, natural_key, summarize
+from layerzero.loader import load_model
+from layerzero.options import CompileOptions
+from layerzero.pipeline import PipelineResult, bypass_declared_layers, run_static_passes
+from layerzero.verify import VerificationResult, compare_outputs, make_inputs, run_model
+
+__all__ = ["CompileResult", "RemovedScope", "compile_file", "compile_model"]
+
+logger = logging.getLogger(__name__)
+
+Progress = Callable[[str], None]
+
+
+@dataclasses.dataclass
+class RemovedScope:
+    scope: str
+    kind: str  # "declared-flag" | "consumed-flag" | "folded"
+    params: int
+    nodes: int
+
+
+@dataclasses.dataclass
+class CompileResult:
+    model: ir.Model
+    options: CompileOptions
+    before: ModelSummary
+    after: ModelSummary
+    removed: list[RemovedScope]
+    pipeline: PipelineResult
+    verification: VerificationResult | None
+    seconds: float
+
+    @property
+    def zeroed_layers(self) -> list[str]:
+        layers = set(self.before.layers)
+        return [r.scope for r in self.removed if r.scope in layers]
+
+    def manifest(self, source: Path | None, sha256: str | None) -> dict:
+        return {
+            "layerzero_version": __version__,
+            "target": self.options.target,
+            "source": {"path": None if source is None else str(source.resolve()), "sha256": sha256},
+            "options": self.options.to_dict(),
+            "stats": {
+                "nodes_before": self.before.nodes,
+                "nodes_after": self.after.nodes,
+                "params_before": self.before.params,
+                "params_after": self.after.params,
+                "compile_seconds": round(self.seconds, 3),
+                "iterations": self.pipeline.iterations,
+            },
+            "layers": {"total": len(self.before.layers), "zeroed": self.zeroed_layers},
+            "removed": [dataclasses.asdict(r) for r in self.removed],
+            "verification": None if self.verification is None else self.verification.to_dict(),
+        }
+
+
+def _removed_scopes(before: ModelSummary, after: ModelSummary, kinds: dict[str, str]) -> list[RemovedScope]:
+    gone = [s for s, n in before.scope_nodes.items() if s and n and not after.scope_nodes.get(s)]
+    gone_set = set(gone)
+    maximal = [s for s in gone if not any(p in gone_set for p in _parents(s))]
+    return [
+        RemovedScope(s, kinds.get(s, "folded"), before.scope_params.get(s, 0), before.scope_nodes[s])
+        for s in sorted(maximal, key=natural_key)
+    ]
+
+
+def _parents(scope: str) -> list[str]:
+    parts = scope.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def compile_model(
+    source: str | Path | onnx.ModelProto | ir.Model,
+    options: CompileOptions | None = None,
+    progress: Progress | None = None,
+) -> CompileResult:
+    """Compile a model in memory; verify it unless ``options.verify`` is False.
+
+    Raises VerificationError when the compiled model's outputs differ from the reference's.
+    """
+    options = options or CompileOptions()
+    say = progress or (lambda _msg: None)
+    start = time.perf_counter()
+    say("loading")
+    if isinstance(source, (str, Path)):
+        source_path: Path | None = Path(source)
+        model = load_model(source_path)
+    elif isinstance(source, onnx.ModelProto):
+        source_path, model = None, ir.from_proto(source)
+    else:
+        source_path, model = None, source
+    original_proto = ir.to_proto(model) if source_path is None else None
+    before = summarize(model, options.flag_pattern)
+    consumed = set(before.consumed_flags)
+    say("static passes")
+    pipeline = run_static_passes(model, options, on_iteration=lambda i: say(f"static passes, iteration {i}"))
+    after = summarize(model, options.flag_pattern)
+    kinds = {b.scope: "declared-flag" for b in pipeline.bypassed}
+    kinds.update({s: "consumed-flag" for s in consumed if s not in kinds})
+    removed = _removed_scopes(before, after, kinds)
+    verification = None
+    if options.verify:
+        say("verifying")
+        verification = verify_compiled(source_path, original_proto, model, pipeline, options)
+    return CompileResult(model, options, before, after, removed, pipeline, verification, time.perf_counter() - start)
+
+
+def verify_compiled(
+    source_path: Path | None,
+    original_proto: onnx.ModelProto | None,
+    compiled: ir.Model,
+    pipeline: PipelineResult,
+    options: CompileOptions,
+) -> VerificationResult:
+    """Compare the compiled model with the reference on sample inputs; raise on a mismatch.
+
+    With declared flags, the reference is the original with exactly those layers bypassed; the
+    original's own deviation from it is reported as those layers' measured impact.
+    """
+    with tempfile.TemporaryDirectory(prefix="layerzero-verify-") as tmp:
+        tmpdir = Path(tmp)
+        original: Path | bytes
+        if source_path is not None:
+            original = source_path
+            header = onnx.load(str(source_path), load_external_data=False)
+        else:
+            original = original_proto.SerializeToString()
+            header = original_proto
+        feeds = _sample_inputs(header, options)
+        compiled_path = _save(compiled, tmpdir / "compiled.onnx")
+        names, out_original = run_model(original, feeds)
+        impact = None
+        reference_outputs = out_original
+        if pipeline.bypassed:
+            reference = load_model(source_path) if source_path is not None else ir.from_proto(original_proto)
+            bypass_declared_layers(reference, options)
+            ref_path = _save(reference, tmpdir / "reference.onnx")
+            _, reference_outputs = run_model(ref_path, feeds)
+            impact = compare_outputs(names, out_original, reference_outputs, options.atol, options.rtol)
+        compiled_names, out_compiled = run_model(compiled_path, feeds)
+        if compiled_names != names:
+            raise VerificationError(f"compiled model outputs {compiled_names} differ from the original's {names}")
+        outputs = compare_outputs(names, reference_outputs, out_compiled, options.atol, options.rtol)
+    result = VerificationResult(
+        passed=all(o.passed for o in outputs),
+        atol=options.atol,
+        rtol=options.rtol,
+        inputs={k: list(v.shape) for k, v in feeds.items()},
+        outputs=outputs,
+        impact=impact,
+    )
+    if not result.passed:
+        worst = max(outputs, key=lambda o: o.needed_atol)
+        raise VerificationError(
+            f"verification failed: output {worst.name!r} differs by max abs {worst.max_abs:.3g} "
+            f"(max rel {worst.max_rel:.3g}); it would pass with --atol {worst.needed_atol:.3g} "
+            f"at --rtol {options.rtol}",
+            result=result,
+        )
+    return result
+
+
+def _sample_inputs(header: onnx.ModelProto, options: CompileOptions) -> dict[str, np.ndarray]:
+    if options.sample_inputs is None:
+        return make_inputs(header, options.shapes, options.seed)
+    path = Path(options.sample_inputs)
+    try:
+        with np.load(path) as data:
+            return {k: data[k] for k in data.files}
+    except (OSError, ValueError) as exc:
+        raise InvalidInputError(f"{path}: cannot read sample inputs (.npz expected): {exc}") from None
+
+
+def _save(model: ir.Model, path: Path) -> Path:
+    ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=1 << 20)
+    return path
+
+
+def compile_file(
+    source: str | Path,
+    out: str | Path,
+    options: CompileOptions | None = None,
+    progress: Progress | None = None,
+    overwrite: bool = False,
+) -> CompileResult:
+    """Compile ``source`` and write the engine bundle ``out`` atomically (nothing on failure)."""
+    from layerzero.runtime.bundle import sha256_file, write_bundle
+
+    source, out = Path(source), Path(out)
+    if out.resolve() == source.resolve() or source.resolve().is_relative_to(out.resolve()):
+        raise InvalidInputError(f"{out}: the output would overwrite the input model {source}")
+    if out.exists() and not overwrite:
+        raise InvalidInputError(f"{out}: already exists (pass --force to replace it)")
+    result = compile_model(source, options, progress)
+    say = progress or (lambda _msg: None)
+    say("writing bundle")
+    write_bundle(out, result.model, result.manifest(source, sha256_file(source)), overwrite=overwrite, protect=[source])
+    return result

@@ -1,0 +1,121 @@
+"""What a model holds: flags, zero-weight tensors, layers and scopes with parameter counts, ops."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+
+from layerzero.passes import declared_flags, flag_regex, uniform_of_constant
+from layerzero.passes._graph import iter_graphs, layer_of, scope_of
+
+__all__ = ["ModelSummary", "natural_key", "summarize"]
+
+
+@dataclasses.dataclass
+class FlagInfo:
+    name: str
+    scope: str
+    value: float
+    form: str  # "declared (initializer)" | "declared (metadata)" | "consumed"
+
+
+@dataclasses.dataclass
+class ModelSummary:
+    nodes: int
+    params: int
+    layers: list[str]
+    scope_nodes: dict[str, int]  # scope (and every ancestor) -> nodes in its subtree
+    scope_params: dict[str, int]  # scope -> parameters read only inside its subtree
+    flags: list[FlagInfo]
+    zero_tensors: list[tuple[str, list[int]]]
+    op_histogram: dict[str, int]
+
+    @property
+    def consumed_flags(self) -> list[str]:
+        return [f.scope for f in self.flags if f.form == "consumed"]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _prefixes(scope: str) -> list[str]:
+    parts = scope.split(".") if scope else []
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def _size(value: ir.Value) -> int:
+    tensor = value.const_value
+    if tensor is None:
+        return 0
+    return int(np.prod(tensor.shape.dims)) if tensor.shape is not None else 0
+
+
+def summarize(model: ir.Model, flag_pattern: str = "*.flag") -> ModelSummary:
+    """Count nodes and parameters per scope; find flags and all-zero tensors (reads no weight it need not)."""
+    scope_nodes: collections.Counter[str] = collections.Counter()
+    ops: collections.Counter[str] = collections.Counter()
+    node_scope: dict[ir.Node, str] = {}
+    nodes = 0
+    for graph in iter_graphs(model.graph):
+        for node in graph:
+            nodes += 1
+            ops[node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"] += 1
+            scope = scope_of(node)
+            node_scope[node] = scope
+            for prefix in _prefixes(scope):
+                scope_nodes[prefix] += 1
+    scope_params: collections.Counter[str] = collections.Counter()
+    params = 0
+    zero_tensors: list[tuple[str, list[int]]] = []
+    flags: list[FlagInfo] = []
+    regex_flags = {f.name: f for f in declared_flags(model, flag_pattern)}
+    for flag in regex_flags.values():
+        form = f"declared ({flag.declared_in})"
+        flags.append(FlagInfo(flag.name, flag.scope, flag.value, form))
+    regex = flag_regex(flag_pattern)
+    for graph in iter_graphs(model.graph):
+        for name, init in graph.initializers.items():
+            size = _size(init)
+            params += size
+            users = [node_scope.get(user, scope_of(user)) for user, _ in init.uses()]
+            if users:
+                common = _common_scope(users)
+                for prefix in _prefixes(common):
+                    scope_params[prefix] += size
+            match = regex.match(name)
+            if match and users and size == 1:
+                value = uniform_of_constant(init)
+                flags.append(
+                    FlagInfo(name, match["scope"], float(value) if value is not None else float("nan"), "consumed")
+                )
+            elif size > 1 and (value := uniform_of_constant(init)) is not None and not bool(value):
+                zero_tensors.append((name, list(init.shape.dims) if init.shape is not None else []))
+    layers = sorted({layer for s in scope_nodes if (layer := layer_of(s))}, key=natural_key)
+    return ModelSummary(
+        nodes=nodes,
+        params=params,
+        layers=layers,
+        scope_nodes=dict(scope_nodes),
+        scope_params=dict(scope_params),
+        flags=flags,
+        zero_tensors=zero_tensors,
+        op_histogram=dict(ops.most_common()),
+    )
+
+
+def _common_scope(scopes: list[str]) -> str:
+    split = [s.split(".") if s else [] for s in scopes]
+    common: list[str] = []
+    for parts in zip(*split):
+        if all(p == parts[0] for p in parts):
+            common.append(parts[0])
+        else:
+            break
+    return ".".join(common)
+
+
+def natural_key(scope: str) -> list:
+    return [int(p) if p.isdigit() else p for p in scope.split(".")]

@@ -1,0 +1,92 @@
+"""Load an ONNX model for compiling, with errors that name what is wrong with the file."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+from google.protobuf.message import DecodeError
+
+from layerzero.errors import InvalidInputError, UnsupportedModelError
+
+__all__ = ["check_external_data", "load_model"]
+
+logger = logging.getLogger(__name__)
+
+
+def check_external_data(path: Path, proto: onnx.ModelProto) -> None:
+    """Every external-data file the model names exists next to it (weights are not read)."""
+    base = path.parent
+    missing: set[str] = set()
+    for tensor in onnx.external_data_helper._get_all_tensors(proto):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        location = next((e.value for e in tensor.external_data if e.key == "location"), None)
+        if location is None:
+            raise UnsupportedModelError(f"{path}: tensor {tensor.name!r} is external but names no file")
+        if not (base / location).is_file():
+            missing.add(location)
+    if missing:
+        names = ", ".join(sorted(missing))
+        raise InvalidInputError(
+            f"{path}: external-data file(s) missing: {names} (expected next to the model in {base})"
+        )
+
+
+def load_model(path: str | Path) -> ir.Model:
+    """Read ``path`` into onnx-ir; external data stays memory-mapped (never copied twice)."""
+    path = Path(path)
+    if not path.exists():
+        raise InvalidInputError(f"{path}: no such file")
+    if path.is_dir():
+        raise InvalidInputError(f"{path}: is a directory, expected an .onnx file")
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, RuntimeWarning, ValueError) as exc:
+        raise UnsupportedModelError(f"{path}: not a valid ONNX model (truncated or not ONNX): {exc}") from None
+    except OSError as exc:
+        raise InvalidInputError(f"{path}: cannot read: {exc}") from None
+    if not proto.graph.node and not proto.graph.output:
+        raise UnsupportedModelError(f"{path}: not an ONNX model (no graph found in the file)")
+    check_external_data(path, proto)
+    try:
+        onnx.checker.check_model(proto, full_check=False)
+    except onnx.checker.ValidationError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise UnsupportedModelError(f"{path}: invalid ONNX model: {first}") from None
+    _check_ops_known(path, proto)
+    del proto
+    try:
+        return ir.load(path)
+    except Exception as exc:
+        raise UnsupportedModelError(f"{path}: cannot load: {exc}") from None
+
+
+def _check_ops_known(path: Path, proto: onnx.ModelProto) -> None:
+    """Ops of the standard domains must exist in the model's opset; custom domains pass through."""
+    opsets = {o.domain or "": o.version for o in proto.opset_import}
+    local = {(f.domain, f.name) for f in proto.functions}
+    for node in _all_nodes(proto.graph):
+        domain = node.domain or ""
+        if domain not in ("", "ai.onnx", "ai.onnx.ml") or (domain, node.op_type) in local:
+            continue
+        version = opsets.get(domain, opsets.get("", 1))
+        if not onnx.defs.has(node.op_type, domain):
+            where = f"node {node.name!r}" if node.name else "a node"
+            raise UnsupportedModelError(
+                f"{path}: unknown op {node.op_type!r} in domain {domain or 'ai.onnx'!r} ({where}); "
+                f"it is not an ONNX operator at opset {version}"
+            )
+
+
+def _all_nodes(graph: onnx.GraphProto):
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _all_nodes(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from _all_nodes(g)

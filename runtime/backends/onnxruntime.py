@@ -1,0 +1,226 @@
+"""The ONNX Runtime backend.
+
+Options (``Engine.load(path, backend="onnxruntime", **options)``):
+
+- ``device``: ``"cpu"`` (default) or ``"cuda"`` / ``"cuda:N"``, which needs the ``onnxruntime-gpu`` package.
+- ``providers``: an explicit ONNX Runtime provider list; overrides ``device``.
+- ``graph_optimization_level``: a ``GraphOptimizationLevel``, or ``"disable"``, ``"basic"``, ``"extended"``,
+  ``"layout"``, ``"all"`` (default ``ORT_ENABLE_ALL``).
+- ``intra_op_num_threads``, ``inter_op_num_threads``: thread pool sizes (default: ONNX Runtime's choice).
+- ``enable_profiling``: write an ONNX Runtime profile; ``end_profiling()`` returns its path.
+- ``profile_file_prefix``: the profile's file name prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from layerzero.errors import InvalidInputError, LayerZeroError, UnsupportedModelError
+from layerzero.runtime.backends.base import TensorSpec
+
+__all__ = ["OrtBackend"]
+
+logger = logging.getLogger(__name__)
+
+_ORT_DTYPES: dict[str, np.dtype] = {
+    "tensor(float)": np.dtype(np.float32),
+    "tensor(double)": np.dtype(np.float64),
+    "tensor(float16)": np.dtype(np.float16),
+    "tensor(int8)": np.dtype(np.int8),
+    "tensor(int16)": np.dtype(np.int16),
+    "tensor(int32)": np.dtype(np.int32),
+    "tensor(int64)": np.dtype(np.int64),
+    "tensor(uint8)": np.dtype(np.uint8),
+    "tensor(uint16)": np.dtype(np.uint16),
+    "tensor(uint32)": np.dtype(np.uint32),
+    "tensor(uint64)": np.dtype(np.uint64),
+    "tensor(bool)": np.dtype(np.bool_),
+    "tensor(string)": np.dtype(object),
+}
+
+_OPT_LEVELS = {
+    "disable": "ORT_DISABLE_ALL",
+    "basic": "ORT_ENABLE_BASIC",
+    "extended": "ORT_ENABLE_EXTENDED",
+    "layout": "ORT_ENABLE_LAYOUT",
+    "all": "ORT_ENABLE_ALL",
+}
+
+_OPTIONS = (
+    "device",
+    "providers",
+    "graph_optimization_level",
+    "intra_op_num_threads",
+    "inter_op_num_threads",
+    "enable_profiling",
+    "profile_file_prefix",
+)
+
+
+class OrtBackend:
+    """Runs a model with an ``onnxruntime.InferenceSession``."""
+
+    name = "onnxruntime"
+    #: Bundle targets this backend can run (``Engine.load`` checks the manifest's ``target``).
+    targets = ("onnxruntime",)
+
+    def __init__(self) -> None:
+        self._session: Any = None
+        self._run_options: Any = None
+        self._model_path: Path | None = None
+        self._input_specs: list[TensorSpec] = []
+        self._output_names: list[str] = []
+        self._profiling = False
+
+    def load(
+        self,
+        model_path: Path,
+        *,
+        device: str = "cpu",
+        providers: list[Any] | None = None,
+        graph_optimization_level: Any = None,
+        intra_op_num_threads: int | None = None,
+        inter_op_num_threads: int | None = None,
+        enable_profiling: bool = False,
+        profile_file_prefix: str | None = None,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            raise InvalidInputError(
+                f"unknown onnxruntime backend option(s) {', '.join(map(repr, sorted(unknown)))}; "
+                f"known: {', '.join(_OPTIONS)}"
+            )
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.log_severity_level = 3  # errors only: a bundle's unused-initializer warnings are noise
+        options.graph_optimization_level = _optimization_level(ort, graph_optimization_level)
+        if intra_op_num_threads is not None:
+            options.intra_op_num_threads = int(intra_op_num_threads)
+        if inter_op_num_threads is not None:
+            options.inter_op_num_threads = int(inter_op_num_threads)
+        if enable_profiling:
+            options.enable_profiling = True
+            if profile_file_prefix:
+                options.profile_file_prefix = profile_file_prefix
+        if providers is None:
+            providers = _providers_for(ort, device)
+
+        try:
+            session = ort.InferenceSession(str(model_path), sess_options=options, providers=providers)
+        except Exception as e:  # onnxruntime raises its pybind exception types (Fail, InvalidGraph, ...)
+            raise UnsupportedModelError(f"onnxruntime cannot load {model_path}: {_first_line(e)}") from e
+        self._session = session
+        # run() re-raises failures with their message; keep ORT from also logging them to stderr.
+        self._run_options = ort.RunOptions()
+        self._run_options.log_severity_level = 4
+        self._model_path = Path(model_path)
+        self._profiling = bool(enable_profiling)
+        self._input_specs = _input_specs(session, self._model_path)
+        self._output_names = [o.name for o in session.get_outputs()]
+        logger.debug("loaded %s with providers %s", model_path, session.get_providers())
+
+    @property
+    def input_specs(self) -> list[TensorSpec]:
+        return list(self._input_specs)
+
+    @property
+    def output_names(self) -> list[str]:
+        return list(self._output_names)
+
+    @property
+    def providers(self) -> list[str]:
+        """The execution providers the session actually uses, in priority order."""
+        return list(self._require_session().get_providers())
+
+    @property
+    def session(self) -> Any:
+        """The underlying ``onnxruntime.InferenceSession`` (for advanced use: IO binding, run options)."""
+        return self._require_session()
+
+    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        session = self._require_session()
+        try:
+            return list(session.run(None, feeds, self._run_options))
+        except Exception as e:
+            # INVALID_ARGUMENT is about the feeds (shape/dtype the checks upstream could not see); the rest is
+            # a failure inside the model (e.g. a Reshape that does not fit these dims).
+            kind = InvalidInputError if type(e).__name__ == "InvalidArgument" else LayerZeroError
+            raise kind(f"onnxruntime failed to run {self._model_path}: {_first_line(e)}") from e
+
+    def end_profiling(self) -> str:
+        """Stop profiling and return the path of the written JSON profile."""
+        if not self._profiling:
+            raise LayerZeroError("profiling is off; load the engine with enable_profiling=True")
+        self._profiling = False
+        return str(self._require_session().end_profiling())
+
+    def _require_session(self) -> Any:
+        if self._session is None:
+            raise LayerZeroError("the onnxruntime backend has no model; call load() first")
+        return self._session
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _optimization_level(ort: Any, level: Any) -> Any:
+    if level is None:
+        return ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if isinstance(level, ort.GraphOptimizationLevel):
+        return level
+    if isinstance(level, str):
+        key = _OPT_LEVELS.get(level.lower(), level.upper())
+        member = ort.GraphOptimizationLevel.__members__.get(key)
+        if member is not None:
+            return member
+    raise InvalidInputError(
+        f"graph_optimization_level {level!r} is not one of {', '.join(_OPT_LEVELS)} "
+        "or an onnxruntime.GraphOptimizationLevel"
+    )
+
+
+def _providers_for(ort: Any, device: str) -> list[Any]:
+    kind, _, index = str(device).lower().partition(":")
+    if kind == "cpu" and not index:
+        return ["CPUExecutionProvider"]
+    if kind == "cuda" and (not index or index.isdigit()):
+        available = ort.get_available_providers()
+        if "CUDAExecutionProvider" not in available:
+            raise InvalidInputError(
+                f"device {device!r} needs the onnxruntime-gpu package (pip install onnxruntime-gpu); "
+                f"this onnxruntime offers {', '.join(available)}"
+            )
+        cuda: Any = ("CUDAExecutionProvider", {"device_id": int(index)}) if index else "CUDAExecutionProvider"
+        return [cuda, "CPUExecutionProvider"]
+    raise InvalidInputError(f"device {device!r} is not one of 'cpu', 'cuda', 'cuda:N'")
+
+
+def _input_specs(session: Any, model_path: Path) -> list[TensorSpec]:
+    args = session.get_inputs()
+    # ONNX Runtime reports a scalar and an input of undeclared rank both as shape []; the graph knows which.
+    unknown_rank = _undeclared_rank_inputs(model_path) if any(not a.shape for a in args) else set()
+    specs = []
+    for arg in args:
+        dtype = _ORT_DTYPES.get(arg.type)
+        if dtype is None:
+            raise UnsupportedModelError(
+                f"input {arg.name!r} of {model_path} has type {arg.type}, which the LayerZero runtime cannot "
+                f"feed from numpy; supported: {', '.join(sorted(_ORT_DTYPES))}"
+            )
+        shape = None if arg.name in unknown_rank else tuple(d if isinstance(d, (int, str)) else None for d in arg.shape)
+        specs.append(TensorSpec(name=arg.name, dtype=dtype, shape=shape))
+    return specs
+
+
+def _undeclared_rank_inputs(model_path: Path) -> set[str]:
+    import onnx
+
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    return {i.name for i in graph.input if i.type.HasField("tensor_type") and not i.type.tensor_type.HasField("shape")}

@@ -1,0 +1,261 @@
+"""``Engine``: load a bundle, validate feeds, run, strip skip masks, report.
+
+    engine = Engine.load("model.lz")                 # or a plain .onnx file, run uncompiled
+    result = engine.run({"input_ids": ids})
+    result.outputs["logits"], result.report.summary()
+
+Skip decisions of the compiler's dynamic passes are graph outputs named ``layerzero::mask::<path>``. They
+are not the user's: ``run`` removes them from ``Result.outputs`` and turns them into ``Report.skipped_paths``
+(the paths whose mask is all zero on this request) and, when asked, ``Report.masks``.
+
+Feeds are checked against the model's inputs before anything runs, so a wrong name, dtype, rank or static
+dim is an ``InvalidInputError`` naming the input, not a backend stack trace. Python lists and scalars are
+converted to the input's dtype when that is lossless (ints to any int/float type that holds them exactly;
+floats to any float type, rounding as a float literal would, but not overflowing to inf). numpy arrays (and
+other objects with a dtype) must already have the input's dtype: a silent float64 -> float32 cast hides bugs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from layerzero.errors import InvalidInputError
+from layerzero.runtime.backends.base import Backend, TensorSpec, get_backend
+from layerzero.runtime.bundle import check_external_data, read_bundle
+from layerzero.runtime.report import Report
+
+__all__ = ["MASK_PREFIX", "Engine", "Result"]
+
+logger = logging.getLogger(__name__)
+
+#: Graph outputs with this name prefix are skip masks, not user outputs; the rest of the name is the path.
+MASK_PREFIX = "layerzero::mask::"
+
+
+@dataclasses.dataclass
+class Result:
+    """The user's outputs (mask outputs removed), by name, in graph order, and this request's report."""
+
+    outputs: dict[str, np.ndarray]
+    report: Report
+
+
+class Engine:
+    """A loaded model, ready to run. Create with ``Engine.load``."""
+
+    def __init__(self, backend: Backend, manifest: Mapping[str, Any], *, path: Path, model_path: Path) -> None:
+        self._backend = backend
+        self._manifest = dict(manifest)
+        self._path = path
+        self._model_path = model_path
+        self._specs = {spec.name: spec for spec in backend.input_specs}
+        all_outputs = backend.output_names
+        self._output_names = [n for n in all_outputs if not n.startswith(MASK_PREFIX)]
+        self._mask_paths = [n[len(MASK_PREFIX) :] for n in all_outputs if n.startswith(MASK_PREFIX)]
+        self._template = Report.from_manifest(self._manifest)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], *, backend: str = "onnxruntime", **backend_options: Any) -> Engine:
+        """Load a bundle directory, or a plain ``.onnx`` file (run as is, with an empty manifest).
+
+        Args:
+            path: The bundle written by ``layerzero compile``, or an ``.onnx`` file.
+            backend: A registered backend name (``"onnxruntime"``/``"ort"``).
+            **backend_options: Passed to the backend's ``load`` (e.g. ``device="cuda"``).
+
+        Raises:
+            InvalidInputError: a bad path, bundle, backend name or option, or a bundle compiled for a target
+                this backend cannot run.
+            UnsupportedModelError: the backend cannot load the model.
+        """
+        backend_cls = get_backend(backend)
+        root = Path(path)
+        if root.is_file() and root.suffix == ".onnx":
+            logger.info("%s is a plain ONNX file: running it uncompiled (no zeroing report)", root)
+            check_external_data(root)
+            manifest: dict[str, Any] = {}
+            model_path = root
+        else:
+            bundle = read_bundle(root)
+            manifest, model_path = bundle.manifest, bundle.model_path
+            _check_target(manifest, backend_cls, root)
+        instance = backend_cls()
+        instance.load(model_path, **backend_options)
+        return cls(instance, manifest, path=root, model_path=model_path)
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        """The bundle's manifest (empty for a plain ``.onnx`` file). Treat it as read-only."""
+        return self._manifest
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    @property
+    def model_path(self) -> Path:
+        return self._model_path
+
+    @property
+    def backend(self) -> Backend:
+        """The backend instance (e.g. ``OrtBackend``, for ``end_profiling()``)."""
+        return self._backend
+
+    @property
+    def input_specs(self) -> list[TensorSpec]:
+        return list(self._specs.values())
+
+    @property
+    def output_names(self) -> list[str]:
+        """The user's outputs: every graph output except the ``layerzero::mask::`` ones."""
+        return list(self._output_names)
+
+    @property
+    def mask_paths(self) -> list[str]:
+        """Paths with a dynamic skip mask output, in graph order."""
+        return list(self._mask_paths)
+
+    def report_template(self) -> Report:
+        """A fresh report holding the static fields (from the manifest); per-request fields empty."""
+        return self._template.copy()
+
+    def run(self, feeds: Mapping[str, Any], *, masks: bool = False) -> Result:
+        """Validate ``feeds``, run the model, and return the user outputs and this request's report.
+
+        Args:
+            feeds: Input name -> numpy array (or a Python list/scalar, converted when lossless).
+            masks: Also return each path's mask array in ``report.masks``.
+
+        Raises:
+            InvalidInputError: a feed is unknown, missing, or has the wrong dtype, rank or static dim (the
+                message names the input), or the backend rejected the feeds.
+            LayerZeroError: the backend failed while running.
+        """
+        arrays = self.validate_feeds(feeds)
+        values = self._backend.run(arrays)
+        names = self._backend.output_names
+        report = self.report_template()
+        outputs: dict[str, np.ndarray] = {}
+        for name, value in zip(names, values, strict=True):
+            if not name.startswith(MASK_PREFIX):
+                outputs[name] = value
+                continue
+            path = name[len(MASK_PREFIX) :]
+            mask = np.asarray(value)
+            # Skipped = skipped for every token of the request; an empty mask (no tokens) is no evidence.
+            if mask.size and not mask.any():
+                report.skipped_paths.append(path)
+            if masks:
+                report.masks[path] = mask
+        return Result(outputs=outputs, report=report)
+
+    def validate_feeds(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Check ``feeds`` against the inputs; return arrays of the inputs' dtypes (see the module doc)."""
+        if not isinstance(feeds, Mapping):
+            raise InvalidInputError(
+                f"feeds must be a mapping of input name to array, got {type(feeds).__name__}; "
+                f"inputs: {self._describe_inputs()}"
+            )
+        unknown = [name for name in feeds if name not in self._specs]
+        if unknown:
+            raise InvalidInputError(
+                f"unknown input {', '.join(map(repr, unknown))}; the model's inputs are {self._describe_inputs()}"
+            )
+        missing = [spec for name, spec in self._specs.items() if name not in feeds]
+        if missing:
+            raise InvalidInputError("missing input " + ", ".join(f"{s.name!r} ({s.describe()})" for s in missing))
+        return {name: _check_feed(spec, feeds[name]) for name, spec in self._specs.items()}
+
+    def _describe_inputs(self) -> str:
+        return ", ".join(f"{s.name!r} ({s.describe()})" for s in self._specs.values()) or "(none)"
+
+    def __repr__(self) -> str:
+        return (
+            f"Engine({str(self._path)!r}, backend={self._backend.name!r}, inputs={list(self._specs)}, "
+            f"outputs={self._output_names}, mask_paths={len(self._mask_paths)})"
+        )
+
+
+def _check_target(manifest: Mapping[str, Any], backend_cls: type, root: Path) -> None:
+    target = manifest.get("target")
+    targets = getattr(backend_cls, "targets", None)
+    if target is None or targets is None or target in targets:
+        return
+    raise InvalidInputError(
+        f"bundle {root} was compiled for target {target!r}, which the {backend_cls.name!r} backend "
+        f"cannot run; load it with backend={target!r} or recompile with --target {backend_cls.name}"
+    )
+
+
+def _check_feed(spec: TensorSpec, value: Any) -> np.ndarray:
+    name = spec.name
+    if isinstance(value, (np.ndarray, np.generic)) or hasattr(value, "__array__"):
+        # numpy arrays and other array objects (torch, jax) carry a dtype: it must match.
+        array = np.asarray(value)
+        if array.dtype != spec.dtype and not _same_string_kind(array.dtype, spec.dtype):
+            raise InvalidInputError(
+                f"input {name!r}: dtype is {array.dtype}, the model expects {spec.dtype} "
+                f"(convert with .astype(np.{spec.dtype}))"
+            )
+    else:
+        array = _convert_literal(spec, value)
+    if spec.dtype.kind == "O" and array.dtype.kind != "O":
+        array = array.astype(object)
+
+    if spec.shape is None:
+        return array
+    if array.ndim != len(spec.shape):
+        raise InvalidInputError(
+            f"input {name!r}: rank is {array.ndim} (shape {list(array.shape)}), "
+            f"the model expects rank {len(spec.shape)} ({spec.describe()})"
+        )
+    for axis, (got, want) in enumerate(zip(array.shape, spec.shape, strict=True)):
+        if isinstance(want, int) and got != want:
+            raise InvalidInputError(
+                f"input {name!r}: dim {axis} is {got}, the model expects {want} "
+                f"(shape {list(array.shape)}, expected {spec.describe()})"
+            )
+    return array
+
+
+def _same_string_kind(got: np.dtype, want: np.dtype) -> bool:
+    return want.kind == "O" and got.kind in "USO"
+
+
+def _convert_literal(spec: TensorSpec, value: Any) -> np.ndarray:
+    """Python list / scalar -> array of ``spec.dtype``, only when no value changes (see the module doc)."""
+    name, want = spec.name, spec.dtype
+    try:
+        raw = np.asarray(value)
+    except (ValueError, TypeError) as e:
+        raise InvalidInputError(f"input {name!r}: cannot make an array of the given {type(value).__name__}: {e}") from e
+    if raw.dtype == want:
+        return raw
+    if raw.size == 0 and raw.dtype == np.float64 and want.kind != "O":  # np.asarray([]) is float64
+        return raw.astype(want)
+    if _same_string_kind(raw.dtype, want):
+        return raw.astype(object)
+    lossless, why = False, ""
+    if raw.dtype.kind in "iu" and want.kind in "iuf":
+        with np.errstate(all="ignore"):
+            converted = raw.astype(want)
+        # int -> narrower int wraps, int -> float rounds above 2**24/2**53: both show up as a changed value.
+        lossless = bool(np.array_equal(converted.astype(raw.dtype), raw)) and bool(np.array_equal(converted, raw))
+        why = f" (a value does not fit in {want} exactly)"
+    elif raw.dtype.kind == "f" and want.kind == "f":
+        with np.errstate(all="ignore"):
+            converted = raw.astype(want)
+        lossless = bool(np.all(np.isfinite(converted) | ~np.isfinite(raw)))
+        why = f" (a value overflows {want})"
+    if not lossless:
+        raise InvalidInputError(
+            f"input {name!r}: got {type(value).__name__} of {raw.dtype} values, the model expects {want}{why}"
+        )
+    return converted
