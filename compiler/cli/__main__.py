@@ -1,0 +1,7 @@
+"""``python -m layerzero``: the command line."""
+
+import sys
+
+from layerzero.cli import main
+
+sys.exit(main())

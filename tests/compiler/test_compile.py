@@ -1,0 +1,92 @@
+"""compile_model / compile_file: numbers in the manifest, verification, idempotence, the oracle."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from layerzero.compile import compile_file, compile_model
+from layerzero.errors import InvalidInputError
+from layerzero.models import TransformerConfig, build_transformer, example_feeds
+from layerzero.options import CompileOptions
+from layerzero.runtime import Engine
+
+
+def test_consumed_flags_match_the_hand_pruned_oracle(tmp_path: Path) -> None:
+    config = TransformerConfig(num_layers=4, flag_form="consumed", zero_blocks=(1, 3))
+    oracle = TransformerConfig(num_layers=4, flag_form="consumed", omit_blocks=(1, 3))
+    src = tmp_path / "m.onnx"
+    onnx.save_model(build_transformer(config), src)
+    result = compile_file(src, tmp_path / "m.lz")
+    assert [r.scope for r in result.removed] == ["layers.1", "layers.3"]
+    assert {r.kind for r in result.removed} == {"consumed-flag"}
+    oracle_proto = build_transformer(oracle)
+    # Same nodes as the oracle; the flag machinery of the two kept blocks (2 Mul + 2 flag-driven ops) aside.
+    assert result.after.nodes <= len(oracle_proto.graph.node)
+    feeds = example_feeds(config, batch=2, seq=7)
+    got = Engine.load(tmp_path / "m.lz").run(feeds).outputs["logits"]
+    want = Engine.load(_save(oracle_proto, tmp_path / "oracle.onnx")).run(feeds).outputs["logits"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _save(model: onnx.ModelProto, path: Path) -> Path:
+    onnx.save_model(model, path)
+    return path
+
+
+def test_compiling_twice_changes_nothing() -> None:
+    config = TransformerConfig(num_layers=3, zero_blocks=(0,), disable_rotary_inv_freq=True)
+    first = compile_model(build_transformer(config))
+    second = compile_model(ir.to_proto(first.model))
+    assert second.after.nodes == first.after.nodes
+    assert second.after.params == first.after.params
+    assert second.removed == []
+    assert second.pipeline.iterations == 1
+
+
+def test_zero_weight_block_is_reported_and_removed() -> None:
+    result = compile_model(build_transformer(TransformerConfig(num_layers=3, zero_weight_blocks=(2,), flags=False)))
+    assert [(r.scope, r.kind) for r in result.removed] == [("layers.2", "folded")]
+    assert result.zeroed_layers == ["layers.2"]
+    assert result.before.params - result.after.params == result.removed[0].params
+
+
+def test_declared_flag_impact_is_measured() -> None:
+    result = compile_model(build_transformer(TransformerConfig(num_layers=3, zero_blocks=(1,))))
+    v = result.verification
+    assert v.passed and v.needed_atol == 0.0
+    assert v.impact is not None and v.impact[0].max_abs > 1e-3  # the layer did something in the original
+
+
+def test_sample_inputs_and_shapes(tmp_path: Path) -> None:
+    config = TransformerConfig(num_layers=2, zero_blocks=(1,), flag_form="consumed")
+    npz = tmp_path / "calib.npz"
+    np.savez(npz, **example_feeds(config, batch=3, seq=5))
+    result = compile_model(build_transformer(config), CompileOptions(sample_inputs=npz))
+    assert result.verification.inputs == {"input_ids": [3, 5]}
+    result = compile_model(build_transformer(config), CompileOptions(shapes={"input_ids": (2, 11)}))
+    assert result.verification.inputs == {"input_ids": [2, 11]}
+    with pytest.raises(InvalidInputError, match="input_ids"):
+        compile_model(build_transformer(config), CompileOptions(shapes={"input_ids": (2, 11, 1)}))
+
+
+def test_manifest_is_complete(tmp_path: Path) -> None:
+    src = _save(build_transformer(TransformerConfig(num_layers=2, zero_rotary=(0, 1))), tmp_path / "m.onnx")
+    compile_file(src, tmp_path / "m.lz")
+    manifest = json.loads((tmp_path / "m.lz" / "manifest.json").read_text())
+    assert manifest["format"] == "layerzero-bundle"
+    assert manifest["options"]["assume_finite"] is True
+    assert manifest["layers"]["zeroed"] == []
+    assert [r["scope"] for r in manifest["removed"]] == [
+        "layers.0.attention.rotary_emb",
+        "layers.1.attention.rotary_emb",
+        "rotary_emb",  # the cos/sin tables die with their last user
+    ]
+    model = onnx.load(tmp_path / "m.lz" / "model.onnx")
+    ops = {n.op_type for n in model.graph.node}
+    assert "Neg" not in ops
