@@ -29,9 +29,16 @@ class CompileOptions:
     shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     sample_inputs: Path | None = None
     target: str = "onnxruntime"
+    # Dynamic zeroing (run-time skipping driven by routers and gates).
+    dynamic: bool = True
+    zeroing_threshold: float = 0.0  # skip a routed expert / gated branch below threshold × the token's largest weight
+    max_deviation: float | None = None  # with a threshold > 0: fail verification above this max abs deviation
+    moe_lowering: str = "auto"  # "auto" | "if" (per-expert If subgraphs) | "ort-moe" (com.microsoft.MoE)
+    groups: Path | None = None  # group-mask spec (YAML or JSON)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["sample_inputs"] = None if self.sample_inputs is None else str(self.sample_inputs)
+        out["groups"] = None if self.groups is None else str(self.groups)
         out["shapes"] = {k: list(v) for k, v in self.shapes.items()}
         return out

@@ -75,3 +75,24 @@ def bypass_declared_layers(model: ir.Model, options: CompileOptions) -> list[Byp
     flags(model)
     RemoveDeadCode()(model)
     return list(flags.bypassed)
+
+
+# Dynamic passes: each entry is "module:Class", built as Class(options) and run once, in order,
+# after the static fixpoint. A pass records what it made dynamic with
+# ``layerzero.passes._dynamic.record_dynamic_path``; the static passes then run once more to clean up.
+DYNAMIC_PASSES: list[str] = []
+
+
+def run_dynamic_passes(model: ir.Model, options: CompileOptions) -> bool:
+    """Run the registered dynamic passes; returns whether any changed the model."""
+    import importlib
+
+    if not options.dynamic:
+        return False
+    modified = False
+    for spec in DYNAMIC_PASSES:
+        module_name, _, class_name = spec.partition(":")
+        cls = getattr(importlib.import_module(module_name), class_name)
+        _infer_shapes(model)
+        modified |= cls(options)(model).modified
+    return modified
