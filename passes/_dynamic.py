@@ -10,6 +10,10 @@ Mask layout: shape ``[..., len(subpaths)]`` (e.g. ``[T, E]`` for a MoE block: to
 ``[...]`` when there is one subpath (a gate: ``[T]`` per token or ``[]`` scalar; a group: ``[]``).
 True / nonzero = that subpath RUNS for that token. A router output ``layerzero::router::<path>``
 (optional), shape ``[T]``, holds each token's top-1 routing probability (routing_confidence).
+
+Run-time threshold: a lowering that compares against ``zeroing_threshold`` reads it from the graph
+input ``layerzero::threshold`` (float32 scalar) whose initializer holds the compiled default, so the
+runtime (the guard's auto-raise) can change it per request without recompiling.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ __all__ = [
     "DYNAMIC_META_KEY",
     "MASK_PREFIX",
     "ROUTER_PREFIX",
+    "THRESHOLD_INPUT",
     "DynamicPath",
     "read_dynamic_paths",
     "record_dynamic_path",
@@ -31,6 +36,7 @@ __all__ = [
 MASK_PREFIX = "layerzero::mask::"
 ROUTER_PREFIX = "layerzero::router::"
 DYNAMIC_META_KEY = "layerzero.dynamic"
+THRESHOLD_INPUT = "layerzero::threshold"
 
 
 @dataclasses.dataclass(frozen=True)
