@@ -8,6 +8,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -19,8 +20,17 @@ from layerzero.inspect import ModelSummary, natural_key, summarize
 from layerzero.loader import load_model
 from layerzero.options import CompileOptions
 from layerzero.passes._dynamic import MASK_PREFIX, ROUTER_PREFIX, read_dynamic_paths
-from layerzero.pipeline import PipelineResult, bypass_declared_layers, run_dynamic_passes, run_static_passes
+from layerzero.pipeline import (
+    PipelineResult,
+    bypass_declared_layers,
+    needs_dynamic_reference,
+    run_dynamic_passes,
+    run_static_passes,
+)
 from layerzero.verify import VerificationResult, compare_outputs, make_inputs, run_model
+
+if TYPE_CHECKING:
+    from layerzero.targets.tensorrt import TensorRTOptions
 
 __all__ = ["CompileResult", "RemovedScope", "compile_file", "compile_model"]
 
@@ -75,11 +85,18 @@ class CompileResult:
 
 
 def _removed_scopes(before: ModelSummary, after: ModelSummary, kinds: dict[str, str]) -> list[RemovedScope]:
-    gone = [s for s, n in before.scope_nodes.items() if s and n and not after.scope_nodes.get(s)]
+    # A bypassed layer counts as removed even when side values it computed for others stay (FoldZeroFlags Case 4).
+    bypassed = {s for s, kind in kinds.items() if kind == "declared-flag"}
+    gone = [s for s, n in before.scope_nodes.items() if s and n and (s in bypassed or not after.scope_nodes.get(s))]
     gone_set = set(gone)
     maximal = [s for s in gone if not any(p in gone_set for p in _parents(s))]
     return [
-        RemovedScope(s, kinds.get(s, "folded"), before.scope_params.get(s, 0), before.scope_nodes[s])
+        RemovedScope(
+            s,
+            kinds.get(s, "folded"),
+            before.scope_params.get(s, 0) - after.scope_params.get(s, 0),
+            before.scope_nodes[s] - after.scope_nodes.get(s, 0),
+        )
         for s in sorted(maximal, key=natural_key)
     ]
 
@@ -126,7 +143,13 @@ def compile_model(
     verification = None
     if options.verify:
         say("verifying")
-        verification = verify_compiled(source_path, original_proto, model, pipeline, options)
+        checked = model
+        if options.target == "tensorrt":
+            # TensorRT keeps the MoE nodes for its plugin; ONNX Runtime verifies their onnxruntime lowering.
+            from layerzero.targets.tensorrt import ort_equivalent
+
+            checked = ort_equivalent(model, options)
+        verification = verify_compiled(source_path, original_proto, checked, pipeline, options)
     return CompileResult(model, options, before, after, removed, pipeline, verification, time.perf_counter() - start)
 
 
@@ -156,7 +179,7 @@ def verify_compiled(
         names, out_original = run_model(original, feeds)
         impact = None
         reference_outputs = out_original
-        if pipeline.bypassed:
+        if pipeline.bypassed or needs_dynamic_reference(options):
             reference = load_model(source_path) if source_path is not None else ir.from_proto(original_proto)
             bypass_declared_layers(reference, options)
             ref_path = _save(reference, tmpdir / "reference.onnx")
@@ -216,8 +239,13 @@ def compile_file(
     options: CompileOptions | None = None,
     progress: Progress | None = None,
     overwrite: bool = False,
+    tensorrt: TensorRTOptions | None = None,
 ) -> CompileResult:
-    """Compile ``source`` and write the engine bundle ``out`` atomically (nothing on failure)."""
+    """Compile ``source`` and write the engine bundle ``out`` atomically (nothing on failure).
+
+    With ``options.target == "tensorrt"`` the bundle also holds a TensorRT plan built with ``tensorrt``
+    (``layerzero.targets.tensorrt.TensorRTOptions``; default: fp32, profiles from ``options.shapes``).
+    """
     from layerzero.runtime.bundle import sha256_file, write_bundle
 
     source, out = Path(source), Path(out)
@@ -225,8 +253,37 @@ def compile_file(
         raise InvalidInputError(f"{out}: the output would overwrite the input model {source}")
     if out.exists() and not overwrite:
         raise InvalidInputError(f"{out}: already exists (pass --force to replace it)")
+    if options is not None and options.target == "tensorrt":
+        from layerzero.targets.tensorrt import require_tensorrt
+
+        require_tensorrt()  # before any work: without TensorRT this target cannot build anything
     result = compile_model(source, options, progress)
     say = progress or (lambda _msg: None)
+    if result.options.target == "tensorrt":
+        from layerzero.targets.tensorrt import TensorRTOptions, write_tensorrt_bundle
+
+        trt_options = tensorrt or TensorRTOptions(verify=result.options.verify)
+        write_tensorrt_bundle(
+            out,
+            result,
+            result.options,
+            trt_options,
+            source=source,
+            sha256=sha256_file(source),
+            overwrite=overwrite,
+            progress=progress,
+        )
+        return result
     say("writing bundle")
-    write_bundle(out, result.model, result.manifest(source, sha256_file(source)), overwrite=overwrite, protect=[source])
+    # Weights that came memory-mapped from external data stay external: they are copied file to file. Saved
+    # into one protobuf they would be read into memory and serialised, several times their size at peak.
+    mapped = any(isinstance(v.const_value, ir.ExternalTensor) for v in result.model.graph.initializers.values())
+    write_bundle(
+        out,
+        result.model,
+        result.manifest(source, sha256_file(source)),
+        overwrite=overwrite,
+        protect=[source],
+        **({"external_threshold_bytes": 0} if mapped else {}),
+    )
     return result

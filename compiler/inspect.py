@@ -11,7 +11,7 @@ import onnx_ir as ir
 from layerzero.passes import declared_flags, flag_regex, uniform_of_constant
 from layerzero.passes._graph import iter_graphs, layer_of, scope_of
 
-__all__ = ["ModelSummary", "natural_key", "summarize"]
+__all__ = ["MoEFinding", "ModelSummary", "find_moe", "natural_key", "summarize"]
 
 
 @dataclasses.dataclass
@@ -119,3 +119,41 @@ def _common_scope(scopes: list[str]) -> str:
 
 def natural_key(scope: str) -> list:
     return [int(p) if p.isdigit() else p for p in scope.split(".")]
+
+
+@dataclasses.dataclass
+class MoEFinding:
+    """A mixture-of-experts router and what the compiler will make of it."""
+
+    scope: str
+    rewritten: bool
+    detail: str  # the block's form and shape, or why it is not rewritten
+
+    def line(self) -> str:
+        where = self.scope or "(no scope)"
+        if self.rewritten:
+            return f"MoE block at {where}: {self.detail}"
+        return f"MoE candidate at {where}: not rewritten: {self.detail}"
+
+
+def find_moe(model: ir.Model) -> list[MoEFinding]:
+    """Every router (TopK of Softmax/Sigmoid scores) of the model: a block the compiler rewrites into its
+    skipping form, or a candidate with the reason it is left alone. Infers shapes on ``model`` (in place)."""
+    from onnx_ir.passes.common import ShapeInferencePass
+
+    from layerzero.passes._moe_match import find_moe_blocks
+
+    ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
+    matches, rejections = find_moe_blocks(model.graph)
+    found = [
+        MoEFinding(
+            m.path,
+            True,
+            f"{m.form}, {m.experts} experts, top-{m.router.top_k}, {m.router.scoring}"
+            f"{', renormalised' if m.normalize else ''}, {m.activation}, "
+            f"{m.params_per_expert[0]:,} parameters per expert",
+        )
+        for m in matches
+    ]
+    found += [MoEFinding(r.scope, False, r.reason) for r in rejections]
+    return sorted(found, key=lambda f: natural_key(f.scope))

@@ -52,7 +52,9 @@ def load_model(path: str | Path) -> ir.Model:
         raise UnsupportedModelError(f"{path}: not an ONNX model (no graph found in the file)")
     check_external_data(path, proto)
     try:
-        onnx.checker.check_model(proto, full_check=False)
+        # By path, so that external-data locations resolve against the model's folder, not the working
+        # directory (the checker reads the file's graph, never its weights).
+        onnx.checker.check_model(str(path), full_check=False)
     except onnx.checker.ValidationError as exc:
         first = str(exc).strip().splitlines()[0]
         raise UnsupportedModelError(f"{path}: invalid ONNX model: {first}") from None

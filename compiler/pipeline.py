@@ -7,7 +7,6 @@ import logging
 from collections.abc import Callable
 
 import onnx_ir as ir
-from onnx_ir.passes.common import ShapeInferencePass
 
 from layerzero.options import CompileOptions
 from layerzero.passes import (
@@ -18,7 +17,7 @@ from layerzero.passes import (
     RemoveDeadCode,
 )
 
-__all__ = ["PipelineResult", "bypass_declared_layers", "run_static_passes"]
+__all__ = ["PipelineResult", "bypass_declared_layers", "needs_dynamic_reference", "run_static_passes"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +31,32 @@ class PipelineResult:
 
 
 def _infer_shapes(model: ir.Model) -> None:
-    ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
+    """onnx shape inference, merged back with whole types (not only dtype and shape).
+
+    onnx-ir's ShapeInferencePass copies dtype and shape only, so a value onnx infers to be a
+    sequence or an optional would come back as a plain tensor, which ORT then rejects.
+    """
+    import onnx
+    from onnx_ir.passes.common import _c_api_utils
+
+    def infer(proto: onnx.ModelProto) -> onnx.ModelProto:
+        return onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
+
+    try:
+        inferred = ir.serde.deserialize_model(_c_api_utils.call_onnx_api(infer, model))
+    except Exception as exc:  # inference is a help, never a requirement
+        logger.info("shape inference failed, shapes left as they are: %s", exc)
+        return
+    for graph, inferred_graph in zip(model.graphs(), inferred.graphs()):
+        known = ir.convenience.create_value_mapping(inferred_graph)
+        for name, value in ir.convenience.create_value_mapping(graph).items():
+            other = known.get(name)
+            if other is None:
+                continue
+            if other.type is not None and (value.type is None or value.type != other.type):
+                value.type = other.type
+            if other.shape is not None and value.shape != other.shape:
+                value.shape = other.shape
 
 
 def run_static_passes(
@@ -69,18 +93,41 @@ def run_static_passes(
 
 
 def bypass_declared_layers(model: ir.Model, options: CompileOptions) -> list[BypassedLayer]:
-    """The verification reference for declared flags: only those layers bypassed, nothing else."""
+    """The verification reference for declared flags: only those layers bypassed, nothing else.
+
+    With a group spec (``options.groups``), each group's layers are also bypassed where its router
+    says so, computed densely (``Where``), since skipping them changes the output on purpose.
+    """
     _infer_shapes(model)
     flags = FoldZeroFlags(options.flag_pattern)
     flags(model)
     RemoveDeadCode()(model)
+    if needs_dynamic_reference(options):
+        from layerzero.groups import apply_group_reference
+
+        _infer_shapes(model)
+        apply_group_reference(model, options)
     return list(flags.bypassed)
+
+
+def needs_dynamic_reference(options: CompileOptions) -> bool:
+    """Whether verification compares against a reference built by ``bypass_declared_layers``."""
+    return options.dynamic and options.groups is not None
 
 
 # Dynamic passes: each entry is "module:Class", built as Class(options) and run once, in order,
 # after the static fixpoint. A pass records what it made dynamic with
 # ``layerzero.passes._dynamic.record_dynamic_path``; the static passes then run once more to clean up.
-DYNAMIC_PASSES: list[str] = []
+DYNAMIC_PASSES: list[str] = [
+    # Group masks first: a group's scopes must still be plain layers (no other pass's mask inside).
+    # The spec is read here, in the compiler (passes know no file system).
+    "layerzero.groups:ApplyGroupSpec",
+    # MoE: rewrite each block into the skipping form ai.layerzero::MoE, then lower it for the target.
+    "layerzero.passes.moe:SkipExperts",
+    "layerzero.passes.lower_moe:LowerMoE",
+    # Gated branches last: an MoE's weighted expert sum looks like x + g * f(x) too.
+    "layerzero.passes.gated_branches:SkipGatedBranches",
+]
 
 
 def run_dynamic_passes(model: ir.Model, options: CompileOptions) -> bool:

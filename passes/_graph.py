@@ -22,6 +22,7 @@ __all__ = [
     "iter_nodes",
     "layer_of",
     "make_constant",
+    "release_subgraphs",
     "replace_value",
     "same_shape",
     "scope_of",
@@ -47,6 +48,23 @@ def iter_nodes(graph: ir.Graph) -> Iterator[ir.Node]:
     """Every node of ``graph`` and its subgraphs (a snapshot, safe to mutate while iterating)."""
     for g in list(iter_graphs(graph)):
         yield from list(g)
+
+
+def release_subgraphs(node: ir.Node) -> None:
+    """Empty a dying node's subgraphs so the outer values they read lose those uses."""
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            subgraphs = [attr.value]
+        elif attr.type == ir.AttributeType.GRAPHS:
+            subgraphs = list(attr.value)
+        else:
+            continue
+        for sub in subgraphs:
+            for inner in sub:
+                release_subgraphs(inner)
+            sub.outputs.clear()
+            for inner in reversed(list(sub)):
+                sub.remove(inner, safe=True)
 
 
 def const_array(value: ir.Value | None) -> np.ndarray | None:
@@ -106,7 +124,8 @@ def make_constant(root: ir.Graph, names: NameFactory, hint: str, array: np.ndarr
 def replace_value(old: ir.Value, new: ir.Value, names: NameFactory) -> None:
     """Make every consumer of ``old`` read ``new``; keep graph output names stable.
 
-    A graph output keeps its name (users address outputs by name): it becomes
+    A graph output keeps its name (users address outputs by name): ``new`` takes the name when a node
+    of the same graph produces it and it is no output yet; otherwise the output becomes
     ``Identity(new)`` under the old name.
     """
     if old is new:
@@ -117,6 +136,16 @@ def replace_value(old: ir.Value, new: ir.Value, names: NameFactory) -> None:
         old_name = old.name
         old.name = names(f"{old_name}__replaced")
         output_name = old_name
+        producer = new.producer()
+        if (
+            producer is not None
+            and producer.graph is graph
+            and not new.is_graph_output()
+            and list(graph.outputs).count(old) == 1
+        ):
+            # NOTE: renaming beats an Identity, which also cannot carry a sequence before opset 14.
+            new.name = old_name
+            graph.outputs[list(graph.outputs).index(old)] = new
         for i, out in enumerate(list(graph.outputs)):
             if out is not old:
                 continue
@@ -155,8 +184,11 @@ _SEP = re.compile(r"[/.]+")
 def scope_of(node: ir.Node) -> str:
     """The dotted module scope of a node ("" when it has none).
 
-    Read from the exporter's name-scope metadata (``['', 'model', 'model.layers.0']`` → ``model.layers.0``)
-    or from a path-like node name (``/model/layers.0/self_attn/MatMul`` → ``model.layers.0.self_attn``).
+    Read from the exporter's name-scope metadata or from a path-like node name
+    (``/model/layers.0/self_attn/MatMul`` → ``model.layers.0.self_attn``). torch.onnx writes the module
+    paths followed by the fx node's own name (``['', 'model', 'model.layers.0', 'add_3']`` →
+    ``model.layers.0``); a list that ends in a module path (it extends the entry before it,
+    ``['', 'model', 'model.layers.0']``) is read to its end.
     """
     raw = node.metadata_props.get(NAME_SCOPES_KEY)
     if raw:
@@ -165,7 +197,11 @@ def scope_of(node: ir.Node) -> str:
         except (ValueError, SyntaxError):
             scopes = None
         if isinstance(scopes, (list, tuple)) and scopes:
-            return ".".join(p for p in _SEP.split(str(scopes[-1])) if p)
+            scopes = [str(s) for s in scopes]
+            # fx node names hold no ".", so a node name never extends the module path before it.
+            if len(scopes) < 2 or not (scopes[-2] and scopes[-1].startswith(scopes[-2] + ".")):
+                scopes = scopes[:-1]
+            return ".".join(p for p in _SEP.split(scopes[-1]) if p) if scopes else ""
     name = node.name or ""
     if "/" not in name:
         return ""

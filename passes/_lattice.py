@@ -7,6 +7,7 @@ scalars of a node's inputs (None = unknown), the uniform scalars of its outputs.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -98,6 +99,11 @@ _DATA_MOVEMENT = frozenset(
 )
 
 
+# numpy dtype kinds a uniform may have: bool, signed, unsigned, float. A uniform is materialised as
+# ConstantOfShape, which cannot fill strings (nor, before opset 20, the ml_dtypes kinds).
+_FILLABLE_KINDS = frozenset("biuf")
+
+
 def _is_zero(c: np.ndarray | None) -> bool:
     return c is not None and not bool(c)
 
@@ -120,7 +126,7 @@ def _scan_constant(value: ir.Value) -> np.ndarray | None:
             return np.array(0.0, dtype=np.float32)
         return np.asarray(attr.value.numpy()).reshape(-1)[0].copy()
     array = const_array(value)
-    if array is None or array.size == 0:
+    if array is None or array.size == 0 or array.dtype.kind not in _FILLABLE_KINDS:
         return None
     flat = array.reshape(-1)
     first = flat[0]
@@ -129,10 +135,24 @@ def _scan_constant(value: ir.Value) -> np.ndarray | None:
     # Real weights fail on the first few elements: only all-equal tensors are read whole.
     if not np.all(flat[:_PROBE] == first):
         return None
-    for start in range(_PROBE, flat.size, 1 << 22):
-        if not np.all(flat[start : start + (1 << 22)] == first):
-            return None
-    return np.asarray(first).copy()
+    uniform = all(np.all(flat[s : s + (1 << 22)] == first) for s in range(_PROBE, flat.size, 1 << 22))
+    read_whole = flat.size > _PROBE
+    del array, flat
+    if read_whole:
+        _release_pages(value)
+    return np.asarray(first).copy() if uniform else None
+
+
+def _release_pages(value: ir.Value) -> None:
+    """Unmap a memory-mapped weight that was read whole: its pages leave the process's RSS.
+
+    The tensor maps its file again when next read. An all-zero weight of a big model would
+    otherwise stay resident for the whole compile.
+    """
+    tensor = value.const_value
+    if isinstance(tensor, ir.ExternalTensor):
+        with contextlib.suppress(BufferError):  # a view of it is still alive elsewhere: keep the map
+            tensor.release()
 
 
 def _out_dtype(value: ir.Value) -> np.dtype | None:
@@ -144,7 +164,7 @@ def _out_dtype(value: ir.Value) -> np.dtype | None:
 
 def _cast(c: np.ndarray, value: ir.Value) -> np.ndarray | None:
     dtype = _out_dtype(value)
-    if dtype is None:
+    if dtype is None or dtype.kind not in _FILLABLE_KINDS:
         return None
     with np.errstate(all="ignore"):
         return np.asarray(c).astype(dtype).reshape(())

@@ -8,7 +8,14 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from layerzero.passes._graph import NameFactory, const_array, iter_graphs, make_constant, replace_value
+from layerzero.passes._graph import (
+    NameFactory,
+    const_array,
+    iter_graphs,
+    make_constant,
+    release_subgraphs,
+    replace_value,
+)
 
 __all__ = ["FoldConstants"]
 
@@ -45,11 +52,16 @@ class FoldConstants(ir.passes.InPlacePass):
         opsets = dict(model.opset_imports)
         modified = False
         for graph in list(iter_graphs(root)):
-            for node in list(graph):
+            pending = list(graph)
+            while pending:
+                node = pending.pop(0)
                 if node.graph is not graph:  # moved or removed by an earlier fold
                     continue
                 if node.op_type == "If" and node.domain in ("", "ai.onnx"):
-                    modified |= self._fold_if(graph, node, names)
+                    inlined = self._fold_if(graph, node, names)
+                    if inlined is not None:
+                        modified = True
+                        pending[:0] = inlined  # a nested If (Case 3) folds on this same run
                     continue
                 modified |= self._fold_node(root, node, names, opsets)
         return ir.passes.PassResult(model, modified=modified)
@@ -60,6 +72,8 @@ class FoldConstants(ir.passes.InPlacePass):
             return False
         if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
             return False
+        if any(out.type is not None and not isinstance(out.type, ir.TensorType) for out in node.outputs):
+            return False  # sequences and optionals have no initializer form
         if not any(out.uses() or out.is_graph_output() for out in node.outputs):
             return False  # dead: DCE's job
         if node.op_type == "Identity" and node.outputs[0].is_graph_output():
@@ -123,6 +137,8 @@ class FoldConstants(ir.passes.InPlacePass):
         except Exception as exc:  # the reference evaluator lacks some ops / edge cases
             logger.debug("could not fold %s (%s): %s", node.name, node.op_type, exc)
             return None
+        if not all(isinstance(r, np.ndarray | np.generic) for r in results):
+            return None  # a sequence, optional or map: only tensors become initializers
         arrays = [np.asarray(r) for r in results]
         for k, (out, array) in enumerate(zip(node.outputs, arrays)):
             if out.dtype is not None and array.dtype != out.dtype.numpy():
@@ -133,10 +149,11 @@ class FoldConstants(ir.passes.InPlacePass):
         return arrays
 
     # Case 3
-    def _fold_if(self, graph: ir.Graph, node: ir.Node, names: NameFactory) -> bool:
+    def _fold_if(self, graph: ir.Graph, node: ir.Node, names: NameFactory) -> list[ir.Node] | None:
+        """The nodes inlined into ``graph`` (None when the condition is not a constant)."""
         cond = const_array(node.inputs[0])
         if cond is None or cond.size != 1:
-            return False
+            return None
         branch_name = "then_branch" if bool(cond.reshape(())) else "else_branch"
         branch = node.attributes[branch_name].value
         body = list(branch)
@@ -152,11 +169,12 @@ class FoldConstants(ir.passes.InPlacePass):
             branch.initializers.pop(name)
             init.name = names(name)
             graph.register_initializer(init)
-        for if_out, branch_out in zip(node.outputs, list(branch.outputs)):
+        branch_outputs = list(branch.outputs)
+        branch.outputs.clear()  # first, so that a branch output may take the If output's name
+        for if_out, branch_out in zip(node.outputs, branch_outputs):
             replace_value(if_out, branch_out, names)
-        branch.outputs.clear()
-        for if_out in node.outputs:
-            if if_out.uses() or if_out.is_graph_output():
-                return True
-        graph.remove(node, safe=True)
-        return True
+        if not any(if_out.uses() or if_out.is_graph_output() for if_out in node.outputs):
+            # The untaken branch still reads outer values: release them, or their producers look used.
+            release_subgraphs(node)
+            graph.remove(node, safe=True)
+        return body

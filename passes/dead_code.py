@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from layerzero.passes._graph import iter_graphs
+from layerzero.passes._graph import iter_graphs, release_subgraphs
 
 __all__ = ["RemoveDeadCode"]
 
@@ -16,23 +16,6 @@ def _used(value: ir.Value) -> bool:
     return bool(value.uses()) or value.is_graph_output()
 
 
-def _release_subgraphs(node: ir.Node) -> None:
-    """Empty a dying node's subgraphs so the outer values they read lose those uses."""
-    for attr in node.attributes.values():
-        if attr.type == ir.AttributeType.GRAPH:
-            subgraphs = [attr.value]
-        elif attr.type == ir.AttributeType.GRAPHS:
-            subgraphs = list(attr.value)
-        else:
-            continue
-        for sub in subgraphs:
-            for inner in sub:
-                _release_subgraphs(inner)
-            sub.outputs.clear()
-            for inner in reversed(list(sub)):
-                sub.remove(inner, safe=True)
-
-
 class RemoveDeadCode(ir.passes.InPlacePass):
     """Remove nodes none of whose outputs is used, then initializers nothing reads.
 
@@ -40,14 +23,16 @@ class RemoveDeadCode(ir.passes.InPlacePass):
     1. A node whose outputs are neither consumed nor graph outputs is removed; its inputs may become
        dead in turn (the graph is walked from the outputs back, so one call removes whole chains).
     2. An initializer that no node reads, is not a graph input and not a graph output is removed.
-    Subgraphs are visited; a node used only inside a removed subgraph dies with it on the same walk,
-    since removing the subgraph's owner releases its uses.
+    Subgraphs are visited, before the graph that owns them; a node used only inside a removed
+    subgraph (or only by dead nodes of a live one) dies with it on the same walk, since removing the
+    subgraph's owner releases its uses.
     """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
-        # Outermost graph first, in reverse order: consumers go before producers.
-        for graph in list(iter_graphs(model.graph)):
+        # Subgraphs before the graphs that own them, each in reverse order: consumers go before
+        # producers, so an outer value read only by a dead node of a live branch dies on this run too.
+        for graph in reversed(list(iter_graphs(model.graph))):
             modified |= self._remove_dead_nodes(graph)
         for graph in list(iter_graphs(model.graph)):
             modified |= self._remove_unused_initializers(graph)
@@ -62,7 +47,7 @@ class RemoveDeadCode(ir.passes.InPlacePass):
             if any(_used(out) for out in node.outputs):
                 continue
             # Case 1: removing a node detaches its inputs, so earlier producers see the new use counts.
-            _release_subgraphs(node)
+            release_subgraphs(node)
             graph.remove(node, safe=True)
             modified = True
         return modified

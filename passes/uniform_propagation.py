@@ -150,7 +150,7 @@ class _GraphRewriter:
             return None
         candidate = self._resolve(candidate)
         out = node.outputs[0]
-        if out.is_graph_output() and (op == "Identity" or candidate.is_graph_input()):
+        if out.is_graph_output() and op == "Identity":
             return None  # a graph output keeps its name through an Identity: nothing to gain
         return candidate if same_shape(out, candidate) else None
 

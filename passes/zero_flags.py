@@ -88,6 +88,11 @@ class FoldZeroFlags(ir.passes.InPlacePass):
     2. A flag whose scope lies inside a scope bypassed on this run is dropped with it.
     3. Anything else with a zero flag (no such nodes, several outputs, no or several matching
        inputs) raises UnsupportedModelError naming the scope and why.
+    4. Several values leave the scope, but exactly one of them has the dtype and shape of exactly one
+       entering value, and no other leaving value depends on that entering value: the others are
+       side values that do not read the layer's data (torch.onnx's common-subexpression elimination
+       puts the shape vectors, rotary tables and masks every layer shares into the first layer's
+       scope). They keep being computed as before; the one output is rewired as in Case 1.
     Flags equal to 1 are left as they are. Only the main graph is searched for scopes.
     """
 
@@ -135,13 +140,6 @@ class FoldZeroFlags(ir.passes.InPlacePass):
             for out in node.outputs
             if out.is_graph_output() or any(user not in member_set for user, _ in out.uses())
         ]
-        if len(leaving) != 1:
-            listed = ", ".join(repr(v.name) for v in leaving) or "none"
-            raise UnsupportedModelError(
-                f"{where}: scope {flag.scope!r} has {len(leaving)} outputs ({listed}); "
-                "a layer that can be bypassed has exactly one"
-            )
-        out = leaving[0]
         entering: list[ir.Value] = []
         for node in members:
             for value in node.inputs:
@@ -150,6 +148,15 @@ class FoldZeroFlags(ir.passes.InPlacePass):
                 if const_array(value) is not None or value.is_initializer():
                     continue
                 entering.append(value)
+        if len(leaving) > 1:  # Case 4
+            leaving = _drop_side_values(leaving, entering, member_set)
+        if len(leaving) != 1:
+            listed = ", ".join(repr(v.name) for v in leaving) or "none"
+            raise UnsupportedModelError(
+                f"{where}: scope {flag.scope!r} has {len(leaving)} outputs ({listed}); "
+                "a layer that can be bypassed has exactly one"
+            )
+        out = leaving[0]
         matching = [v for v in entering if same_shape(v, out)]
         if len(matching) != 1:
             listed = ", ".join(f"{v.name}: {_describe(v)}" for v in entering) or "none"
@@ -165,3 +172,36 @@ def _describe(value: ir.Value) -> str:
     dtype = value.dtype.name.lower() if value.dtype is not None else "?"
     shape = "?" if value.shape is None else "[" + ",".join(str(d) for d in value.shape) + "]"
     return f"{dtype}{shape}"
+
+
+def _drop_side_values(leaving: list[ir.Value], entering: list[ir.Value], members: set[ir.Node]) -> list[ir.Value]:
+    """Case 4: the one leaving value that is the layer's output, when the others are side values.
+
+    Returns ``leaving`` unchanged when the output is not determined that way.
+    """
+    pairs = [(out, v) for out in leaving for v in entering if same_shape(v, out)]
+    if len(pairs) != 1:
+        return leaving
+    out, residual = pairs[0]
+    side = [v for v in leaving if v is not out]
+    if any(_depends_on(v, residual, members) for v in side):
+        return leaving
+    logger.debug("side values %s leave the scope but do not read %s", [v.name for v in side], residual.name)
+    return [out]
+
+
+def _depends_on(value: ir.Value, source: ir.Value, members: set[ir.Node]) -> bool:
+    """True when ``value`` is computed from ``source`` through nodes of ``members``."""
+    seen: set[ir.Value] = set()
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if v is source:
+            return True
+        if v in seen:
+            continue
+        seen.add(v)
+        producer = v.producer()
+        if producer is not None and producer in members:
+            stack.extend(i for i in producer.inputs if i is not None)
+    return False

@@ -5,8 +5,10 @@
     result.outputs["logits"], result.report.summary()
 
 Skip decisions of the compiler's dynamic passes are graph outputs named ``layerzero::mask::<path>``. They
-are not the user's: ``run`` removes them from ``Result.outputs`` and turns them into ``Report.skipped_paths``
-(the paths whose mask is all zero on this request) and, when asked, ``Report.masks``.
+are not the user's: ``run`` removes them (and the ``layerzero::router::<path>`` confidence outputs) from
+``Result.outputs`` and turns them into ``Report.skipped_paths`` (the subpaths, per the manifest's ``dynamic``
+section, whose mask column is all zero on this request), ``zeroed_params_ratio``, ``routing_confidence`` and,
+when asked, ``Report.masks``.
 
 Feeds are checked against the model's inputs before anything runs, so a wrong name, dtype, rank or static
 dim is an ``InvalidInputError`` naming the input, not a backend stack trace. Python lists and scalars are
@@ -31,12 +33,17 @@ from layerzero.runtime.backends.base import Backend, TensorSpec, get_backend
 from layerzero.runtime.bundle import check_external_data, read_bundle
 from layerzero.runtime.report import Report
 
-__all__ = ["MASK_PREFIX", "Engine", "Result"]
+__all__ = ["MASK_PREFIX", "ROUTER_PREFIX", "THRESHOLD_INPUT", "Engine", "Result"]
 
 logger = logging.getLogger(__name__)
 
 #: Graph outputs with this name prefix are skip masks, not user outputs; the rest of the name is the path.
 MASK_PREFIX = "layerzero::mask::"
+#: Graph outputs with this prefix hold each token's top-1 routing probability (the report's routing_confidence).
+ROUTER_PREFIX = "layerzero::router::"
+#: The run-time zeroing threshold: a float32 scalar graph input whose initializer holds the compiled default
+#: (``passes/_dynamic.py``). ONNX Runtime lists it as an overridable initializer, not as an input.
+THRESHOLD_INPUT = "layerzero::threshold"
 
 
 @dataclasses.dataclass
@@ -57,9 +64,10 @@ class Engine:
         self._model_path = model_path
         self._specs = {spec.name: spec for spec in backend.input_specs}
         all_outputs = backend.output_names
-        self._output_names = [n for n in all_outputs if not n.startswith(MASK_PREFIX)]
+        self._output_names = [n for n in all_outputs if not n.startswith((MASK_PREFIX, ROUTER_PREFIX))]
         self._mask_paths = [n[len(MASK_PREFIX) :] for n in all_outputs if n.startswith(MASK_PREFIX)]
         self._template = Report.from_manifest(self._manifest)
+        self._has_threshold: bool | None = None
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, backend: str = "onnxruntime", **backend_options: Any) -> Engine:
@@ -114,7 +122,7 @@ class Engine:
 
     @property
     def output_names(self) -> list[str]:
-        """The user's outputs: every graph output except the ``layerzero::mask::`` ones."""
+        """The user's outputs: every graph output except the ``layerzero::mask::`` / ``::router::`` ones."""
         return list(self._output_names)
 
     @property
@@ -126,12 +134,24 @@ class Engine:
         """A fresh report holding the static fields (from the manifest); per-request fields empty."""
         return self._template.copy()
 
-    def run(self, feeds: Mapping[str, Any], *, masks: bool = False) -> Result:
+    @property
+    def has_threshold_input(self) -> bool:
+        """Whether the model reads its zeroing threshold from ``layerzero::threshold`` (``run(threshold=)``)."""
+        if self._has_threshold is None:
+            import onnx
+
+            graph = onnx.load(str(self._model_path), load_external_data=False).graph
+            self._has_threshold = any(i.name == THRESHOLD_INPUT for i in graph.input)
+        return self._has_threshold
+
+    def run(self, feeds: Mapping[str, Any], *, masks: bool = False, threshold: float | None = None) -> Result:
         """Validate ``feeds``, run the model, and return the user outputs and this request's report.
 
         Args:
             feeds: Input name -> numpy array (or a Python list/scalar, converted when lossless).
             masks: Also return each path's mask array in ``report.masks``.
+            threshold: The zeroing threshold for this request, fed to ``layerzero::threshold``; None runs
+                with the compiled default. A model without that input raises ``InvalidInputError``.
 
         Raises:
             InvalidInputError: a feed is unknown, missing, or has the wrong dtype, rank or static dim (the
@@ -139,21 +159,29 @@ class Engine:
             LayerZeroError: the backend failed while running.
         """
         arrays = self.validate_feeds(feeds)
+        if threshold is not None:
+            if not self.has_threshold_input:
+                raise InvalidInputError(
+                    f"{self._model_path} has no {THRESHOLD_INPUT!r} input: its zeroing threshold is fixed at "
+                    "compile time (run it with threshold=None)"
+                )
+            arrays[THRESHOLD_INPUT] = np.asarray(threshold, dtype=np.float32)
         values = self._backend.run(arrays)
         names = self._backend.output_names
         report = self.report_template()
         outputs: dict[str, np.ndarray] = {}
+        dynamic: dict[str, np.ndarray] = {}
         for name, value in zip(names, values, strict=True):
-            if not name.startswith(MASK_PREFIX):
-                outputs[name] = value
-                continue
-            path = name[len(MASK_PREFIX) :]
-            mask = np.asarray(value)
-            # Skipped = skipped for every token of the request; an empty mask (no tokens) is no evidence.
-            if mask.size and not mask.any():
-                report.skipped_paths.append(path)
-            if masks:
-                report.masks[path] = mask
+            (dynamic if name.startswith((MASK_PREFIX, ROUTER_PREFIX)) else outputs)[name] = value
+        # Masks and router outputs -> skipped_paths (per subpath of the manifest's ``dynamic`` entries),
+        # zeroed_params_ratio of this request, routing_confidence and, when asked, the masks.
+        report.add_dynamic(
+            dynamic,
+            self._manifest.get("dynamic"),
+            mask_prefix=MASK_PREFIX,
+            router_prefix=ROUTER_PREFIX,
+            keep_masks=masks,
+        )
         return Result(outputs=outputs, report=report)
 
     def validate_feeds(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:

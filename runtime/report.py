@@ -21,12 +21,17 @@ class Report:
     Attributes:
         total_layers: Layers of the source model (manifest ``layers.total``; 0 when unknown).
         zeroed_layers: Layers the compiler removed (``len(manifest layers.zeroed)``).
-        zeroed_params_ratio: ``1 - params_after / params_before`` from the manifest; 0.0 when unknown.
+        zeroed_params_ratio: ``(params removed at compile time + skipped_params) / params_before``; the static
+            part is ``1 - params_after / params_before`` from the manifest; 0.0 when unknown.
         zeroed_paths: Scopes removed at compile time (manifest ``layers.zeroed``); the same for every request.
-        skipped_paths: Dynamic paths (``layerzero::mask::<path>`` outputs) whose mask was all zero on this
-            request, i.e. skipped for every token.
+        skipped_paths: Dynamic subpaths (e.g. ``model.layers.0.mlp.experts.3``, the manifest's ``dynamic`` entries)
+            whose mask column was all zero on this request, i.e. skipped for every token; for a mask output
+            without a manifest entry, its path when the whole mask was zero.
+        skipped_params: Parameters of the subpaths skipped on this request (manifest ``dynamic`` params).
+        params_before: Parameters of the source model (manifest ``stats.params_before``; 0 when unknown).
         fallback_triggered: The guard re-ran this request on the reference model.
-        routing_confidence: The router's confidence for this request, when the model reports one.
+        routing_confidence: The mean over tokens (and routers) of each token's top-1 routing probability
+            (``layerzero::router::<path>`` outputs); None when the model has no router output.
         masks: Per-path mask arrays, filled only when the caller asked (``Engine.run(..., masks=True)``).
     """
 
@@ -38,6 +43,8 @@ class Report:
     fallback_triggered: bool = False
     routing_confidence: float | None = None
     masks: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    skipped_params: int = 0
+    params_before: int = 0
 
     @classmethod
     def from_manifest(cls, manifest: Mapping[str, Any]) -> Report:
@@ -53,7 +60,52 @@ class Report:
             zeroed_layers=len(zeroed_paths),
             zeroed_params_ratio=_zeroed_params_ratio(manifest.get("stats")),
             zeroed_paths=zeroed_paths,
+            params_before=_params_before(manifest.get("stats")),
         )
+
+    def add_dynamic(
+        self,
+        outputs: Mapping[str, np.ndarray],
+        dynamic: object,
+        *,
+        mask_prefix: str,
+        router_prefix: str,
+        keep_masks: bool = False,
+    ) -> None:
+        """Fill the per-request fields from one run's mask and router outputs (by output name).
+
+        ``dynamic`` is the manifest's ``dynamic`` list: each entry maps a mask output to its subpaths (one per
+        mask's last axis, or the whole mask for a single subpath) and their parameter counts.
+        """
+        entries = {e["mask_output"]: e for e in (dynamic if isinstance(dynamic, list) else []) if _valid_entry(e)}
+        confidences: list[np.ndarray] = []
+        for name, value in outputs.items():
+            array = np.asarray(value)
+            if name.startswith(router_prefix):
+                if array.size:
+                    confidences.append(array.astype(np.float64).reshape(-1))
+                continue
+            if not name.startswith(mask_prefix):
+                continue
+            entry = entries.get(name)
+            path = entry["path"] if entry is not None else name[len(mask_prefix) :]
+            if keep_masks:
+                self.masks[path] = array
+            # Skipped = skipped for every token of the request; an empty mask (no tokens) is no evidence.
+            if entry is None:
+                if array.size and not array.any():
+                    self.skipped_paths.append(path)
+                continue
+            subpaths, params = entry["subpaths"], entry["params"]
+            for j, subpath in enumerate(subpaths):
+                column = array if len(subpaths) == 1 else array[..., j]
+                if column.size and not column.any():
+                    self.skipped_paths.append(str(subpath))
+                    self.skipped_params += int(params[j]) if j < len(params) else 0
+        if confidences:
+            self.routing_confidence = float(np.concatenate(confidences).mean())
+        if self.skipped_params and self.params_before > 0:
+            self.zeroed_params_ratio += self.skipped_params / self.params_before
 
     def copy(self) -> Report:
         """An independent copy (lists and the masks dict are copied; mask arrays are shared)."""
@@ -75,6 +127,8 @@ class Report:
             "fallback_triggered": bool(self.fallback_triggered),
             "routing_confidence": None if self.routing_confidence is None else float(self.routing_confidence),
             "masks": {path: np.asarray(mask).tolist() for path, mask in self.masks.items()},
+            "skipped_params": int(self.skipped_params),
+            "params_before": int(self.params_before),
             "summary": self.summary(),
         }
 
@@ -97,4 +151,21 @@ def _zeroed_params_ratio(stats: object) -> float:
     before, after = stats.get("params_before"), stats.get("params_after")
     if not isinstance(before, (int, float)) or not isinstance(after, (int, float)) or before <= 0:
         return 0.0
-    return 1.0 - float(after) / float(before)
+    # A compile can add a few parameters (e.g. a run-time threshold scalar): nothing zeroed is 0, not negative.
+    return max(0.0, 1.0 - float(after) / float(before))
+
+
+def _params_before(stats: object) -> int:
+    before = stats.get("params_before") if isinstance(stats, Mapping) else None
+    return int(before) if isinstance(before, (int, float)) and not isinstance(before, bool) and before > 0 else 0
+
+
+def _valid_entry(entry: object) -> bool:
+    return (
+        isinstance(entry, Mapping)
+        and isinstance(entry.get("mask_output"), str)
+        and isinstance(entry.get("path"), str)
+        and isinstance(entry.get("subpaths"), list)
+        and isinstance(entry.get("params"), list)
+        and len(entry["subpaths"]) > 0
+    )

@@ -16,7 +16,12 @@ from layerzero.errors import LayerZeroError
 
 __all__ = ["main"]
 
-VERBS = ("inspect", "compile", "run", "demo")
+VERBS = ("inspect", "compile", "run", "demo", "serve", "triton-export", "plugins")
+
+
+def _module_name(verb: str) -> str:
+    # A verb may have dashes (triton-export); its module has underscores (triton_export.py).
+    return f"layerzero.cli.{verb.replace('-', '_')}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the passes do")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
     for verb in VERBS:
-        module = importlib.import_module(f"layerzero.cli.{verb}")
+        module = importlib.import_module(_module_name(verb))
         doc = (module.__doc__ or "").strip()
         p = sub.add_parser(
             verb,

@@ -9,6 +9,14 @@ examples:
   layerzero compile model.onnx -o model.lz
   layerzero compile model.onnx -o model.lz --shape input_ids:2,16 --atol 1e-5
   layerzero compile model.onnx -o model.lz --inputs calib.npz
+  layerzero compile model.onnx -o model.lz --groups spec.yaml
+  layerzero compile moe.onnx -o moe.lz --threshold 0.3 --max-deviation 0.05
+  layerzero compile model.onnx -o model.lz --target tensorrt --precision fp16 --shape hidden:1,64/32,64/256,64
+
+--target tensorrt also lowers the MoE blocks to the LayerZero TensorRT plugin, builds a TensorRT engine
+(model.plan, next to the lowered model.onnx) and checks it against onnxruntime; it needs the tensorrt package,
+a GPU and the plugin library (`layerzero plugins build`). Its --shape takes NAME:MIN/OPT/MAX, the optimisation
+profile; verification runs at OPT.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from pathlib import Path
 
 from layerzero.cli._common import console, parse_shapes, progress
 from layerzero.compile import CompileResult, compile_file
-from layerzero.errors import VerificationError
+from layerzero.errors import InvalidInputError, VerificationError
 from layerzero.options import CompileOptions
 
 
@@ -39,19 +47,88 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="do not fold x*0 to 0 (x*0 is NaN when x is NaN or Inf)",
     )
     p.add_argument("--flag-pattern", default="*.flag", help="names of zero flags; '*' is the scope (default *.flag)")
+    p.add_argument(
+        "--groups",
+        type=Path,
+        metavar="SPEC",
+        help="group-mask spec (YAML/JSON): groups of scopes a router switches on and off per request",
+    )
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="zeroing threshold: skip a routed expert whose weight is below T × the token's largest weight "
+        "(default 0: exact); verification then reports the deviation instead of failing on it",
+    )
+    p.add_argument(
+        "--max-deviation",
+        type=float,
+        metavar="D",
+        help="with --threshold > 0: fail verification when an output deviates by more than D (max abs)",
+    )
+    p.add_argument(
+        "--moe-lowering",
+        choices=("auto", "if", "ort-moe"),
+        default="auto",
+        help="MoE blocks on onnxruntime: per-expert If subgraphs, com.microsoft.MoE, or auto (default)",
+    )
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    add_target_arguments(p)
+
+
+def add_target_arguments(p: argparse.ArgumentParser) -> None:
+    from layerzero.targets import TARGETS
+    from layerzero.targets.tensorrt import PRECISIONS
+
+    p.add_argument("--target", choices=TARGETS, default="onnxruntime", help="what the bundle runs on")
+    trt = p.add_argument_group("--target tensorrt")
+    trt.add_argument("--precision", choices=PRECISIONS, default="fp32", help="engine precision (default fp32)")
+    trt.add_argument("--workspace-mb", type=int, metavar="MB", help="TensorRT builder workspace limit")
+    trt.add_argument("--plugin-library", type=Path, metavar="SO", help="liblayerzero_trt.so (default: the built one)")
+    trt.add_argument("--no-verify-plan", action="store_true", help="do not run the engine against onnxruntime")
+
+
+def _shapes(args: argparse.Namespace) -> dict[str, tuple[int, ...]]:
+    if getattr(args, "target", "onnxruntime") != "tensorrt":
+        if any("/" in item for item in args.shape or []):
+            raise InvalidInputError("--shape NAME:MIN/OPT/MAX is for --target tensorrt; give NAME:D0,D1")
+        return parse_shapes(args.shape)
+    from layerzero.targets.tensorrt import parse_profile_shapes
+
+    return {name: opt for name, (_lo, opt, _hi) in parse_profile_shapes(args.shape).items()}
+
+
+def tensorrt_options_from(args: argparse.Namespace):
+    """The TensorRT build options (``--target tensorrt``), else None."""
+    if getattr(args, "target", "onnxruntime") != "tensorrt":
+        return None
+    from layerzero.targets.tensorrt import TensorRTOptions, parse_profile_shapes
+
+    return TensorRTOptions(
+        precision=args.precision,
+        profiles=parse_profile_shapes(args.shape),
+        workspace_mb=args.workspace_mb,
+        plugin_library=args.plugin_library,
+        verify=not args.no_verify and not args.no_verify_plan,
+    )
 
 
 def options_from(args: argparse.Namespace) -> CompileOptions:
     return CompileOptions(
         assume_finite=not args.no_assume_finite,
         flag_pattern=args.flag_pattern,
+        groups=args.groups,
         verify=not args.no_verify,
         atol=args.atol,
         rtol=args.rtol,
         seed=args.seed,
-        shapes=parse_shapes(args.shape),
+        shapes=_shapes(args),
         sample_inputs=args.inputs,
+        target=getattr(args, "target", "onnxruntime"),
+        zeroing_threshold=getattr(args, "threshold", 0.0),
+        max_deviation=getattr(args, "max_deviation", None),
+        moe_lowering=getattr(args, "moe_lowering", "auto"),
     )
 
 
@@ -78,7 +155,8 @@ def print_verification(v) -> None:
         )
     for o in v.impact or []:
         console.print(
-            f"  impact of the declared zero layers on {o.name}: max abs {o.max_abs:.3g}, max rel {o.max_rel:.3g}"
+            f"  impact of the bypassed layers (zero flags, groups off) on {o.name}: "
+            f"max abs {o.max_abs:.3g}, max rel {o.max_rel:.3g}"
         )
 
 
@@ -86,7 +164,14 @@ def run(args: argparse.Namespace) -> int:
     options = options_from(args)
     try:
         with progress(f"compiling {args.model}") as say:
-            result = compile_file(args.model, args.output, options, progress=say, overwrite=args.force)
+            result = compile_file(
+                args.model,
+                args.output,
+                options,
+                progress=say,
+                overwrite=args.force,
+                tensorrt=tensorrt_options_from(args),
+            )
     except VerificationError as exc:
         if exc.result is not None:
             print_verification(exc.result)

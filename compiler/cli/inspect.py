@@ -8,13 +8,14 @@ examples:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
 from rich.table import Table
 
 from layerzero.cli._common import console
-from layerzero.inspect import natural_key, summarize
+from layerzero.inspect import find_moe, natural_key, summarize
 from layerzero.loader import load_model
 
 
@@ -29,8 +30,9 @@ def run(args: argparse.Namespace) -> int:
     path = args.model / "model.onnx" if args.model.is_dir() else args.model
     model = load_model(path)
     s = summarize(model, args.flag_pattern)
+    moe = find_moe(model)
     if args.json:
-        console.print_json(json.dumps(s.to_dict()))
+        console.print_json(json.dumps({**s.to_dict(), "moe": [dataclasses.asdict(f) for f in moe]}))
         return 0
     console.print(f"[bold]{path}[/bold]: {s.nodes:,} nodes, {s.params:,} parameters, {len(s.layers)} layers")
     flags = Table(title="zero flags", show_lines=False)
@@ -53,5 +55,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         scopes.add_row(scope, f"{s.scope_nodes[scope]:,}", f"{s.scope_params.get(scope, 0):,}")
     console.print(scopes)
+    for finding in moe:
+        console.print(finding.line(), style=None if finding.rewritten else "yellow", markup=False)
     console.print("ops: " + ", ".join(f"{op} {n}" for op, n in s.op_histogram.items()))
     return 0

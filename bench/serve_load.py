@@ -1,0 +1,305 @@
+"""Bounded load test: bare PyTriton + plain ONNX Runtime vs `layerzero serve`, on the same tiny model.
+
+    python bench/serve_load.py                      # 10,000 requests from 8 concurrent clients, per server
+    python bench/serve_load.py --quick              # 1,000 requests
+    python bench/serve_load.py --requests 2000 --clients 4 --protocol grpc --sample-rate 0
+
+Builds the example transformer (consumed zero flags, one block zeroed), compiles it, then serves
+(i) the source model with a bare PyTriton infer function around an onnxruntime session and
+(ii) the compiled bundle with `layerzero serve` (guard on at --sample-rate, reference = the source),
+one after the other, each on free 127.0.0.1 ports, and sends the same requests to each from --clients threads
+(tritonclient, one client per thread, after a warm-up). Prints p50/p95/p99 latency, throughput and errors
+side by side, then the guard's in-process overhead (Engine.run vs GuardedEngine.run, off and sampling).
+
+Target: 0 errors, LayerZero p50 within 3 ms of bare PyTriton. Needs the serve extra (PyTriton, tritonclient).
+Every run is bounded by --requests and --max-seconds per server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+VOCAB = 256
+
+
+def _free_ports(n: int) -> list[int]:
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+def _build(tmp: Path) -> tuple[Path, Path]:
+    import onnx
+
+    from layerzero.compile import compile_file
+    from layerzero.models import TransformerConfig, build_transformer
+    from layerzero.options import CompileOptions
+
+    config = TransformerConfig(flag_form="consumed", zero_blocks=(1, 2))
+    source = tmp / "source.onnx"
+    onnx.save(build_transformer(config), str(source))
+    bundle = tmp / "model.lz"
+    compile_file(source, bundle, CompileOptions(dynamic=False))
+    return source, bundle
+
+
+# ------------------------------------------------------------------------------------- (i) bare PyTriton
+
+
+def bare_server(model: str, http_port: int, grpc_port: int, instances: int) -> None:
+    """A PyTriton server around a plain onnxruntime session (what one writes without LayerZero)."""
+    import sysconfig
+
+    import onnxruntime as ort
+    from pytriton.model_config import ModelConfig, Tensor
+    from pytriton.triton import Triton, TritonConfig
+
+    os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(
+        p for p in (sysconfig.get_config_var("LIBDIR"), os.environ.get("LD_LIBRARY_PATH")) if p
+    )
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(model, sess_options=options, providers=["CPUExecutionProvider"])
+
+    def infer(requests: list) -> list[dict[str, np.ndarray]]:
+        return [{"logits": session.run(["logits"], {"input_ids": r["input_ids"]})[0]} for r in requests]
+
+    config = TritonConfig(http_address="127.0.0.1", http_port=http_port, grpc_address="127.0.0.1",
+                          grpc_port=grpc_port, allow_metrics=False, exit_timeout_secs=5)  # fmt: skip
+    with Triton(config=config) as triton:
+        triton.bind(
+            model_name="layerzero",
+            infer_func=[infer] * instances,
+            inputs=[Tensor(name="input_ids", dtype=np.int64, shape=(-1, -1))],
+            outputs=[Tensor(name="logits", dtype=np.float32, shape=(-1, -1, VOCAB))],
+            config=ModelConfig(batching=False),
+        )
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # serve() stops cleanly on KeyboardInterrupt
+        triton.serve()
+
+
+# ------------------------------------------------------------------------------------------------- load
+
+
+def _wait_ready(http_port: int, process: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    url = f"http://127.0.0.1:{http_port}/v2/models/layerzero/ready"
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("server not ready in time")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def load(url: str, protocol: str, requests: int, clients: int, seq: int, max_seconds: float) -> dict:
+    """Send ``requests`` requests from ``clients`` threads; their latencies (s), wall time and errors."""
+    if protocol == "http":
+        import tritonclient.http as lib
+    else:
+        import tritonclient.grpc as lib
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, VOCAB, size=(1, seq), dtype=np.int64)
+    latencies: list[list[float]] = [[] for _ in range(clients)]
+    errors = [0] * clients
+    per_client = [requests // clients + (1 if i < requests % clients else 0) for i in range(clients)]
+    deadline = [0.0]
+    # The barrier's action runs before any thread is released: the clock starts when the warm-up is over.
+    start_gate = threading.Barrier(clients + 1, action=lambda: deadline.__setitem__(0, time.monotonic() + max_seconds))
+
+    def client(i: int) -> None:
+        c = lib.InferenceServerClient(url)
+        tensor = lib.InferInput("input_ids", list(ids.shape), "INT64")
+        tensor.set_data_from_numpy(ids)
+        try:
+            for _ in range(20):  # warm-up, not counted
+                c.infer("layerzero", [tensor])
+            start_gate.wait()
+            for _ in range(per_client[i]):
+                if time.monotonic() > deadline[0]:
+                    break
+                t0 = time.perf_counter()
+                try:
+                    out = c.infer("layerzero", [tensor]).as_numpy("logits")
+                    if out is None or out.shape != (1, seq, VOCAB) or not np.isfinite(out).all():
+                        errors[i] += 1
+                except Exception:
+                    errors[i] += 1
+                latencies[i].append(time.perf_counter() - t0)
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    start_gate.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {"latencies": [x for xs in latencies for x in xs], "errors": int(sum(errors)), "wall": wall}
+
+
+def summarize(phases: list[dict]) -> dict:
+    lat = np.array([x for p in phases for x in p["latencies"]]) * 1e3
+    wall = sum(p["wall"] for p in phases)
+    return {
+        "requests": int(lat.size),
+        "errors": int(sum(p["errors"] for p in phases)),
+        "p50": float(np.percentile(lat, 50)),
+        "p95": float(np.percentile(lat, 95)),
+        "p99": float(np.percentile(lat, 99)),
+        "mean": float(lat.mean()),
+        "throughput": lat.size / wall,
+    }
+
+
+# ------------------------------------------------------------------------------------- guard overhead
+
+
+def guard_overhead(source: Path, bundle: Path, seq: int, n: int) -> list[tuple[str, float, float]]:
+    """Per-call time of Engine.run, and of GuardedEngine.run with the guard off and sampling 1 %."""
+    from layerzero.runtime import Engine
+    from layerzero.runtime.guard import GuardConfig, GuardedEngine
+
+    engine = Engine.load(bundle)
+    feeds = {"input_ids": np.random.default_rng(0).integers(0, VOCAB, size=(1, seq), dtype=np.int64)}
+    off = GuardedEngine(engine, source, GuardConfig(sample_rate=0.0))
+    sampling = GuardedEngine(engine, source, GuardConfig(sample_rate=0.01, seed=1))
+    sampling.preload_reference()
+    rows = []
+    for name, fn in (
+        ("Engine.run", lambda: engine.run(feeds)),
+        ("GuardedEngine.run, guard off", lambda: off.run(feeds)),
+        ("GuardedEngine.run, sample 1 %", lambda: sampling.run(feeds)),
+    ):
+        for _ in range(50):
+            fn()
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        rows.append((name, statistics.median(times) * 1e6, statistics.fmean(times) * 1e6))
+    assert not off.reference_loaded, "the guard loaded its reference while off"
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=10_000, help="requests per server (default 10,000)")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent clients (default 8)")
+    parser.add_argument("--quick", action="store_true", help="1,000 requests per server")
+    parser.add_argument("--protocol", choices=["http", "grpc"], default="http")
+    parser.add_argument("--seq", type=int, default=16, help="tokens per request (default 16)")
+    parser.add_argument("--instances", type=int, default=2, help="model instances on each server (default 2)")
+    parser.add_argument("--sample-rate", type=float, default=0.01, help="LayerZero guard sample rate (default 0.01)")
+    parser.add_argument("--max-seconds", type=float, default=300.0, help="time bound per server (default 300)")
+    parser.add_argument("--rounds", type=int, default=4, help="alternating load phases per server (default 4)")
+    parser.add_argument("--bare-server", metavar="MODEL", help=argparse.SUPPRESS)
+    parser.add_argument("--port-http", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port-grpc", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.bare_server:
+        bare_server(args.bare_server, args.port_http, args.port_grpc, args.instances)
+        return 0
+    if args.quick:
+        args.requests = min(args.requests, 1000)
+
+    with tempfile.TemporaryDirectory(prefix="serve_load.") as tmp_name:
+        tmp = Path(tmp_name)
+        source, bundle = _build(tmp)
+        ports = _free_ports(5)
+        commands = {
+            "bare PyTriton + ORT": (
+                [sys.executable, __file__, "--bare-server", str(source), "--port-http", str(ports[0]),
+                 "--port-grpc", str(ports[1]), "--instances", str(args.instances)], ports[0], ports[1]),
+            "layerzero serve": (
+                [sys.executable, "-m", "layerzero", "serve", str(bundle), "--port-http", str(ports[2]),
+                 "--port-grpc", str(ports[3]), "--port-metrics", str(ports[4]), "--reference", str(source),
+                 "--sample-rate", str(args.sample_rate), "--instances", str(args.instances)], ports[2], ports[3]),
+        }  # fmt: skip
+        # Both servers up at once (idle one costs no CPU); the load alternates between them in ABBA rounds so
+        # that drift in the machine's load (shared cores) hits both alike.
+        processes, logs = {}, {}
+        try:
+            for name, (command, _, _) in commands.items():
+                logs[name] = tmp / f"{name.split()[0]}.log"
+                with open(logs[name], "wb") as out:
+                    processes[name] = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                                       start_new_session=True)  # fmt: skip
+            for name, (_, http_port, _) in commands.items():
+                _wait_ready(http_port, processes[name])
+            phases: dict[str, list[dict]] = {name: [] for name in commands}
+            order = list(commands)
+            per_round = max(args.clients, args.requests // args.rounds)
+            for r in range(args.rounds):
+                for name in order if r % 2 == 0 else order[::-1]:
+                    _, http_port, grpc_port = commands[name]
+                    url = f"127.0.0.1:{http_port if args.protocol == 'http' else grpc_port}"
+                    budget = args.max_seconds / args.rounds
+                    phases[name].append(load(url, args.protocol, per_round, args.clients, args.seq, budget))
+        except Exception:
+            for name, log in logs.items():
+                print(f"--- {name} log ---\n{log.read_text()[-3000:]}", file=sys.stderr)
+            raise
+        finally:
+            for process in processes.values():
+                _stop(process)
+        results = {name: summarize(p) for name, p in phases.items()}
+        overhead = guard_overhead(source, bundle, args.seq, n=2000 if not args.quick else 500)
+
+    names = list(results)
+    print(f"\n{args.requests:,} requests x {args.clients} clients, {args.protocol}, seq {args.seq}, "
+          f"{args.instances} instances, guard sample rate {args.sample_rate:g}, {os.cpu_count()} CPUs")  # fmt: skip
+    print(f"{'':18}{names[0]:>22}{names[1]:>22}{'delta':>12}")
+    rows = [("p50 ms", "p50", 3), ("p95 ms", "p95", 3), ("p99 ms", "p99", 3), ("mean ms", "mean", 3),
+            ("throughput req/s", "throughput", 1), ("requests", "requests", 0), ("errors", "errors", 0)]  # fmt: skip
+    for label, key, digits in rows:
+        a, b = results[names[0]][key], results[names[1]][key]
+        print(f"{label:18}{a:>22,.{digits}f}{b:>22,.{digits}f}{b - a:>+12,.{digits}f}")
+    p50_delta = results[names[1]]["p50"] - results[names[0]]["p50"]
+    errors = sum(r["errors"] for r in results.values())
+    ok = errors == 0 and p50_delta <= 3.0
+    print(f"target (0 errors, p50 within 3 ms): {'met' if ok else 'NOT met'} (p50 delta {p50_delta:+.3f} ms)")
+    print("\nguard overhead in-process (compiled bundle, one request)")
+    print(f"{'':34}{'median us':>12}{'mean us':>12}{'vs Engine':>12}")
+    base = overhead[0][1]
+    for name, median, mean in overhead:
+        print(f"{name:34}{median:>12.1f}{mean:>12.1f}{median - base:>+12.1f}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

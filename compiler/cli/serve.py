@@ -1,0 +1,131 @@
+"""Serve a compiled bundle with Triton Inference Server (PyTriton), with the guard, metrics and a kill switch.
+
+KServe v2 inference over HTTP (--port-http) and gRPC (--port-grpc), and a control server on --port-metrics,
+all on 127.0.0.1 only. Needs the serve extra: pip install 'layerzero[serve]'.
+
+  GET  /metrics       Prometheus text: requests, fallbacks, reference runs, kill switch, threshold, latency
+  GET  /status        JSON: model, endpoints, guard state and counters
+  GET  /healthz       ok once the model is served
+  POST /kill-switch   {"on": true}  every request goes to the reference model, from the next one on
+  POST /threshold     {"value": 0.05, "segment": "chat"}   the run-time zeroing threshold
+
+The reference (for sampling, fallback, the kill switch and --max-tokens) is --reference, or else the model
+the bundle was compiled from when it is still there unchanged. Without one, the guard is off. A request
+picks its segment with the KServe request parameter "segment". Stops on Ctrl-C / SIGTERM.
+
+examples:
+  layerzero serve model.lz
+  layerzero serve model.lz --reference model.onnx --sample-rate 0.05 --port-http 9000 --port-grpc 9001
+  layerzero serve model.lz --segment chat:sample_rate=0.1,threshold=0.02 --max-tokens 4096
+  curl -X POST localhost:8002/kill-switch -d '{"on": true}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from layerzero.cli._common import console
+from layerzero.errors import InvalidInputError
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("bundle", type=Path, help="a bundle written by `layerzero compile`")
+    p.add_argument("--port-http", type=int, default=8000, help="KServe v2 HTTP port (default 8000)")
+    p.add_argument("--port-grpc", type=int, default=8001, help="KServe v2 gRPC port (default 8001)")
+    p.add_argument("--port-metrics", type=int, default=8002, help="control + /metrics port (default 8002)")
+    p.add_argument("--model-name", default="layerzero", help="the Triton model name (default layerzero)")
+    p.add_argument("--instances", type=int, default=2, help="model instances, i.e. concurrent requests (default 2)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="execution device (default cpu)")
+    g = p.add_argument_group("guard")
+    g.add_argument("--reference", type=Path, metavar="MODEL", help="the reference model (default: the source)")
+    g.add_argument("--no-reference", action="store_true", help="serve without a reference (guard off)")
+    g.add_argument("--sample-rate", type=float, help="fraction of requests compared (default 0.01 with a reference)")
+    g.add_argument("--fallback-bound", type=float, default=0.05, help="relative L2 error bound (default 0.05)")
+    g.add_argument("--window-seconds", type=float, default=300.0, help="fallback-rate window (default 300)")
+    g.add_argument("--raise-above", type=float, default=0.05, help="fallback rate that raises the threshold")
+    g.add_argument("--min-window-requests", type=int, default=100, help="sampled requests before a raise")
+    g.add_argument("--no-auto-raise", action="store_true", help="never raise the zeroing threshold")
+    g.add_argument("--threshold", type=float, help="starting zeroing threshold (default: the compiled one)")
+    g.add_argument("--max-tokens", type=int, help="requests with more tokens go to the reference")
+    g.add_argument("--token-input", help="the input whose last axis counts tokens (default: first integer input)")
+    g.add_argument("--segment", action="append", metavar="NAME:KEY=V,...",
+                   help="a segment's settings, e.g. chat:sample_rate=0.1,threshold=0.02")  # fmt: skip
+    g.add_argument("--kill-switch", action="store_true", help="start with the kill switch on")
+    g.add_argument("--seed", type=int, default=0, help="seed of the sampling RNG")
+
+
+def parse_segments(items: list[str] | None) -> dict:
+    from layerzero.runtime.guard import SegmentConfig
+
+    segments = {}
+    for item in items or []:
+        name, sep, rest = item.partition(":")
+        if not sep or not name:
+            raise InvalidInputError(f"--segment {item!r}: expected NAME:sample_rate=R,threshold=T")
+        values: dict[str, float] = {}
+        for pair in filter(None, (p.strip() for p in rest.split(","))):
+            key, eq, value = pair.partition("=")
+            if not eq or key not in ("sample_rate", "threshold"):
+                raise InvalidInputError(f"--segment {item!r}: {pair!r} is not sample_rate=R or threshold=T")
+            try:
+                values[key] = float(value)
+            except ValueError:
+                raise InvalidInputError(f"--segment {item!r}: {value!r} is not a number") from None
+        segments[name] = SegmentConfig(**values)
+    return segments
+
+
+def run(args: argparse.Namespace) -> int:
+    from layerzero.runtime.engine import Engine
+    from layerzero.runtime.guard import GuardConfig, GuardedEngine
+    from layerzero.runtime.server import LayerZeroServer, ServerConfig, pytriton_available
+    from layerzero.runtime.triton_repo import default_reference
+
+    if not pytriton_available():
+        raise InvalidInputError("`layerzero serve` needs PyTriton: pip install 'layerzero[serve]'")
+    if not args.bundle.is_dir():
+        raise InvalidInputError(f"{args.bundle} is not a bundle directory (compile the model first)")
+    options = {"device": args.device}
+    engine = Engine.load(args.bundle, **options)
+    reference = None
+    if not args.no_reference:
+        reference = args.reference if args.reference is not None else default_reference(engine.manifest)
+    sample_rate = args.sample_rate if args.sample_rate is not None else (0.01 if reference is not None else 0.0)
+    config = GuardConfig(
+        sample_rate=sample_rate,
+        fallback_bound=args.fallback_bound,
+        window_seconds=args.window_seconds,
+        raise_above=args.raise_above,
+        min_window_requests=args.min_window_requests,
+        auto_raise=not args.no_auto_raise,
+        threshold=args.threshold,
+        max_tokens=args.max_tokens,
+        token_input=args.token_input,
+        segments=parse_segments(args.segment),
+        kill_switch=args.kill_switch,
+        seed=args.seed,
+    )
+    guard = GuardedEngine(engine, reference, config, reference_options=options)
+    server = LayerZeroServer(
+        guard,
+        ServerConfig(
+            http_port=args.port_http,
+            grpc_port=args.port_grpc,
+            control_port=args.port_metrics,
+            model_name=args.model_name,
+            instances=args.instances,
+        ),
+    )
+    with server:
+        ends = server.endpoints()
+        console.print(f"serving {args.bundle} as {args.model_name!r}: http {ends['http']}, grpc {ends['grpc']}, "
+                      f"control {ends['control']} (/metrics, /status, /kill-switch, /threshold)")  # fmt: skip
+        console.print(f"guard: reference {reference or 'none'}, sample rate {sample_rate:g}")
+        sys.stdout.flush()
+        server.wait()
+    return 0

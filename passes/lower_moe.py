@@ -1,0 +1,362 @@
+"""Lower the skipping form ``ai.layerzero::MoE`` to ops ONNX Runtime runs, keeping the skipping."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import onnx_ir as ir
+
+from layerzero.passes._dynamic import THRESHOLD_INPUT, DynamicPath, read_dynamic_paths, record_dynamic_path
+from layerzero.passes._graph import NAME_SCOPES_KEY, NameFactory, make_constant, replace_value
+
+__all__ = ["LOWERINGS", "LowerMoE", "choose_lowering"]
+
+logger = logging.getLogger(__name__)
+
+MOE_DOMAIN = "ai.layerzero"
+LOWERINGS = ("auto", "if", "ort-moe")
+
+
+def ort_moe_supports(scoring: str, activation: str, zeroing_threshold: float) -> str | None:
+    """Why ``com.microsoft.MoE`` cannot compute this block (None when it can)."""
+    if scoring != "softmax":
+        return f"scoring {scoring!r} (com.microsoft.MoE applies softmax to the logits)"
+    if activation != "silu":
+        return f"activation {activation!r} (only swiglu = silu(gate) * up is lowered to com.microsoft.MoE)"
+    if zeroing_threshold > 0:
+        return f"zeroing_threshold {zeroing_threshold:g} (com.microsoft.MoE runs all top-k experts)"
+    return None
+
+
+def choose_lowering(requested: str, scoring: str, activation: str, zeroing_threshold: float, tokens: object) -> str:
+    """``"if"`` or ``"ort-moe"`` for one block.
+
+    ``auto`` picks ``if``: measured with ``bench/moe.py --quick`` and the full run on 2 shared CPU cores
+    (ORT 1.32, fp32, E=8, k=2), see the numbers in ``AUTO_NOTE``.
+    """
+    if requested not in LOWERINGS:
+        raise ValueError(f"moe_lowering={requested!r}; expected one of {LOWERINGS}")
+    why_not = ort_moe_supports(scoring, activation, zeroing_threshold)
+    if requested == "ort-moe":
+        if why_not is not None:
+            logger.warning("com.microsoft.MoE cannot run this block (%s): lowering it with If subgraphs", why_not)
+            return "if"
+        return "ort-moe"
+    if requested == "if":
+        return "if"
+    return AUTO_CHOICE if why_not is None else "if"
+
+
+# "auto": chosen by bench/moe.py, see AUTO_NOTE.
+AUTO_CHOICE = "if"
+AUTO_NOTE = "to be filled by bench/moe.py"
+
+
+class LowerMoE(ir.passes.InPlacePass):
+    """Replace each ``ai.layerzero::MoE`` node by standard / ``com.microsoft`` ops for ONNX Runtime.
+
+    Cases:
+    1. ``if``: routing in standard ops (scores, TopK, renormalisation, threshold, ``ScatterElements`` into a
+       ``[T, E]`` weight matrix and mask); per expert an ``If`` on "some token is routed to it" whose then-branch
+       gathers its tokens only (``NonZero`` / ``Gather``), runs the FFN, scales by the routing weight and adds
+       into the accumulator with ``ScatterND(reduction="add")``; the else-branch passes the accumulator on.
+       Every scoring, activation and threshold.
+    2. ``ort-moe``: ``com.microsoft.MoE`` (fc1 rows interleaved gate/up, ``swiglu_fusion=1``), for softmax
+       scoring, silu and threshold 0; the mask is computed by the same standard routing ops.
+       NOTE: the op breaks exact ties of routing probabilities towards the higher expert index (ONNX TopK,
+       the reference and ``if``: the lower), so on exactly equal logits its output differs; it also ignores
+       the run-time threshold input.
+    ``auto`` chooses per ``AUTO_CHOICE``; a block ``ort-moe`` cannot run falls back to ``if``.
+    The node's mask output keeps its graph output name (``layerzero::mask::<path>``). Only the
+    ``onnxruntime`` target is lowered; other targets keep the node (a TensorRT plugin implements it).
+    """
+
+    def __init__(self, options: object | None = None) -> None:
+        super().__init__()
+        self.requested = str(getattr(options, "moe_lowering", "auto") or "auto")
+        self.target = str(getattr(options, "target", "onnxruntime") or "onnxruntime")
+        self.lowered: list[tuple[str, str]] = []  # (path, lowering)
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.lowered = []
+        if self.target != "onnxruntime":
+            return ir.passes.PassResult(model, modified=False)
+        graph = model.graph
+        nodes = [n for n in graph if n.domain == MOE_DOMAIN and n.op_type == "MoE"]
+        if not nodes:
+            return ir.passes.PassResult(model, modified=False)
+        names = NameFactory(graph)
+        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+        for node in nodes:
+            spec = _MoESpec.of(node)
+            lowering = choose_lowering(
+                self.requested, spec.scoring, spec.activation, spec.threshold, node.inputs[0].shape
+            )
+            dtype = node.inputs[0].dtype.numpy() if node.inputs[0].dtype is not None else spec.w_gate.dtype
+            b = _Builder(graph, names, opset, spec.path, np.dtype(dtype))
+            if lowering == "ort-moe":
+                y, mask = _lower_ort_moe(b, node, spec)
+                model.opset_imports.setdefault("com.microsoft", 1)
+            else:
+                threshold = _threshold_input(model, spec.threshold)
+                y, mask = _lower_if(b, node, spec, threshold)
+            graph.insert_before(node, b.nodes)
+            replace_value(node.outputs[0], y, names)
+            replace_value(node.outputs[1], mask, names)
+            graph.remove(node, safe=True)
+            self.lowered.append((spec.path, lowering))
+            _note_lowering(model, spec.path, lowering)
+            logger.info("MoE block at %s lowered with %s", spec.path, lowering)
+        if not any(n.domain == MOE_DOMAIN for g in [graph] for n in g):
+            model.opset_imports.pop(MOE_DOMAIN, None)
+        return ir.passes.PassResult(model, modified=True)
+
+
+def _threshold_input(model: ir.Model, default: float) -> ir.Value:
+    """The run-time threshold ``layerzero::threshold`` (float32 scalar input, initialised to ``default``)."""
+    graph = model.graph
+    for value in graph.inputs:
+        if value.name == THRESHOLD_INPUT:
+            return value
+    value = ir.Value(
+        name=THRESHOLD_INPUT,
+        type=ir.TensorType(ir.DataType.FLOAT),
+        shape=ir.Shape([]),
+        const_value=ir.tensor(np.array(default, np.float32), name=THRESHOLD_INPUT),
+    )
+    graph.inputs.append(value)
+    graph.register_initializer(value)
+    return value
+
+
+def _note_lowering(model: ir.Model, path: str, lowering: str) -> None:
+    for entry in read_dynamic_paths(model):
+        if entry.path == path:
+            detail = dict(entry.detail, lowering=lowering)
+            record_dynamic_path(model, DynamicPath(**{**dataclasses.asdict(entry), "detail": detail}))
+
+
+@dataclasses.dataclass
+class _MoESpec:
+    path: str
+    top_k: int
+    normalize: bool
+    scoring: str
+    activation: str
+    threshold: float
+    w_gate: np.ndarray
+    w_up: np.ndarray
+    w_down: np.ndarray
+
+    @classmethod
+    def of(cls, node: ir.Node) -> _MoESpec:
+        def attr(name: str, default: object) -> object:
+            a = node.attributes.get(name)
+            return default if a is None else a.value
+
+        arrays = []
+        for value in node.inputs[2:5]:
+            tensor = None if value is None else value.const_value
+            if tensor is None:
+                raise ValueError(f"MoE node {node.name}: expert weight {value and value.name} is not a constant")
+            arrays.append(tensor.numpy())
+        return cls(
+            path=str(attr("path", node.name)),
+            top_k=int(attr("top_k", 1)),
+            normalize=bool(attr("normalize", 0)),
+            scoring=str(attr("scoring", "softmax")),
+            activation=str(attr("activation", "silu")),
+            threshold=float(attr("zeroing_threshold", 0.0)),
+            w_gate=arrays[0],
+            w_up=arrays[1],
+            w_down=arrays[2],
+        )
+
+    @property
+    def experts(self) -> int:
+        return int(self.w_gate.shape[0])
+
+    @property
+    def ffn(self) -> int:
+        return int(self.w_gate.shape[1])
+
+
+class _Builder:
+    """Appends nodes to a list (the root graph's, or a subgraph's) with unique names and a scope."""
+
+    def __init__(self, root: ir.Graph, names: NameFactory, opset: int, scope: str, dtype: np.dtype) -> None:
+        self.root = root
+        self.dtype = dtype  # of the hidden state, logits and weights
+        self.names = names
+        self.opset = opset
+        self.scope = scope
+        self.nodes: list[ir.Node] = []
+
+    def sub(self, scope: str) -> _Builder:
+        return _Builder(self.root, self.names, self.opset, scope, self.dtype)
+
+    def op(self, op_type: str, inputs: list[ir.Value | None], domain: str = "", outputs: int = 1, **attrs: object):
+        attributes = []
+        for key, value in attrs.items():
+            if isinstance(value, (bool, int)):
+                attributes.append(ir.AttrInt64(key, int(value)))
+            elif isinstance(value, float):
+                attributes.append(ir.AttrFloat32(key, value))
+            elif isinstance(value, str):
+                attributes.append(ir.AttrString(key, value))
+            elif isinstance(value, ir.Graph):
+                attributes.append(ir.AttrGraph(key, value))
+            elif isinstance(value, ir.Tensor):
+                attributes.append(ir.AttrTensor(key, value))
+            else:
+                attributes.append(ir.AttrInt64s(key, [int(v) for v in value]))
+        node = ir.Node(
+            domain,
+            op_type,
+            inputs,
+            attributes=attributes,
+            num_outputs=outputs,
+            name=self.names(f"/{self.scope}/{op_type}"),
+            metadata_props={NAME_SCOPES_KEY: repr([self.scope, op_type.lower()])},
+        )
+        for i, out in enumerate(node.outputs):
+            out.name = self.names(f"{self.scope}.{op_type.lower()}" + (f"_{i}" if i else ""))
+        self.nodes.append(node)
+        return node.outputs[0] if outputs == 1 else list(node.outputs)
+
+    def const(self, hint: str, array: np.ndarray) -> ir.Value:
+        """A small constant (axes, indices, scalars) as a ``Constant`` node: not a parameter of the model."""
+        value = self.op("Constant", [], value=ir.tensor(np.asarray(array)))
+        value.name = self.names(f"{self.scope}.{hint}")
+        value.dtype = ir.DataType.from_numpy(np.asarray(array).dtype)
+        value.shape = ir.Shape(np.asarray(array).shape)
+        return value
+
+    def weight(self, hint: str, array: np.ndarray) -> ir.Value:
+        """A weight, as an initializer of the root graph (visible to every subgraph)."""
+        return make_constant(self.root, self.names, f"{self.scope}.{hint}", array)
+
+    def ints(self, *values: int) -> ir.Value:
+        return self.const("const", np.array(values, dtype=np.int64))
+
+    def reduce(self, op_type: str, x: ir.Value, axes: list[int], keepdims: int) -> ir.Value:
+        # ReduceSum takes axes as an input from opset 13, the other reductions from opset 18.
+        if op_type == "ReduceSum" or self.opset >= 18:
+            return self.op(op_type, [x, self.ints(*axes)], keepdims=keepdims)
+        return self.op(op_type, [x], axes=axes, keepdims=keepdims)
+
+
+def _activation(b: _Builder, x: ir.Value, activation: str) -> ir.Value:
+    if activation == "silu":
+        return b.op("Mul", [x, b.op("Sigmoid", [x])])
+    if activation == "relu":
+        return b.op("Relu", [x])
+    if activation == "gelu":
+        if b.opset >= 20:
+            return b.op("Gelu", [x])
+        dtype = b.dtype
+        half = b.const("half", np.array(0.5, dtype))
+        one = b.const("one", np.array(1.0, dtype))
+        root2 = b.const("sqrt2", np.array(np.sqrt(2.0), dtype))
+        erf = b.op("Erf", [b.op("Div", [x, root2])])
+        return b.op("Mul", [b.op("Mul", [x, half]), b.op("Add", [erf, one])])
+    raise ValueError(f"activation {activation!r}")
+
+
+def _routing(
+    b: _Builder, logits: ir.Value, spec: _MoESpec, dense: bool, threshold: ir.Value | None = None
+) -> tuple[ir.Value | None, ir.Value]:
+    """``(weights [T, E] or None, selected [T, E] 0/1)``, in the logits' dtype: the top-k weights and which
+    experts run."""
+    dtype = b.dtype
+    if spec.scoring == "softmax":
+        probs = b.op("Softmax", [logits], axis=-1)
+    else:
+        probs = b.op("Sigmoid", [logits])
+    values, indices = b.op("TopK", [probs, b.ints(spec.top_k)], outputs=2, axis=-1, largest=1, sorted=1)
+    if spec.normalize:
+        values = b.op("Div", [values, b.reduce("ReduceSum", values, [-1], 1)])
+    if threshold is not None:
+        # values are sorted: the first is the token's largest weight. At threshold 0 every weight (≥ 0) is
+        # kept, exactly; the threshold is a graph input so that the runtime can raise it per request.
+        if dtype != np.float32:
+            threshold = b.op("Cast", [threshold], to=ir.DataType.from_numpy(dtype))
+        top = b.op("Slice", [values, b.ints(0), b.ints(1), b.ints(1)])
+        bound = b.op("Mul", [top, threshold])
+        keep = b.op("Not", [b.op("Less", [values, bound])])
+        values = b.op("Where", [keep, values, b.const("zero", np.array(0.0, dtype))])
+        ones = b.op("Cast", [keep], to=ir.DataType.from_numpy(dtype))
+    else:
+        ones = b.op("ConstantOfShape", [b.op("Shape", [values])], value=ir.tensor(np.array([1.0], dtype)))
+    zeros = b.op("ConstantOfShape", [b.op("Shape", [logits])], value=ir.tensor(np.array([0.0], dtype)))
+    selected = b.op("ScatterElements", [zeros, indices, ones], axis=-1)
+    weights = b.op("ScatterElements", [zeros, indices, values], axis=-1) if dense else None
+    return weights, selected
+
+
+def _lower_if(b: _Builder, node: ir.Node, spec: _MoESpec, threshold: ir.Value) -> tuple[ir.Value, ir.Value]:
+    hidden, logits = node.inputs[0], node.inputs[1]
+    weights, selected = _routing(b, logits, spec, dense=True, threshold=threshold)
+    mask = b.op("Cast", [selected], to=ir.DataType.BOOL)
+    mask_t = b.op("Transpose", [mask], perm=[1, 0])  # [E, T]
+    weights_t = b.op("Transpose", [weights], perm=[1, 0])  # [E, T]
+    dtype = b.dtype
+    zero = b.const("zero", np.array(0.0, dtype))
+    runs = b.op("Greater", [b.reduce("ReduceSum", selected, [0], 0), zero])
+    acc = b.op("ConstantOfShape", [b.op("Shape", [hidden])], value=ir.tensor(np.array([0.0], dtype)))
+    ffn = spec.ffn
+    for e in range(spec.experts):
+        sub = b.sub(f"{spec.path}.experts.{e}")
+        index = sub.const("index", np.array(e, np.int64))
+        # One [H, 2F] matrix for gate and up: one MatMul reads both.
+        w_gate_up = sub.weight("gate_up_proj", np.concatenate([spec.w_gate[e].T, spec.w_up[e].T], axis=1))
+        w_down = sub.weight("down_proj", np.ascontiguousarray(spec.w_down[e].T))
+        run = sub.op("Gather", [runs, index], axis=0)
+        then = sub.sub(sub.scope)
+        column = then.op("Gather", [mask_t, index], axis=0)  # [T] bool
+        nonzero = then.op("NonZero", [column])  # [1, n]
+        tokens = then.op("Squeeze", [nonzero, then.ints(0)])  # [n]
+        positions = then.op("Transpose", [nonzero], perm=[1, 0])  # [n, 1]
+        x = then.op("Gather", [hidden, tokens], axis=0)  # [n, H]
+        gate, up = then.op("Split", [then.op("MatMul", [x, w_gate_up]), then.ints(ffn, ffn)], outputs=2, axis=-1)
+        h = then.op("Mul", [_activation(then, gate, spec.activation), up])
+        y = then.op("MatMul", [h, w_down])  # [n, H]
+        scale = then.op("Gather", [then.op("Gather", [weights_t, index], axis=0), tokens], axis=0)
+        y = then.op("Mul", [y, then.op("Unsqueeze", [scale, then.ints(1)])])
+        out = then.op("ScatterND", [acc, positions, y], reduction="add")
+        out.dtype, out.shape = hidden.dtype, hidden.shape
+        then_graph = ir.Graph([], [out], nodes=then.nodes, name=b.names(f"{sub.scope}.then"))
+        otherwise = sub.sub(sub.scope)
+        passed = otherwise.op("Identity", [acc])
+        passed.dtype, passed.shape = hidden.dtype, hidden.shape
+        else_graph = ir.Graph([], [passed], nodes=otherwise.nodes, name=b.names(f"{sub.scope}.else"))
+        acc = sub.op("If", [run], then_branch=then_graph, else_branch=else_graph)
+        acc.dtype, acc.shape = hidden.dtype, hidden.shape
+        b.nodes.extend(sub.nodes)
+    return acc, mask
+
+
+def _lower_ort_moe(b: _Builder, node: ir.Node, spec: _MoESpec) -> tuple[ir.Value, ir.Value]:
+    hidden, logits = node.inputs[0], node.inputs[1]
+    _, selected = _routing(b, logits, spec, dense=False)
+    mask = b.op("Cast", [selected], to=ir.DataType.BOOL)
+    experts, ffn, size = spec.w_gate.shape
+    # fc1 rows interleaved [gate_0, up_0, gate_1, up_1, ...] (swiglu_fusion=1).
+    fc1 = np.empty((experts, 2 * ffn, size), dtype=spec.w_gate.dtype)
+    fc1[:, 0::2] = spec.w_gate
+    fc1[:, 1::2] = spec.w_up
+    experts_scope = b.sub(f"{spec.path}.experts")  # the weights stay in the experts' scope
+    y = experts_scope.op(
+        "MoE",
+        [hidden, logits, experts_scope.weight("fc1", fc1), None, experts_scope.weight("fc2", spec.w_down)],
+        domain="com.microsoft",
+        k=spec.top_k,
+        activation_type="swiglu",
+        swiglu_fusion=1,
+        normalize_routing_weights=int(spec.normalize),
+    )
+    y.dtype, y.shape = hidden.dtype, hidden.shape
+    b.nodes.extend(experts_scope.nodes)
+    return y, mask

@@ -1,0 +1,182 @@
+"""Router-driven expert skipping: rewrite mixture-of-experts blocks into the skipping form ``ai.layerzero::MoE``."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx_ir as ir
+
+from layerzero.passes._dynamic import MASK_PREFIX, ROUTER_PREFIX, DynamicPath, record_dynamic_path
+from layerzero.passes._graph import NAME_SCOPES_KEY, NameFactory, make_constant, replace_value
+from layerzero.passes._moe_match import MoEMatch, Rejection, find_moe_blocks
+
+__all__ = ["MOE_DOMAIN", "MOE_OP", "SkipExperts"]
+
+logger = logging.getLogger(__name__)
+
+MOE_DOMAIN = "ai.layerzero"
+MOE_OP = "MoE"
+# ScatterND(reduction="add") of the ONNX Runtime lowering needs opset 16.
+_MIN_OPSET = 16
+
+
+class SkipExperts(ir.passes.InPlacePass):
+    """Rewrite each mixture-of-experts block into one ``ai.layerzero::MoE`` node, the skipping form.
+
+    ``y, mask = MoE(hidden [T, H], router_logits [T, E], w_gate [E, F, H], w_up [E, F, H], w_down [E, H, F])``
+    with attributes ``top_k``, ``normalize``, ``scoring``, ``activation``, ``zeroing_threshold`` and ``path``;
+    semantics in ``layerzero.plugins.reference``. Only the experts a token is routed to run for it.
+
+    Cases (the block shapes of ``passes/_moe_match.py``):
+    1. Hugging Face ``batched_mm`` exports (Mixtral, Qwen2-MoE; shared experts stay as they are).
+    2. Dense blocks: every expert on every token, combined with a ``[T, E]`` routing matrix.
+    3. Unrolled blocks: one FFN per expert scaled by its routing column and summed.
+    A block is rewritten only on an exact match (structure, attributes, constants, weight shapes, no
+    intermediate read outside the block); every other router is listed in ``rejected`` with the reason.
+
+    Per block the pass adds the graph outputs ``layerzero::mask::<path>`` (``[T, E]`` bool, the node's mask)
+    and ``layerzero::router::<path>`` (``[T]``, each token's top-1 probability) and records a ``DynamicPath``
+    with one subpath ``<path>.experts.<e>`` per expert and its parameter count. The replaced nodes are
+    removed, so a second run finds nothing.
+    """
+
+    def __init__(self, options: object | None = None) -> None:
+        super().__init__()
+        self.zeroing_threshold = float(getattr(options, "zeroing_threshold", 0.0) or 0.0)
+        self.rewritten: list[tuple[str, str]] = []  # (path, form)
+        self.rejected: list[Rejection] = []
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        matches, self.rejected = find_moe_blocks(graph)
+        self.rewritten = []
+        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+        if matches and opset < _MIN_OPSET:
+            for m in matches:
+                self.rejected.append(Rejection(m.path, f"model opset {opset} < {_MIN_OPSET} (convert the model first)"))
+            matches = []
+        names = NameFactory(graph)
+        used_paths: set[str] = set()
+        for i, match in enumerate(matches):
+            path = match.path or f"moe_{i}"
+            while path in used_paths:
+                path = f"{path}_{i}"
+            used_paths.add(path)
+            self._rewrite(model, match, path, names, opset)
+            self.rewritten.append((path, match.form))
+            logger.info(
+                "MoE block at %s (%s, %d experts, top-%d): skipping form",
+                path,
+                match.form,
+                match.experts,
+                match.router.top_k,
+            )
+        for r in self.rejected:
+            logger.info("MoE candidate at %s: not rewritten: %s", r.scope or "(no scope)", r.reason)
+        if matches:
+            model.opset_imports[MOE_DOMAIN] = 1
+        return ir.passes.PassResult(model, modified=bool(matches))
+
+    def _rewrite(self, model: ir.Model, m: MoEMatch, path: str, names: NameFactory, opset: int) -> None:
+        graph = model.graph
+        router = m.router
+        end = m.output.producer()
+        weights = [
+            make_constant(graph, names, f"{path}.experts.{part}", array)
+            for part, array in (("w_gate", m.w_gate), ("w_up", m.w_up), ("w_down", m.w_down))
+        ]
+        node = ir.Node(
+            MOE_DOMAIN,
+            MOE_OP,
+            [m.hidden, router.logits, *weights],
+            attributes=[
+                ir.AttrInt64("top_k", router.top_k),
+                ir.AttrInt64("normalize", m.normalize),
+                ir.AttrString("scoring", router.scoring),
+                ir.AttrString("activation", m.activation),
+                ir.AttrFloat32("zeroing_threshold", self.zeroing_threshold),
+                ir.AttrString("path", path),
+            ],
+            num_outputs=2,
+            name=names(f"/{path}/experts/MoE"),
+            metadata_props={NAME_SCOPES_KEY: repr([path, f"{path}.experts", "moe"])},
+        )
+        y, mask = node.outputs
+        y.name = names(f"{path}.moe_output")
+        y.dtype, y.shape = m.hidden.dtype, m.hidden.shape
+        mask.name = names(MASK_PREFIX + path)
+        mask.dtype = ir.DataType.BOOL
+        tokens = m.hidden.shape[0] if m.hidden.shape is not None else None
+        mask.shape = ir.Shape([tokens, m.experts]) if tokens is not None else None
+        # The top-1 probability of each token: the router's confidence (routing_confidence).
+        scores = ir.Node(
+            "",
+            router.scores.op_type,
+            [router.logits],
+            attributes=[ir.AttrInt64("axis", -1)] if router.scores.op_type == "Softmax" else [],
+            name=names(f"/{path}/router/{router.scores.op_type}"),
+        )
+        if opset >= 18:
+            axes_node = ir.Node(
+                "", "Constant", [], attributes=[ir.AttrTensor("value", ir.tensor(np.array([-1], np.int64)))]
+            )
+            axes_node.name = names(f"/{path}/router/Constant")
+            axes = axes_node.outputs[0]
+            axes.name = names(f"{path}.router.axes")
+            top1 = ir.Node("", "ReduceMax", [scores.outputs[0], axes], attributes=[ir.AttrInt64("keepdims", 0)])
+        else:
+            top1 = ir.Node(
+                "",
+                "ReduceMax",
+                [scores.outputs[0]],
+                attributes=[ir.AttrInts("axes", [-1]), ir.AttrInt64("keepdims", 0)],
+            )
+        top1.name = names(f"/{path}/router/ReduceMax")
+        confidence = top1.outputs[0]
+        confidence.name = names(ROUTER_PREFIX + path)
+        confidence.dtype = router.logits.dtype
+        confidence.shape = ir.Shape([tokens]) if tokens is not None else None
+        graph.insert_after(end, [node, scores, *([axes_node] if opset >= 18 else []), top1])
+        replace_value(m.output, y, names)
+        graph.outputs.extend([mask, confidence])
+        _remove_dead(graph, [*m.nodes, end, router.topk, router.scores])
+        record_dynamic_path(
+            model,
+            DynamicPath(
+                path=path,
+                kind="moe",
+                subpaths=tuple(f"{path}.experts.{e}" for e in range(m.experts)),
+                params=tuple(m.params_per_expert),
+                mask_output=mask.name,
+                router_output=confidence.name,
+                detail={
+                    "form": m.form,
+                    "experts": m.experts,
+                    "top_k": router.top_k,
+                    "normalize": m.normalize,
+                    "scoring": router.scoring,
+                    "activation": m.activation,
+                    "hidden": int(m.w_gate.shape[2]),
+                    "ffn": int(m.w_gate.shape[1]),
+                    "zeroing_threshold": self.zeroing_threshold,
+                },
+            ),
+        )
+
+
+def _remove_dead(graph: ir.Graph, nodes: list[ir.Node]) -> None:
+    """Remove the replaced block's nodes that nothing reads any more, consumers first."""
+    alive = set(nodes)
+    changed = True
+    while changed:
+        changed = False
+        for node in list(alive):
+            if node.graph is not graph:
+                alive.discard(node)
+                continue
+            if any(out.uses() or out.is_graph_output() for out in node.outputs):
+                continue
+            graph.remove(node, safe=True)
+            alive.discard(node)
+            changed = True

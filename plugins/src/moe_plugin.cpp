@@ -1,0 +1,435 @@
+// The LayerZeroMoE TensorRT plugin: shape/type logic and the glue to the kernels' C ABI.
+#include "moe_plugin.h"
+
+#include "layerzero_kernels.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <new>
+#include <sstream>
+#include <utility>
+
+using nvinfer1::DataType;
+using nvinfer1::Dims;
+using nvinfer1::DimsExprs;
+using nvinfer1::DynamicPluginTensorDesc;
+using nvinfer1::ILogger;
+using nvinfer1::PluginField;
+using nvinfer1::PluginFieldCollection;
+using nvinfer1::PluginFieldType;
+using nvinfer1::PluginTensorDesc;
+
+namespace layerzero {
+
+// ------------------------------------------------------------------------------------------ logging
+
+std::atomic<nvinfer1::ILoggerFinder*> gLoggerFinder{nullptr};
+
+void logMessage(ILogger::Severity severity, std::string const& message) noexcept {
+    std::string const text = std::string(kMoEPluginName) + ": " + message;
+    nvinfer1::ILoggerFinder* finder = gLoggerFinder.load();
+    ILogger* logger = finder != nullptr ? finder->findLogger() : nullptr;
+    if (logger != nullptr) {
+        logger->log(severity, text.c_str());
+    } else if (severity <= ILogger::Severity::kWARNING) {
+        std::fprintf(stderr, "[layerzero] %s\n", text.c_str());
+    }
+}
+
+namespace {
+
+void logError(std::string const& message) noexcept { logMessage(ILogger::Severity::kERROR, message); }
+
+// ----------------------------------------------------------------------------------------- fields
+
+char const* const kScoringNames[] = {"softmax", "sigmoid"};
+char const* const kActivationNames[] = {"silu", "gelu", "relu"};
+
+bool fieldInt(PluginField const& f, int64_t& out) {
+    if (f.data == nullptr || f.length < 1) return false;
+    switch (f.type) {
+        case PluginFieldType::kINT32: out = *static_cast<int32_t const*>(f.data); return true;
+        case PluginFieldType::kINT64: out = *static_cast<int64_t const*>(f.data); return true;
+        case PluginFieldType::kINT16: out = *static_cast<int16_t const*>(f.data); return true;
+        case PluginFieldType::kINT8: out = *static_cast<int8_t const*>(f.data); return true;
+        default: return false;
+    }
+}
+
+bool fieldFloat(PluginField const& f, double& out) {
+    if (f.data == nullptr || f.length < 1) return false;
+    switch (f.type) {
+        case PluginFieldType::kFLOAT32: out = *static_cast<float const*>(f.data); return true;
+        case PluginFieldType::kFLOAT64: out = *static_cast<double const*>(f.data); return true;
+        default: {
+            int64_t i = 0;
+            if (!fieldInt(f, i)) return false;
+            out = static_cast<double>(i);
+            return true;
+        }
+    }
+}
+
+bool fieldString(PluginField const& f, std::string& out) {
+    if (f.type != PluginFieldType::kCHAR || f.data == nullptr || f.length < 0) return false;
+    out.assign(static_cast<char const*>(f.data), static_cast<size_t>(f.length));
+    out.erase(std::find(out.begin(), out.end(), '\0'), out.end());  // with or without the terminator
+    std::transform(out.begin(), out.end(), out.begin(), [](unsigned char c) { return std::tolower(c); });
+    return true;
+}
+
+// A name from `names`, or its index given as an int field.
+bool fieldEnum(PluginField const& f, char const* const* names, int32_t count, int32_t& out, std::string& error) {
+    std::string text;
+    int64_t code = 0;
+    if (fieldString(f, text)) {
+        for (int32_t i = 0; i < count; ++i) {
+            if (text == names[i]) {
+                out = i;
+                return true;
+            }
+        }
+    } else if (fieldInt(f, code) && code >= 0 && code < count) {
+        out = static_cast<int32_t>(code);
+        return true;
+    }
+    std::ostringstream msg;
+    msg << "field " << f.name << " = '" << text << "' is not one of";
+    for (int32_t i = 0; i < count; ++i) msg << (i ? ", " : " ") << names[i];
+    error = msg.str();
+    return false;
+}
+
+std::string describe(Dims const& d) {
+    std::ostringstream s;
+    s << "[";
+    for (int32_t i = 0; i < d.nbDims; ++i) s << (i ? ", " : "") << d.d[i];
+    s << "]";
+    return s.str();
+}
+
+char const* const kInputNames[] = {"hidden", "router_logits", "w_gate", "w_up", "w_down"};
+
+// Rank and cross-input consistency of the five inputs; -1 (a dim not known yet) matches anything.
+bool checkShapes(Dims const* in, int32_t nbInputs, int32_t topK, std::string& error) {
+    if (nbInputs != 5) {
+        error = "expects 5 inputs (hidden, router_logits, w_gate, w_up, w_down), got " + std::to_string(nbInputs);
+        return false;
+    }
+    int32_t const ranks[] = {2, 2, 3, 3, 3};
+    for (int32_t i = 0; i < 5; ++i) {
+        if (in[i].nbDims != ranks[i]) {
+            error = std::string("input ") + kInputNames[i] + " must have rank " + std::to_string(ranks[i]) + ", got " +
+                    describe(in[i]);
+            return false;
+        }
+    }
+    struct Use {
+        int32_t input, axis;
+    };
+    struct Symbol {
+        char const* name;
+        std::vector<Use> uses;
+    };
+    Symbol const symbols[] = {
+        {"T (tokens)", {{0, 0}, {1, 0}}},
+        {"H (hidden size)", {{0, 1}, {2, 2}, {3, 2}, {4, 1}}},
+        {"E (experts)", {{1, 1}, {2, 0}, {3, 0}, {4, 0}}},
+        {"F (expert ffn size)", {{2, 1}, {3, 1}, {4, 2}}},
+    };
+    for (Symbol const& s : symbols) {
+        int64_t value = -1;
+        int32_t first = -1;
+        for (Use const& u : s.uses) {
+            int64_t const d = in[u.input].d[u.axis];
+            if (d < 0) continue;
+            if (value < 0) {
+                value = d, first = u.input;
+            } else if (d != value) {
+                error = std::string("inconsistent ") + s.name + ": " + kInputNames[first] + " is " + describe(in[first]) +
+                        " but " + kInputNames[u.input] + " is " + describe(in[u.input]) +
+                        " (expected hidden [T, H], router_logits [T, E], w_gate/w_up [E, F, H], w_down [E, H, F])";
+                return false;
+            }
+        }
+    }
+    int64_t const experts = in[1].d[1];
+    if (experts > LZ_MAX_EXPERTS) {
+        error = "E = " + std::to_string(experts) + " experts is more than the kernels support (" +
+                std::to_string(LZ_MAX_EXPERTS) + ")";
+        return false;
+    }
+    if (experts > 0 && topK > experts) {
+        error = "top_k = " + std::to_string(topK) + " is larger than the number of experts E = " + std::to_string(experts);
+        return false;
+    }
+    return true;
+}
+
+bool isFloatType(DataType t) { return t == DataType::kFLOAT || t == DataType::kHALF || t == DataType::kBF16; }
+
+int32_t lzDtype(DataType t) {
+    switch (t) {
+        case DataType::kHALF: return LZ_DTYPE_F16;
+        case DataType::kBF16: return LZ_DTYPE_BF16;
+        default: return LZ_DTYPE_F32;
+    }
+}
+
+lz_moe_config makeConfig(MoEParams const& p, Dims const* in) {
+    lz_moe_config c{};
+    c.tokens = in[0].d[0];
+    c.hidden = in[0].d[1];
+    c.ffn = in[2].d[1];
+    c.experts = in[1].d[1];
+    c.top_k = p.topK;
+    c.normalize = p.normalize;
+    c.scoring = p.scoring;
+    c.activation = p.activation;
+    c.zeroing_threshold = p.zeroingThreshold;
+    return c;
+}
+
+constexpr size_t kWorkspaceAlign = 256;  // lz_moe_forward wants a 256-byte aligned workspace
+
+}  // namespace
+
+namespace {
+bool fail(std::string& error, std::string message) {
+    error = std::move(message);
+    return false;
+}
+}  // namespace
+
+bool parseMoEFields(PluginFieldCollection const* fc, MoEParams& params, std::string& error) noexcept {
+    try {
+        if (fc == nullptr || (fc->nbFields > 0 && fc->fields == nullptr)) {
+            error = "no plugin fields given";
+            return false;
+        }
+        bool haveTopK = false;
+        for (int32_t i = 0; i < fc->nbFields; ++i) {
+            PluginField const& f = fc->fields[i];
+            std::string const name = f.name != nullptr ? f.name : "";
+            int64_t iv = 0;
+            double fv = 0.0;
+            if (name == "top_k") {
+                if (!fieldInt(f, iv)) return fail(error, "field top_k must be an int");
+                params.topK = static_cast<int32_t>(iv);
+                haveTopK = true;
+            } else if (name == "normalize") {
+                if (!fieldInt(f, iv)) return fail(error, "field normalize must be an int (0 or 1)");
+                params.normalize = static_cast<int32_t>(iv);
+            } else if (name == "scoring") {
+                if (!fieldEnum(f, kScoringNames, 2, params.scoring, error)) return false;
+            } else if (name == "activation") {
+                if (!fieldEnum(f, kActivationNames, 3, params.activation, error)) return false;
+            } else if (name == "zeroing_threshold") {
+                if (!fieldFloat(f, fv)) return fail(error, "field zeroing_threshold must be a float");
+                params.zeroingThreshold = static_cast<float>(fv);
+            } else {
+                logMessage(ILogger::Severity::kWARNING, "ignoring unknown plugin field '" + name + "'");
+            }
+        }
+        if (!haveTopK) return fail(error, "field top_k is required");
+        if (params.topK < 1 || params.topK > LZ_MAX_TOP_K)
+            return fail(error,
+                        "top_k = " + std::to_string(params.topK) + " must be in [1, " + std::to_string(LZ_MAX_TOP_K) + "]");
+        if (params.normalize != 0 && params.normalize != 1)
+            return fail(error, "normalize = " + std::to_string(params.normalize) + " must be 0 or 1");
+        if (!(params.zeroingThreshold >= 0.0F) || std::isinf(params.zeroingThreshold))
+            return fail(error, "zeroing_threshold must be finite and >= 0");
+        return true;
+    } catch (std::exception const& e) {
+        error = e.what();
+        return false;
+    }
+}
+
+// ----------------------------------------------------------------------------------------- plugin
+
+MoEPlugin::MoEPlugin(MoEParams const& params) : mParams(params) {
+    std::ostringstream s;
+    s << "top_k=" << mParams.topK << " normalize=" << mParams.normalize << " scoring=" << kScoringNames[mParams.scoring]
+      << " activation=" << kActivationNames[mParams.activation] << " zeroing_threshold=" << mParams.zeroingThreshold;
+    mMetadata = s.str();
+}
+
+nvinfer1::IPluginCapability* MoEPlugin::getCapabilityInterface(nvinfer1::PluginCapabilityType type) noexcept {
+    switch (type) {
+        case nvinfer1::PluginCapabilityType::kCORE: return static_cast<nvinfer1::IPluginV3OneCore*>(this);
+        case nvinfer1::PluginCapabilityType::kBUILD: return static_cast<nvinfer1::IPluginV3OneBuild*>(this);
+        case nvinfer1::PluginCapabilityType::kRUNTIME: return static_cast<nvinfer1::IPluginV3OneRuntime*>(this);
+    }
+    return nullptr;
+}
+
+nvinfer1::IPluginV3* MoEPlugin::clone() noexcept {
+    try {
+        return new MoEPlugin(mParams);
+    } catch (std::exception const& e) {
+        logError(std::string("clone failed: ") + e.what());
+        return nullptr;
+    }
+}
+
+int32_t MoEPlugin::getOutputDataTypes(DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes,
+                                      int32_t nbInputs) const noexcept {
+    if (nbInputs != 5 || nbOutputs != 2) {
+        logError("expects 5 inputs and 2 outputs, got " + std::to_string(nbInputs) + " and " + std::to_string(nbOutputs));
+        return 1;
+    }
+    if (!isFloatType(inputTypes[0])) {
+        logError("hidden must be float32, float16 or bfloat16");
+        return 1;
+    }
+    outputTypes[0] = inputTypes[0];
+    outputTypes[1] = DataType::kINT32;  // kBOOL is not a legal plugin output type
+    return 0;
+}
+
+int32_t MoEPlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbInputs, DimsExprs const* /*shapeInputs*/,
+                                   int32_t /*nbShapeInputs*/, DimsExprs* outputs, int32_t nbOutputs,
+                                   nvinfer1::IExprBuilder& /*exprBuilder*/) noexcept {
+    if (nbInputs != 5 || nbOutputs != 2) {
+        logError("expects 5 inputs and 2 outputs, got " + std::to_string(nbInputs) + " and " + std::to_string(nbOutputs));
+        return 1;
+    }
+    if (inputs[0].nbDims != 2 || inputs[1].nbDims != 2) {
+        logError("hidden and router_logits must be rank 2 ([T, H] and [T, E])");
+        return 1;
+    }
+    outputs[0] = inputs[0];
+    outputs[1].nbDims = 2;
+    outputs[1].d[0] = inputs[0].d[0];
+    outputs[1].d[1] = inputs[1].d[1];
+    return 0;
+}
+
+bool MoEPlugin::supportsFormatCombination(int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
+                                          int32_t nbOutputs) noexcept {
+    if (nbInputs != 5 || nbOutputs != 2 || pos < 0 || pos >= nbInputs + nbOutputs) return false;
+    PluginTensorDesc const& d = inOut[pos].desc;
+    if (d.format != nvinfer1::TensorFormat::kLINEAR) return false;
+    if (pos == 0) return isFloatType(d.type);
+    if (pos == nbInputs + 1) return d.type == DataType::kINT32;  // mask
+    return d.type == inOut[0].desc.type;                           // logits, weights and y share hidden's type
+}
+
+int32_t MoEPlugin::configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs,
+                                   DynamicPluginTensorDesc const* /*out*/, int32_t nbOutputs) noexcept {
+    if (nbOutputs != 2) {
+        logError("expects 2 outputs (y, mask), got " + std::to_string(nbOutputs));
+        return 1;
+    }
+    Dims dims[5];
+    for (int32_t i = 0; i < std::min(nbInputs, 5); ++i) dims[i] = in[i].desc.dims;
+    std::string error;
+    if (!checkShapes(dims, nbInputs, mParams.topK, error)) {
+        logError(error);
+        return 1;
+    }
+    return 0;
+}
+
+size_t MoEPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
+                                   DynamicPluginTensorDesc const* /*outputs*/, int32_t /*nbOutputs*/) const noexcept {
+    if (nbInputs != 5) return 0;
+    Dims dims[5];
+    for (int32_t i = 0; i < 5; ++i) dims[i] = inputs[i].max;
+    lz_moe_config const cfg = makeConfig(mParams, dims);
+    size_t const bytes = lz_moe_workspace_size(&cfg);
+    return bytes == 0 ? 0 : bytes + kWorkspaceAlign;
+}
+
+char const* MoEPlugin::getMetadataString() noexcept { return mMetadata.c_str(); }
+
+int32_t MoEPlugin::onShapeChange(PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const* /*out*/,
+                                 int32_t nbOutputs) noexcept {
+    if (nbOutputs != 2 || nbInputs != 5) {
+        logError("expects 5 inputs and 2 outputs");
+        return 1;
+    }
+    Dims dims[5];
+    for (int32_t i = 0; i < 5; ++i) dims[i] = in[i].dims;
+    std::string error;
+    if (!checkShapes(dims, nbInputs, mParams.topK, error)) {
+        logError(error);
+        return 1;
+    }
+    return 0;
+}
+
+int32_t MoEPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const* /*outputDesc*/,
+                           void const* const* inputs, void* const* outputs, void* workspace,
+                           cudaStream_t stream) noexcept {
+    Dims dims[5];
+    for (int32_t i = 0; i < 5; ++i) dims[i] = inputDesc[i].dims;
+    lz_moe_config const cfg = makeConfig(mParams, dims);
+    size_t const need = lz_moe_workspace_size(&cfg);
+    auto const raw = reinterpret_cast<uintptr_t>(workspace);
+    void* aligned = reinterpret_cast<void*>((raw + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign);
+    int32_t const status = lz_moe_forward(&cfg, lzDtype(inputDesc[0].type), inputs[0], inputs[1], inputs[2],
+                                          inputs[3], inputs[4], outputs[0], static_cast<int32_t*>(outputs[1]),
+                                          workspace == nullptr ? nullptr : aligned, need,
+                                          reinterpret_cast<lz_stream_t>(stream));
+    if (status != LZ_OK) {
+        logError(std::string("enqueue failed (") + lz_status_string(status) + "): " + lz_last_error());
+        return status;
+    }
+    return 0;
+}
+
+nvinfer1::IPluginV3* MoEPlugin::attachToContext(nvinfer1::IPluginResourceContext* /*context*/) noexcept {
+    return clone();  // no per-context resources: the workspace comes from TensorRT
+}
+
+PluginFieldCollection const* MoEPlugin::getFieldsToSerialize() noexcept {
+    mSerialFields.clear();
+    mSerialFields.emplace_back("top_k", &mParams.topK, PluginFieldType::kINT32, 1);
+    mSerialFields.emplace_back("normalize", &mParams.normalize, PluginFieldType::kINT32, 1);
+    char const* scoring = kScoringNames[mParams.scoring];
+    char const* activation = kActivationNames[mParams.activation];
+    mSerialFields.emplace_back("scoring", scoring, PluginFieldType::kCHAR, static_cast<int32_t>(std::strlen(scoring)));
+    mSerialFields.emplace_back("activation", activation, PluginFieldType::kCHAR,
+                               static_cast<int32_t>(std::strlen(activation)));
+    mSerialFields.emplace_back("zeroing_threshold", &mParams.zeroingThreshold, PluginFieldType::kFLOAT32, 1);
+    mSerialCollection.nbFields = static_cast<int32_t>(mSerialFields.size());
+    mSerialCollection.fields = mSerialFields.data();
+    return &mSerialCollection;
+}
+
+// ---------------------------------------------------------------------------------------- creator
+
+MoEPluginCreator::MoEPluginCreator() {
+    mFields.emplace_back("top_k", nullptr, PluginFieldType::kINT32, 1);
+    mFields.emplace_back("normalize", nullptr, PluginFieldType::kINT32, 1);
+    mFields.emplace_back("scoring", nullptr, PluginFieldType::kCHAR, 0);
+    mFields.emplace_back("activation", nullptr, PluginFieldType::kCHAR, 0);
+    mFields.emplace_back("zeroing_threshold", nullptr, PluginFieldType::kFLOAT32, 1);
+    mCollection.nbFields = static_cast<int32_t>(mFields.size());
+    mCollection.fields = mFields.data();
+}
+
+nvinfer1::IPluginV3* MoEPluginCreator::createPlugin(char const* name, PluginFieldCollection const* fc,
+                                                    nvinfer1::TensorRTPhase /*phase*/) noexcept {
+    MoEParams params;
+    std::string error;
+    if (!parseMoEFields(fc, params, error)) {
+        logError(std::string("cannot create plugin '") + (name != nullptr ? name : "") + "': " + error);
+        return nullptr;
+    }
+    try {
+        return new MoEPlugin(params);
+    } catch (std::exception const& e) {
+        logError(std::string("cannot create plugin: ") + e.what());
+        return nullptr;
+    }
+}
+
+}  // namespace layerzero
