@@ -15,6 +15,7 @@ import onnx
 import onnx_ir as ir
 
 from layerzero import __version__
+from layerzero.chunked import run_in_chunks, weight_bytes
 from layerzero.errors import InvalidInputError, VerificationError
 from layerzero.inspect import ModelSummary, natural_key, summarize
 from layerzero.loader import load_model
@@ -167,25 +168,35 @@ def verify_compiled(
     """
     with tempfile.TemporaryDirectory(prefix="layerzero-verify-") as tmp:
         tmpdir = Path(tmp)
-        original: Path | bytes
         if source_path is not None:
-            original = source_path
             header = onnx.load(str(source_path), load_external_data=False)
         else:
-            original = original_proto.SerializeToString()
             header = original_proto
         feeds = _sample_inputs(header, options)
-        compiled_path = _save(compiled, tmpdir / "compiled.onnx")
-        names, out_original = run_model(original, feeds)
+        chunked = weight_bytes(compiled) > options.chunked_verify_bytes
+
+        def load_original() -> ir.Model:
+            return load_model(source_path) if source_path is not None else ir.from_proto(original_proto)
+
+        def run(model: ir.Model | None, name: str) -> tuple[list[str], list[np.ndarray]]:
+            # model None: the untouched original, run from its file when there is one.
+            if chunked:
+                # Large models run a few layers at a time: verification never holds all the weights.
+                return run_in_chunks(model or load_original(), feeds, options.chunked_verify_bytes // 2)
+            if model is None:
+                return run_model(source_path if source_path is not None else original_proto.SerializeToString(), feeds)
+            return run_model(_save(model, tmpdir / f"{name}.onnx"), feeds)
+
+        names, out_original = run(None, "original")
         impact = None
         reference_outputs = out_original
         if pipeline.bypassed or needs_dynamic_reference(options):
-            reference = load_model(source_path) if source_path is not None else ir.from_proto(original_proto)
+            reference = load_original()
             bypass_declared_layers(reference, options)
-            ref_path = _save(reference, tmpdir / "reference.onnx")
-            _, reference_outputs = run_model(ref_path, feeds)
+            _, reference_outputs = run(reference, "reference")
+            del reference
             impact = compare_outputs(names, out_original, reference_outputs, options.atol, options.rtol)
-        compiled_names, out_compiled = run_model(compiled_path, feeds)
+        compiled_names, out_compiled = run(compiled, "compiled")
         user = [i for i, n in enumerate(compiled_names) if not n.startswith((MASK_PREFIX, ROUTER_PREFIX))]
         compiled_names = [compiled_names[i] for i in user]
         out_compiled = [out_compiled[i] for i in user]

@@ -29,6 +29,8 @@ class CompileOptions:
     shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     sample_inputs: Path | None = None
     target: str = "onnxruntime"
+    # Verification of models whose weights exceed this runs layer chunks of half this size at a time.
+    chunked_verify_bytes: int = 256 << 20
     # Dynamic zeroing (run-time skipping driven by routers and gates).
     dynamic: bool = True
     zeroing_threshold: float = 0.0  # skip a routed expert / gated branch below threshold × the token's largest weight

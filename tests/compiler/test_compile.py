@@ -90,3 +90,28 @@ def test_manifest_is_complete(tmp_path: Path) -> None:
     model = onnx.load(tmp_path / "m.lz" / "model.onnx")
     ops = {n.op_type for n in model.graph.node}
     assert "Neg" not in ops
+
+
+def test_chunked_verification_matches_whole_model_verification(tmp_path: Path) -> None:
+    config = TransformerConfig(num_layers=4, zero_blocks=(1,), zero_rotary=(2,))
+    src = _save(build_transformer(config), tmp_path / "m.onnx")
+    whole = compile_model(src)
+    chunked = compile_model(src, CompileOptions(chunked_verify_bytes=64 << 10))  # 32 KiB chunks
+    assert chunked.verification.passed
+    assert chunked.verification.impact[0].max_abs == pytest.approx(whole.verification.impact[0].max_abs, rel=1e-4)
+    assert chunked.after.nodes == whole.after.nodes
+
+
+def test_chunked_verification_still_catches_a_mismatch(tmp_path: Path) -> None:
+    from layerzero.errors import VerificationError
+
+    model = onnx.parser.parse_model(
+        """<ir_version: 10, opset_import: ["" : 18]>
+        g (float[N, 4] x) => (float[N, 4] y) <float[4] z = {0.0, 0.0, 0.0, 0.0}> {
+            d = Sub(x, x)
+            r = Reciprocal(d)
+            y = Mul(r, z)
+        }"""
+    )
+    with pytest.raises(VerificationError):
+        compile_model(_save(model, tmp_path / "nan.onnx"), CompileOptions(chunked_verify_bytes=1))

@@ -1,0 +1,205 @@
+"""Run a large model a few layers at a time, so verification never holds all its weights at once.
+
+The graph's top-level nodes are cut, in order, into chunks whose weights fit ``budget_bytes``. Each
+chunk becomes a small model whose inputs are the activations earlier chunks produced; its weights are
+handed to onnxruntime as memory-mapped arrays (``SessionOptions.add_external_initializers``), read
+straight from the source's external-data file, and released with the chunk's session. Peak memory is
+then one chunk's weights (plus what ORT prepacks from them) and the live activations, not the model.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+
+from layerzero.errors import InvalidInputError, UnsupportedModelError
+
+__all__ = ["run_in_chunks", "weight_bytes"]
+
+logger = logging.getLogger(__name__)
+
+_EMBED_LIMIT = 1 << 16  # initializers smaller than this travel inside the chunk's proto
+
+
+def weight_bytes(model: ir.Model) -> int:
+    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+
+
+def _reads(node: ir.Node) -> Iterator[ir.Value]:
+    """Values a top-level node reads: its inputs, and outer values its subgraphs read."""
+    yield from (v for v in node.inputs if v is not None)
+    for attr in node.attributes.values():
+        graphs = (
+            [attr.value]
+            if attr.type == ir.AttributeType.GRAPH
+            else list(attr.value)
+            if attr.type == ir.AttributeType.GRAPHS
+            else []
+        )
+        for sub in graphs:
+            inner = set()
+            for g in [sub, *_subgraphs(sub)]:
+                inner.update(g.inputs)
+                inner.update(g.initializers.values())
+                for n in g:
+                    inner.update(n.outputs)
+            for g in [sub, *_subgraphs(sub)]:
+                for n in g:
+                    yield from (v for v in n.inputs if v is not None and v not in inner)
+                yield from (v for v in g.outputs if v not in inner)
+
+
+def _subgraphs(graph: ir.Graph) -> Iterator[ir.Graph]:
+    for node in graph:
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.GRAPH:
+                yield attr.value
+                yield from _subgraphs(attr.value)
+            elif attr.type == ir.AttributeType.GRAPHS:
+                for sub in attr.value:
+                    yield sub
+                    yield from _subgraphs(sub)
+
+
+def _top_level_owner(graph: ir.Graph) -> dict[ir.Node, ir.Node]:
+    owner: dict[ir.Node, ir.Node] = {}
+    for node in graph:
+        owner[node] = node
+        for attr in node.attributes.values():
+            subs = (
+                [attr.value]
+                if attr.type == ir.AttributeType.GRAPH
+                else list(attr.value)
+                if attr.type == ir.AttributeType.GRAPHS
+                else []
+            )
+            for sub in subs:
+                for g in [sub, *_subgraphs(sub)]:
+                    for inner in g:
+                        owner[inner] = node
+    return owner
+
+
+def _weight_array(value: ir.Value) -> np.ndarray:
+    tensor = value.const_value
+    if isinstance(tensor, ir.ExternalTensor):
+        # A read-only memory map: pages are read on use and dropped when the chunk is done.
+        mm = np.memmap(
+            tensor.path, dtype=tensor.dtype.numpy(), mode="r", offset=tensor.offset or 0, shape=tuple(tensor.shape)
+        )
+        return mm
+    return tensor.numpy()
+
+
+def run_in_chunks(
+    model: ir.Model, feeds: Mapping[str, np.ndarray], budget_bytes: int
+) -> tuple[list[str], list[np.ndarray]]:
+    """Outputs of ``model`` on ``feeds``, computed chunk by chunk (see the module docstring)."""
+    graph = model.graph
+    nodes = list(graph)
+    owner = _top_level_owner(graph)
+    inits = set(graph.initializers.values())
+    chunks: list[list[ir.Node]] = []
+    current: list[ir.Node] = []
+    loaded: set[ir.Value] = set()
+    size = 0
+    for node in nodes:
+        new = {v for v in _reads(node) if v in inits and v not in loaded}
+        extra = sum(v.const_value.nbytes for v in new if v.const_value is not None)
+        if current and size + extra > budget_bytes:
+            chunks.append(current)
+            current, loaded, size = [], set(), 0
+            new = {v for v in _reads(node) if v in inits}
+            extra = sum(v.const_value.nbytes for v in new if v.const_value is not None)
+        current.append(node)
+        loaded |= new
+        size += extra
+    if current:
+        chunks.append(current)
+    position = {node: i for i, chunk in enumerate(chunks) for node in chunk}
+    env: dict[str, np.ndarray] = {k: np.asarray(v) for k, v in feeds.items()}
+    outputs = [v.name for v in graph.outputs]
+    opsets = [onnx.helper.make_opsetid(d, v) for d, v in model.opset_imports.items()]
+    for index, chunk in enumerate(chunks):
+        _run_chunk(model, chunk, index, position, owner, inits, env, opsets)
+        # Activations no later chunk reads are dropped as we go.
+        needed = set(outputs)
+        for later in chunks[index + 1 :]:
+            for node in later:
+                needed.update(v.name for v in _reads(node) if v.name)
+        for name in [n for n in env if n not in needed and n not in feeds]:
+            del env[name]
+        gc.collect()
+    missing = [n for n in outputs if n not in env]
+    if missing:
+        raise UnsupportedModelError(f"chunked run produced no value for outputs {missing}")
+    logger.info("ran %d chunks of at most %d MB of weights", len(chunks), budget_bytes >> 20)
+    return outputs, [env[n] for n in outputs]
+
+
+def _run_chunk(
+    model: ir.Model,
+    chunk: list[ir.Node],
+    index: int,
+    position: dict[ir.Node, int],
+    owner: dict[ir.Node, ir.Node],
+    inits: set[ir.Value],
+    env: dict[str, np.ndarray],
+    opsets: list,
+) -> None:
+    produced = {out for node in chunk for out in node.outputs}
+    reads: list[ir.Value] = []
+    for node in chunk:
+        for v in _reads(node):
+            if v not in produced and v not in reads:
+                reads.append(v)
+    wanted = []
+    for v in produced:
+        if not v.name:
+            continue
+        if v.is_graph_output() or any(position.get(owner.get(user)) != index for user, _ in v.uses()):
+            wanted.append(v)
+    proto_inputs, initializers, external_names, external_values = [], [], [], []
+    for v in reads:
+        if v in inits:
+            tensor = v.const_value
+            if tensor is None:
+                raise UnsupportedModelError(f"initializer {v.name!r} has no data")
+            if tensor.nbytes < _EMBED_LIMIT and not isinstance(tensor, ir.ExternalTensor):
+                initializers.append(ir.serde.serialize_tensor(tensor))
+                initializers[-1].name = v.name
+            else:
+                placeholder = onnx.TensorProto(name=v.name, data_type=tensor.dtype.value, dims=list(tensor.shape))
+                placeholder.data_location = onnx.TensorProto.EXTERNAL
+                placeholder.external_data.add(key="location", value="layerzero-chunk-placeholder")
+                initializers.append(placeholder)
+                external_names.append(v.name)
+                external_values.append(ort.OrtValue.ortvalue_from_numpy(_weight_array(v)))
+        else:
+            if v.name not in env:
+                raise InvalidInputError(f"missing input {v.name!r} for chunk {index}")
+            array = env[v.name]
+            elem = onnx.helper.np_dtype_to_tensor_dtype(array.dtype)
+            proto_inputs.append(onnx.helper.make_tensor_value_info(v.name, elem, list(array.shape)))
+    proto_outputs = [
+        onnx.helper.make_value_info(v.name, ir.serde.serialize_type(v.type) if v.type is not None else onnx.TypeProto())
+        for v in wanted
+    ]
+    graph = onnx.helper.make_graph(
+        [ir.serde.serialize_node(n) for n in chunk], f"chunk{index}", proto_inputs, proto_outputs, initializers
+    )
+    proto = onnx.helper.make_model(graph, opset_imports=opsets, ir_version=model.ir_version)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if external_names:
+        options.add_external_initializers(external_names, external_values)
+    session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    results = session.run([v.name for v in wanted], {v.name: env[v.name] for v in reads if v not in inits})
+    env.update({v.name: r for v, r in zip(wanted, results)})
+    del session, options, external_values
