@@ -66,9 +66,10 @@ else
 fi
 
 echo "== checks"
+mkdir -p build
 LEFT=$((290 - ($(date +%s) - START)))
 [ "$LEFT" -gt 30 ] || incomplete "no time left for the checks after setup"
-timeout "$LEFT" $PY scripts/gpu_check.py --build-dir "$BUILD_DIR" --json "${GPU_CHECK_JSON:-gpu_check.json}" "$@"
+timeout "$LEFT" $PY scripts/gpu_check.py --build-dir "$BUILD_DIR" --json "${GPU_CHECK_JSON:-build/gpu_check.json}" "$@"
 rc=$?
 [ $rc -eq 124 ] && incomplete "scripts/gpu_check.py ran out of time (${LEFT}s)"
 echo "total $(( $(date +%s) - START )) s"

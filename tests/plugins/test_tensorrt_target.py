@@ -30,9 +30,11 @@ def no_tensorrt(monkeypatch):
 
 
 @pytest.fixture
-def moe_onnx(tmp_path, moe_model):
+def moe_onnx(tmp_path):
+    """An exporter-style MoE model (batched_mm form) that the dynamic MoE pass turns into the skipping form."""
+    moe = pytest.importorskip("layerzero.models.moe")
     path = tmp_path / "moe.onnx"
-    onnx.save(moe_model(tokens=8), path)
+    onnx.save(moe.build_moe(moe.MoEConfig(hidden=16, ffn=32, experts=4, top_k=2)), path)
     return path
 
 
@@ -133,3 +135,54 @@ def test_compile_for_tensorrt_keeps_the_skipping_form_and_verifies_its_ort_lower
     assert count == 2
     assert sum(n.op_type == "LayerZeroMoE" and n.domain == "trt.plugins" for n in lowered.graph) == 2
     onnx.checker.check_model(ir.to_proto(lowered), full_check=True)
+
+
+@pytest.fixture
+def fake_builder(monkeypatch):
+    """TensorRT replaced by a stub whose 'plan' is a byte string: exercises lowering and bundle writing."""
+    import types
+
+    from layerzero.targets import tensorrt as target
+
+    calls = {}
+
+    def build_engine(onnx_path, options, shapes):
+        calls["onnx"] = onnx.load(str(onnx_path))
+        calls["shapes"] = dict(shapes)
+        if options.precision == "bf16":
+            raise LayerZeroError("TensorRT failed to build an engine (stub)")
+        return b"PLAN:" + options.precision.encode()
+
+    monkeypatch.setattr(target, "require_tensorrt", lambda: types.SimpleNamespace(__version__="10.99"))
+    monkeypatch.setattr(target, "load_plugin_library", lambda trt, path, required=False: None)
+    monkeypatch.setattr(target, "build_engine", build_engine)
+    return calls
+
+
+def test_tensorrt_bundle_holds_lowered_graph_plan_and_manifest(fake_builder, moe_onnx, tmp_path):
+    import json
+
+    out = tmp_path / "out.lz"
+    trt_options = TensorRTOptions(precision="fp16", profiles={"hidden": ((1, 16), (8, 16), (64, 16))}, verify=False)
+    compile_file(moe_onnx, out, CompileOptions(target="tensorrt", shapes={"hidden": (8, 16)}), tensorrt=trt_options)
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "model.onnx", "model.plan"]
+    assert (out / "model.plan").read_bytes() == b"PLAN:fp16"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["target"] == "tensorrt" and manifest["model_file"] == "model.onnx"
+    section = manifest["tensorrt"]
+    assert section["precision"] == "fp16" and section["plan_file"] == "model.plan"
+    assert section["profiles"] == {"hidden": [[1, 16], [8, 16], [64, 16]]}
+    assert section["tensorrt_version"] == "10.99" and section["plugin_nodes"] == 1
+    built = fake_builder["onnx"]
+    assert [n.op_type for n in built.graph.node if n.domain == "trt.plugins"] == ["LayerZeroMoE"]
+    assert fake_builder["shapes"] == {"hidden": (8, 16)}
+    assert onnx.load(str(out / "model.onnx")).graph.node  # the lowered graph, kept for rebuilding
+    with pytest.raises(InvalidInputError, match="backend='tensorrt'"):
+        Engine.load(out)
+
+
+def test_failed_engine_build_writes_nothing(fake_builder, moe_onnx, tmp_path):
+    out = tmp_path / "out.lz"
+    with pytest.raises(LayerZeroError, match="stub"):
+        compile_file(moe_onnx, out, CompileOptions(target="tensorrt"), tensorrt=TensorRTOptions(precision="bf16"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["moe.onnx"]
