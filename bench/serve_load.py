@@ -97,12 +97,12 @@ def bare_server(model: str, http_port: int, grpc_port: int, instances: int) -> N
 # ------------------------------------------------------------------------------------------------- load
 
 
-def _wait_ready(http_port: int, process: subprocess.Popen, timeout: float = 120.0) -> None:
+def _wait_ready(name: str, http_port: int, process: subprocess.Popen, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     url = f"http://127.0.0.1:{http_port}/v2/models/layerzero/ready"
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}")
+            raise RuntimeError(f"{name}: the server exited with {process.returncode}")
         try:
             with urllib.request.urlopen(url, timeout=1) as response:
                 if response.status == 200:
@@ -110,17 +110,21 @@ def _wait_ready(http_port: int, process: subprocess.Popen, timeout: float = 120.
         except OSError:
             pass
         time.sleep(0.2)
-    raise RuntimeError("server not ready in time")
+    raise RuntimeError(f"{name}: the server is not ready after {timeout:g}s")
 
 
 def _stop(process: subprocess.Popen) -> None:
+    # SIGTERM to the server alone, so that it stops Triton and the Python-backend stubs in order (the stubs
+    # ignore SIGTERM), then SIGKILL to whatever is left of its session.
     if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
+        process.send_signal(signal.SIGTERM)
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            process.kill()
             process.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def load(url: str, protocol: str, requests: int, clients: int, seq: int, max_seconds: float) -> dict:
@@ -260,7 +264,7 @@ def main() -> int:
                     processes[name] = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                                        start_new_session=True)  # fmt: skip
             for name, (_, http_port, _) in commands.items():
-                _wait_ready(http_port, processes[name])
+                _wait_ready(name, http_port, processes[name])
             phases: dict[str, list[dict]] = {name: [] for name in commands}
             order = list(commands)
             per_round = max(args.clients, args.requests // args.rounds)
@@ -271,8 +275,9 @@ def main() -> int:
                     budget = args.max_seconds / args.rounds
                     phases[name].append(load(url, args.protocol, per_round, args.clients, args.seq, budget))
         except Exception:
-            for name, log in logs.items():
-                print(f"--- {name} log ---\n{log.read_text()[-3000:]}", file=sys.stderr)
+            for name, log in logs.items():  # Triton's own I-lines left out
+                lines = [x for x in log.read_text(errors="replace").splitlines() if not x.startswith(("I1", "I0"))]
+                print(f"--- {name} log ---", *lines[-40:], sep="\n", file=sys.stderr)
             raise
         finally:
             for process in processes.values():

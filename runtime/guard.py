@@ -16,12 +16,18 @@ Per request, in this order:
    relative L2 error ``‖compiled − reference‖₂ / ‖reference‖₂`` of any output exceeds ``fallback_bound``, the
    reference's outputs are returned, ``report.fallback_triggered`` is set and the fallback is counted (route
    ``fallback``); otherwise the compiled outputs are returned (route ``sampled``).
-5. **Auto-raise**: over the sampled requests of the last ``window_seconds`` (per segment), once there are at
-   least ``min_window_requests`` of them and the fallback rate (fallbacks / sampled) exceeds ``raise_above``,
-   the segment's zeroing threshold is multiplied by ``raise_factor`` (a threshold of 0 goes to
-   ``raise_floor`` instead, since 0 × 1.2 is still 0), capped at ``max_threshold``, logged as a warning, and
-   the window starts empty, so the next raise is judged only on requests run at the new threshold. A model
-   without the ``layerzero::threshold`` input records the raise but cannot act on it (logged once).
+5. **Auto back-off**: over the sampled requests of the last ``window_seconds`` (per segment), once there are
+   at least ``min_window_requests`` of them and the fallback rate (fallbacks / sampled) exceeds
+   ``backoff_above`` (5 %), the segment's zeroing threshold is divided by ``backoff_factor`` (1.2), so the
+   engine skips less; below ``backoff_floor`` it goes to 0 (exact skipping only). The change is logged as a
+   warning and the window starts empty, so the next step is judged only on requests run at the new
+   threshold. At threshold 0 there is nothing to back off: the fallbacks come from the compiled model itself
+   (a fault, or a too-loose compile), which is logged once per window; the kill switch is the remedy.
+   A model without the ``layerzero::threshold`` input records the change but cannot act on it (logged once).
+   NOTE: issue #5 asked to *raise* the threshold by 20 % on a rising fallback rate. Under LayerZero's
+   threshold (``CompileOptions.zeroing_threshold``: skip an expert or gated branch whose weight is below
+   threshold × the token's largest weight) a higher threshold skips *more*, which would feed the deviation
+   that caused the fallbacks (a runaway loop). The guard moves the threshold the safe way.
 
 Whenever the returned outputs come from the reference, ``report.fallback_triggered`` is True and
 ``result.route`` says why. A reference-served request's report is the compiled model's static report (no
@@ -90,12 +96,12 @@ class GuardConfig:
         sample_rate: Fraction of requests also run on the reference and compared (0 = never, 1 = always).
         fallback_bound: Relative L2 error above which a sampled request falls back to the reference.
         window_seconds: Length of the sliding window the fallback rate is measured over.
-        raise_above: Fallback rate (fallbacks / sampled, in the window) above which the threshold is raised.
-        raise_factor: The raise multiplies the zeroing threshold by this.
-        raise_floor: Where a threshold of 0 goes on its first raise.
-        max_threshold: The raise never goes above this.
-        min_window_requests: Sampled requests the window must hold before a raise.
-        auto_raise: Turn the auto-raise off.
+        backoff_above: Fallback rate (fallbacks / sampled, in the window) above which the threshold backs off.
+        backoff_factor: A back-off divides the zeroing threshold by this.
+        backoff_floor: A backed-off threshold below this becomes 0 (exact).
+        max_threshold: The largest threshold a segment may be set to.
+        min_window_requests: Sampled requests the window must hold before a back-off.
+        auto_backoff: Turn the auto back-off off.
         threshold: The default segment's starting zeroing threshold; None = the compiled one (the manifest's
             ``options.zeroing_threshold``, 0 when absent).
         max_tokens: Requests with more tokens go to the reference; None = no limit.
@@ -108,12 +114,12 @@ class GuardConfig:
     sample_rate: float = 0.01
     fallback_bound: float = 0.05
     window_seconds: float = 300.0
-    raise_above: float = 0.05
-    raise_factor: float = 1.2
-    raise_floor: float = 0.01
+    backoff_above: float = 0.05
+    backoff_factor: float = 1.2
+    backoff_floor: float = 0.01
     max_threshold: float = 1.0
     min_window_requests: int = 100
-    auto_raise: bool = True
+    auto_backoff: bool = True
     threshold: float | None = None
     max_tokens: int | None = None
     token_input: str | None = None
@@ -123,15 +129,15 @@ class GuardConfig:
 
     def __post_init__(self) -> None:
         _check_rate("sample_rate", self.sample_rate)
-        _check_rate("raise_above", self.raise_above)
-        for name in ("fallback_bound", "window_seconds", "raise_floor", "max_threshold"):
+        _check_rate("backoff_above", self.backoff_above)
+        for name in ("fallback_bound", "window_seconds", "backoff_floor", "max_threshold"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise InvalidInputError(f"guard {name} must be a finite number >= 0, got {value!r}")
         if self.window_seconds <= 0:
             raise InvalidInputError(f"guard window_seconds must be > 0, got {self.window_seconds!r}")
-        if not (math.isfinite(self.raise_factor) and self.raise_factor > 1):
-            raise InvalidInputError(f"guard raise_factor must be > 1, got {self.raise_factor!r}")
+        if not (math.isfinite(self.backoff_factor) and self.backoff_factor > 1):
+            raise InvalidInputError(f"guard backoff_factor must be > 1, got {self.backoff_factor!r}")
         if self.min_window_requests < 1:
             raise InvalidInputError(f"guard min_window_requests must be >= 1, got {self.min_window_requests!r}")
         if self.max_tokens is not None and self.max_tokens < 0:
@@ -182,11 +188,11 @@ class _Segment:
     requests: int = 0
     sampled: int = 0
     fallbacks: int = 0
-    raises: int = 0
+    backoffs: int = 0
 
 
 class GuardedEngine:
-    """An ``Engine`` with sampled comparison against a reference, fallback, auto-raise and a kill switch.
+    """An ``Engine`` with sampled comparison against a reference, fallback, auto back-off and a kill switch.
 
     Args:
         engine: The compiled engine (anything with ``Engine``'s ``run``/``input_specs``/``output_names``).
@@ -394,7 +400,7 @@ class GuardedEngine:
                     "requests": seg.requests,
                     "sampled": seg.sampled,
                     "fallbacks": seg.fallbacks,
-                    "raises": seg.raises,
+                    "backoffs": seg.backoffs,
                     "window_sampled": n,
                     "window_fallbacks": seg.window_fallbacks,
                     "window_fallback_rate": seg.window_fallbacks / n if n else 0.0,
@@ -446,20 +452,30 @@ class GuardedEngine:
             self._prune(seg, now)
             n = len(seg.window)
             rate = seg.window_fallbacks / n
-            if cfg.auto_raise and n >= cfg.min_window_requests and rate > cfg.raise_above:
+            if cfg.auto_backoff and n >= cfg.min_window_requests and rate > cfg.backoff_above:
                 old = seg.threshold
-                new = min(old * cfg.raise_factor if old > 0 else cfg.raise_floor, cfg.max_threshold)
+                new = old / cfg.backoff_factor
+                if new < cfg.backoff_floor:
+                    new = 0.0
                 seg.threshold = new
-                seg.raises += 1
+                if new != old:
+                    seg.backoffs += 1
                 seg.window.clear()
                 seg.window_fallbacks = 0
                 raised = (old, new, rate, n)
         if raised is not None:
             old, new, rate, n = raised
+            if old == new:
+                logger.warning(
+                    "segment %r: fallback rate %.1f%% over the last %d sampled requests (%gs window) > %.1f%% "
+                    "at zeroing threshold 0: the compiled model itself deviates; check it or turn the kill switch on",
+                    seg.name, 100 * rate, n, cfg.window_seconds, 100 * cfg.backoff_above,
+                )  # fmt: skip
+                return
             logger.warning(
                 "segment %r: fallback rate %.1f%% over the last %d sampled requests (%gs window) > %.1f%%: "
-                "zeroing threshold raised %g -> %g",
-                seg.name, 100 * rate, n, cfg.window_seconds, 100 * cfg.raise_above, old, new,
+                "zeroing threshold backed off %g -> %g",
+                seg.name, 100 * rate, n, cfg.window_seconds, 100 * cfg.backoff_above, old, new,
             )  # fmt: skip
             self._warn_if_no_threshold_input()
 

@@ -8,7 +8,7 @@ Metric (prefix ``layerzero_``)          type       labels     source
 ``requests_total``                      counter    segment    guard counters, read at scrape time
 ``fallbacks_total``                     counter    segment    guard
 ``reference_runs_total``                counter    reason     guard (sampled, kill_switch, max_tokens)
-``threshold_raises_total``              counter    segment    guard
+``threshold_backoffs_total``              counter    segment    guard
 ``kill_switch``                         gauge      –          guard (1 = every request to the reference)
 ``zeroing_threshold``                   gauge      segment    guard
 ``window_fallback_rate``                gauge      segment    guard (fallbacks / sampled in the window)
@@ -117,8 +117,8 @@ class _GuardCollector(Collector):
             "fallbacks",
         )
         yield per_segment(
-            CounterMetricFamily(f"{ns}_threshold_raises", "Automatic zeroing-threshold raises", labels=["segment"]),
-            "raises",
+            CounterMetricFamily(f"{ns}_threshold_backoffs", "Automatic zeroing-threshold back-offs", labels=["segment"]),
+            "backoffs",
         )
         runs = CounterMetricFamily(f"{ns}_reference_runs", "Runs of the reference model, by reason", labels=["reason"])
         for reason, count in stats["reference_runs"].items():

@@ -336,6 +336,8 @@ def _tensor(spec: IOSpec) -> Any:
 
 def _check_port_free(host: str, port: int, what: str) -> None:
     with socket.socket() as probe:
+        # As Triton does: a port held only by TIME_WAIT connections is free; one with a listener is not.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as e:

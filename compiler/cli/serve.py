@@ -47,9 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sample-rate", type=float, help="fraction of requests compared (default 0.01 with a reference)")
     g.add_argument("--fallback-bound", type=float, default=0.05, help="relative L2 error bound (default 0.05)")
     g.add_argument("--window-seconds", type=float, default=300.0, help="fallback-rate window (default 300)")
-    g.add_argument("--raise-above", type=float, default=0.05, help="fallback rate that raises the threshold")
+    g.add_argument("--backoff-above", type=float, default=0.05, help="fallback rate above which the zeroing threshold backs off (÷1.2)")
     g.add_argument("--min-window-requests", type=int, default=100, help="sampled requests before a raise")
-    g.add_argument("--no-auto-raise", action="store_true", help="never raise the zeroing threshold")
+    g.add_argument("--no-auto-backoff", action="store_true", help="never change the zeroing threshold automatically")
     g.add_argument("--threshold", type=float, help="starting zeroing threshold (default: the compiled one)")
     g.add_argument("--max-tokens", type=int, help="requests with more tokens go to the reference")
     g.add_argument("--token-input", help="the input whose last axis counts tokens (default: first integer input)")
@@ -100,9 +100,9 @@ def run(args: argparse.Namespace) -> int:
         sample_rate=sample_rate,
         fallback_bound=args.fallback_bound,
         window_seconds=args.window_seconds,
-        raise_above=args.raise_above,
+        backoff_above=args.backoff_above,
         min_window_requests=args.min_window_requests,
-        auto_raise=not args.no_auto_raise,
+        auto_backoff=not args.no_auto_backoff,
         threshold=args.threshold,
         max_tokens=args.max_tokens,
         token_input=args.token_input,

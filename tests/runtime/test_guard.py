@@ -151,65 +151,74 @@ def test_guard_off_is_the_engine_and_loads_no_reference(models: dict[str, Path])
     assert guard.stats()["requests"] == 2
 
 
-# ------------------------------------------------------------------------------------------- auto-raise
+# ------------------------------------------------------------------------------------------ auto back-off
 
 
-def test_auto_raise_fires_exactly_when_the_window_rate_passes_the_bound(
+def test_auto_backoff_fires_exactly_when_the_window_rate_passes_the_bound(
     models: dict[str, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     clock = FakeClock()
-    guard = _relu_guard(models, clock, sample_rate=1.0, min_window_requests=20, window_seconds=100.0)
+    guard = _relu_guard(models, clock, sample_rate=1.0, min_window_requests=20, window_seconds=100.0, threshold=0.06)
     assert guard.run(BAD).route == "fallback"  # 1/1 = 100 %, but too few requests
     for _ in range(18):
         guard.run(GOOD)
     assert guard.stats()["segments"]["default"]["window_fallback_rate"] == pytest.approx(1 / 19)
-    assert guard.threshold() == 0.0  # 1/19 > 5 %, still too few requests
+    assert guard.threshold() == 0.06  # 1/19 > 5 %, still too few requests
     guard.run(GOOD)
-    assert guard.threshold() == 0.0  # 1/20 = 5 %: not above
+    assert guard.threshold() == 0.06  # 1/20 = 5 %: not above
     with caplog.at_level(logging.WARNING, logger="layerzero.runtime.guard"):
         guard.run(BAD)  # 2/21 > 5 % with 21 >= 20 requests
-    assert guard.threshold() == 0.01  # from 0, the first raise goes to the floor
-    assert "zeroing threshold raised 0 -> 0.01" in caplog.text
+    assert guard.threshold() == pytest.approx(0.05)  # ÷ 1.2: skip less
+    assert "zeroing threshold backed off 0.06 -> 0.05" in caplog.text
     seg = guard.stats()["segments"]["default"]
-    assert seg["raises"] == 1 and seg["window_sampled"] == 0  # the window restarts at the new threshold
+    assert seg["backoffs"] == 1 and seg["window_sampled"] == 0  # the window restarts at the new threshold
     assert seg["fallbacks"] == 2 and seg["sampled"] == 21
 
     for _ in range(19):
         guard.run(GOOD)
     guard.run(BAD)
-    assert guard.threshold() == 0.01  # 1/20
+    assert guard.threshold() == pytest.approx(0.05)  # 1/20
     guard.run(BAD)
-    assert guard.threshold() == pytest.approx(0.012)  # × 1.2
-    assert guard.stats()["segments"]["default"]["raises"] == 2
+    assert guard.threshold() == pytest.approx(0.05 / 1.2)
+    assert guard.stats()["segments"]["default"]["backoffs"] == 2
+
+
+def test_backoff_goes_to_zero_below_the_floor_and_stops_there(
+    models: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    guard = _relu_guard(models, sample_rate=1.0, min_window_requests=1, threshold=0.011)
+    guard.run(BAD)
+    assert guard.threshold() == 0.0  # 0.011 / 1.2 < 0.01: exact skipping only
+    with caplog.at_level(logging.WARNING, logger="layerzero.runtime.guard"):
+        guard.run(BAD)
+    assert guard.threshold() == 0.0
+    assert guard.stats()["segments"]["default"]["backoffs"] == 1
+    assert "at zeroing threshold 0: the compiled model itself deviates" in caplog.text
 
 
 def test_old_fallbacks_age_out_of_the_window(models: dict[str, Path]) -> None:
     clock = FakeClock()
-    guard = _relu_guard(models, clock, sample_rate=1.0, min_window_requests=20, window_seconds=100.0)
+    guard = _relu_guard(models, clock, sample_rate=1.0, min_window_requests=20, window_seconds=100.0, threshold=0.06)
     guard.run(BAD)  # t = 0
     clock.now = 50.0
     for _ in range(19):
-        guard.run(GOOD)  # 1/20 = 5 %: no raise
+        guard.run(GOOD)  # 1/20 = 5 %: no back-off
     clock.now = 100.5
     guard.run(BAD)  # the t=0 fallback is gone: 1/20 again, where without aging it would be 2/21
-    assert guard.threshold() == 0.0
+    assert guard.threshold() == 0.06
     assert guard.stats()["segments"]["default"]["window_sampled"] == 20
     clock.now = 100.6
     guard.run(BAD)  # 2/21
-    assert guard.threshold() == 0.01
+    assert guard.threshold() == pytest.approx(0.05)
     clock.now = 1000.0
     assert guard.stats()["segments"]["default"]["window_sampled"] == 0
 
 
-def test_auto_raise_can_be_turned_off_and_is_capped(models: dict[str, Path]) -> None:
-    off = _relu_guard(models, sample_rate=1.0, min_window_requests=1, auto_raise=False)
+def test_auto_backoff_can_be_turned_off(models: dict[str, Path]) -> None:
+    off = _relu_guard(models, sample_rate=1.0, min_window_requests=1, auto_backoff=False, threshold=0.5)
     for _ in range(5):
         off.run(BAD)
-    assert off.threshold() == 0.0
-    capped = _relu_guard(models, sample_rate=1.0, min_window_requests=1, threshold=0.9, max_threshold=1.0)
-    capped.run(BAD)
-    capped.run(BAD)
-    assert capped.threshold() == 1.0
+    assert off.threshold() == 0.5
 
 
 # ------------------------------------------------------------------------------------------ kill switch
@@ -347,7 +356,7 @@ def test_reference_must_have_the_compiled_outputs(models: dict[str, Path]) -> No
     ("config", "pattern"),
     [
         ({"sample_rate": 1.5}, "sample_rate must be between 0 and 1"),
-        ({"raise_factor": 1.0}, "raise_factor must be > 1"),
+        ({"backoff_factor": 1.0}, "backoff_factor must be > 1"),
         ({"window_seconds": 0}, "window_seconds must be > 0"),
         ({"segments": {"a": SegmentConfig(threshold=float("nan"))}}, "zeroing threshold"),
     ],

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import socket
+import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -54,8 +57,23 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     return SimpleNamespace(source=source, bundle=bundle, config=CONFIG, dir=Path(tmp))
 
 
+def stop(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
+    """Stop a server started with ``start_new_session=True``: ``sig`` to it alone (so it shuts its children
+    down in order; a signal to the whole group leaves Triton's Python stubs, which ignore SIGTERM, running),
+    then SIGKILL to whatever of its session is left."""
+    if process.poll() is None:
+        process.send_signal(sig)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
 @pytest.fixture(scope="session")
 def net() -> SimpleNamespace:
-    """``net.free_ports(n)`` and ``net.http(method, url, body)`` (fixtures, since test modules cannot import a
-    conftest by name under --import-mode=importlib)."""
-    return SimpleNamespace(free_ports=free_ports, http=http)
+    """``net.free_ports(n)``, ``net.http(method, url, body)``, ``net.stop(process)`` (fixtures, since test
+    modules cannot import a conftest by name under --import-mode=importlib)."""
+    return SimpleNamespace(free_ports=free_ports, http=http, stop=stop)

@@ -4,8 +4,6 @@ under load, the control endpoints and /metrics."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -58,13 +56,7 @@ def server(tiny_model: SimpleNamespace, net: SimpleNamespace, tmp_path_factory: 
             engine=Engine.load(tiny_model.bundle), config=tiny_model.config,
         )  # fmt: skip
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        net.stop(process)
     assert process.returncode == 0, log.read_text()[-4000:]
 
 

@@ -303,13 +303,7 @@ def test_python_backend_model_in_a_real_tritonserver(tiny_model: SimpleNamespace
         code, metrics = net.http("GET", f"http://127.0.0.1:{metrics_port}/metrics")
         assert code == 200 and b'layerzero_requests_total{model="layerzero"} 1' in metrics
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGINT)
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        net.stop(process, signal.SIGINT)
 
 
 def _port_open(port: int) -> bool:
