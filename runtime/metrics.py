@@ -117,7 +117,7 @@ class _GuardCollector(Collector):
             "fallbacks",
         )
         yield per_segment(
-            CounterMetricFamily(f"{ns}_threshold_backoffs", "Automatic zeroing-threshold back-offs", labels=["segment"]),
+            CounterMetricFamily(f"{ns}_threshold_backoffs", "Automatic threshold back-offs", labels=["segment"]),
             "backoffs",
         )
         runs = CounterMetricFamily(f"{ns}_reference_runs", "Runs of the reference model, by reason", labels=["reason"])
