@@ -85,10 +85,14 @@ class CompileResult:
         }
 
 
-def _removed_scopes(before: ModelSummary, after: ModelSummary, kinds: dict[str, str]) -> list[RemovedScope]:
+def _removed_scopes(
+    before: ModelSummary, after: ModelSummary, kinds: dict[str, str], dynamic: list[str]
+) -> list[RemovedScope]:
     # A bypassed layer counts as removed even when side values it computed for others stay (FoldZeroFlags Case 4).
     bypassed = {s for s, kind in kinds.items() if kind == "declared-flag"}
     gone = [s for s, n in before.scope_nodes.items() if s and n and (s in bypassed or not after.scope_nodes.get(s))]
+    # A scope a dynamic pass rewrote (its nodes now live in the skipping form) is not removed.
+    gone = [s for s in gone if not any(s == d or s.startswith(d + ".") for d in dynamic)]
     gone_set = set(gone)
     maximal = [s for s in gone if not any(p in gone_set for p in _parents(s))]
     return [
@@ -140,7 +144,7 @@ def compile_model(
     after = summarize(model, options.flag_pattern)
     kinds = {b.scope: "declared-flag" for b in pipeline.bypassed}
     kinds.update({s: "consumed-flag" for s in consumed if s not in kinds})
-    removed = _removed_scopes(before, after, kinds)
+    removed = _removed_scopes(before, after, kinds, [d.path for d in read_dynamic_paths(model)])
     verification = None
     if options.verify:
         say("verifying")

@@ -358,9 +358,7 @@ def _block(
         if norm_flag is not None:
             attn_in = _flag_gate(g, norm_scope, norm_flag, attn_in, x)
     h = residual(x, _attention(g, config, i, attn_in, cos, sin, mask, flags))
-    mlp_in = _rms_norm(
-        g, (*scope, "post_attention_layernorm"), h, p + "post_attention_layernorm.weight", config.eps
-    )
+    mlp_in = _rms_norm(g, (*scope, "post_attention_layernorm"), h, p + "post_attention_layernorm.weight", config.eps)
     return residual(h, _mlp(g, i, mlp_in))
 
 
@@ -494,9 +492,7 @@ def reference_forward(config: TransformerConfig, input_ids: np.ndarray) -> np.nd
     return (x @ glob["lm_head.weight"]).astype(np.float32)
 
 
-def example_feeds(
-    config: TransformerConfig, batch: int = 1, seq: int = 8, seed: int = 0
-) -> dict[str, np.ndarray]:
+def example_feeds(config: TransformerConfig, batch: int = 1, seq: int = 8, seed: int = 0) -> dict[str, np.ndarray]:
     """Seeded ``{"input_ids": int64 [batch, seq]}`` with ids in ``[0, vocab_size)``."""
     rng = np.random.default_rng(seed)
     return {"input_ids": rng.integers(0, config.vocab_size, size=(batch, seq), dtype=np.int64)}

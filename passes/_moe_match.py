@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import onnx_ir as ir
 
-from layerzero.passes._graph import const_array, scope_of
+from layerzero.passes._graph import const_array, same_shape, scope_of
 
 __all__ = ["MoEMatch", "NoMatch", "Rejection", "Router", "find_moe_blocks", "match_router"]
 
@@ -140,6 +140,8 @@ class _Walk:
 
     def __init__(self) -> None:
         self.nodes: list[ir.Node] = []
+        # Cheap router-side nodes other blocks may share (an exporter's CSE merges equal zeros / sums).
+        self.shareable: set[ir.Node] = set()
         self.deepest: tuple[int, str] = (-1, "")  # the failed attempt that matched most nodes, and why
 
     def node(self, value: ir.Value | None, ops: str | tuple[str, ...], what: str) -> ir.Node:
@@ -229,6 +231,7 @@ def _routing_weights(w: _Walk, value: ir.Value, router: Router) -> int:
     div = w.node(value, "Div", "routing weights")
     _need(div.inputs[0] is router.values, "routing weights: the Div does not divide the router's top-k values")
     total = w.node(div.inputs[1], "ReduceSum", "routing weights: the divisor")
+    w.shareable.update((div, total))
     _need(total.inputs[0] is router.values, "routing weights: the divisor is not the sum of the top-k values")
     _need(_norm(_axes(total), 2) == [1], "routing weights: the divisor does not sum over the top-k axis")
     _need(_attr(total, "keepdims", 1) == 1, "routing weights: the divisor's ReduceSum drops the axis")
@@ -242,25 +245,7 @@ def _routing_matrix(w: _Walk, value: ir.Value, router: Router) -> int:
         _need(_attr(node, "axis", 0) in (1, -1), "routing matrix: ScatterElements is not along the experts axis")
         _need(_attr(node, "reduction", "none") == "none", "routing matrix: ScatterElements reduces")
         _need(node.inputs[1] is router.indices, "routing matrix: scattered at other indices than the router's")
-        data = node.inputs[0]
-        zeros = w.node(data, "ConstantOfShape", "routing matrix: the scattered-into tensor")
-        fill = zeros.attributes.get("value")
-        _need(fill is None or not np.any(fill.value.numpy()), "routing matrix: the scattered-into tensor is not 0")
-        shape_of = zeros.inputs[0].producer()
-        same = (
-            shape_of is not None
-            and shape_of.op_type == "Shape"
-            and shape_of.inputs[0] in (router.logits, router.scores.outputs[0])
-            and not shape_of.attributes
-        )
-        if shape_of is not None and shape_of.op_type == "Shape" and same:
-            w.nodes.append(shape_of)
-        else:
-            dims = _ints(zeros.inputs[0])
-            same = (
-                dims is not None and len(dims) == 2 and dims[1] == router.experts and _dim(router.logits, 0) == dims[0]
-            )
-        _need(same, "routing matrix: the scattered-into zeros do not have the router logits' shape")
+        _zeros_like_logits(w, node.inputs[0], router)
         return _routing_weights(w, node.inputs[2], router)
     # ReduceSum(OneHot(indices, E) * Unsqueeze(weights, -1), axis=1)
     _need(_norm(_axes(node), 3) == [1], "routing matrix: the one-hot sum is not over the top-k axis")
@@ -272,6 +257,33 @@ def _routing_matrix(w: _Walk, value: ir.Value, router: Router) -> int:
         except NoMatch as exc:
             reason = str(exc)
     raise NoMatch(reason)
+
+
+def _zeros_like_logits(w: _Walk, value: ir.Value, router: Router) -> None:
+    """``value`` is zeros of the logits' shape: ``ConstantOfShape(0)`` or ``Expand(0, shape)`` (torch's
+    ``zeros``), of ``Shape(logits)`` or with the same inferred (symbolic) shape as the logits."""
+    what = "routing matrix: the scattered-into tensor"
+    node = w.node(value, ("ConstantOfShape", "Expand"), what)
+    if node.op_type == "ConstantOfShape":
+        fill = node.attributes.get("value")
+        zero = fill is None or not np.any(fill.value.numpy())
+    else:
+        fill = const_array(node.inputs[0])
+        zero = fill is not None and fill.size == 1 and not np.any(fill)
+    _need(zero, f"{what} is not 0")
+    w.shareable.add(node)
+    source = node.inputs[1] if node.op_type == "Expand" else node.inputs[0]
+    shape_of = source.producer()
+    if (
+        shape_of is not None
+        and shape_of.op_type == "Shape"
+        and not shape_of.attributes
+        and shape_of.inputs[0] in (router.logits, router.scores.outputs[0])
+    ):
+        w.nodes.append(shape_of)
+        w.shareable.add(shape_of)
+        return
+    _need(same_shape(value, router.logits), f"{what} does not have the router logits' shape")
 
 
 def _one_hot_times(w: _Walk, hot_value: ir.Value, weights_value: ir.Value, router: Router) -> int:
@@ -760,9 +772,11 @@ def _common_scope(nodes: list[ir.Node]) -> str:
     return ".".join(common)
 
 
-def _check_block(match: MoEMatch) -> None:
+def _check_block(match: MoEMatch, shareable: set[ir.Node]) -> None:
     inside = set(match.nodes)
     for node in match.nodes:
+        if node in shareable:
+            continue  # read elsewhere too: it stays for those readers, nothing of the experts' compute
         for out in node.outputs:
             if out is match.output:
                 continue
@@ -818,7 +832,7 @@ def find_moe_blocks(graph: ir.Graph) -> tuple[list[MoEMatch], list[Rejection]]:
                         nodes=block,
                         **parts,
                     )
-                    _check_block(found)
+                    _check_block(found, w.shareable)
                     break
                 except NoMatch as exc:
                     found = None

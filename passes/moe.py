@@ -35,6 +35,8 @@ class SkipExperts(ir.passes.InPlacePass):
     A block is rewritten only on an exact match (structure, attributes, constants, weight shapes, no
     intermediate read outside the block); every other router is listed in ``rejected`` with the reason.
 
+    Only the main graph is searched: a block inside an ``If`` / ``Loop`` body is left alone.
+
     Per block the pass adds the graph outputs ``layerzero::mask::<path>`` (``[T, E]`` bool, the node's mask)
     and ``layerzero::router::<path>`` (``[T]``, each token's top-1 probability) and records a ``DynamicPath``
     with one subpath ``<path>.experts.<e>`` per expert and its parameter count. The replaced nodes are
@@ -79,6 +81,8 @@ class SkipExperts(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=bool(matches))
 
     def _rewrite(self, model: ir.Model, m: MoEMatch, path: str, names: NameFactory, opset: int) -> None:
+        # router(x) → TopK → experts(x) → combine   ->   y, mask = MoE(x, logits, w_gate, w_up, w_down)
+        # NOTE: the router's logits stay as exported (any Gemm/MatMul/bias); only scores onward are replaced.
         graph = model.graph
         router = m.router
         end = m.output.producer()

@@ -29,6 +29,7 @@ from layerzero.cli._common import console, parse_shapes, progress
 from layerzero.compile import CompileResult, compile_file
 from layerzero.errors import InvalidInputError, VerificationError
 from layerzero.options import CompileOptions
+from layerzero.passes._dynamic import read_dynamic_paths
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -139,6 +140,11 @@ def print_result(result: CompileResult) -> None:
     console.print(f"layers      {len(b.layers):>10} total, {len(result.zeroed_layers)} zeroed")
     for r in result.removed:
         console.print(f"  removed {r.scope:<40} {r.kind:<14} {r.nodes:>5} nodes {r.params:>10,} params")
+    for d in read_dynamic_paths(result.model):
+        how = f" ({d.detail['lowering']})" if d.detail.get("lowering") else ""
+        console.print(
+            f"  dynamic {d.path:<40} {d.kind:<14} {len(d.subpaths):>5} paths {sum(d.params):>10,} params{how}"
+        )
     print_verification(result.verification)
 
 

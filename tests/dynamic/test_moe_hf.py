@@ -1,7 +1,10 @@
-"""Real exports: tiny Hugging Face Mixtral and Qwen2-MoE (``batched_mm`` experts) through torch.onnx, then LayerZero.
+"""Real exports: tiny Hugging Face Mixtral and Qwen2-MoE through torch.onnx, then LayerZero.
 
+Experts exported with ``_experts_implementation="batched_mm"`` (Mixtral, Qwen2-MoE), and with a dense
+implementation registered here (every expert on every token, ``scatter`` routing matrix, ``einsum``).
 Each compiled model must equal the exported original on a 1-token and a 32-token prompt (atol 1e-5), with
-every MoE block rewritten (no GatherND of expert weights left) and the Qwen2-MoE shared expert untouched.
+every MoE block rewritten (no GatherND / Einsum of expert weights left) and the Qwen2-MoE shared expert
+untouched.
 """
 
 from __future__ import annotations
@@ -64,10 +67,28 @@ def _qwen2_moe() -> torch.nn.Module:
     return transformers.Qwen2MoeForCausalLM(config)
 
 
-def _export(build, path: Path) -> Path:
+def _dense_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """Every expert on every token ([E, T, ...]), combined with the [T, E] routing matrix."""
+    gate, up = torch.matmul(hidden_states, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+    out = torch.matmul(self.act_fn(gate) * up, self.down_proj.transpose(1, 2))  # [E, T, H]
+    routing = torch.zeros(hidden_states.shape[0], self.num_experts, dtype=top_k_weights.dtype)
+    return torch.einsum("te,eth->th", routing.scatter(1, top_k_index, top_k_weights), out)
+
+
+transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS.register("layerzero_dense", _dense_experts_forward)
+
+EXPORTS = {
+    "mixtral": ("batched_mm", lambda: _mixtral()),
+    "qwen2_moe": ("batched_mm", lambda: _qwen2_moe()),
+    "mixtral_dense": ("layerzero_dense", lambda: _mixtral()),
+}
+
+
+def _export(name: str, path: Path) -> Path:
+    implementation, build = EXPORTS[name]
     torch.manual_seed(0)
     model = build()
-    model.config._experts_implementation = "batched_mm"
+    model.config._experts_implementation = implementation
     model.config._attn_implementation = "sdpa"
     model.eval()
     ids = torch.randint(0, VOCAB, (1, 8))
@@ -83,10 +104,9 @@ def _export(build, path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
+@pytest.fixture(scope="module", params=list(EXPORTS))
 def export(request, tmp_path_factory) -> tuple[str, Path]:
-    build = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe}[request.param]
-    return request.param, _export(build, tmp_path_factory.mktemp(request.param) / "model.onnx")
+    return request.param, _export(request.param, tmp_path_factory.mktemp(request.param) / "model.onnx")
 
 
 def _session(model: ir.Model | Path) -> ort.InferenceSession:
@@ -96,12 +116,12 @@ def _session(model: ir.Model | Path) -> ort.InferenceSession:
     return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
 
-def _expert_gathers(model: ir.Model) -> list[str]:
-    """GatherND nodes reading a 3-D constant: the batched_mm experts' weight selection."""
+def _expert_compute(model: ir.Model) -> list[str]:
+    """GatherND / MatMul nodes reading a 3-D constant (stacked expert weights), and Einsums."""
     out = []
     for node in model.graph:
-        data = node.inputs[0] if node.inputs else None
-        if node.op_type == "GatherND" and data is not None and data.const_value is not None and data.shape.rank() == 3:
+        stacked = [v for v in node.inputs if v is not None and v.const_value is not None and v.shape.rank() == 3]
+        if (node.op_type in ("GatherND", "MatMul") and stacked) or node.op_type == "Einsum":
             out.append(node.name)
     return out
 
@@ -109,13 +129,13 @@ def _expert_gathers(model: ir.Model) -> list[str]:
 @pytest.mark.parametrize("lowering", ["if", "ort-moe"])
 def test_compiled_equals_export(export, lowering: str) -> None:
     name, path = export
-    layers = 2 if name == "mixtral" else 1
-    assert len(_expert_gathers(ir.load(path))) == 2 * layers
+    layers = 1 if name == "qwen2_moe" else 2
+    assert len(_expert_compute(ir.load(path))) == (3 if name == "mixtral_dense" else 2) * layers
     options = CompileOptions(moe_lowering=lowering, atol=ATOL, rtol=1e-5, shapes={"input_ids": (1, 32)})
     result = compile_model(path, options)
     assert result.verification.passed
     model = result.model
-    assert _expert_gathers(model) == []
+    assert _expert_compute(model) == []
     ops = [n.op_type for n in model.graph]
     if lowering == "if":
         assert ops.count("If") == EXPERTS * layers

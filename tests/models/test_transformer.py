@@ -39,9 +39,7 @@ def _model(config: TransformerConfig) -> onnx.ModelProto:
 def _session(config: TransformerConfig) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.log_severity_level = 3  # declared flags are unused initializers: ORT warns about each
-    return ort.InferenceSession(
-        _model(config).SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
+    return ort.InferenceSession(_model(config).SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 def _run(config: TransformerConfig, batch: int = 2, seq: int = 7) -> np.ndarray:
@@ -170,9 +168,7 @@ def test_flags_declared_and_consumed() -> None:
     }
 
     declared = _model(CONFIGS["declared-initializer"])
-    flags = {
-        t.name: onnx.numpy_helper.to_array(t) for t in declared.graph.initializer if t.name.endswith(".flag")
-    }
+    flags = {t.name: onnx.numpy_helper.to_array(t) for t in declared.graph.initializer if t.name.endswith(".flag")}
     assert set(flags) == flag_names
     assert flags["layers.1.flag"].tolist() == [0.0] and flags["layers.0.flag"].tolist() == [1.0]
     assert flags["layers.2.attention.rotary_emb.flag"].tolist() == [0.0]
