@@ -34,55 +34,46 @@ def weight_bytes(model: ir.Model) -> int:
 def _reads(node: ir.Node) -> Iterator[ir.Value]:
     """Values a top-level node reads: its inputs, and outer values its subgraphs read."""
     yield from (v for v in node.inputs if v is not None)
+    for sub in _node_subgraphs(node):
+        graphs = [sub, *_subgraphs(sub)]
+        inner: set[ir.Value] = set()
+        for g in graphs:
+            inner.update(g.inputs)
+            inner.update(g.initializers.values())
+            for n in g:
+                inner.update(n.outputs)
+        for g in graphs:
+            for n in g:
+                yield from (v for v in n.inputs if v is not None and v not in inner)
+            yield from (v for v in g.outputs if v not in inner)
+
+
+def _node_subgraphs(node: ir.Node) -> list[ir.Graph]:
+    subs: list[ir.Graph] = []
     for attr in node.attributes.values():
-        graphs = (
-            [attr.value]
-            if attr.type == ir.AttributeType.GRAPH
-            else list(attr.value)
-            if attr.type == ir.AttributeType.GRAPHS
-            else []
-        )
-        for sub in graphs:
-            inner = set()
-            for g in [sub, *_subgraphs(sub)]:
-                inner.update(g.inputs)
-                inner.update(g.initializers.values())
-                for n in g:
-                    inner.update(n.outputs)
-            for g in [sub, *_subgraphs(sub)]:
-                for n in g:
-                    yield from (v for v in n.inputs if v is not None and v not in inner)
-                yield from (v for v in g.outputs if v not in inner)
+        if attr.type == ir.AttributeType.GRAPH:
+            subs.append(attr.value)
+        elif attr.type == ir.AttributeType.GRAPHS:
+            subs.extend(attr.value)
+    return subs
 
 
 def _subgraphs(graph: ir.Graph) -> Iterator[ir.Graph]:
+    """Every graph nested in ``graph``'s nodes, at any depth."""
     for node in graph:
-        for attr in node.attributes.values():
-            if attr.type == ir.AttributeType.GRAPH:
-                yield attr.value
-                yield from _subgraphs(attr.value)
-            elif attr.type == ir.AttributeType.GRAPHS:
-                for sub in attr.value:
-                    yield sub
-                    yield from _subgraphs(sub)
+        for sub in _node_subgraphs(node):
+            yield sub
+            yield from _subgraphs(sub)
 
 
 def _top_level_owner(graph: ir.Graph) -> dict[ir.Node, ir.Node]:
     owner: dict[ir.Node, ir.Node] = {}
     for node in graph:
         owner[node] = node
-        for attr in node.attributes.values():
-            subs = (
-                [attr.value]
-                if attr.type == ir.AttributeType.GRAPH
-                else list(attr.value)
-                if attr.type == ir.AttributeType.GRAPHS
-                else []
-            )
-            for sub in subs:
-                for g in [sub, *_subgraphs(sub)]:
-                    for inner in g:
-                        owner[inner] = node
+        for sub in _node_subgraphs(node):
+            for g in [sub, *_subgraphs(sub)]:
+                for inner in g:
+                    owner[inner] = node
     return owner
 
 

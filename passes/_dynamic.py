@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import onnx_ir as ir
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "DynamicPath",
     "read_dynamic_paths",
     "record_dynamic_path",
+    "threshold_input",
 ]
 
 MASK_PREFIX = "layerzero::mask::"
@@ -78,3 +80,21 @@ def record_dynamic_path(model: ir.Model, entry: DynamicPath) -> None:
     entries = [e for e in read_dynamic_paths(model) if e.path != entry.path]
     entries.append(entry)
     model.metadata_props[DYNAMIC_META_KEY] = json.dumps([e.to_dict() for e in entries])
+
+
+def threshold_input(model: ir.Model, default: float) -> ir.Value:
+    """The run-time threshold ``layerzero::threshold``: a float32 scalar graph input initialised to
+    ``default``; created by the first dynamic pass that needs it, shared by the others."""
+    graph = model.graph
+    for value in graph.inputs:
+        if value.name == THRESHOLD_INPUT:
+            return value
+    value = ir.Value(
+        name=THRESHOLD_INPUT,
+        type=ir.TensorType(ir.DataType.FLOAT),
+        shape=ir.Shape([]),
+        const_value=ir.tensor(np.array(default, np.float32), name=THRESHOLD_INPUT),
+    )
+    graph.inputs.append(value)
+    graph.register_initializer(value)
+    return value

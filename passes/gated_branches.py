@@ -12,10 +12,10 @@ import onnx_ir as ir
 
 from layerzero.passes._dynamic import (
     MASK_PREFIX,
-    THRESHOLD_INPUT,
     DynamicPath,
     read_dynamic_paths,
     record_dynamic_path,
+    threshold_input,
 )
 from layerzero.passes._graph import NAME_SCOPES_KEY, NameFactory, const_array, make_constant, same_shape, scope_of
 from layerzero.passes._layers import describe_value, layer_params
@@ -233,7 +233,7 @@ class SkipGatedBranches(ir.passes.InPlacePass):
         y = add.outputs[0]
         y_type, y_shape = y.type, y.shape
         assert g.dtype is not None
-        threshold = _threshold_input(model, self.threshold)
+        threshold = threshold_input(model, self.threshold)
         if g.dtype != threshold.dtype:
             threshold = build.op("Cast", [threshold], to=g.dtype.value)
         on = build.op("Greater", [build.op("Abs", [g]), threshold])
@@ -345,28 +345,7 @@ class _Builder:
     def int64s(self, hint: str, values: list[int] | int) -> ir.Value:
         return make_constant(self.root, self.names, hint, np.array(values, dtype=np.int64))
 
-
-# --------------------------------------------------------------------------------------------- helpers
-
-
-def _threshold_input(model: ir.Model, default: float) -> ir.Value:
-    """The run-time threshold ``layerzero::threshold`` (float32 scalar input initialised to ``default``).
-
-    Shared with the other dynamic passes (``passes/_dynamic.py``): created by the first that needs it.
-    """
-    graph = model.graph
-    for value in graph.inputs:
-        if value.name == THRESHOLD_INPUT:
-            return value
-    value = ir.Value(
-        name=THRESHOLD_INPUT,
-        type=ir.TensorType(ir.DataType.FLOAT),
-        shape=ir.Shape([]),
-        const_value=ir.tensor(np.array(default, np.float32), name=THRESHOLD_INPUT),
-    )
-    graph.inputs.append(value)
-    graph.register_initializer(value)
-    return value
+    # --------------------------------------------------------------------------------------------- helpers
 
 
 def _gate_kind(g: ir.Value, x: ir.Value) -> str | None:

@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from layerzero.passes._dynamic import THRESHOLD_INPUT, DynamicPath, read_dynamic_paths, record_dynamic_path
+from layerzero.passes._dynamic import DynamicPath, read_dynamic_paths, record_dynamic_path, threshold_input
 from layerzero.passes._graph import NAME_SCOPES_KEY, NameFactory, make_constant, replace_value
 
 __all__ = ["AUTO_CHOICE", "LOWERINGS", "LowerMoE", "choose_lowering", "ort_moe_supports"]
@@ -101,7 +101,7 @@ class LowerMoE(ir.passes.InPlacePass):
                 y, mask = _lower_ort_moe(b, node, spec)
                 model.opset_imports.setdefault("com.microsoft", 1)
             else:
-                threshold = _threshold_input(model, spec.threshold)
+                threshold = threshold_input(model, spec.threshold)
                 y, mask = _lower_if(b, node, spec, threshold)
             graph.insert_before(node, b.nodes)
             replace_value(node.outputs[0], y, names)
@@ -113,23 +113,6 @@ class LowerMoE(ir.passes.InPlacePass):
         if not any(n.domain == MOE_DOMAIN for g in [graph] for n in g):
             model.opset_imports.pop(MOE_DOMAIN, None)
         return ir.passes.PassResult(model, modified=True)
-
-
-def _threshold_input(model: ir.Model, default: float) -> ir.Value:
-    """The run-time threshold ``layerzero::threshold`` (float32 scalar input, initialised to ``default``)."""
-    graph = model.graph
-    for value in graph.inputs:
-        if value.name == THRESHOLD_INPUT:
-            return value
-    value = ir.Value(
-        name=THRESHOLD_INPUT,
-        type=ir.TensorType(ir.DataType.FLOAT),
-        shape=ir.Shape([]),
-        const_value=ir.tensor(np.array(default, np.float32), name=THRESHOLD_INPUT),
-    )
-    graph.inputs.append(value)
-    graph.register_initializer(value)
-    return value
 
 
 def _note_lowering(model: ir.Model, path: str, lowering: str) -> None:

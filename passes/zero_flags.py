@@ -10,7 +10,8 @@ import re
 import onnx_ir as ir
 
 from layerzero.errors import UnsupportedModelError
-from layerzero.passes._graph import NameFactory, const_array, replace_value, same_shape, scope_of
+from layerzero.passes._graph import NameFactory, const_array, replace_value, scope_of
+from layerzero.passes._layers import bypassable_layer
 
 __all__ = ["BypassedLayer", "FoldZeroFlags", "declared_flags", "flag_regex"]
 
@@ -132,76 +133,5 @@ class FoldZeroFlags(ir.passes.InPlacePass):
                 f"{where}: no node has scope {flag.scope!r}; "
                 "check the flag's name against the scopes `layerzero inspect` lists"
             )
-        member_set = set(members)
-        produced = {out for node in members for out in node.outputs}
-        leaving = [
-            out
-            for node in members
-            for out in node.outputs
-            if out.is_graph_output() or any(user not in member_set for user, _ in out.uses())
-        ]
-        entering: list[ir.Value] = []
-        for node in members:
-            for value in node.inputs:
-                if value is None or value in produced or value in entering:
-                    continue
-                if const_array(value) is not None or value.is_initializer():
-                    continue
-                entering.append(value)
-        if len(leaving) > 1:  # Case 4
-            leaving = _drop_side_values(leaving, entering, member_set)
-        if len(leaving) != 1:
-            listed = ", ".join(repr(v.name) for v in leaving) or "none"
-            raise UnsupportedModelError(
-                f"{where}: scope {flag.scope!r} has {len(leaving)} outputs ({listed}); "
-                "a layer that can be bypassed has exactly one"
-            )
-        out = leaving[0]
-        matching = [v for v in entering if same_shape(v, out)]
-        if len(matching) != 1:
-            listed = ", ".join(f"{v.name}: {_describe(v)}" for v in entering) or "none"
-            raise UnsupportedModelError(
-                f"{where}: scope {flag.scope!r} output {out.name!r} is {_describe(out)}, and "
-                f"{len(matching)} of its inputs ({listed}) have that dtype and shape; exactly one must "
-                "(the residual stream) for the layer to be bypassed"
-            )
-        replace_value(out, matching[0], names)
-
-
-def _describe(value: ir.Value) -> str:
-    dtype = value.dtype.name.lower() if value.dtype is not None else "?"
-    shape = "?" if value.shape is None else "[" + ",".join(str(d) for d in value.shape) + "]"
-    return f"{dtype}{shape}"
-
-
-def _drop_side_values(leaving: list[ir.Value], entering: list[ir.Value], members: set[ir.Node]) -> list[ir.Value]:
-    """Case 4: the one leaving value that is the layer's output, when the others are side values.
-
-    Returns ``leaving`` unchanged when the output is not determined that way.
-    """
-    pairs = [(out, v) for out in leaving for v in entering if same_shape(v, out)]
-    if len(pairs) != 1:
-        return leaving
-    out, residual = pairs[0]
-    side = [v for v in leaving if v is not out]
-    if any(_depends_on(v, residual, members) for v in side):
-        return leaving
-    logger.debug("side values %s leave the scope but do not read %s", [v.name for v in side], residual.name)
-    return [out]
-
-
-def _depends_on(value: ir.Value, source: ir.Value, members: set[ir.Node]) -> bool:
-    """True when ``value`` is computed from ``source`` through nodes of ``members``."""
-    seen: set[ir.Value] = set()
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if v is source:
-            return True
-        if v in seen:
-            continue
-        seen.add(v)
-        producer = v.producer()
-        if producer is not None and producer in members:
-            stack.extend(i for i in producer.inputs if i is not None)
-    return False
+        layer = bypassable_layer(flag.scope, members, f"{where}: scope {flag.scope!r}")  # Cases 3 and 4
+        replace_value(layer.output, layer.input, names)
