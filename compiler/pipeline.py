@@ -15,6 +15,7 @@ from layerzero.passes import (
     FoldZeroFlags,
     PropagateUniforms,
     RemoveDeadCode,
+    SimplifyConcatSplit,
 )
 
 __all__ = ["PipelineResult", "bypass_declared_layers", "needs_dynamic_reference", "run_static_passes"]
@@ -70,6 +71,7 @@ def run_static_passes(
         flags,
         FoldConstants(options.fold_max_elements),
         PropagateUniforms(options.assume_finite),
+        SimplifyConcatSplit(),
         RemoveDeadCode(),
     ]
     modified_by = {type(p).__name__: 0 for p in passes}
@@ -124,9 +126,13 @@ DYNAMIC_PASSES: list[str] = [
     "layerzero.groups:ApplyGroupSpec",
     # MoE: rewrite each block into the skipping form ai.layerzero::MoE, then lower it for the target.
     "layerzero.passes.moe:SkipExperts",
+    # Solidify (options.solidify, from a profile): drop experts from the skipping form, before lowering.
+    "layerzero.passes.solidify_paths:DropExperts",
     "layerzero.passes.lower_moe:LowerMoE",
     # Gated branches last: an MoE's weighted expert sum looks like x + g * f(x) too.
     "layerzero.passes.gated_branches:SkipGatedBranches",
+    # Solidify: gates and groups always skipped take their else path (constant folding inlines it).
+    "layerzero.passes.solidify_paths:RemoveSkippedBranches",
 ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from layerzero.passes._lattice import uniform_of_constant
+from layerzero.passes.algebraic import SimplifyConcatSplit
 from layerzero.passes.constant_folding import FoldConstants
 from layerzero.passes.dead_code import RemoveDeadCode
 from layerzero.passes.uniform_propagation import PropagateUniforms
@@ -14,6 +15,7 @@ __all__ = [
     "FoldZeroFlags",
     "PropagateUniforms",
     "RemoveDeadCode",
+    "SimplifyConcatSplit",
     "declared_flags",
     "flag_regex",
     "uniform_of_constant",

@@ -305,7 +305,7 @@ def test_error_metadata_flag_not_a_number(helpers):
 
 # ------------------------------------------------------------------------------------------- the transformer
 
-COMPILE_DELTA_PER_ROTARY = 2  # Concat(q, k) and Split stay around a bypassed rotary: no pass fuses them
+COMPILE_DELTA_PER_ROTARY = 0  # SimplifyConcatSplit folds the Concat(q, k) + Split a bypassed rotary leaves
 
 
 @functools.cache
