@@ -31,6 +31,7 @@ from layerzero.pipeline import (
 from layerzero.verify import VerificationResult, compare_outputs, make_inputs, run_model
 
 if TYPE_CHECKING:
+    from layerzero.solidify import SolidifyPlan
     from layerzero.targets.tensorrt import TensorRTOptions
 
 __all__ = ["CompileResult", "RemovedScope", "compile_file", "compile_model"]
@@ -58,6 +59,9 @@ class CompileResult:
     pipeline: PipelineResult
     verification: VerificationResult | None
     seconds: float
+    # Paths solidified from a profile (layerzero.solidify): what went, with the profile's numbers; the plan.
+    solidified: list[dict] = dataclasses.field(default_factory=list)
+    solidify_plan: SolidifyPlan | None = None
 
     @property
     def zeroed_layers(self) -> list[str]:
@@ -81,6 +85,7 @@ class CompileResult:
             "layers": {"total": len(self.before.layers), "zeroed": self.zeroed_layers},
             "removed": [dataclasses.asdict(r) for r in self.removed],
             "dynamic": [d.to_dict() for d in read_dynamic_paths(self.model)],
+            "solidified": self.solidified,
             "verification": None if self.verification is None else self.verification.to_dict(),
         }
 
@@ -131,6 +136,14 @@ def compile_model(
         source_path, model = None, ir.from_proto(source)
     else:
         source_path, model = None, source
+    plan = None
+    if options.profile is not None:
+        # Solidify: the profile's always-skipped, harmless paths become options.solidify (the passes remove them).
+        from layerzero.runtime.bundle import sha256_file
+        from layerzero.solidify import plan_solidify
+
+        plan = plan_solidify(options, sha256_file(source_path) if source_path is not None else None)
+        options = dataclasses.replace(options, solidify=plan.subpaths)
     original_proto = ir.to_proto(model) if source_path is None else None
     before = summarize(model, options.flag_pattern)
     consumed = set(before.consumed_flags)
@@ -144,7 +157,17 @@ def compile_model(
     after = summarize(model, options.flag_pattern)
     kinds = {b.scope: "declared-flag" for b in pipeline.bypassed}
     kinds.update({s: "consumed-flag" for s in consumed if s not in kinds})
+    solidified: list[dict] = []
+    if options.solidify:
+        from layerzero.solidify import check_all_removed, solidified_records
+
+        solidified = solidified_records(model, plan)
+        check_all_removed(options, solidified)
     removed = _removed_scopes(before, after, kinds, [d.path for d in read_dynamic_paths(model)])
+    solid_scopes = [scope for r in solidified for scope in r.get("scopes") or []]
+    for r in removed:  # a scope that went with a solidified branch or group (and its gate, its Add) was solidified
+        if r.kind == "folded" and any(s == r.scope or s.startswith(r.scope + ".") for s in solid_scopes):
+            r.kind = "solidified"
     verification = None
     if options.verify:
         say("verifying")
@@ -155,7 +178,19 @@ def compile_model(
 
             checked = ort_equivalent(model, options)
         verification = verify_compiled(source_path, original_proto, checked, pipeline, options)
-    return CompileResult(model, options, before, after, removed, pipeline, verification, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return CompileResult(
+        model,
+        options,
+        before,
+        after,
+        removed,
+        pipeline,
+        verification,
+        seconds,
+        solidified=solidified,
+        solidify_plan=plan,
+    )
 
 
 def verify_compiled(
@@ -168,7 +203,8 @@ def verify_compiled(
     """Compare the compiled model with the reference on sample inputs; raise on a mismatch.
 
     With declared flags, the reference is the original with exactly those layers bypassed; the
-    original's own deviation from it is reported as those layers' measured impact.
+    original's own deviation from it is reported as those layers' measured impact. Solidified paths
+    (``options.solidify``) are forced off in the reference the same way (``layerzero.solidify``).
     """
     with tempfile.TemporaryDirectory(prefix="layerzero-verify-") as tmp:
         tmpdir = Path(tmp)
@@ -194,9 +230,13 @@ def verify_compiled(
         names, out_original = run(None, "original")
         impact = None
         reference_outputs = out_original
-        if pipeline.bypassed or needs_dynamic_reference(options):
+        if pipeline.bypassed or needs_dynamic_reference(options) or options.solidify:
             reference = load_original()
             bypass_declared_layers(reference, options)
+            if options.solidify:
+                from layerzero.solidify import force_off_reference
+
+                force_off_reference(reference, options)  # the solidified paths forced off
             _, reference_outputs = run(reference, "reference")
             del reference
             impact = compare_outputs(names, out_original, reference_outputs, options.atol, options.rtol)

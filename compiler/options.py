@@ -37,10 +37,20 @@ class CompileOptions:
     max_deviation: float | None = None  # with a threshold > 0: fail verification above this max abs deviation
     moe_lowering: str = "auto"  # "auto" | "if" (per-expert If subgraphs) | "ort-moe" (com.microsoft.MoE)
     groups: Path | None = None  # group-mask spec (YAML or JSON)
+    # Solidify (layerzero.solidify): remove for good the dynamic paths a profile (`layerzero profile`) found
+    # skipped at least `stability_window` consecutive requests (or tokens, `stability_unit`) and whose measured
+    # impact (relative L2 change of the model output when forced off) is below `impact_tolerance`.
+    profile: Path | None = None
+    stability_window: int = 100
+    stability_unit: str = "requests"  # "requests" | "tokens"
+    impact_tolerance: float = 0.01
+    solidify: tuple[str, ...] = ()  # the subpaths to remove (filled from `profile`, or given directly)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["sample_inputs"] = None if self.sample_inputs is None else str(self.sample_inputs)
         out["groups"] = None if self.groups is None else str(self.groups)
+        out["profile"] = None if self.profile is None else str(self.profile)
+        out["solidify"] = list(self.solidify)
         out["shapes"] = {k: list(v) for k, v in self.shapes.items()}
         return out

@@ -12,6 +12,13 @@ examples:
   layerzero compile model.onnx -o model.lz --groups spec.yaml
   layerzero compile moe.onnx -o moe.lz --threshold 0.3 --max-deviation 0.05
   layerzero compile model.onnx -o model.lz --target tensorrt --precision fp16 --shape hidden:1,64/32,64/256,64
+  layerzero compile moe.onnx -o solid.lz --profile profile.json --stability-window 100 --impact-tolerance 0.01
+
+--profile (written by `layerzero profile` on a bundle of the same model) solidifies: a dynamic path (MoE expert,
+gated branch, group) skipped at least --stability-window consecutive requests (--stability-unit tokens: tokens)
+whose measured impact (relative L2 change of the output when forced off) is below --impact-tolerance is
+removed for good: an expert from its router and weights, a branch or group takes its else path. The manifest
+lists what went ("solidified"), verified against the original with those paths forced off.
 
 --target tensorrt also lowers the MoE blocks to the LayerZero TensorRT plugin, builds a TensorRT engine
 (model.plan, next to the lowered model.onnx) and checks it against onnxruntime; it needs the tensorrt package,
@@ -74,6 +81,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="MoE blocks on onnxruntime: per-expert If subgraphs, com.microsoft.MoE, or auto (default)",
     )
+    solid = p.add_argument_group("solidify (--profile)")
+    solid.add_argument("--profile", type=Path, metavar="JSON", help="a profile of a bundle of this model")
+    solid.add_argument(
+        "--stability-window",
+        type=int,
+        default=100,
+        metavar="N",
+        help="remove paths skipped at least N consecutive requests (or tokens) in the profile (default 100)",
+    )
+    solid.add_argument(
+        "--stability-unit",
+        choices=("requests", "tokens"),
+        default="requests",
+        help="what --stability-window counts (default requests)",
+    )
+    solid.add_argument(
+        "--impact-tolerance",
+        type=float,
+        default=0.01,
+        metavar="T",
+        help="... and whose measured impact on the output (relative L2) is below T (default 0.01)",
+    )
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     add_target_arguments(p)
 
@@ -130,6 +159,10 @@ def options_from(args: argparse.Namespace) -> CompileOptions:
         zeroing_threshold=getattr(args, "threshold", 0.0),
         max_deviation=getattr(args, "max_deviation", None),
         moe_lowering=getattr(args, "moe_lowering", "auto"),
+        profile=getattr(args, "profile", None),
+        stability_window=getattr(args, "stability_window", 100),
+        stability_unit=getattr(args, "stability_unit", "requests"),
+        impact_tolerance=getattr(args, "impact_tolerance", 0.01),
     )
 
 
@@ -145,7 +178,29 @@ def print_result(result: CompileResult) -> None:
         console.print(
             f"  dynamic {d.path:<40} {d.kind:<14} {len(d.subpaths):>5} paths {sum(d.params):>10,} params{how}"
         )
+    print_solidified(result)
     print_verification(result.verification)
+
+
+def print_solidified(result: CompileResult) -> None:
+    plan = result.solidify_plan
+    if plan is None and not result.solidified:
+        return
+    if plan is not None:
+        console.print(
+            f"solidify    {len(result.solidified)} path(s) removed: skipped ≥ {plan.window} consecutive {plan.unit} "
+            f"of {plan.requests} profiled, impact < {plan.tolerance:g}"
+        )
+    for r in result.solidified:
+        stability = r.get("stability") or {}
+        impact = (r.get("impact") or {}).get("model")
+        impact_text = f"{impact:.3g}" if isinstance(impact, (int, float)) else "?"
+        console.print(
+            f"  solidified {r['subpath']:<37} {r['kind']:<14} stable {stability.get('requests', '?')} requests, "
+            f"impact {impact_text}, {r['params']:,} params"
+        )
+    for c in plan.kept if plan is not None else []:
+        console.print(f"  kept       {c.subpath:<37} {c.kind:<14} {c.reason}")
 
 
 def print_verification(v) -> None:
@@ -161,7 +216,7 @@ def print_verification(v) -> None:
         )
     for o in v.impact or []:
         console.print(
-            f"  impact of the bypassed layers (zero flags, groups off) on {o.name}: "
+            f"  impact of the bypassed layers (zero flags, groups off, solidified paths) on {o.name}: "
             f"max abs {o.max_abs:.3g}, max rel {o.max_rel:.3g}"
         )
 

@@ -1,0 +1,100 @@
+"""Profile a bundle on calibration traffic: per path, how often it runs, how stably it is skipped, its impact.
+
+Runs every request of --data through the bundle and counts, for each dynamic subpath (a MoE expert
+<path>.experts.<e>, a gated branch, a group) and each layer the compiler removed: tokens and requests run /
+skipped, and zeroing_stability, the longest run of consecutive skips in tokens and in requests. On the first
+--impact-samples requests it measures zeroing_impact: the relative L2 change of the path's block output and
+of the model output when that path alone is forced off (on an in-memory variant of the compiled model).
+Writes a JSON profile (versioned; it names the bundle's model sha256 and its source model's sha256), which
+`layerzero compile --profile` solidifies and `layerzero report` draws.
+
+--data is an .npz whose arrays have a leading request axis, one per input name ([R, ...]), or a directory
+of .npz files, one request each (file-name order).
+
+examples:
+  layerzero profile model.lz --data calib.npz -o profile.json
+  layerzero profile model.lz --data requests/ --impact-samples 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from layerzero.cli._common import console, stderr
+from layerzero.errors import InvalidInputError
+from layerzero.profiling import load_requests, profile_bundle
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("bundle", type=Path, help="a bundle written by `layerzero compile`")
+    p.add_argument("--data", type=Path, required=True, metavar="NPZ|DIR", help="calibration requests")
+    p.add_argument("-o", "--output", type=Path, default=Path("profile.json"), help="where (default profile.json)")
+    p.add_argument(
+        "--impact-samples",
+        type=int,
+        default=8,
+        metavar="N",
+        help="measure impact on the first N requests (default 8; 0: counters only)",
+    )
+    p.add_argument("--top", type=int, default=10, metavar="K", help="paths shown in the summary (default 10)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not (args.bundle / "manifest.json").is_file():
+        raise InvalidInputError(f"{args.bundle}: not a bundle (no manifest.json); compile the model first")
+    if args.impact_samples < 0:
+        raise InvalidInputError(f"--impact-samples {args.impact_samples}: must be >= 0")
+    requests = load_requests(args.data)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=stderr, transient=True, disable=not stderr.is_terminal) as bar:
+        tasks: dict[str, object] = {}
+
+        def tick(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                label = "requests" if stage == "traffic" else "impact (each path forced off)"
+                tasks[stage] = bar.add_task(label, total=total)
+            bar.update(tasks[stage], completed=done)
+
+        doc = profile_bundle(
+            args.bundle, requests, impact_samples=args.impact_samples, data=str(args.data), on_progress=tick
+        )
+    args.output.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    _summary(doc, args.top)
+    console.print(f"wrote {args.output}")
+    return 0
+
+
+def _summary(doc: dict, top: int) -> None:
+    traffic = doc["traffic"]
+    console.print(
+        f"profiled {traffic['requests']} requests ({traffic['tokens']} tokens), "
+        f"impact on {doc['impact']['samples']}; {len(doc['paths'])} paths"
+    )
+    paths = sorted(
+        doc["paths"],
+        key=lambda p: (-p["zeroing_stability"]["requests"], -p["tokens"]["skipped"], p["path"]),
+    )[:top]
+    if not paths:
+        return
+    table = Table(box=None, pad_edge=False)
+    for name in ("path", "kind", "skip rate", "stable (req)", "stable (tok)", "impact model", "params"):
+        table.add_column(name, justify="left" if name in ("path", "kind") else "right", no_wrap=name == "path")
+    for p in paths:
+        tokens = p["tokens"]["run"] + p["tokens"]["skipped"]
+        rate = p["tokens"]["skipped"] / tokens if tokens else 0.0
+        impact = p["zeroing_impact"]["model"]
+        table.add_row(
+            p["path"],
+            p["kind"] if p["kind"] != "static" else f"static ({p.get('removed_kind')})",
+            f"{rate:.1%}",
+            str(p["zeroing_stability"]["requests"]),
+            str(p["zeroing_stability"]["tokens"]),
+            "-" if impact is None else (impact if isinstance(impact, str) else f"{impact:.3g}"),
+            f"{p['params']:,}",
+        )
+    console.print(table)

@@ -1,0 +1,48 @@
+"""Draw a profile as a zeroing map: skip rate per layer (rows) × path (columns), impact marked.
+
+Reads a profile written by `layerzero profile` and writes the heatmap as PNG or SVG, or a self-contained
+HTML page (the heatmap inline and a table of every path: counts, stability, impact, parameters), chosen by
+the output's suffix. A dot marks a path whose impact is below --impact-tolerance; hatching, a layer removed
+at compile time. Needs matplotlib: pip install 'layerzero[report]'.
+
+examples:
+  layerzero report profile.json -o map.png
+  layerzero report profile.json -o map.html --impact-tolerance 0.001 --stability-window 50
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from layerzero.cli._common import console
+from layerzero.report_map import write_report
+from layerzero.runtime.profile import load_profile
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("profile", type=Path, help="a profile written by `layerzero profile`")
+    p.add_argument("-o", "--output", type=Path, required=True, help="map.png, map.svg or map.html")
+    p.add_argument(
+        "--impact-tolerance",
+        type=float,
+        default=0.01,
+        metavar="T",
+        help="mark paths whose impact is below T (default 0.01, as compile --profile)",
+    )
+    p.add_argument(
+        "--stability-window",
+        type=int,
+        metavar="N",
+        help="HTML: call a path removable only when also skipped ≥ N consecutive requests (or tokens)",
+    )
+    p.add_argument("--stability-unit", choices=("requests", "tokens"), default="requests", help="of --stability-window")
+
+
+def run(args: argparse.Namespace) -> int:
+    doc = load_profile(args.profile)
+    out = write_report(
+        doc, args.output, tolerance=args.impact_tolerance, window=args.stability_window, unit=args.stability_unit
+    )
+    console.print(f"wrote {out}")
+    return 0

@@ -1,0 +1,266 @@
+"""The zeroing map: a profile drawn as a heatmap of skip rate per layer (rows) × path (columns).
+
+    layerzero report profile.json -o map.png      # or map.svg, or map.html (the heatmap inline + a table)
+
+Cells are the paths of the profile (``layerzero.runtime.profile``): a MoE expert, a gated branch, a group,
+a layer removed at compile time. The row is the path's layer (``layers.3``; ``groups`` for a group of
+layers, ``model`` for a path outside any layer), the column what it is within the layer (``moe.experts.5``,
+``mlp``; a prefix all columns share goes to the axis label). The colour is the skip rate in tokens; a dot
+marks an impact below the tolerance (a path ``compile --profile`` may remove, if stable enough); hatching
+marks a layer already removed at compile time; grey cells have no path. Needs matplotlib (the ``report``
+extra).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import html
+import io
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from layerzero.errors import InvalidInputError
+from layerzero.inspect import natural_key
+from layerzero.passes._graph import layer_of
+
+__all__ = ["FORMATS", "ZeroingGrid", "render_html", "render_image", "write_report", "zeroing_grid"]
+
+FORMATS = (".png", ".svg", ".html")
+
+
+@dataclasses.dataclass
+class ZeroingGrid:
+    rows: list[str]
+    columns: list[str]
+    column_label: str  # the prefix the columns share ("" when none)
+    rate: np.ndarray  # [rows, columns] skip rate in tokens, NaN where no path
+    impact: np.ndarray  # [rows, columns] model-output impact, NaN where unknown
+    static: np.ndarray  # [rows, columns] bool: removed at compile time
+    paths: dict[tuple[int, int], dict]  # (row, column) -> the profile's path record
+
+
+def _cell(record: dict) -> tuple[str, str]:
+    path = record["path"]
+    if record.get("kind") == "group":
+        return "groups", path
+    layer = layer_of(path)
+    if layer is None:
+        return "model", path
+    return layer, path[len(layer) + 1 :] or "(layer)"
+
+
+def _impact(record: dict) -> float:
+    value = (record.get("zeroing_impact") or {}).get("model")
+    if isinstance(value, str):  # "inf"
+        return math.inf
+    return float(value) if isinstance(value, (int, float)) else math.nan
+
+
+def zeroing_grid(doc: dict) -> ZeroingGrid:
+    cells = {}
+    for record in doc["paths"]:
+        cells.setdefault(_cell(record), record)
+    rows = sorted({r for r, _ in cells}, key=natural_key)
+    columns = sorted({c for _, c in cells}, key=natural_key)
+    label = ""
+    if len(columns) > 1 and all("." in c for c in columns):
+        prefix = columns[0].rsplit(".", 1)[0] + "."
+        if all(c.startswith(prefix) for c in columns):
+            label = prefix
+            columns = [c[len(prefix) :] for c in columns]
+            cells = {(r, c[len(prefix) :]): v for (r, c), v in cells.items()}
+            columns = sorted(columns, key=natural_key)
+    shape = (len(rows), len(columns))
+    rate, impact, static = np.full(shape, np.nan), np.full(shape, np.nan), np.zeros(shape, bool)
+    paths: dict[tuple[int, int], dict] = {}
+    for (r, c), record in cells.items():
+        i, j = rows.index(r), columns.index(c)
+        run, skipped = record["tokens"]["run"], record["tokens"]["skipped"]
+        rate[i, j] = skipped / (run + skipped) if run + skipped else (1.0 if record.get("kind") == "static" else 0.0)
+        impact[i, j] = _impact(record)
+        static[i, j] = record.get("kind") == "static"
+        paths[(i, j)] = record
+    return ZeroingGrid(rows, columns, label, rate, impact, static, paths)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise InvalidInputError(
+            "the zeroing map needs matplotlib: pip install 'layerzero[report]' (or pip install matplotlib)"
+        ) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def render_image(doc: dict, fmt: str = "png", *, tolerance: float = 0.01) -> bytes:
+    """The heatmap as PNG or SVG bytes."""
+    plt = _pyplot()
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    grid = zeroing_grid(doc)
+    n_rows, n_cols = len(grid.rows), len(grid.columns)
+    fig_w = min(max(5.5, 1.8 + 0.62 * n_cols), 24)
+    fig_h = min(max(3.2, 1.9 + 0.46 * n_rows), 30)
+    fig, ax = plt.subplots(figsize=(fig_w, fig_h), dpi=150, layout="constrained")
+    cmap = plt.get_cmap("viridis").with_extremes(bad="#e6e6e6")
+    image = ax.imshow(np.ma.masked_invalid(grid.rate), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
+    for (i, j), _record in grid.paths.items():
+        rate = grid.rate[i, j]
+        dark = rate < 0.6
+        ax.text(j, i + 0.18, _percent(rate), ha="center", va="center", fontsize=7, color="white" if dark else "black")
+        if grid.static[i, j]:
+            ax.add_patch(
+                plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="///", edgecolor="#555555", linewidth=0)
+            )
+        elif grid.impact[i, j] < tolerance:
+            ax.plot(
+                j, i - 0.2, "o", markersize=5, markerfacecolor="white", markeredgecolor="black", markeredgewidth=0.8
+            )
+    ax.set_xticks(range(n_cols), grid.columns, rotation=45 if max(map(len, grid.columns), default=0) > 3 else 0)
+    ax.set_yticks(range(n_rows), grid.rows)
+    ax.set_xticks(np.arange(-0.5, n_cols, 1), minor=True)
+    ax.set_yticks(np.arange(-0.5, n_rows, 1), minor=True)
+    ax.grid(which="minor", color="white", linewidth=1.5)
+    ax.tick_params(which="minor", length=0)
+    ax.set_xlabel(f"{grid.column_label}<column>" if grid.column_label else "path")
+    ax.set_ylabel("layer")
+    traffic = doc.get("traffic") or {}
+    bundle = Path(str((doc.get("bundle") or {}).get("path") or "")).name or "bundle"
+    ax.set_title(
+        f"Zeroing map of {bundle}: skip rate per path\n"
+        f"{traffic.get('requests', '?')} requests, {traffic.get('tokens', '?')} tokens; "
+        f"impact on {(doc.get('impact') or {}).get('samples', 0)} sampled requests",
+        fontsize=9,
+    )
+    bar = fig.colorbar(image, ax=ax, fraction=0.05, pad=0.02)
+    bar.set_label("skip rate (tokens)", fontsize=8)
+    bar.ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:.0%}"))
+    handles = [
+        Line2D([], [], marker="o", linestyle="", markerfacecolor="white", markeredgecolor="black",
+               label=f"impact < {tolerance:g} (relative L2 change of the output with the path forced off)"),
+    ]  # fmt: skip
+    if grid.static.any():
+        handles.append(Patch(facecolor=cmap(1.0), hatch="///", edgecolor="#555555", label="removed at compile time"))
+    if np.isnan(grid.rate).any():
+        handles.append(Patch(facecolor="#e6e6e6", label="no such path"))
+    ncol = len(handles) if fig_w >= 9 else 1
+    fig.legend(handles=handles, loc="outside lower center", ncol=ncol, fontsize=7, frameon=False)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=fmt)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def _percent(rate: float) -> str:
+    """A whole percentage that never rounds a path that ran (or skipped) once to 100 % (or 0 %)."""
+    if 0.995 <= rate < 1.0:
+        return ">99%"
+    if 0.0 < rate < 0.005:
+        return "<1%"
+    return f"{rate:.0%}"
+
+
+def _fmt(value: Any, percent: bool = False) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, str):
+        return value
+    return f"{value:.1%}" if percent else f"{value:.3g}"
+
+
+def render_html(doc: dict, *, tolerance: float = 0.01, window: int | None = None, unit: str = "requests") -> str:
+    """A self-contained page: the heatmap (inline PNG) and a table of every path."""
+    png = base64.b64encode(render_image(doc, "png", tolerance=tolerance)).decode("ascii")
+    traffic = doc.get("traffic") or {}
+    source = doc.get("source") or {}
+    rows = []
+    for record in sorted(doc["paths"], key=lambda r: natural_key(r["path"])):
+        tokens = record["tokens"]["run"] + record["tokens"]["skipped"]
+        rate = record["tokens"]["skipped"] / tokens if tokens else None
+        stability = record["zeroing_stability"]
+        impact = record.get("zeroing_impact") or {}
+        model = impact.get("model")
+        removable = (
+            record["kind"] != "static"
+            and isinstance(model, (int, float))
+            and model < tolerance
+            and (window is None or stability.get(unit, 0) >= window)
+        )
+        kind = record["kind"] if record["kind"] != "static" else f"static ({record.get('removed_kind', '?')})"
+        cells = [
+            record["path"],
+            kind,
+            _fmt(rate, percent=True),
+            f"{record['tokens']['run']:,} / {record['tokens']['skipped']:,}",
+            f"{record['requests']['run']:,} / {record['requests']['skipped']:,}",
+            f"{stability['requests']:,}",
+            f"{stability['tokens']:,}",
+            _fmt(impact.get("block")),
+            _fmt(model),
+            f"{record['params']:,}",
+            "yes" if removable else "",
+        ]
+        rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
+    header = [
+        "path", "kind", "skip rate", "tokens run / skipped", "requests run / skipped", "stable (requests)",
+        "stable (tokens)", "impact (block)", "impact (model)", "params", "removable",
+    ]  # fmt: skip
+    criterion = f"impact &lt; {tolerance:g}" + (
+        f" and skipped ≥ {window} consecutive {html.escape(unit)}" if window is not None else ""
+    )
+    title = f"LayerZero zeroing map: {html.escape(str((doc.get('bundle') or {}).get('path') or 'bundle'))}"
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
+img {{ max-width: 100%; height: auto; }}
+table {{ border-collapse: collapse; font-size: 0.85em; }}
+th, td {{ padding: 0.25em 0.7em; border-bottom: 1px solid #ddd; text-align: right; }}
+th:nth-child(-n+2), td:nth-child(-n+2) {{ text-align: left; }}
+th {{ background: #f3f3f3; position: sticky; top: 0; }}
+code {{ background: #f3f3f3; padding: 0 0.2em; }}
+</style></head>
+<body>
+<h1>{title}</h1>
+<p>{traffic.get("requests", "?")} requests, {traffic.get("tokens", "?")} tokens
+(data: <code>{html.escape(str(traffic.get("data")))}</code>); source model sha256
+<code>{html.escape(str(source.get("sha256")))}</code>; profile format {doc.get("format")} v{doc.get("version")}.</p>
+<img alt="zeroing map: skip rate per layer and path" src="data:image/png;base64,{png}">
+<h2>Paths</h2>
+<p>Skip rate and run / skip counts in tokens and requests; stability = the longest run of consecutive skips;
+impact = the relative L2 change of the block / model output when the path alone is forced off (largest over
+the sampled requests). Removable: {criterion}.</p>
+<table>
+<thead><tr>{"".join(f"<th>{h}</th>" for h in header)}</tr></thead>
+<tbody>
+{chr(10).join(rows)}
+</tbody>
+</table>
+</body></html>
+"""
+
+
+def write_report(
+    doc: dict, out: str | Path, *, tolerance: float = 0.01, window: int | None = None, unit: str = "requests"
+) -> Path:
+    """Write the map as ``.png``, ``.svg`` or ``.html`` (by ``out``'s suffix)."""
+    out = Path(out)
+    suffix = out.suffix.lower()
+    if suffix not in FORMATS:
+        raise InvalidInputError(f"{out}: the report is written as {', '.join(FORMATS)} (by the file's suffix)")
+    if not doc["paths"]:
+        raise InvalidInputError("the profile has no paths to draw (the bundle has no dynamic or removed path)")
+    if suffix == ".html":
+        out.write_text(render_html(doc, tolerance=tolerance, window=window, unit=unit), encoding="utf-8")
+    else:
+        out.write_bytes(render_image(doc, suffix[1:], tolerance=tolerance))
+    return out
