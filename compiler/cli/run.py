@@ -85,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"{name} {value.dtype}{list(value.shape)}")
             console.print(str(value))
     console.print(f"report: {result.report.summary()}  ({ms:.2f} ms)")
+    if result.report.skipped_paths:
+        console.print("  skipped on this request: " + ", ".join(result.report.skipped_paths))
     if args.masks and result.report.masks:
         for path, mask in result.report.masks.items():
             console.print(f"  mask {path}: {np.asarray(mask).astype(int).tolist()}")
