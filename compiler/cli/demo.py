@@ -37,15 +37,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", type=Path, help="keep the model and bundle here (default: a temporary dir)")
 
 
-def _p50_ms(engine: Engine, feeds: dict[str, np.ndarray], runs: int) -> float:
-    for _ in range(3):
-        engine.run(feeds)
-    times = []
+def _p50_ms(engines: list[Engine], feeds: dict[str, np.ndarray], runs: int) -> list[float]:
+    """p50 latency of each engine, runs interleaved round-robin so machine noise hits all alike."""
+    for engine in engines:
+        for _ in range(3):
+            engine.run(feeds)
+    times: list[list[float]] = [[] for _ in engines]
     for _ in range(runs):
-        start = time.perf_counter()
-        engine.run(feeds)
-        times.append(time.perf_counter() - start)
-    return float(np.median(times) * 1e3)
+        for engine, bucket in zip(engines, times):
+            start = time.perf_counter()
+            engine.run(feeds)
+            bucket.append(time.perf_counter() - start)
+    return [float(np.median(t) * 1e3) for t in times]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,8 +80,7 @@ def run(args: argparse.Namespace) -> int:
         out_o = original.run(feeds).outputs["logits"]
         run_c = compiled.run(feeds)
         with progress("timing"):
-            t_o = _p50_ms(original, feeds, args.runs)
-            t_c = _p50_ms(compiled, feeds, args.runs)
+            t_o, t_c = _p50_ms([original, compiled], feeds, args.runs)
         table = Table(title=f"LayerZero demo ({args.seq} tokens, ORT CPU)")
         for col in ("", "original", "compiled", "ratio"):
             table.add_column(col, justify="right")
