@@ -19,6 +19,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from layerzero.errors import InvalidInputError, UnsupportedModelError
+from layerzero.passes._graph import iter_graphs, node_subgraphs
 
 __all__ = ["run_in_chunks", "weight_bytes"]
 
@@ -34,8 +35,8 @@ def weight_bytes(model: ir.Model) -> int:
 def _reads(node: ir.Node) -> Iterator[ir.Value]:
     """Values a top-level node reads: its inputs, and outer values its subgraphs read."""
     yield from (v for v in node.inputs if v is not None)
-    for sub in _node_subgraphs(node):
-        graphs = [sub, *_subgraphs(sub)]
+    for sub in node_subgraphs(node):
+        graphs = list(iter_graphs(sub))
         inner: set[ir.Value] = set()
         for g in graphs:
             inner.update(g.inputs)
@@ -48,30 +49,12 @@ def _reads(node: ir.Node) -> Iterator[ir.Value]:
             yield from (v for v in g.outputs if v not in inner)
 
 
-def _node_subgraphs(node: ir.Node) -> list[ir.Graph]:
-    subs: list[ir.Graph] = []
-    for attr in node.attributes.values():
-        if attr.type == ir.AttributeType.GRAPH:
-            subs.append(attr.value)
-        elif attr.type == ir.AttributeType.GRAPHS:
-            subs.extend(attr.value)
-    return subs
-
-
-def _subgraphs(graph: ir.Graph) -> Iterator[ir.Graph]:
-    """Every graph nested in ``graph``'s nodes, at any depth."""
-    for node in graph:
-        for sub in _node_subgraphs(node):
-            yield sub
-            yield from _subgraphs(sub)
-
-
 def _top_level_owner(graph: ir.Graph) -> dict[ir.Node, ir.Node]:
     owner: dict[ir.Node, ir.Node] = {}
     for node in graph:
         owner[node] = node
-        for sub in _node_subgraphs(node):
-            for g in [sub, *_subgraphs(sub)]:
+        for sub in node_subgraphs(node):
+            for g in iter_graphs(sub):
                 for inner in g:
                     owner[inner] = node
     return owner
@@ -96,17 +79,18 @@ def run_in_chunks(
     nodes = list(graph)
     owner = _top_level_owner(graph)
     inits = set(graph.initializers.values())
+    node_reads = {node: list(_reads(node)) for node in nodes}
     chunks: list[list[ir.Node]] = []
     current: list[ir.Node] = []
     loaded: set[ir.Value] = set()
     size = 0
     for node in nodes:
-        new = {v for v in _reads(node) if v in inits and v not in loaded}
+        new = {v for v in node_reads[node] if v in inits and v not in loaded}
         extra = sum(v.const_value.nbytes for v in new if v.const_value is not None)
         if current and size + extra > budget_bytes:
             chunks.append(current)
             current, loaded, size = [], set(), 0
-            new = {v for v in _reads(node) if v in inits}
+            new = {v for v in node_reads[node] if v in inits}
             extra = sum(v.const_value.nbytes for v in new if v.const_value is not None)
         current.append(node)
         loaded |= new
@@ -117,13 +101,17 @@ def run_in_chunks(
     env: dict[str, np.ndarray] = {k: np.asarray(v) for k, v in feeds.items()}
     outputs = [v.name for v in graph.outputs]
     opsets = [onnx.helper.make_opsetid(d, v) for d, v in model.opset_imports.items()]
+    # What must stay in ``env`` once each chunk has run: the outputs and what later chunks read.
+    needed_after: list[set[str]] = []
+    needed = set(outputs)
+    for chunk in reversed(chunks):
+        needed_after.append(set(needed))
+        needed.update(v.name for node in chunk for v in node_reads[node] if v.name)
+    needed_after.reverse()
     for index, chunk in enumerate(chunks):
-        _run_chunk(model, chunk, index, position, owner, inits, env, opsets)
+        _run_chunk(model, chunk, index, position, owner, inits, node_reads, env, opsets)
         # Activations no later chunk reads are dropped as we go.
-        needed = set(outputs)
-        for later in chunks[index + 1 :]:
-            for node in later:
-                needed.update(v.name for v in _reads(node) if v.name)
+        needed = needed_after[index]
         for name in [n for n in env if n not in needed and n not in feeds]:
             del env[name]
         gc.collect()
@@ -141,13 +129,14 @@ def _run_chunk(
     position: dict[ir.Node, int],
     owner: dict[ir.Node, ir.Node],
     inits: set[ir.Value],
+    node_reads: dict[ir.Node, list[ir.Value]],
     env: dict[str, np.ndarray],
     opsets: list,
 ) -> None:
     produced = {out for node in chunk for out in node.outputs}
     reads: list[ir.Value] = []
     for node in chunk:
-        for v in _reads(node):
+        for v in node_reads[node]:
             if v not in produced and v not in reads:
                 reads.append(v)
     wanted = []

@@ -5,11 +5,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-import numpy as np
 import onnx_ir as ir
 
 from layerzero.passes import declared_flags, flag_regex, uniform_of_constant
-from layerzero.passes._graph import iter_graphs, layer_of, scope_of
+from layerzero.passes._graph import common_scope, iter_graphs, layer_of, scope_of
+from layerzero.passes._layers import initializer_size
 
 __all__ = ["MoEFinding", "ModelSummary", "find_moe", "natural_key", "summarize"]
 
@@ -46,13 +46,6 @@ def _prefixes(scope: str) -> list[str]:
     return [".".join(parts[: i + 1]) for i in range(len(parts))]
 
 
-def _size(value: ir.Value) -> int:
-    tensor = value.const_value
-    if tensor is None:
-        return 0
-    return int(np.prod(tensor.shape.dims)) if tensor.shape is not None else 0
-
-
 def summarize(model: ir.Model, flag_pattern: str = "*.flag") -> ModelSummary:
     """Count nodes and parameters per scope; find flags and all-zero tensors (reads no weight it need not)."""
     scope_nodes: collections.Counter[str] = collections.Counter()
@@ -78,11 +71,11 @@ def summarize(model: ir.Model, flag_pattern: str = "*.flag") -> ModelSummary:
     regex = flag_regex(flag_pattern)
     for graph in iter_graphs(model.graph):
         for name, init in graph.initializers.items():
-            size = _size(init)
+            size = initializer_size(init)
             params += size
             users = [node_scope.get(user, scope_of(user)) for user, _ in init.uses()]
             if users:
-                common = _common_scope(users)
+                common = common_scope(users)
                 for prefix in _prefixes(common):
                     scope_params[prefix] += size
             match = regex.match(name)
@@ -104,17 +97,6 @@ def summarize(model: ir.Model, flag_pattern: str = "*.flag") -> ModelSummary:
         zero_tensors=zero_tensors,
         op_histogram=dict(ops.most_common()),
     )
-
-
-def _common_scope(scopes: list[str]) -> str:
-    split = [s.split(".") if s else [] for s in scopes]
-    common: list[str] = []
-    for parts in zip(*split):
-        if all(p == parts[0] for p in parts):
-            common.append(parts[0])
-        else:
-            break
-    return ".".join(common)
 
 
 def natural_key(scope: str) -> list:

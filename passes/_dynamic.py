@@ -27,6 +27,8 @@ import onnx_ir as ir
 __all__ = [
     "DYNAMIC_META_KEY",
     "MASK_PREFIX",
+    "MOE_DOMAIN",
+    "MOE_OP",
     "ROUTER_PREFIX",
     "THRESHOLD_INPUT",
     "DynamicPath",
@@ -39,6 +41,9 @@ MASK_PREFIX = "layerzero::mask::"
 ROUTER_PREFIX = "layerzero::router::"
 DYNAMIC_META_KEY = "layerzero.dynamic"
 THRESHOLD_INPUT = "layerzero::threshold"
+#: The MoE pass's target-independent skipping form ``ai.layerzero::MoE``, which the lowerings replace.
+MOE_DOMAIN = "ai.layerzero"
+MOE_OP = "MoE"
 
 
 @dataclasses.dataclass(frozen=True)

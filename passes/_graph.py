@@ -1,4 +1,4 @@
-"""Graph helpers shared by the passes: traversal, constants, value replacement, scopes.
+"""Graph helpers shared by the passes: traversal, insertion, constants, value replacement, scopes.
 
 Private to ``layerzero.passes`` (DESIGN.md: passes import nothing of ours but ``passes/_*.py``
 and the leaf ``layerzero.errors``).
@@ -17,13 +17,18 @@ import onnx_ir as ir
 __all__ = [
     "NAME_SCOPES_KEY",
     "NameFactory",
+    "common_scope",
     "const_array",
+    "insert_after_producer",
     "iter_graphs",
     "iter_nodes",
     "layer_of",
     "make_constant",
+    "node_subgraphs",
     "release_subgraphs",
+    "rename_output",
     "replace_value",
+    "same_dim",
     "same_shape",
     "scope_of",
 ]
@@ -32,16 +37,23 @@ __all__ = [
 NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 
 
+def node_subgraphs(node: ir.Node) -> list[ir.Graph]:
+    """The graphs held by ``node``'s attributes (If branches, Loop/Scan bodies), not their own subgraphs."""
+    subgraphs: list[ir.Graph] = []
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            subgraphs.append(attr.value)
+        elif attr.type == ir.AttributeType.GRAPHS:
+            subgraphs.extend(attr.value)
+    return subgraphs
+
+
 def iter_graphs(graph: ir.Graph) -> Iterator[ir.Graph]:
     """``graph`` and every subgraph (If/Loop/Scan bodies), outermost first."""
     yield graph
     for node in graph:
-        for attr in node.attributes.values():
-            if attr.type == ir.AttributeType.GRAPH:
-                yield from iter_graphs(attr.value)
-            elif attr.type == ir.AttributeType.GRAPHS:
-                for sub in attr.value:
-                    yield from iter_graphs(sub)
+        for sub in node_subgraphs(node):
+            yield from iter_graphs(sub)
 
 
 def iter_nodes(graph: ir.Graph) -> Iterator[ir.Node]:
@@ -52,19 +64,12 @@ def iter_nodes(graph: ir.Graph) -> Iterator[ir.Node]:
 
 def release_subgraphs(node: ir.Node) -> None:
     """Empty a dying node's subgraphs so the outer values they read lose those uses."""
-    for attr in node.attributes.values():
-        if attr.type == ir.AttributeType.GRAPH:
-            subgraphs = [attr.value]
-        elif attr.type == ir.AttributeType.GRAPHS:
-            subgraphs = list(attr.value)
-        else:
-            continue
-        for sub in subgraphs:
-            for inner in sub:
-                release_subgraphs(inner)
-            sub.outputs.clear()
-            for inner in reversed(list(sub)):
-                sub.remove(inner, safe=True)
+    for sub in node_subgraphs(node):
+        for inner in sub:
+            release_subgraphs(inner)
+        sub.outputs.clear()
+        for inner in reversed(list(sub)):
+            sub.remove(inner, safe=True)
 
 
 def const_array(value: ir.Value | None) -> np.ndarray | None:
@@ -159,6 +164,38 @@ def replace_value(old: ir.Value, new: ir.Value, names: NameFactory) -> None:
     old.replace_all_uses_with(new, replace_graph_outputs=False)
 
 
+def rename_output(graph: ir.Graph, old: ir.Value, new: ir.Value, names: NameFactory, tag: str) -> None:
+    """``new`` takes the graph output ``old``'s place(s) and name; ``old`` is renamed ``<name>__<tag>``.
+
+    Uses are not touched: the caller rewires the readers it means to.
+    """
+    name = old.name
+    old.name = names(f"{name}__{tag}")
+    new.name = name
+    for i, out in enumerate(list(graph.outputs)):
+        if out is old:
+            graph.outputs[i] = new
+
+
+def insert_after_producer(graph: ir.Graph, value: ir.Value | None, nodes: list[ir.Node]) -> None:
+    """Insert ``nodes`` right after ``value``'s producer when ``graph`` holds it, else at the start of ``graph``."""
+    producer = value.producer() if value is not None else None
+    if producer is not None and producer.graph is graph:
+        graph.insert_after(producer, nodes)
+    elif len(graph):
+        graph.insert_before(next(iter(graph)), nodes)
+    else:
+        graph.extend(nodes)
+
+
+def same_dim(a: object, b: object) -> bool:
+    """True when two dims are provably equal: equal ints, or symbolic dims of the same name."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    na, nb = getattr(a, "value", None), getattr(b, "value", None)
+    return isinstance(na, str) and na == nb
+
+
 def same_shape(a: ir.Value, b: ir.Value) -> bool:
     """True when both values provably have the same dtype and shape (symbolic dims by name)."""
     if a.dtype is None or a.dtype != b.dtype:
@@ -166,19 +203,23 @@ def same_shape(a: ir.Value, b: ir.Value) -> bool:
     sa, sb = a.shape, b.shape
     if sa is None or sb is None or len(sa) != len(sb):
         return False
-    for da, db in zip(sa, sb):
-        if isinstance(da, int) and isinstance(db, int):
-            if da != db:
-                return False
-            continue
-        na = getattr(da, "value", None)
-        nb = getattr(db, "value", None)
-        if not isinstance(na, str) or not isinstance(nb, str) or na != nb:
-            return False
-    return True
+    return all(same_dim(da, db) for da, db in zip(sa, sb))
 
 
 _SEP = re.compile(r"[/.]+")
+
+
+def common_scope(scopes: list[str]) -> str:
+    """The longest dotted prefix all ``scopes`` share ("" when one of them is "" or there are none)."""
+    split = [s.split(".") for s in scopes if s]
+    if not split or len(split) != len(scopes):
+        return ""
+    common: list[str] = []
+    for parts in zip(*split):
+        if any(p != parts[0] for p in parts):
+            break
+        common.append(parts[0])
+    return ".".join(common)
 
 
 def scope_of(node: ir.Node) -> str:

@@ -11,9 +11,17 @@ import dataclasses
 import onnx_ir as ir
 
 from layerzero.errors import LayerZeroError, UnsupportedModelError
-from layerzero.passes._graph import const_array, iter_graphs, same_shape, scope_of
+from layerzero.passes._graph import const_array, iter_graphs, node_subgraphs, same_shape, scope_of
 
-__all__ = ["Layer", "bypassable_layer", "describe_value", "in_scope", "layer_params", "scope_members"]
+__all__ = [
+    "Layer",
+    "bypassable_layer",
+    "describe_value",
+    "in_scope",
+    "initializer_size",
+    "layer_params",
+    "scope_members",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,34 +120,25 @@ def layer_params(nodes: list[ir.Node] | tuple[ir.Node, ...]) -> int:
     seen: set[ir.Value] = set()
     total = 0
     for node in nodes:
-        for graph in [None, *_subgraphs(node)]:
-            for inner in [node] if graph is None else list(graph):
-                for value in inner.inputs:
-                    if value is None or value in seen or not value.is_initializer():
-                        continue
-                    seen.add(value)
-                    tensor = value.const_value
-                    if tensor is not None and tensor.shape is not None:
-                        total += _size(tensor)
+        inner_nodes = [node, *(n for sub in node_subgraphs(node) for g in iter_graphs(sub) for n in g)]
+        for inner in inner_nodes:
+            for value in inner.inputs:
+                if value is None or value in seen or not value.is_initializer():
+                    continue
+                seen.add(value)
+                total += initializer_size(value)
     return total
 
 
-def _size(tensor: ir.TensorProtocol) -> int:
+def initializer_size(value: ir.Value) -> int:
+    """Elements of an initializer's tensor (0 when it has no tensor or no shape)."""
+    tensor = value.const_value
+    if tensor is None or tensor.shape is None:
+        return 0
     size = 1
     for d in tensor.shape.dims:
         size *= int(d)
     return size
-
-
-def _subgraphs(node: ir.Node) -> list[ir.Graph]:
-    graphs: list[ir.Graph] = []
-    for attr in node.attributes.values():
-        if attr.type == ir.AttributeType.GRAPH:
-            graphs.extend(iter_graphs(attr.value))
-        elif attr.type == ir.AttributeType.GRAPHS:
-            for sub in attr.value:
-                graphs.extend(iter_graphs(sub))
-    return graphs
 
 
 def describe_value(value: ir.Value) -> str:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import onnx_ir as ir
 
-from layerzero.passes._graph import const_array, same_shape, scope_of
+from layerzero.passes._graph import common_scope, const_array, same_shape, scope_of
 
 __all__ = ["MoEMatch", "NoMatch", "Rejection", "Router", "find_moe_blocks", "match_router"]
 
@@ -152,15 +152,6 @@ class _Walk:
             if producer is not None:
                 found = f"{producer.op_type} ({producer.name})"
             raise NoMatch(f"{what}: expected {' or '.join(ops)}, found {found}")
-        if producer not in self.nodes:
-            self.nodes.append(producer)
-        return producer
-
-    def try_node(self, value: ir.Value | None, ops: str | tuple[str, ...]) -> ir.Node | None:
-        ops = (ops,) if isinstance(ops, str) else ops
-        producer = None if value is None else value.producer()
-        if producer is None or producer.op_type not in ops or producer.domain not in _STD:
-            return None
         if producer not in self.nodes:
             self.nodes.append(producer)
         return producer
@@ -752,7 +743,7 @@ def _ends(router: Router, depth: int = 12) -> list[ir.Node]:
     return ends
 
 
-def _form_of(end: ir.Node, router: Router) -> list[tuple[str, Callable[[_Walk, ir.Node, Router], dict]]]:
+def _form_of(end: ir.Node) -> list[tuple[str, Callable[[_Walk, ir.Node, Router], dict]]]:
     if end.op_type == "Einsum":
         return [("dense", _match_dense)]
     if end.op_type == "ReduceSum":
@@ -761,15 +752,8 @@ def _form_of(end: ir.Node, router: Router) -> list[tuple[str, Callable[[_Walk, i
 
 
 def _common_scope(nodes: list[ir.Node]) -> str:
-    split = [scope_of(n).split(".") for n in nodes if scope_of(n)]
-    if not split:
-        return ""
-    common: list[str] = []
-    for parts in zip(*split):
-        if any(p != parts[0] for p in parts):
-            break
-        common.append(parts[0])
-    return ".".join(common)
+    """The scope the nodes that have one share (nodes without a scope do not count)."""
+    return common_scope([s for s in map(scope_of, nodes) if s])
 
 
 def _check_block(match: MoEMatch, shareable: set[ir.Node]) -> None:
@@ -817,7 +801,7 @@ def find_moe_blocks(graph: ir.Graph) -> tuple[list[MoEMatch], list[Rejection]]:
         for end in ends:
             if end in claimed:
                 continue
-            for form, matcher in _form_of(end, router):
+            for form, matcher in _form_of(end):
                 w = _Walk()
                 try:
                     parts = matcher(w, end, router)

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from layerzero.passes._dynamic import DynamicPath
+from layerzero.passes._dynamic import MOE_DOMAIN, MOE_OP, DynamicPath
 
 __all__ = ["block_output", "driven_ifs", "graph_output", "moe_logits", "moe_node"]
 
 _STD = ("", "ai.onnx")
-MOE_DOMAIN = "ai.layerzero"
 
 
 def graph_output(graph: ir.Graph, name: str) -> ir.Value | None:
@@ -25,7 +24,7 @@ def graph_output(graph: ir.Graph, name: str) -> ir.Value | None:
 def moe_node(graph: ir.Graph, path: str) -> ir.Node | None:
     """The skipping-form node ``ai.layerzero::MoE`` of ``path`` (kept by targets that do not lower it)."""
     for node in graph:
-        if node.domain == MOE_DOMAIN and node.op_type == "MoE":
+        if node.domain == MOE_DOMAIN and node.op_type == MOE_OP:
             attr = node.attributes.get("path")
             if attr is not None and attr.value == path:
                 return node

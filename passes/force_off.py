@@ -13,7 +13,7 @@ import numpy as np
 import onnx_ir as ir
 
 from layerzero.passes._dynamic import DynamicPath, read_dynamic_paths
-from layerzero.passes._graph import NameFactory, make_constant
+from layerzero.passes._graph import NameFactory, insert_after_producer, make_constant, rename_output
 from layerzero.passes._paths import block_output, graph_output, moe_logits
 
 __all__ = ["BLOCK_PREFIX", "FORCE_OFF_PREFIX", "ExposeForceOff"]
@@ -104,16 +104,6 @@ def _force_input(graph: ir.Graph, name: str, shape: list[int]) -> ir.Value:
     return value
 
 
-def _insert(graph: ir.Graph, after: ir.Value, nodes: list[ir.Node]) -> None:
-    producer = after.producer()
-    if producer is not None and producer.graph is graph:
-        graph.insert_after(producer, nodes)
-    elif len(graph):
-        graph.insert_before(next(iter(graph)), nodes)
-    else:
-        graph.extend(nodes)
-
-
 def _rewire(old: ir.Value, new: ir.Value, keep: ir.Node) -> None:
     """Every node but ``keep`` reads ``new`` instead of ``old`` (graph outputs are left alone)."""
     for user, index in list(old.uses()):
@@ -129,7 +119,7 @@ def _force_logits(graph: ir.Graph, names: NameFactory, logits: ir.Value, force: 
     node.outputs[0].name = names(f"{entry.path}.forced_logits")
     node.outputs[0].type, node.outputs[0].shape = logits.type, logits.shape
     _rewire(logits, node.outputs[0], node)
-    _insert(graph, logits, [node])
+    insert_after_producer(graph, logits, [node])
 
 
 def _force_mask(graph: ir.Graph, names: NameFactory, mask: ir.Value, force: ir.Value, entry: DynamicPath) -> None:
@@ -141,10 +131,5 @@ def _force_mask(graph: ir.Graph, names: NameFactory, mask: ir.Value, force: ir.V
     forced.type, forced.shape = mask.type, mask.shape
     _rewire(mask, forced, both)
     # The mask output reports the forced decision, under its own name.
-    name = mask.name
-    mask.name = names(f"{name}__unforced")
-    forced.name = name
-    for i, out in enumerate(list(graph.outputs)):
-        if out is mask:
-            graph.outputs[i] = forced
-    _insert(graph, mask, [off, both])
+    rename_output(graph, mask, forced, names, "unforced")
+    insert_after_producer(graph, mask, [off, both])

@@ -17,7 +17,17 @@ from layerzero.passes._dynamic import (
     record_dynamic_path,
     threshold_input,
 )
-from layerzero.passes._graph import NAME_SCOPES_KEY, NameFactory, const_array, make_constant, same_shape, scope_of
+from layerzero.passes._graph import (
+    NAME_SCOPES_KEY,
+    NameFactory,
+    common_scope,
+    const_array,
+    make_constant,
+    rename_output,
+    same_dim,
+    same_shape,
+    scope_of,
+)
 from layerzero.passes._layers import describe_value, layer_params
 
 __all__ = ["REFUSED_META_KEY", "RefusedBranch", "SkipGatedBranches", "read_refused_branches"]
@@ -216,7 +226,7 @@ class SkipGatedBranches(ir.passes.InPlacePass):
         if not members:  # Case 4
             return RefusedBranch(fallback, f"f(x) ({h.name!r}) is also read outside the gated branch")
         branch = [n for n in graph if n in members]
-        path = _common_scope([scope_of(n) for n in branch]) or fallback
+        path = common_scope([scope_of(n) for n in branch]) or fallback
         path = _unique(path, taken)
         if kind == "token":
             problem = _not_tokenwise(branch, x, h, self.opset)
@@ -354,16 +364,9 @@ def _gate_kind(g: ir.Value, x: ir.Value) -> str | None:
         return None
     if len(gs) <= len(xs) and all(isinstance(d, int) and d == 1 for d in gs):
         return "scalar"
-    if len(gs) == len(xs) >= 2 and gs[-1] == 1 and all(_same_dim(a, b) for a, b in zip(gs[:-1], xs[:-1])):
+    if len(gs) == len(xs) >= 2 and gs[-1] == 1 and all(same_dim(a, b) for a, b in zip(gs[:-1], xs[:-1])):
         return "token"
     return None
-
-
-def _same_dim(a: object, b: object) -> bool:
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    na, nb = getattr(a, "value", None), getattr(b, "value", None)
-    return isinstance(na, str) and na == nb
 
 
 def _exclusive_cone(h: ir.Value, mul: ir.Node, h_index: int) -> set[ir.Node]:
@@ -487,18 +490,6 @@ def _token_free(value: ir.Value, rank: int) -> bool:
     return len(dims) <= rank and all(isinstance(d, int) and d == 1 for d in dims[:-1])
 
 
-def _common_scope(scopes: list[str]) -> str:
-    split = [s.split(".") for s in scopes if s]
-    if not split or len(split) != len(scopes):
-        return ""
-    common: list[str] = []
-    for parts in zip(*split):
-        if any(p != parts[0] for p in parts):
-            break
-        common.append(parts[0])
-    return ".".join(common)
-
-
 def _unique(path: str, taken: set[str]) -> str:
     if path not in taken:
         return path
@@ -511,12 +502,7 @@ def _unique(path: str, taken: set[str]) -> str:
 def _redirect(old: ir.Value, new: ir.Value, graph: ir.Graph, names: NameFactory) -> None:
     """Every reader of ``old`` reads ``new``; a graph output keeps its name (``new`` takes it)."""
     if old.is_graph_output():
-        name = old.name
-        old.name = names(f"{name}__gated")
-        new.name = name
-        for i, out in enumerate(list(graph.outputs)):
-            if out is old:
-                graph.outputs[i] = new
+        rename_output(graph, old, new, names, "gated")
     old.replace_all_uses_with(new, replace_graph_outputs=False)
 
 

@@ -10,8 +10,16 @@ import onnx_ir as ir
 
 from layerzero.errors import InvalidInputError
 from layerzero.passes._dynamic import MASK_PREFIX, DynamicPath, read_dynamic_paths, record_dynamic_path
-from layerzero.passes._graph import NameFactory, iter_graphs, make_constant, scope_of
-from layerzero.passes._layers import Layer, bypassable_layer, in_scope, layer_params
+from layerzero.passes._graph import (
+    NameFactory,
+    insert_after_producer,
+    iter_graphs,
+    make_constant,
+    rename_output,
+    scope_of,
+)
+from layerzero.passes._layers import Layer, bypassable_layer, in_scope, layer_params, scope_members
+from layerzero.passes._paths import graph_output
 
 __all__ = ["ApplyGroupMasks", "Group", "GroupRouter", "GroupSpec"]
 
@@ -158,7 +166,7 @@ class ApplyGroupMasks(ir.passes.InPlacePass):
                 seen.append((scope, group))
 
     def _layer(self, graph: ir.Graph, scopes: dict[ir.Node, str], group: Group, scope: str) -> Layer:
-        members = [n for n in graph if in_scope(scope, scopes[n])]
+        members = scope_members(graph, scope, scopes)
         if not members:
             raise InvalidInputError(
                 f"{self._where(group)}: no node has scope {scope!r} (unknown, or removed by a zero flag); "
@@ -168,9 +176,9 @@ class ApplyGroupMasks(ir.passes.InPlacePass):
 
     def _model_value(self, graph: ir.Graph) -> ir.Value:
         name = self.spec.router.output
-        for value in graph.outputs:
-            if value.name == name:
-                return value
+        value = graph_output(graph, name)
+        if value is not None:
+            return value
         for value in graph.inputs:
             if value.name == name:
                 return value
@@ -185,9 +193,9 @@ class ApplyGroupMasks(ir.passes.InPlacePass):
 
     def _router_output(self, router: ir.Model) -> ir.Value:
         name = self.spec.router.output
-        for value in router.graph.outputs:
-            if value.name == name:
-                return value
+        value = graph_output(router.graph, name)
+        if value is not None:
+            return value
         outputs = ", ".join(repr(v.name) for v in router.graph.outputs) or "none"
         raise InvalidInputError(f"{self._where()}: the router model has no output {name!r} (its outputs: {outputs})")
 
@@ -269,13 +277,7 @@ class ApplyGroupMasks(ir.passes.InPlacePass):
         mask = op("Greater", [value, threshold])
         mask.name = names(MASK_PREFIX + group.name) if not self.select else names(f"{group.name}__on")
         mask.dtype, mask.shape = ir.DataType.BOOL, ir.Shape([])
-        producer = router.producer()
-        if producer is not None and producer.graph is graph:
-            graph.insert_after(producer, nodes)
-        elif len(graph):
-            graph.insert_before(next(iter(graph)), nodes)
-        else:
-            graph.extend(nodes)
+        insert_after_producer(graph, router, nodes)
         return mask
 
 
@@ -287,12 +289,7 @@ def _take_over(old: ir.Value, new: ir.Value, graph: ir.Graph, names: NameFactory
     """Readers of ``old`` outside ``inside`` read ``new``; a graph output keeps its name (``new`` takes it)."""
     new.type, new.shape = old.type, old.shape
     if old.is_graph_output():
-        name = old.name
-        old.name = names(f"{name}__grouped")
-        new.name = name
-        for i, out in enumerate(list(graph.outputs)):
-            if out is old:
-                graph.outputs[i] = new
+        rename_output(graph, old, new, names, "grouped")
     for user, i in _external_uses(old, inside):
         user.replace_input_with(i, new)
 
@@ -357,8 +354,5 @@ def _merge_router(model: ir.Model, router: ir.Model, output: ir.Value, names: Na
         value.replace_all_uses_with(inputs[value.name])
     nodes = list(rgraph)
     rgraph.remove(nodes)
-    if len(graph):
-        graph.insert_before(next(iter(graph)), nodes)
-    else:
-        graph.extend(nodes)
+    insert_after_producer(graph, None, nodes)  # at the start: the router reads only the model's inputs
     return output

@@ -8,14 +8,20 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from layerzero.passes._dynamic import DynamicPath, read_dynamic_paths, record_dynamic_path, threshold_input
+from layerzero.passes._dynamic import (
+    MOE_DOMAIN,
+    MOE_OP,
+    DynamicPath,
+    read_dynamic_paths,
+    record_dynamic_path,
+    threshold_input,
+)
 from layerzero.passes._graph import NAME_SCOPES_KEY, NameFactory, make_constant, replace_value
 
 __all__ = ["AUTO_CHOICE", "LOWERINGS", "LowerMoE", "choose_lowering", "ort_moe_supports"]
 
 logger = logging.getLogger(__name__)
 
-MOE_DOMAIN = "ai.layerzero"
 LOWERINGS = ("auto", "if", "ort-moe")
 
 
@@ -87,7 +93,7 @@ class LowerMoE(ir.passes.InPlacePass):
         if self.target != "onnxruntime":
             return ir.passes.PassResult(model, modified=False)
         graph = model.graph
-        nodes = [n for n in graph if n.domain == MOE_DOMAIN and n.op_type == "MoE"]
+        nodes = [n for n in graph if n.domain == MOE_DOMAIN and n.op_type == MOE_OP]
         if not nodes:
             return ir.passes.PassResult(model, modified=False)
         names = NameFactory(graph)
@@ -110,7 +116,7 @@ class LowerMoE(ir.passes.InPlacePass):
             self.lowered.append((spec.path, lowering))
             _note_lowering(model, spec.path, lowering)
             logger.info("MoE block at %s lowered with %s", spec.path, lowering)
-        if not any(n.domain == MOE_DOMAIN for g in [graph] for n in g):
+        if not any(n.domain == MOE_DOMAIN for n in graph):
             model.opset_imports.pop(MOE_DOMAIN, None)
         return ir.passes.PassResult(model, modified=True)
 

@@ -25,6 +25,7 @@ import math
 import onnx_ir as ir
 
 from layerzero.errors import UnsupportedModelError
+from layerzero.passes._dynamic import MOE_DOMAIN, MOE_OP
 from layerzero.passes._graph import NameFactory, iter_graphs, iter_nodes, replace_value
 
 __all__ = [
@@ -40,8 +41,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MOE_DOMAIN = "ai.layerzero"
-MOE_OP = "MoE"
 PLUGIN_NAME = "LayerZeroMoE"
 PLUGIN_NAMESPACE = "layerzero"
 PLUGIN_VERSION = "1"

@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from layerzero.passes._dynamic import MASK_PREFIX, ROUTER_PREFIX, DynamicPath, record_dynamic_path
+from layerzero.passes._dynamic import MASK_PREFIX, MOE_DOMAIN, MOE_OP, ROUTER_PREFIX, DynamicPath, record_dynamic_path
 from layerzero.passes._graph import NAME_SCOPES_KEY, NameFactory, make_constant, replace_value
 from layerzero.passes._moe_match import MoEMatch, Rejection, find_moe_blocks
 
@@ -15,8 +15,6 @@ __all__ = ["MOE_DOMAIN", "MOE_OP", "SkipExperts"]
 
 logger = logging.getLogger(__name__)
 
-MOE_DOMAIN = "ai.layerzero"
-MOE_OP = "MoE"
 # ScatterND(reduction="add") of the ONNX Runtime lowering needs opset 16.
 _MIN_OPSET = 16
 

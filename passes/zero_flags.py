@@ -11,7 +11,7 @@ import onnx_ir as ir
 
 from layerzero.errors import UnsupportedModelError
 from layerzero.passes._graph import NameFactory, const_array, replace_value, scope_of
-from layerzero.passes._layers import bypassable_layer
+from layerzero.passes._layers import bypassable_layer, in_scope
 
 __all__ = ["BypassedLayer", "FoldZeroFlags", "declared_flags", "flag_regex"]
 
@@ -111,10 +111,10 @@ class FoldZeroFlags(ir.passes.InPlacePass):
         scopes = {node: scope_of(node) for node in graph}
         done: list[str] = []
         for flag in sorted(zero, key=lambda f: (f.scope.count("."), f.scope)):
-            inside = next((s for s in done if flag.scope == s or flag.scope.startswith(s + ".")), None)
+            inside = next((s for s in done if in_scope(s, flag.scope)), None)
             if inside is None:
-                members = [n for n, s in scopes.items() if s == flag.scope or s.startswith(flag.scope + ".")]
-                self._bypass(graph, flag, members, names)
+                members = [n for n, s in scopes.items() if in_scope(flag.scope, s)]
+                self._bypass(flag, members, names)
                 self.bypassed.append(BypassedLayer(flag.scope, flag.name, flag.declared_in, len(members)))
                 done.append(flag.scope)
             else:  # Case 2
@@ -126,7 +126,7 @@ class FoldZeroFlags(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=True)
 
     @staticmethod
-    def _bypass(graph: ir.Graph, flag: DeclaredFlag, members: list[ir.Node], names: NameFactory) -> None:
+    def _bypass(flag: DeclaredFlag, members: list[ir.Node], names: NameFactory) -> None:
         where = f"zero flag {flag.name!r} ({flag.declared_in})"
         if not members:  # Case 3
             raise UnsupportedModelError(

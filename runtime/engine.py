@@ -64,7 +64,10 @@ class Engine:
         self._model_path = model_path
         self._specs = {spec.name: spec for spec in backend.input_specs}
         all_outputs = backend.output_names
-        self._output_names = [n for n in all_outputs if not n.startswith((MASK_PREFIX, ROUTER_PREFIX))]
+        # Per request, run() sorts the backend's outputs (in this order) into the user's and the dynamic ones.
+        self._all_outputs = list(all_outputs)
+        self._dynamic_outputs = frozenset(n for n in all_outputs if n.startswith((MASK_PREFIX, ROUTER_PREFIX)))
+        self._output_names = [n for n in all_outputs if n not in self._dynamic_outputs]
         self._mask_paths = [n[len(MASK_PREFIX) :] for n in all_outputs if n.startswith(MASK_PREFIX)]
         self._template = Report.from_manifest(self._manifest)
         self._has_threshold: bool | None = None
@@ -167,12 +170,11 @@ class Engine:
                 )
             arrays[THRESHOLD_INPUT] = np.asarray(threshold, dtype=np.float32)
         values = self._backend.run(arrays)
-        names = self._backend.output_names
         report = self.report_template()
         outputs: dict[str, np.ndarray] = {}
         dynamic: dict[str, np.ndarray] = {}
-        for name, value in zip(names, values, strict=True):
-            (dynamic if name.startswith((MASK_PREFIX, ROUTER_PREFIX)) else outputs)[name] = value
+        for name, value in zip(self._all_outputs, values, strict=True):
+            (dynamic if name in self._dynamic_outputs else outputs)[name] = value
         # Masks and router outputs -> skipped_paths (per subpath of the manifest's ``dynamic`` entries),
         # zeroed_params_ratio of this request, routing_confidence and, when asked, the masks.
         report.add_dynamic(

@@ -195,7 +195,7 @@ def build_engine(
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options.workspace_mb) << 20)
     if options.optimization_level is not None:
         config.builder_optimization_level = int(options.optimization_level)
-    profile = _profile(trt, builder, network, options.profiles, dict(verification_shapes or {}))
+    profile = _profile(builder, network, options.profiles, dict(verification_shapes or {}))
     if profile is not None:
         config.add_optimization_profile(profile)
     plan = builder.build_serialized_network(network, config)
@@ -220,9 +220,7 @@ def _set_precision(trt: Any, config: Any, precision: str) -> None:
     config.set_flag(getattr(flags, name))
 
 
-def _profile(
-    trt: Any, builder: Any, network: Any, profiles: dict[str, Profile], fixed: dict[str, tuple[int, ...]]
-) -> Any:
+def _profile(builder: Any, network: Any, profiles: dict[str, Profile], fixed: dict[str, tuple[int, ...]]) -> Any:
     unknown = set(profiles) - {network.get_input(i).name for i in range(network.num_inputs)}
     if unknown:
         names = ", ".join(network.get_input(i).name for i in range(network.num_inputs))

@@ -87,10 +87,6 @@ class Cuda:
             kind = self.rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
             self._check(self.rt.cudaMemcpyAsync(dst, src, nbytes, kind, self.stream), "cudaMemcpy D2D")
 
-    def memset(self, ptr: int, value: int, nbytes: int) -> None:
-        if nbytes:
-            self._check(self.rt.cudaMemsetAsync(ptr, value, nbytes, self.stream), "cudaMemset")
-
     def synchronize(self) -> None:
         self._check(self.rt.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
 

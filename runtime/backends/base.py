@@ -19,7 +19,7 @@ import numpy as np
 
 from layerzero.errors import InvalidInputError
 
-__all__ = ["Backend", "TensorSpec", "backend_names", "get_backend", "register_backend"]
+__all__ = ["Backend", "TensorSpec", "backend_names", "get_backend", "register_backend", "reject_unknown_options"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,14 @@ class Backend(Protocol):
     def output_names(self) -> list[str]:
         """Every graph output, mask outputs included (``Engine`` strips those)."""
         ...
+
+
+def reject_unknown_options(backend: str, unknown: dict[str, Any], known: tuple[str, ...]) -> None:
+    """A backend's ``load(**unknown)`` catch-all: raise ``InvalidInputError`` naming the unknown and known options."""
+    if unknown:
+        raise InvalidInputError(
+            f"unknown {backend} backend option(s) {', '.join(map(repr, sorted(unknown)))}; known: {', '.join(known)}"
+        )
 
 
 # name -> "module:attribute", imported on first use so that listing backends imports none of them.

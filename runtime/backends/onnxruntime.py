@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from layerzero.errors import InvalidInputError, LayerZeroError, UnsupportedModelError
-from layerzero.runtime.backends.base import TensorSpec
+from layerzero.runtime.backends.base import TensorSpec, reject_unknown_options
 
 __all__ = ["OrtBackend"]
 
@@ -89,11 +89,7 @@ class OrtBackend:
         profile_file_prefix: str | None = None,
         **unknown: Any,
     ) -> None:
-        if unknown:
-            raise InvalidInputError(
-                f"unknown onnxruntime backend option(s) {', '.join(map(repr, sorted(unknown)))}; "
-                f"known: {', '.join(_OPTIONS)}"
-            )
+        reject_unknown_options(self.name, unknown, _OPTIONS)
         import onnxruntime as ort
 
         options = ort.SessionOptions()

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from layerzero.errors import InvalidInputError, LayerZeroError, UnsupportedModelError
-from layerzero.runtime.backends.base import TensorSpec
+from layerzero.runtime.backends.base import TensorSpec, reject_unknown_options
 
 __all__ = ["TensorRTBackend", "TensorRTUnavailableError", "import_tensorrt", "load_plugin_library"]
 
@@ -155,11 +155,7 @@ class TensorRTBackend:
     def load(
         self, model_path: Path, *, device: int = 0, plugin_library: str | Path | None = None, **unknown: Any
     ) -> None:
-        if unknown:
-            raise InvalidInputError(
-                f"unknown tensorrt backend option(s) {', '.join(map(repr, sorted(unknown)))}; "
-                f"known: {', '.join(_OPTIONS)}"
-            )
+        reject_unknown_options(self.name, unknown, _OPTIONS)
         trt = import_tensorrt()
         from layerzero.runtime.backends._cuda import Cuda, CudaUnavailableError
 
