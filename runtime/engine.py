@@ -31,7 +31,7 @@ import numpy as np
 from layerzero.errors import InvalidInputError
 from layerzero.runtime.backends.base import Backend, TensorSpec, get_backend
 from layerzero.runtime.bundle import check_external_data, read_bundle
-from layerzero.runtime.report import Report
+from layerzero.runtime.report import Report, index_dynamic
 
 __all__ = ["MASK_PREFIX", "ROUTER_PREFIX", "THRESHOLD_INPUT", "Engine", "Result"]
 
@@ -70,6 +70,7 @@ class Engine:
         self._output_names = [n for n in all_outputs if n not in self._dynamic_outputs]
         self._mask_paths = [n[len(MASK_PREFIX) :] for n in all_outputs if n.startswith(MASK_PREFIX)]
         self._template = Report.from_manifest(self._manifest)
+        self._dynamic_index = index_dynamic(self._manifest.get("dynamic"))  # once, not per request
         self._has_threshold: bool | None = None
 
     @classmethod
@@ -179,7 +180,7 @@ class Engine:
         # zeroed_params_ratio of this request, routing_confidence and, when asked, the masks.
         report.add_dynamic(
             dynamic,
-            self._manifest.get("dynamic"),
+            self._dynamic_index,
             mask_prefix=MASK_PREFIX,
             router_prefix=ROUTER_PREFIX,
             keep_masks=masks,

@@ -74,10 +74,11 @@ class Report:
     ) -> None:
         """Fill the per-request fields from one run's mask and router outputs (by output name).
 
-        ``dynamic`` is the manifest's ``dynamic`` list: each entry maps a mask output to its subpaths (one per
-        mask's last axis, or the whole mask for a single subpath) and their parameter counts.
+        ``dynamic`` is the manifest's ``dynamic`` list (or ``index_dynamic`` of it, computed once per engine):
+        each entry maps a mask output to its subpaths (one per mask's last axis, or the whole mask for a single
+        subpath) and their parameter counts.
         """
-        entries = {e["mask_output"]: e for e in (dynamic if isinstance(dynamic, list) else []) if _valid_entry(e)}
+        entries = dynamic if isinstance(dynamic, dict) else index_dynamic(dynamic)
         confidences: list[np.ndarray] = []
         for name, value in outputs.items():
             array = np.asarray(value)
@@ -158,6 +159,11 @@ def _zeroed_params_ratio(stats: object) -> float:
 def _params_before(stats: object) -> int:
     before = stats.get("params_before") if isinstance(stats, Mapping) else None
     return int(before) if isinstance(before, (int, float)) and not isinstance(before, bool) and before > 0 else 0
+
+
+def index_dynamic(dynamic: object) -> dict[str, dict]:
+    """The manifest's ``dynamic`` list keyed by mask output name (invalid entries left out)."""
+    return {e["mask_output"]: e for e in (dynamic if isinstance(dynamic, list) else []) if _valid_entry(e)}
 
 
 def _valid_entry(entry: object) -> bool:

@@ -233,7 +233,7 @@ class TensorRTBackend:
                     f"{list(self._engine.get_tensor_profile_shape(name, 0)[2])}); rebuild with --shape "
                     f"{name}:MIN/OPT/MAX"
                 )
-            buf = self._buffers.setdefault(name, DeviceBuffer(cuda))
+            buf = self._buffers.get(name) or self._buffers.setdefault(name, DeviceBuffer(cuda))
             ptr = buf.ensure(array.nbytes)
             cuda.upload(ptr, array)
             ctx.set_tensor_address(name, ptr)
@@ -243,7 +243,7 @@ class TensorRTBackend:
             if any(d < 0 for d in shape):
                 raise LayerZeroError(f"output {name!r} has an unresolved shape {list(shape)} after setting the inputs")
             out = np.empty(shape, dtype=self._dtype(name))
-            buf = self._buffers.setdefault(name, DeviceBuffer(cuda))
+            buf = self._buffers.get(name) or self._buffers.setdefault(name, DeviceBuffer(cuda))
             ctx.set_tensor_address(name, buf.ensure(out.nbytes))
             results.append(out)
         if not ctx.execute_async_v3(cuda.stream_handle):
