@@ -515,44 +515,54 @@ int route_warps_per_block(int64_t E) {
     return static_cast<int>(w < 1 ? 1 : (w > 8 ? 8 : w));
 }
 
-int32_t launch_status(const char* what) {
-    const cudaError_t err = cudaGetLastError();
+// Each launch returns its own result (cudaLaunchKernelEx), so no cudaGetLastError: that would clear, and
+// report as ours, an error some other code left on this thread.
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   Args... args) {
+    cudaLaunchConfig_t config{};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    return cudaLaunchKernelEx(&config, kernel, static_cast<KernelArgs>(args)...);
+}
+
+int32_t cuda_status(cudaError_t err, const char* what) {
     if (err != cudaSuccess) return set_error(LZ_ERR_CUDA, "%s: %s", what, cudaGetErrorString(err));
     return ok();
 }
 
 template <typename T>
-void launch_route(const lz_moe_config& c, const void* logits, int32_t* topk_index, float* topk_weight,
-                  int32_t* mask, int32_t* counts, int32_t* slot, cudaStream_t stream) {
+cudaError_t launch_route(const lz_moe_config& c, const void* logits, int32_t* topk_index, float* topk_weight,
+                         int32_t* mask, int32_t* counts, int32_t* slot, cudaStream_t stream) {
     const int wpb = route_warps_per_block(c.experts);
     const int64_t blocks = (c.tokens + wpb - 1) / wpb;
     const size_t smem = static_cast<size_t>(wpb) * c.experts * sizeof(float);
-    route_kernel<T><<<static_cast<unsigned>(blocks), wpb * 32, smem, stream>>>(
-        static_cast<const T*>(logits), c.tokens, static_cast<int>(c.experts), c.top_k, c.normalize, c.scoring,
-        c.zeroing_threshold, topk_index, topk_weight, mask, counts, slot);
+    return launch(route_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(wpb * 32), smem, stream,
+                  static_cast<const T*>(logits), c.tokens, static_cast<int>(c.experts), c.top_k, c.normalize,
+                  c.scoring, c.zeroing_threshold, topk_index, topk_weight, mask, counts, slot);
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 template <typename TA, typename TW, bool GATED, bool GATHER>
-void launch_gemv(const TA* A, int64_t lda, const Workspace& w, const TW* W0, const TW* W1, int N, int Kdim,
-                 int max_active, int activation, float* C, cudaStream_t stream) {
+cudaError_t launch_gemv(const TA* A, int64_t lda, const Workspace& w, const TW* W0, const TW* W1, int N, int Kdim,
+                        int max_active, int activation, float* C, cudaStream_t stream) {
     const dim3 grid((N + kGemvWarps - 1) / kGemvWarps, max_active);
     const bool vec8 = Kdim % 8 == 0 && aligned16(A) && aligned16(W0) && (!GATED || aligned16(W1));
-    if (vec8)
-        grouped_gemv_kernel<TA, TW, GATED, GATHER, true><<<grid, kGemvWarps * 32, 0, stream>>>(
-            A, lda, w.perm_token, W0, W1, N, Kdim, w.counts, w.offsets, w.active, w.n_active, activation, C);
-    else
-        grouped_gemv_kernel<TA, TW, GATED, GATHER, false><<<grid, kGemvWarps * 32, 0, stream>>>(
-            A, lda, w.perm_token, W0, W1, N, Kdim, w.counts, w.offsets, w.active, w.n_active, activation, C);
+    auto* kernel = vec8 ? grouped_gemv_kernel<TA, TW, GATED, GATHER, true>
+                        : grouped_gemv_kernel<TA, TW, GATED, GATHER, false>;
+    return launch(kernel, grid, dim3(kGemvWarps * 32), 0, stream, A, lda, w.perm_token, W0, W1, N, Kdim, w.counts,
+                  w.offsets, w.active, w.n_active, activation, C);
 }
 
 template <typename TA, typename TW, bool GATED, bool GATHER>
-void launch_gemm(const TA* A, int64_t lda, const Workspace& w, const TW* W0, const TW* W1, int N, int Kdim, int E,
-                 int64_t max_tiles, int activation, float* C, cudaStream_t stream) {
+cudaError_t launch_gemm(const TA* A, int64_t lda, const Workspace& w, const TW* W0, const TW* W1, int N, int Kdim,
+                        int E, int64_t max_tiles, int activation, float* C, cudaStream_t stream) {
     const dim3 grid(static_cast<unsigned>(max_tiles), (N + kBN - 1) / kBN);
-    grouped_gemm_kernel<TA, TW, GATED, GATHER><<<grid, kGemmThreads, 0, stream>>>(
-        A, lda, w.perm_token, W0, W1, N, Kdim, w.counts, w.offsets, w.tile_offsets, E, activation, C);
+    return launch(grouped_gemm_kernel<TA, TW, GATED, GATHER>, grid, dim3(kGemmThreads), 0, stream, A, lda,
+                  w.perm_token, W0, W1, N, Kdim, w.counts, w.offsets, w.tile_offsets, E, activation, C);
 }
 
 template <typename T>
@@ -569,30 +579,37 @@ int32_t forward(const lz_moe_config& c, const void* hidden_v, const void* logits
 
     Workspace w{};
     carve(c, static_cast<char*>(workspace), &w);
-    if (cudaMemsetAsync(w.counts, 0, sizeof(int32_t) * E, stream) != cudaSuccess) return launch_status("memset");
-    launch_route<T>(c, logits, w.topk_index, w.topk_weight, mask, w.counts, w.slot, stream);
+    cudaError_t err = cudaMemsetAsync(w.counts, 0, sizeof(int32_t) * E, stream);
+    if (err != cudaSuccess) return cuda_status(err, "lz_moe_forward: memset");
+    err = launch_route<T>(c, logits, w.topk_index, w.topk_weight, mask, w.counts, w.slot, stream);
+    if (err != cudaSuccess) return cuda_status(err, "lz_moe_forward: route");
     const bool small = c.tokens <= kGemvMaxRows;  // then no expert has more than 8 rows
-    scan_kernel<<<1, kScanThreads, 0, stream>>>(w.counts, E, small ? 1 : kBM, w.offsets, w.tile_offsets, w.active,
-                                                w.n_active);
-    scatter_kernel<<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, stream>>>(w.topk_index, w.slot, w.offsets,
-                                                                                   pairs, c.top_k, w.perm_token,
-                                                                                   w.slot_row);
+    err = launch(scan_kernel, dim3(1), dim3(kScanThreads), 0, stream, w.counts, E, small ? 1 : kBM, w.offsets,
+                 w.tile_offsets, w.active, w.n_active);
+    if (err != cudaSuccess) return cuda_status(err, "lz_moe_forward: scan");
+    err = launch(scatter_kernel, dim3(static_cast<unsigned>((pairs + 255) / 256)), dim3(256), 0, stream,
+                 w.topk_index, w.slot, w.offsets, pairs, c.top_k, w.perm_token, w.slot_row);
+    if (err != cudaSuccess) return cuda_status(err, "lz_moe_forward: scatter");
     if (small) {
         const int max_active = static_cast<int>(pairs < E ? pairs : E);
-        launch_gemv<T, T, true, true>(hidden, H, w, w_gate, w_up, F, H, max_active, c.activation, w.inter, stream);
-        launch_gemv<float, T, false, false>(w.inter, F, w, w_down, nullptr, H, F, max_active, c.activation,
-                                            w.out_rows, stream);
+        err = launch_gemv<T, T, true, true>(hidden, H, w, w_gate, w_up, F, H, max_active, c.activation, w.inter,
+                                            stream);
+        if (err != cudaSuccess) return cuda_status(err, "lz_moe_forward: gate/up");
+        err = launch_gemv<float, T, false, false>(w.inter, F, w, w_down, nullptr, H, F, max_active, c.activation,
+                                                  w.out_rows, stream);
     } else {
         // sum_e ceil(c_e / BM) <= pairs / BM + (number of active experts)
         const int64_t max_tiles = (pairs + kBM - 1) / kBM + (pairs < E ? pairs : E);
-        launch_gemm<T, T, true, true>(hidden, H, w, w_gate, w_up, F, H, E, max_tiles, c.activation, w.inter,
-                                      stream);
-        launch_gemm<float, T, false, false>(w.inter, F, w, w_down, nullptr, H, F, E, max_tiles, c.activation,
-                                            w.out_rows, stream);
+        err = launch_gemm<T, T, true, true>(hidden, H, w, w_gate, w_up, F, H, E, max_tiles, c.activation, w.inter,
+                                            stream);
+        if (err != cudaSuccess) return cuda_status(err, "lz_moe_forward: gate/up");
+        err = launch_gemm<float, T, false, false>(w.inter, F, w, w_down, nullptr, H, F, E, max_tiles,
+                                                  c.activation, w.out_rows, stream);
     }
-    combine_kernel<T><<<static_cast<unsigned>(c.tokens), 256, 0, stream>>>(w.out_rows, w.slot_row, w.topk_weight,
-                                                                           c.top_k, H, y);
-    return launch_status("lz_moe_forward");
+    if (err != cudaSuccess) return cuda_status(err, "lz_moe_forward: down");
+    err = launch(combine_kernel<T>, dim3(static_cast<unsigned>(c.tokens)), dim3(256), 0, stream, w.out_rows,
+                 w.slot_row, w.topk_weight, c.top_k, static_cast<int64_t>(H), y);
+    return cuda_status(err, "lz_moe_forward: combine");
 }
 
 }  // namespace
@@ -637,20 +654,22 @@ LZ_API int32_t lz_moe_route(const lz_moe_config* cfg, int32_t dtype, const void*
     if (cfg->tokens == 0) return ok();
     if (router_logits == nullptr) return set_error(LZ_ERR_INVALID_ARGUMENT, "router_logits is NULL");
     cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+    cudaError_t err = cudaSuccess;
     switch (dtype) {
         case LZ_DTYPE_F32:
-            launch_route<float>(*cfg, router_logits, topk_index, topk_weight, mask, nullptr, nullptr, st);
+            err = launch_route<float>(*cfg, router_logits, topk_index, topk_weight, mask, nullptr, nullptr, st);
             break;
         case LZ_DTYPE_F16:
-            launch_route<__half>(*cfg, router_logits, topk_index, topk_weight, mask, nullptr, nullptr, st);
+            err = launch_route<__half>(*cfg, router_logits, topk_index, topk_weight, mask, nullptr, nullptr, st);
             break;
         case LZ_DTYPE_BF16:
-            launch_route<__nv_bfloat16>(*cfg, router_logits, topk_index, topk_weight, mask, nullptr, nullptr, st);
+            err = launch_route<__nv_bfloat16>(*cfg, router_logits, topk_index, topk_weight, mask, nullptr, nullptr,
+                                              st);
             break;
         default:
             return set_error(LZ_ERR_INVALID_ARGUMENT, "dtype = %d must be 0 (f32), 1 (f16) or 2 (bf16)", dtype);
     }
-    return launch_status("lz_moe_route");
+    return cuda_status(err, "lz_moe_route");
 }
 
 LZ_API int32_t lz_moe_forward(const lz_moe_config* cfg, int32_t dtype, const void* hidden, const void* router_logits,

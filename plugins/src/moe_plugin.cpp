@@ -142,7 +142,9 @@ bool checkShapes(Dims const* in, int32_t nbInputs, int32_t topK, std::string& er
         {"E (experts)", {{1, 1}, {2, 0}, {3, 0}, {4, 0}}},
         {"F (expert ffn size)", {{2, 1}, {3, 1}, {4, 2}}},
     };
-    for (Symbol const& s : symbols) {
+    int64_t resolved[4] = {-1, -1, -1, -1};  // T, H, E, F: the first known value of each, from any input
+    for (int32_t k = 0; k < 4; ++k) {
+        Symbol const& s = symbols[k];
         int64_t value = -1;
         int32_t first = -1;
         for (Use const& u : s.uses) {
@@ -157,11 +159,17 @@ bool checkShapes(Dims const* in, int32_t nbInputs, int32_t topK, std::string& er
                 return false;
             }
         }
+        resolved[k] = value;
     }
-    int64_t const experts = in[1].d[1];
+    // E may be -1 in router_logits and known from the weights (or the other way round): check it wherever known.
+    int64_t const experts = resolved[2];
     if (experts > LZ_MAX_EXPERTS) {
         error = "E = " + std::to_string(experts) + " experts is more than the kernels support (" +
                 std::to_string(LZ_MAX_EXPERTS) + ")";
+        return false;
+    }
+    if (experts == 0) {
+        error = "E = 0 experts: router_logits and the weights need at least one";
         return false;
     }
     if (experts > 0 && topK > experts) {
@@ -184,9 +192,9 @@ int32_t lzDtype(DataType t) {
 lz_moe_config makeConfig(MoEParams const& p, Dims const* in) {
     lz_moe_config c{};
     c.tokens = in[0].d[0];
-    c.hidden = in[0].d[1];
+    c.hidden = in[0].d[1] >= 0 ? in[0].d[1] : in[2].d[2];
     c.ffn = in[2].d[1];
-    c.experts = in[1].d[1];
+    c.experts = in[1].d[1] >= 0 ? in[1].d[1] : in[2].d[0];
     c.top_k = p.topK;
     c.normalize = p.normalize;
     c.scoring = p.scoring;
@@ -232,6 +240,9 @@ bool parseMoEFields(PluginFieldCollection const* fc, MoEParams& params, std::str
             } else if (name == "zeroing_threshold") {
                 if (!fieldFloat(f, fv)) return fail(error, "field zeroing_threshold must be a float");
                 params.zeroingThreshold = static_cast<float>(fv);
+            } else if (name == "workspace_size") {  // written by getFieldsToSerialize, not by the ONNX parser
+                if (!fieldInt(f, iv) || iv < 0) return fail(error, "field workspace_size must be an int >= 0");
+                params.workspaceBytes = iv;
             } else {
                 logMessage(ILogger::Severity::kWARNING, "ignoring unknown plugin field '" + name + "'");
             }
@@ -253,7 +264,8 @@ bool parseMoEFields(PluginFieldCollection const* fc, MoEParams& params, std::str
 
 // ----------------------------------------------------------------------------------------- plugin
 
-MoEPlugin::MoEPlugin(MoEParams const& params) : mParams(params) {
+MoEPlugin::MoEPlugin(MoEParams const& params, std::string name)
+    : mParams(params), mName(std::move(name)), mWorkspaceBytes(params.workspaceBytes) {
     std::ostringstream s;
     s << "top_k=" << mParams.topK << " normalize=" << mParams.normalize << " scoring=" << kScoringNames[mParams.scoring]
       << " activation=" << kActivationNames[mParams.activation] << " zeroing_threshold=" << mParams.zeroingThreshold;
@@ -271,7 +283,9 @@ nvinfer1::IPluginCapability* MoEPlugin::getCapabilityInterface(nvinfer1::PluginC
 
 nvinfer1::IPluginV3* MoEPlugin::clone() noexcept {
     try {
-        return new MoEPlugin(mParams);
+        MoEParams params = mParams;
+        params.workspaceBytes = mWorkspaceBytes;
+        return new MoEPlugin(params, mName);
     } catch (std::exception const& e) {
         logError(std::string("clone failed: ") + e.what());
         return nullptr;
@@ -323,36 +337,79 @@ bool MoEPlugin::supportsFormatCombination(int32_t pos, DynamicPluginTensorDesc c
 
 int32_t MoEPlugin::configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs,
                                    DynamicPluginTensorDesc const* /*out*/, int32_t nbOutputs) noexcept {
-    if (nbOutputs != 2) {
-        logError("expects 2 outputs (y, mask), got " + std::to_string(nbOutputs));
+    // Build time: validate here, so a bad model fails the engine build naming the layer, not the first enqueue.
+    if (nbInputs != 5 || nbOutputs != 2 || in == nullptr) {
+        logError("expects 5 inputs (hidden, router_logits, w_gate, w_up, w_down) and 2 outputs (y, mask), got " +
+                 std::to_string(nbInputs) + " and " + std::to_string(nbOutputs));
         return 1;
     }
-    Dims dims[5];
-    for (int32_t i = 0; i < std::min(nbInputs, 5); ++i) dims[i] = in[i].desc.dims;
     std::string error;
-    if (!checkShapes(dims, nbInputs, mParams.topK, error)) {
+    if (!checkConfig(in, error)) {
         logError(error);
         return 1;
     }
+    // What getWorkspaceSize will ask for: remembered (and serialised) so that enqueue passes the size it got.
+    mWorkspaceBytes = static_cast<int64_t>(workspaceFor(in));
     return 0;
 }
 
-size_t MoEPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
-                                   DynamicPluginTensorDesc const* /*outputs*/, int32_t /*nbOutputs*/) const noexcept {
-    if (nbInputs != 5) return 0;
+bool MoEPlugin::checkConfig(DynamicPluginTensorDesc const* in, std::string& error) const {
+    Dims desc[5], lo[5], hi[5];
+    for (int32_t i = 0; i < 5; ++i) desc[i] = in[i].desc.dims, lo[i] = in[i].min, hi[i] = in[i].max;
+    if (!checkShapes(desc, 5, mParams.topK, error)) return false;
+    if (!checkShapes(lo, 5, mParams.topK, error) || !checkShapes(hi, 5, mParams.topK, error)) {
+        error = "profile shapes: " + error;
+        return false;
+    }
+    for (int32_t i = 1; i < 5; ++i) {
+        if (in[i].desc.type != in[0].desc.type) {
+            error = std::string("input ") + kInputNames[i] + " must have hidden's data type";
+            return false;
+        }
+    }
+    // The largest problem of the profile must be one the kernels accept (sizes, top_k <= E, T * top_k < 2^31).
+    lz_moe_config const cfg = makeConfig(mParams, hi);
+    if (lz_moe_check_config(&cfg) != LZ_OK) {
+        error = std::string("the profile's max shapes are not a valid MoE: ") + lz_last_error();
+        return false;
+    }
+    return true;
+}
+
+size_t MoEPlugin::workspaceFor(DynamicPluginTensorDesc const* in) const noexcept {
     Dims dims[5];
-    for (int32_t i = 0; i < 5; ++i) dims[i] = inputs[i].max;
+    for (int32_t i = 0; i < 5; ++i) dims[i] = in[i].max;
     lz_moe_config const cfg = makeConfig(mParams, dims);
     size_t const bytes = lz_moe_workspace_size(&cfg);
     return bytes == 0 ? 0 : bytes + kWorkspaceAlign;
+}
+
+size_t MoEPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
+                                   DynamicPluginTensorDesc const* /*outputs*/, int32_t nbOutputs) const noexcept {
+    // No status to return: an invalid config is logged as an error (TensorRT also gets it from configurePlugin)
+    // and asks for nothing; enqueue then refuses the call rather than run in a workspace too small.
+    std::string error;
+    if (nbInputs != 5 || nbOutputs != 2 || inputs == nullptr) {
+        logError("getWorkspaceSize: expects 5 inputs and 2 outputs, got " + std::to_string(nbInputs) + " and " +
+                 std::to_string(nbOutputs));
+        return 0;
+    }
+    if (!checkConfig(inputs, error)) {
+        logError("getWorkspaceSize: " + error);
+        return 0;
+    }
+    size_t const bytes = workspaceFor(inputs);
+    mWorkspaceBytes = static_cast<int64_t>(bytes);
+    return bytes;
 }
 
 char const* MoEPlugin::getMetadataString() noexcept { return mMetadata.c_str(); }
 
 int32_t MoEPlugin::onShapeChange(PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const* /*out*/,
                                  int32_t nbOutputs) noexcept {
-    if (nbOutputs != 2 || nbInputs != 5) {
-        logError("expects 5 inputs and 2 outputs");
+    if (nbOutputs != 2 || nbInputs != 5 || in == nullptr) {
+        logError("expects 5 inputs and 2 outputs, got " + std::to_string(nbInputs) + " and " +
+                 std::to_string(nbOutputs));
         return 1;
     }
     Dims dims[5];
@@ -360,6 +417,11 @@ int32_t MoEPlugin::onShapeChange(PluginTensorDesc const* in, int32_t nbInputs, P
     std::string error;
     if (!checkShapes(dims, nbInputs, mParams.topK, error)) {
         logError(error);
+        return 1;
+    }
+    lz_moe_config const cfg = makeConfig(mParams, dims);
+    if (lz_moe_check_config(&cfg) != LZ_OK) {
+        logError(std::string("onShapeChange: ") + lz_last_error());
         return 1;
     }
     return 0;
@@ -371,12 +433,26 @@ int32_t MoEPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc c
     Dims dims[5];
     for (int32_t i = 0; i < 5; ++i) dims[i] = inputDesc[i].dims;
     lz_moe_config const cfg = makeConfig(mParams, dims);
-    size_t const need = lz_moe_workspace_size(&cfg);
     auto const raw = reinterpret_cast<uintptr_t>(workspace);
-    void* aligned = reinterpret_cast<void*>((raw + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign);
+    uintptr_t const aligned = (raw + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
+    // The size TensorRT allocated is what getWorkspaceSize returned at build time (kept in mWorkspaceBytes and
+    // serialised with the plan); the kernels check the actual problem against it, after the alignment slack.
+    size_t got = 0;
+    if (mWorkspaceBytes > 0) {
+        size_t const slack = aligned - raw;
+        got = static_cast<size_t>(mWorkspaceBytes) > slack ? static_cast<size_t>(mWorkspaceBytes) - slack : 0;
+    } else {
+        // A plan without the field (built by a LayerZero before it was serialised): the kernels cannot check.
+        got = lz_moe_workspace_size(&cfg);
+        bool expected = false;
+        if (mWarnedUnknownWorkspace.compare_exchange_strong(expected, true)) {
+            logMessage(ILogger::Severity::kWARNING, "workspace size unknown (plan without 'workspace_size'); "
+                                                    "rebuild the engine so the kernels can check it");
+        }
+    }
     int32_t const status = lz_moe_forward(&cfg, lzDtype(inputDesc[0].type), inputs[0], inputs[1], inputs[2],
                                           inputs[3], inputs[4], outputs[0], static_cast<int32_t*>(outputs[1]),
-                                          workspace == nullptr ? nullptr : aligned, need,
+                                          workspace == nullptr ? nullptr : reinterpret_cast<void*>(aligned), got,
                                           reinterpret_cast<lz_stream_t>(stream));
     if (status != LZ_OK) {
         logError(std::string("enqueue failed (") + lz_status_string(status) + "): " + lz_last_error());
@@ -399,6 +475,10 @@ PluginFieldCollection const* MoEPlugin::getFieldsToSerialize() noexcept {
     mSerialFields.emplace_back("activation", activation, PluginFieldType::kCHAR,
                                static_cast<int32_t>(std::strlen(activation)));
     mSerialFields.emplace_back("zeroing_threshold", &mParams.zeroingThreshold, PluginFieldType::kFLOAT32, 1);
+    if (mWorkspaceBytes > 0) {
+        mSerialWorkspace = mWorkspaceBytes;
+        mSerialFields.emplace_back("workspace_size", &mSerialWorkspace, PluginFieldType::kINT64, 1);
+    }
     mSerialCollection.nbFields = static_cast<int32_t>(mSerialFields.size());
     mSerialCollection.fields = mSerialFields.data();
     return &mSerialCollection;
@@ -425,7 +505,7 @@ nvinfer1::IPluginV3* MoEPluginCreator::createPlugin(char const* name, PluginFiel
         return nullptr;
     }
     try {
-        return new MoEPlugin(params);
+        return new MoEPlugin(params, name != nullptr ? name : "");
     } catch (std::exception const& e) {
         logError(std::string("cannot create plugin: ") + e.what());
         return nullptr;

@@ -5,7 +5,8 @@
 // Outputs: 0 y [T, H] (dtype of hidden), 1 mask [T, E] kINT32 (IPluginV3OneBuild::getOutputDataTypes may not
 //          return kBOOL; the ONNX lowering casts it to bool after the plugin).
 // Fields:  top_k (int), normalize (int 0/1), scoring ("softmax" | "sigmoid"), activation ("silu" | "gelu" |
-//          "relu"), zeroing_threshold (float). Strings arrive as kCHAR (the ONNX parser's form); ints may come
+//          "relu"), zeroing_threshold (float); workspace_size (int64, optional: written by getFieldsToSerialize
+//          so that enqueue knows the workspace TensorRT allocated). Strings arrive as kCHAR (the ONNX parser's form); ints may come
 //          as any int type, floats as kFLOAT32/kFLOAT64; scoring/activation also as their int codes.
 #pragma once
 
@@ -28,6 +29,7 @@ struct MoEParams {
     int32_t scoring{0};     // lz_scoring
     int32_t activation{0};  // lz_activation
     float zeroingThreshold{0.0F};
+    int64_t workspaceBytes{0};  // what getWorkspaceSize returned at build time (field workspace_size); 0: unknown
 };
 
 // Set by setLoggerFinder (TensorRT calls it when it loads the library); may stay null.
@@ -41,7 +43,7 @@ class MoEPlugin final : public nvinfer1::IPluginV3,
                         public nvinfer1::IPluginV3OneBuild,
                         public nvinfer1::IPluginV3OneRuntime {
 public:
-    explicit MoEPlugin(MoEParams const& params);
+    MoEPlugin(MoEParams const& params, std::string name);
     MoEPlugin(MoEPlugin const&) = delete;  // the serialised fields point into mParams: clone() rebuilds them
     MoEPlugin& operator=(MoEPlugin const&) = delete;
     ~MoEPlugin() override = default;
@@ -82,7 +84,14 @@ public:
     MoEParams const& params() const noexcept { return mParams; }
 
 private:
+    bool checkConfig(nvinfer1::DynamicPluginTensorDesc const* in, std::string& error) const;
+    size_t workspaceFor(nvinfer1::DynamicPluginTensorDesc const* in) const noexcept;
+
     MoEParams mParams;
+    std::string mName;
+    mutable int64_t mWorkspaceBytes{0};  // set by configurePlugin / getWorkspaceSize (const in the interface)
+    int64_t mSerialWorkspace{0};
+    std::atomic<bool> mWarnedUnknownWorkspace{false};
     std::string mMetadata;
     std::vector<nvinfer1::PluginField> mSerialFields;
     nvinfer1::PluginFieldCollection mSerialCollection{};

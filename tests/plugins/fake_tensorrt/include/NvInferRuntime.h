@@ -77,3 +77,4 @@ using IPluginV3OneCore = v_1_0::IPluginV3OneCore; using IPluginV3OneBuild = v_1_
 class IPluginRegistry { public: virtual bool registerCreator(IPluginCreatorInterface& creator, AsciiChar const* const pluginNamespace) noexcept = 0; };
 }
 extern "C" nvinfer1::IPluginRegistry* getPluginRegistry() noexcept;
+extern "C" nvinfer1::ILogger* getLogger() noexcept;
