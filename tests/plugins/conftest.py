@@ -1,7 +1,8 @@
 """Fixtures of the plugin tests: one CMake build of ``plugins/`` per session, and a hand-made MoE graph.
 
 Builds go to a session temp dir (never the user's ~/.cache). Tests that need nvcc, cmake, TensorRT or a GPU
-skip with a reason that names what is missing.
+skip with a reason that names what is missing; with ``LAYERZERO_REQUIRE_NATIVE=1`` (CI) a missing native
+prerequisite (nvcc, cmake, a C++ compiler, the TensorRT headers) fails instead (``native_missing``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,14 @@ from onnx import TensorProto, helper, numpy_helper
 from layerzero.plugins import loader
 
 FAKE_TENSORRT = Path(__file__).parent / "fake_tensorrt"
+REQUIRE_NATIVE = os.environ.get("LAYERZERO_REQUIRE_NATIVE") == "1"
+
+
+def native_missing(reason: str) -> None:
+    """Skip for a missing native prerequisite; fail when ``LAYERZERO_REQUIRE_NATIVE=1`` (CI must have it)."""
+    if REQUIRE_NATIVE:
+        pytest.fail(f"LAYERZERO_REQUIRE_NATIVE=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
 MASK_NAME = "layerzero::mask::layers.0.moe"
 
 
@@ -64,9 +73,9 @@ def tools() -> dict[str, loader.Tool]:
 def kernels_build(tmp_path_factory, tools) -> loader.BuildReport:
     """``build_plugins`` in this machine's environment (kernels when nvcc exists; TensorRT when found)."""
     if not tools["cmake"].found:
-        pytest.skip(f"cmake not found: {tools['cmake'].note}")
+        native_missing(f"cmake not found: {tools['cmake'].note}")
     if not tools["nvcc"].found:
-        pytest.skip(f"nvcc not found: {tools['nvcc'].note}")
+        native_missing(f"nvcc not found: {tools['nvcc'].note}")
     report = loader.build_plugins(tmp_path_factory.mktemp("plugins-build"))
     assert report.ok, report.summary() + "\n" + report.log[-3000:]
     return report
@@ -153,7 +162,7 @@ def moe_model():
 @pytest.fixture
 def nvcc(tools) -> str:
     if not tools["nvcc"].found:
-        pytest.skip(f"nvcc not found: {tools['nvcc'].note}")
+        native_missing(f"nvcc not found: {tools['nvcc'].note}")
     return tools["nvcc"].path
 
 
@@ -161,5 +170,5 @@ def nvcc(tools) -> str:
 def gxx() -> str:
     path = shutil.which("g++") or shutil.which("c++")
     if path is None:
-        pytest.skip("no C++ compiler (g++) found")
+        native_missing("no C++ compiler (g++) found")
     return path

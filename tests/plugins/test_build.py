@@ -27,7 +27,7 @@ def test_kernels_compile_with_nvcc_for_sm90_and_ptx(kernels_build):
     assert "arch=compute_90,code=[compute_90]" in flags
     library = kernels_build.built[KERNELS]
     if shutil.which("nm") is None:
-        return
+        pytest.skip("nm (binutils) not found: cannot list the exported symbols of the kernels library")
     exported = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True).stdout
     symbols = {line.split()[-1] for line in exported.splitlines() if line.strip()}
     assert {"lz_moe_forward", "lz_moe_forward_f32", "lz_moe_forward_f16", "lz_moe_forward_bf16"} <= symbols
@@ -53,8 +53,10 @@ def test_plugin_glue_compiles_against_the_documented_plugin_api(gxx, cuda_includ
 
 
 def _syntax_check(gxx: str, source: str, trt_include: Path, cuda_include: Path) -> None:
-    cmd = [gxx, "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Wno-unused-parameter"]
-    cmd += [f"-I{trt_include}", f"-I{PLUGINS / 'include'}", f"-I{cuda_include}", str(PLUGINS / "src" / source)]
+    # -isystem for TensorRT and CUDA: their headers warn about their own deprecated declarations; ours must not.
+    cmd = [gxx, "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra"]
+    cmd += ["-isystem", str(trt_include), f"-I{PLUGINS / 'include'}", "-isystem", str(cuda_include)]
+    cmd.append(str(PLUGINS / "src" / source))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, f"{source}:\n{proc.stderr}"
     assert "warning" not in proc.stderr, proc.stderr
