@@ -27,6 +27,8 @@ def native_missing(reason: str) -> None:
     if REQUIRE_NATIVE:
         pytest.fail(f"LAYERZERO_REQUIRE_NATIVE=1 but {reason}", pytrace=False)
     pytest.skip(reason)
+
+
 MASK_NAME = "layerzero::mask::layers.0.moe"
 
 

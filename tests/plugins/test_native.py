@@ -107,11 +107,7 @@ def test_every_built_library_loads(native_build, trt_root):
     # liblayerzero_trt.so) fails here with the loader's own message.
     assert set(loader.LIBRARIES.values()) <= set(native_build.built), native_build.summary()
     for name in loader.LIBRARIES.values():
-        code = (
-            "import ctypes, sys\n"
-            f"ctypes.CDLL({str(native_build.built[name])!r})\n"
-            "print('loaded')\n"
-        )
+        code = f"import ctypes, sys\nctypes.CDLL({str(native_build.built[name])!r})\nprint('loaded')\n"
         proc = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, env=_library_env(trt_root), timeout=120
         )
