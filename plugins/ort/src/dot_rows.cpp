@@ -60,12 +60,25 @@ inline void micro(const W* w, int64_t k, const float* x, int64_t ldx, float* out
   for (int r = 0; r < R; ++r)
     for (int n = 0; n < N; ++n) acc[r][n] = _mm256_setzero_ps();
   int64_t i = 0;
+  if constexpr (N == 1) {
+    // GEMV: two vectors of k per step so that each row has two independent FMA chains.
+    __m256 acc2[R];
+    for (int r = 0; r < R; ++r) acc2[r] = _mm256_setzero_ps();
+    for (; i + 16 <= k; i += 16) {
+      const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+      for (int r = 0; r < R; ++r) {
+        acc[r][0] = _mm256_fmadd_ps(load8<W>(w + r * k + i), x0, acc[r][0]);
+        acc2[r] = _mm256_fmadd_ps(load8<W>(w + r * k + i + 8), x1, acc2[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) acc[r][0] = _mm256_add_ps(acc[r][0], acc2[r]);
+  }
+  // No software prefetch: the rows are sequential streams the hardware prefetcher follows; measured, a
+  // prefetch per step only cost issue slots.
   for (; i + 8 <= k; i += 8) {
     __m256 xv[N];
     for (int n = 0; n < N; ++n) xv[n] = _mm256_loadu_ps(x + n * ldx + i);
     for (int r = 0; r < R; ++r) {
-      // Streaming weights: ask for the line 1 KiB ahead of each row (hardware prefetch follows few streams).
-      _mm_prefetch(reinterpret_cast<const char*>(w + r * k + i) + 1024, _MM_HINT_T0);
       __m256 wv = load8<W>(w + r * k + i);
       for (int n = 0; n < N; ++n) acc[r][n] = _mm256_fmadd_ps(wv, xv[n], acc[r][n]);
     }
