@@ -1,0 +1,295 @@
+// liblayerzero_ort.so: ONNX Runtime custom-op library registering ai.layerzero::MoE (opset 1) on the CPU provider.
+//
+//   y[T, H], mask[T, E] bool = MoE(hidden[T, H], router_logits[T, E], w_gate[E, F, H], w_up[E, F, H],
+//                                  w_down[E, H, F], threshold? [] float)
+//   attributes: top_k (int), normalize (0/1), scoring ("softmax" | "sigmoid"), activation ("silu" | "gelu" |
+//               "relu"), zeroing_threshold (float), path (string, informative)
+//
+// hidden / router_logits / y are float32 or float16 (one kernel each, same op name); the expert weights are
+// float32, float16 or bfloat16, all three of one type, read in place from the tensors ONNX Runtime holds (no copy).
+// The optional 6th input is the run-time threshold (layerzero::threshold); without it, zeroing_threshold.
+// Attribute values this library does not implement are refused when the session is created, with the node's name.
+// Semantics: layerzero/plugins/reference.py. Work is spread over ONNX Runtime's intra-op thread pool.
+#define ORT_API_MANUAL_INIT
+#include <onnxruntime_cxx_api.h>
+#undef ORT_API_MANUAL_INIT
+
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "moe.h"
+
+namespace {
+
+constexpr const char* kDomain = "ai.layerzero";
+constexpr const char* kOpName = "MoE";
+constexpr size_t kInputs = 6;  // the 6th (threshold) optional
+
+struct Failure {
+  OrtErrorCode code;
+  std::string message;
+};
+
+bool weight_type(ONNXTensorElementDataType t, lz::WeightType* out) {
+  switch (t) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT:
+      *out = lz::WeightType::f32;
+      return true;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16:
+      *out = lz::WeightType::f16;
+      return true;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16:
+      *out = lz::WeightType::bf16;
+      return true;
+    default:
+      return false;
+  }
+}
+
+template <class T>
+struct Hidden;
+template <>
+struct Hidden<float> {
+  static constexpr ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  static float to_float(float v) { return v; }
+  static float from_float(float v) { return v; }
+};
+template <>
+struct Hidden<Ort::Float16_t> {
+  static constexpr ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+  static float to_float(Ort::Float16_t v) { return lz::half_to_float(v.val); }
+  static Ort::Float16_t from_float(float v) { return Ort::Float16_t::FromBits(lz::float_to_half(v)); }
+};
+
+template <class V>
+struct MoEKernel {
+  std::string node;
+  lz::MoEConfig cfg;
+  float zeroing_threshold = 0.0f;
+
+  // Validates what session creation can know; throws Failure naming the node.
+  explicit MoEKernel(const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    node = ki.GetNodeName();
+    auto fail = [&](const std::string& what) { throw Failure{ORT_INVALID_ARGUMENT, "ai.layerzero::MoE node '" + node + "': " + what}; };
+    if (ki.GetInputCount() < 5 || ki.GetInputCount() > kInputs)
+      fail("has " + std::to_string(ki.GetInputCount()) + " inputs; this liblayerzero_ort.so implements 5 or 6 "
+           "(hidden, router_logits, w_gate, w_up, w_down[, threshold]): rebuild it (layerzero plugins build)");
+    cfg.top_k = attr_int(info, "top_k", 1);
+    const int64_t normalize = attr_int(info, "normalize", 0);
+    if (normalize != 0 && normalize != 1) fail("normalize=" + std::to_string(normalize) + " (0 or 1)");
+    cfg.normalize = normalize == 1;
+    const std::string scoring = attr_string(info, "scoring", "softmax");
+    if (!lz::parse_scoring(scoring, &cfg.scoring))
+      fail("scoring='" + scoring + "' is not implemented by liblayerzero_ort.so (softmax, sigmoid)");
+    const std::string activation = attr_string(info, "activation", "silu");
+    if (!lz::parse_activation(activation, &cfg.activation))
+      fail("activation='" + activation + "' is not implemented by liblayerzero_ort.so (silu, gelu, relu)");
+    zeroing_threshold = attr_float(info, "zeroing_threshold", 0.0f);
+    if (!(zeroing_threshold >= 0.0f)) fail("zeroing_threshold=" + std::to_string(zeroing_threshold) + " (>= 0)");
+    if (cfg.top_k < 1) fail("top_k=" + std::to_string(cfg.top_k) + " (>= 1)");
+    // Weight types and static shapes, when ONNX Runtime knows them (initializers: always).
+    ONNXTensorElementDataType first = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    std::vector<int64_t> shapes[3];
+    for (size_t i = 2; i < 5; ++i) {
+      Ort::TypeInfo type = ki.GetInputTypeInfo(i);
+      if (type.GetONNXType() != ONNX_TYPE_TENSOR) fail("input " + std::to_string(i) + " is not a tensor");
+      auto tensor = type.GetTensorTypeAndShapeInfo();
+      lz::WeightType wt;
+      if (!weight_type(tensor.GetElementType(), &wt))
+        fail("expert weight input " + std::to_string(i) + " has element type " +
+             std::to_string(static_cast<int>(tensor.GetElementType())) + " (float32, float16 or bfloat16)");
+      if (i == 2) first = tensor.GetElementType();
+      else if (tensor.GetElementType() != first) fail("w_gate, w_up and w_down have different element types");
+      shapes[i - 2] = tensor.GetShape();
+    }
+    for (auto& s : shapes)
+      if (s.size() != 3) fail("expert weights must be rank 3 ([E, F, H], [E, F, H], [E, H, F])");
+    const int64_t E = shapes[0][0];
+    if (E > 0 && cfg.top_k > E) fail("top_k=" + std::to_string(cfg.top_k) + " > " + std::to_string(E) + " experts");
+  }
+
+  static int64_t attr_int(const OrtKernelInfo* info, const char* name, int64_t fallback) {
+    int64_t v = fallback;
+    OrtStatus* s = Ort::GetApi().KernelInfoGetAttribute_int64(info, name, &v);
+    if (s != nullptr) Ort::GetApi().ReleaseStatus(s);
+    return v;
+  }
+  static float attr_float(const OrtKernelInfo* info, const char* name, float fallback) {
+    float v = fallback;
+    OrtStatus* s = Ort::GetApi().KernelInfoGetAttribute_float(info, name, &v);
+    if (s != nullptr) Ort::GetApi().ReleaseStatus(s);
+    return v;
+  }
+  static std::string attr_string(const OrtKernelInfo* info, const char* name, const char* fallback) {
+    size_t size = 0;
+    OrtStatus* s = Ort::GetApi().KernelInfoGetAttribute_string(info, name, nullptr, &size);
+    if (s != nullptr) {
+      Ort::GetApi().ReleaseStatus(s);
+      if (size == 0) return fallback;
+    }
+    std::string v(size, '\0');
+    s = Ort::GetApi().KernelInfoGetAttribute_string(info, name, v.data(), &size);
+    if (s != nullptr) {
+      Ort::GetApi().ReleaseStatus(s);
+      return fallback;
+    }
+    v.resize(size > 0 ? size - 1 : 0);  // size counts the terminating NUL
+    return v;
+  }
+
+  void compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    auto fail = [&](const std::string& what) { throw Failure{ORT_INVALID_ARGUMENT, "ai.layerzero::MoE node '" + node + "': " + what}; };
+    Ort::ConstValue hidden = ctx.GetInput(0), logits = ctx.GetInput(1);
+    Ort::ConstValue wg = ctx.GetInput(2), wu = ctx.GetInput(3), wd = ctx.GetInput(4);
+    const std::vector<int64_t> hs = hidden.GetTensorTypeAndShapeInfo().GetShape();
+    const std::vector<int64_t> ls = logits.GetTensorTypeAndShapeInfo().GetShape();
+    const std::vector<int64_t> gs = wg.GetTensorTypeAndShapeInfo().GetShape();
+    const std::vector<int64_t> us = wu.GetTensorTypeAndShapeInfo().GetShape();
+    const std::vector<int64_t> ds = wd.GetTensorTypeAndShapeInfo().GetShape();
+    const int64_t E = gs[0], F = gs[1], H = gs[2];
+    if (us != gs || ds != std::vector<int64_t>{E, H, F})
+      fail("expert weights [E, F, H], [E, F, H], [E, H, F] expected");
+    if (hs.size() < 1 || hs.back() != H) fail("hidden's last dimension is not " + std::to_string(H));
+    int64_t T = 1;
+    for (size_t i = 0; i + 1 < hs.size(); ++i) T *= hs[i];
+    if (ls.size() < 1 || ls.back() != E || logits.GetTensorTypeAndShapeInfo().GetElementCount() != size_t(T * E))
+      fail("router_logits must be [" + std::to_string(T) + ", " + std::to_string(E) + "]");
+    if (cfg.top_k > E) fail("top_k=" + std::to_string(cfg.top_k) + " > " + std::to_string(E) + " experts");
+    float threshold = zeroing_threshold;
+    if (ctx.GetInputCount() > 5) {
+      Ort::ConstValue thr = ctx.GetInput(5);
+      if (thr != nullptr) {
+        if (thr.GetTensorTypeAndShapeInfo().GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ||
+            thr.GetTensorTypeAndShapeInfo().GetElementCount() != 1)
+          fail("threshold input must be a float32 scalar");
+        threshold = *thr.GetTensorData<float>();
+        if (!(threshold >= 0.0f)) fail("threshold " + std::to_string(threshold) + " < 0");
+      }
+    }
+    Ort::UnownedValue y = ctx.GetOutput(0, hs);
+    Ort::UnownedValue mask = ctx.GetOutput(1, std::vector<int64_t>{T, E});
+    lz::MoEWeights w;
+    weight_type(wg.GetTensorTypeAndShapeInfo().GetElementType(), &w.type);
+    w.gate = wg.GetTensorRawData();
+    w.up = wu.GetTensorRawData();
+    w.down = wd.GetTensorRawData();
+    w.experts = E;
+    w.ffn = F;
+    w.hidden = H;
+
+    const V* x = hidden.GetTensorData<V>();
+    const V* l = logits.GetTensorData<V>();
+    std::vector<float> lf, xf, yf;
+    const float* logits_f;
+    const float* x_f;
+    float* y_f;
+    if constexpr (std::is_same_v<V, float>) {
+      logits_f = l;
+      x_f = x;
+      y_f = y.GetTensorMutableData<float>();
+    } else {
+      lf.resize(size_t(T * E));
+      xf.resize(size_t(T * H));
+      yf.resize(size_t(T * H));
+      for (size_t i = 0; i < lf.size(); ++i) lf[i] = Hidden<V>::to_float(l[i]);
+      for (size_t i = 0; i < xf.size(); ++i) xf[i] = Hidden<V>::to_float(x[i]);
+      logits_f = lf.data();
+      x_f = xf.data();
+      y_f = yf.data();
+    }
+    std::vector<float> weights;
+    uint8_t* m = reinterpret_cast<uint8_t*>(mask.GetTensorMutableData<bool>());
+    lz::route(logits_f, T, E, cfg, threshold, &weights, m);
+    lz::ParallelFor parallel_for = [&ctx](size_t total, const std::function<void(size_t)>& fn) {
+      if (total == 0) return;
+      if (total == 1) {
+        fn(0);
+        return;
+      }
+      ctx.ParallelFor(
+          [](void* data, size_t i) { (*static_cast<const std::function<void(size_t)>*>(data))(i); }, total, 0,
+          const_cast<void*>(static_cast<const void*>(&fn)));
+    };
+    lz::run_experts(x_f, T, w, cfg, weights, m, y_f, parallel_for);
+    if constexpr (!std::is_same_v<V, float>) {
+      V* out = y.GetTensorMutableData<V>();
+      for (size_t i = 0; i < yf.size(); ++i) out[i] = Hidden<V>::from_float(yf[i]);
+    }
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* context) {
+    try {
+      compute(context);
+      return nullptr;
+    } catch (const Failure& f) {
+      return Ort::GetApi().CreateStatus(f.code, f.message.c_str());
+    } catch (const Ort::Exception& e) {
+      return Ort::GetApi().CreateStatus(ORT_RUNTIME_EXCEPTION, e.what());
+    } catch (const std::exception& e) {
+      return Ort::GetApi().CreateStatus(ORT_RUNTIME_EXCEPTION, e.what());
+    }
+  }
+};
+
+template <class V>
+struct MoEOp : Ort::CustomOpBase<MoEOp<V>, MoEKernel<V>, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+    try {
+      *kernel = new MoEKernel<V>(info);
+      return nullptr;
+    } catch (const Failure& f) {
+      return api.CreateStatus(f.code, f.message.c_str());
+    } catch (const std::exception& e) {
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, e.what());
+    }
+  }
+  const char* GetName() const { return kOpName; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return kInputs; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    if (i <= 1) return Hidden<V>::type;
+    if (i == 5) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // expert weights: float32, float16 or bfloat16
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i == 5 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
+  size_t GetOutputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetOutputType(size_t i) const {
+    return i == 0 ? Hidden<V>::type : ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
+  }
+};
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
+RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
+  if (api == nullptr) return nullptr;  // cannot even build a status: ONNX Runtime older than API 21
+  Ort::InitApi(api);
+  static MoEOp<float> op_f32;
+  static MoEOp<Ort::Float16_t> op_f16;
+  // One domain object per registration (ONNX Runtime keeps a pointer); released at exit.
+  static std::mutex lock;
+  static std::vector<Ort::CustomOpDomain> domains;
+  try {
+    Ort::CustomOpDomain domain(kDomain);
+    domain.Add(&op_f32);
+    domain.Add(&op_f16);
+    Ort::UnownedSessionOptions(options).Add(domain);
+    std::lock_guard<std::mutex> guard(lock);
+    domains.push_back(std::move(domain));
+  } catch (const Ort::Exception& e) {
+    return api->CreateStatus(ORT_FAIL, e.what());
+  }
+  return nullptr;
+}
+
+// The kernel ISA this process uses (for benchmarks and tests).
+extern "C" __attribute__((visibility("default"))) const char* LayerZeroOrtIsa() { return lz::dot_kernels().isa; }

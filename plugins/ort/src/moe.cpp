@@ -1,0 +1,234 @@
+// The native ai.layerzero::MoE computation (see moe.h).
+#include "moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+
+namespace lz {
+
+bool parse_scoring(const std::string& s, Scoring* out) {
+  if (s == "softmax") *out = Scoring::softmax;
+  else if (s == "sigmoid") *out = Scoring::sigmoid;
+  else return false;
+  return true;
+}
+
+bool parse_activation(const std::string& s, Activation* out) {
+  if (s == "silu") *out = Activation::silu;
+  else if (s == "gelu") *out = Activation::gelu;
+  else if (s == "relu") *out = Activation::relu;
+  else return false;
+  return true;
+}
+
+const DotKernels& dot_kernels() {
+  static const DotKernels* chosen = [] {
+    const char* isa = std::getenv("LAYERZERO_ORT_ISA");
+    bool generic_only = isa != nullptr && std::strcmp(isa, "generic") == 0;
+    return (!generic_only && avx2::available()) ? &avx2::kKernels : &generic::kKernels;
+  }();
+  return *chosen;
+}
+
+float half_to_float(uint16_t h) {
+  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      do {
+        ++e;
+        man <<= 1;
+      } while ((man & 0x400u) == 0);
+      bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (man & 0x3ffu) << 13;
+    }
+  } else if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | man << 13;
+  } else {
+    bits = sign | (exp + 127 - 15) << 23 | man << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  uint32_t sign = (x >> 16) & 0x8000u;
+  int32_t exp = static_cast<int32_t>((x >> 23) & 0xff) - 127 + 15;
+  uint32_t man = x & 0x7fffffu;
+  if (((x >> 23) & 0xff) == 0xff) return static_cast<uint16_t>(sign | 0x7c00u | (man ? 0x200u : 0));
+  if (exp >= 0x1f) return static_cast<uint16_t>(sign | 0x7c00u);
+  if (exp <= 0) {
+    if (exp < -10) return static_cast<uint16_t>(sign);
+    man |= 0x800000u;
+    uint32_t shift = static_cast<uint32_t>(14 - exp);
+    uint32_t half = man >> shift, rest = man & ((1u << shift) - 1), mid = 1u << (shift - 1);
+    if (rest > mid || (rest == mid && (half & 1))) ++half;
+    return static_cast<uint16_t>(sign | half);
+  }
+  uint32_t half = sign | static_cast<uint32_t>(exp) << 10 | man >> 13, rest = man & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (half & 1))) ++half;  // round to nearest even (may carry into exp)
+  return static_cast<uint16_t>(half);
+}
+
+uint16_t float_to_bf16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40);  // quiet NaN
+  x += 0x7fffu + ((x >> 16) & 1);
+  return static_cast<uint16_t>(x >> 16);
+}
+
+void route(const float* logits, int64_t tokens, int64_t experts, const MoEConfig& cfg, float threshold,
+           std::vector<float>* weights, uint8_t* mask) {
+  weights->assign(static_cast<size_t>(tokens * experts), 0.0f);
+  std::memset(mask, 0, static_cast<size_t>(tokens * experts));
+  std::vector<double> probs(static_cast<size_t>(experts));
+  std::vector<int64_t> index(static_cast<size_t>(experts));
+  std::vector<double> top(static_cast<size_t>(cfg.top_k));
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* l = logits + t * experts;
+    // In double, as the reference: top-k of nearly equal probabilities then agrees with it.
+    if (cfg.scoring == Scoring::softmax) {
+      double m = l[0];
+      for (int64_t e = 1; e < experts; ++e) m = std::max(m, static_cast<double>(l[e]));
+      double sum = 0.0;
+      for (int64_t e = 0; e < experts; ++e) sum += probs[e] = std::exp(static_cast<double>(l[e]) - m);
+      for (int64_t e = 0; e < experts; ++e) probs[e] /= sum;
+    } else {
+      for (int64_t e = 0; e < experts; ++e) probs[e] = 1.0 / (1.0 + std::exp(-static_cast<double>(l[e])));
+    }
+    std::iota(index.begin(), index.end(), 0);
+    // Ties towards the lower expert index (ONNX TopK, the reference's stable sort).
+    std::partial_sort(index.begin(), index.begin() + cfg.top_k, index.end(), [&](int64_t a, int64_t b) {
+      return probs[a] > probs[b] || (probs[a] == probs[b] && a < b);
+    });
+    double sum = 0.0, largest = 0.0;
+    for (int64_t j = 0; j < cfg.top_k; ++j) sum += top[j] = probs[index[j]];
+    for (int64_t j = 0; j < cfg.top_k; ++j) {
+      if (cfg.normalize) top[j] /= sum;
+      largest = std::max(largest, top[j]);
+    }
+    double bound = static_cast<double>(threshold) * largest;
+    for (int64_t j = 0; j < cfg.top_k; ++j) {
+      if (!(top[j] >= bound)) continue;  // below threshold x the token's largest weight: skipped
+      (*weights)[t * experts + index[j]] = static_cast<float>(top[j]);
+      mask[t * experts + index[j]] = 1;
+    }
+  }
+}
+
+namespace {
+
+inline float activate(float g, Activation a) {
+  switch (a) {
+    case Activation::silu:
+      return g / (1.0f + std::exp(-g));
+    case Activation::gelu:
+      return 0.5f * g * (1.0f + std::erf(g * 0.70710678118654752f));
+    case Activation::relu:
+      return g > 0.0f ? g : 0.0f;
+  }
+  return g;
+}
+
+size_t element_size(WeightType t) { return t == WeightType::f32 ? 4 : 2; }
+
+// Rows per work item: small enough that experts x tiles feed every thread, large enough to amortise a call.
+constexpr int64_t kFfnTile = 64;
+constexpr int64_t kHiddenTile = 64;
+
+struct Active {
+  int64_t expert;
+  std::vector<int64_t> tokens;  // routed to it, ascending
+  const float* x;               // its tokens' rows [n, H] (the input itself when every token is routed)
+  int64_t x_offset;             // into the gathered buffer
+  int64_t h_offset;             // into the intermediate buffer [n, F]
+};
+
+}  // namespace
+
+void run_experts(const float* x, int64_t tokens, const MoEWeights& w, const MoEConfig& cfg,
+                 const std::vector<float>& weights, const uint8_t* mask, float* y, const ParallelFor& parallel_for) {
+  const int64_t E = w.experts, F = w.ffn, H = w.hidden;
+  std::memset(y, 0, sizeof(float) * static_cast<size_t>(tokens * H));
+  if (tokens == 0) return;
+  std::vector<Active> active;
+  int64_t gathered = 0, inter = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    Active a{e, {}, nullptr, 0, 0};
+    for (int64_t t = 0; t < tokens; ++t)
+      if (mask[t * E + e]) a.tokens.push_back(t);
+    if (a.tokens.empty()) continue;  // no token routed: its weights are never read
+    const int64_t n = static_cast<int64_t>(a.tokens.size());
+    if (n < tokens) {
+      a.x_offset = gathered;
+      gathered += n * H;
+    }
+    a.h_offset = inter;
+    inter += n * F;
+    active.push_back(std::move(a));
+  }
+  if (active.empty()) return;
+  std::vector<float> xg(static_cast<size_t>(gathered)), hbuf(static_cast<size_t>(inter));
+  for (Active& a : active) {
+    const int64_t n = static_cast<int64_t>(a.tokens.size());
+    if (n == tokens) {
+      a.x = x;
+      continue;
+    }
+    float* dst = xg.data() + a.x_offset;
+    for (int64_t i = 0; i < n; ++i) std::memcpy(dst + i * H, x + a.tokens[i] * H, sizeof(float) * H);
+    a.x = dst;
+  }
+  const DotRowsFn dot = dot_kernels().by_type[static_cast<int>(w.type)];
+  const size_t esize = element_size(w.type);
+  const char* gate = static_cast<const char*>(w.gate);
+  const char* up = static_cast<const char*>(w.up);
+  const char* down = static_cast<const char*>(w.down);
+
+  // Phase 1, items = active experts x F tiles: h[n, tile] = act(x W_gate[tile]^T) * (x W_up[tile]^T).
+  const int64_t f_tiles = (F + kFfnTile - 1) / kFfnTile;
+  parallel_for(active.size() * static_cast<size_t>(f_tiles), [&](size_t item) {
+    const Active& a = active[item / f_tiles];
+    const int64_t f0 = static_cast<int64_t>(item % f_tiles) * kFfnTile, rows = std::min(kFfnTile, F - f0);
+    const int64_t n = static_cast<int64_t>(a.tokens.size());
+    const size_t offset = (static_cast<size_t>(a.expert * F + f0) * H) * esize;
+    thread_local std::vector<float> g, u;
+    g.resize(static_cast<size_t>(n * rows));
+    u.resize(static_cast<size_t>(n * rows));
+    dot(gate + offset, rows, H, a.x, n, H, g.data(), rows);
+    dot(up + offset, rows, H, a.x, n, H, u.data(), rows);
+    float* h = hbuf.data() + a.h_offset;
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t r = 0; r < rows; ++r) h[i * F + f0 + r] = activate(g[i * rows + r], cfg.activation) * u[i * rows + r];
+  });
+
+  // Phase 2, items = H tiles; each owns y[:, tile] and adds every active expert's share in expert order (the
+  // same order at any thread count: results do not depend on threads).
+  const int64_t h_tiles = (H + kHiddenTile - 1) / kHiddenTile;
+  parallel_for(static_cast<size_t>(h_tiles), [&](size_t item) {
+    const int64_t h0 = static_cast<int64_t>(item) * kHiddenTile, rows = std::min(kHiddenTile, H - h0);
+    thread_local std::vector<float> out;
+    for (const Active& a : active) {
+      const int64_t n = static_cast<int64_t>(a.tokens.size());
+      out.resize(static_cast<size_t>(n * rows));
+      dot(down + (static_cast<size_t>(a.expert * H + h0) * F) * esize, rows, F, hbuf.data() + a.h_offset, n, F,
+          out.data(), rows);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t t = a.tokens[i];
+        const float scale = weights[t * E + a.expert];
+        float* yt = y + t * H + h0;
+        for (int64_t r = 0; r < rows; ++r) yt[r] += scale * out[i * rows + r];
+      }
+    }
+  });
+}
+
+}  // namespace lz
