@@ -47,6 +47,54 @@ _UNARY = {
     "Tanh": np.tanh,
     "Cast": lambda x: x,  # the dtype conversion happens on the way out
     "CastLike": lambda x, _like=None: x,
+    "Acos": np.arccos,
+    "Asin": np.arcsin,
+    "Atan": np.arctan,
+    "Acosh": np.arccosh,
+    "Asinh": np.arcsinh,
+    "Atanh": np.arctanh,
+    "Softsign": lambda x: x / (1 + np.abs(x)),
+    "Mish": lambda x: x * np.tanh(np.log1p(np.exp(x))),
+    "HardSwish": lambda x: x * np.clip(x / 6.0 + 0.5, 0.0, 1.0),
+    "BitwiseNot": np.invert,
+}
+
+
+def _gelu(node: ir.Node, x: np.ndarray) -> np.ndarray:
+    x = np.float64(x)
+    if node.attributes.get_string("approximate", "none") == "tanh":
+        return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+    return 0.5 * x * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+def _f(node: ir.Node, name: str, default: float) -> float:
+    return node.attributes.get_float(name, default)
+
+
+# Activations whose value depends on attributes: (node, scalar) -> scalar. Defaults are the spec's.
+_UNARY_ATTR = {
+    "Gelu": _gelu,
+    "Elu": lambda n, x: x if x > 0 else _f(n, "alpha", 1.0) * (np.exp(x) - 1.0),
+    "Selu": lambda n, x: (
+        _f(n, "gamma", 1.05070102519989013671875)
+        * (x if x > 0 else _f(n, "alpha", 1.67326319217681884765625) * (np.exp(x) - 1.0))
+    ),
+    "Celu": lambda n, x: max(0.0, x) + min(0.0, _f(n, "alpha", 1.0) * (np.exp(x / _f(n, "alpha", 1.0)) - 1.0)),
+    "LeakyRelu": lambda n, x: x if x >= 0 else _f(n, "alpha", 0.01) * x,
+    "ThresholdedRelu": lambda n, x: x if x > _f(n, "alpha", 1.0) else 0.0 * x,
+    "HardSigmoid": lambda n, x: np.clip(_f(n, "alpha", 0.2) * x + _f(n, "beta", 0.5), 0.0, 1.0),
+    "Shrink": lambda n, x: (
+        x - _f(n, "bias", 0.0)
+        if x > _f(n, "lambd", 0.5)
+        else x + _f(n, "bias", 0.0)
+        if x < -_f(n, "lambd", 0.5)
+        else 0.0 * x
+    ),
+    "IsNaN": lambda n, x: np.isnan(x),
+    "IsInf": lambda n, x: bool(
+        (np.isposinf(x) and n.attributes.get_int("detect_positive", 1))
+        or (np.isneginf(x) and n.attributes.get_int("detect_negative", 1))
+    ),
 }
 
 
@@ -56,12 +104,28 @@ def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.true_divide(a, b)
 
 
+def _pow(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
+    """ONNX Runtime's Pow: ``std::pow`` in double, cast to the base's type.
+
+    numpy refuses integers to negative integer powers (issue 14, cause 1); ORT gives the truncated
+    double (2 ** -1 -> 0). A result that does not fit the integer type (0 ** -1) is implementation
+    defined in C++: we give up on it.
+    """
+    if np.issubdtype(np.asarray(a).dtype, np.integer):
+        info = np.iinfo(np.asarray(a).dtype)
+        result = np.power(np.float64(a), np.float64(b))
+        if not np.isfinite(result) or not info.min <= np.trunc(result) <= info.max:
+            return None
+        return np.asarray(np.trunc(result)).astype(np.asarray(a).dtype)
+    return np.power(a, b)
+
+
 _BINARY = {
     "Add": np.add,
     "Sub": np.subtract,
     "Mul": np.multiply,
     "Div": _div,
-    "Pow": np.power,
+    "Pow": _pow,
     "And": np.logical_and,
     "Or": np.logical_or,
     "Xor": np.logical_xor,
@@ -193,6 +257,12 @@ def _transfer_first(node: ir.Node, op: str, ins: list[np.ndarray | None], assume
 
     if op in _UNARY:
         return None if known(0) is None else _UNARY[op](known(0))
+    if op in _UNARY_ATTR:
+        return None if known(0) is None else np.asarray(_UNARY_ATTR[op](node, known(0)))
+    if op == "Clip":
+        return _clip(node, ins)
+    if op in ("Softmax", "LogSoftmax"):
+        return _softmax(node, op, known(0))
     if op in _BINARY:
         a, b = known(0), known(1)
         # x * 0 -> 0 (NOTE: NaN/Inf * 0 is NaN; folded only under assume_finite, verification guards it)
@@ -221,7 +291,9 @@ def _transfer_first(node: ir.Node, op: str, ins: list[np.ndarray | None], assume
         if a is not None and b is not None and a == b:
             return a
         return None
-    if op in ("MatMul", "Gemm", "Conv", "MatMulInteger", "Einsum"):
+    if op == "MatMulInteger":
+        return _matmul_integer(node, ins)
+    if op in ("MatMul", "Gemm", "Conv", "Einsum"):
         return _transfer_contraction(node, op, ins, assume_finite)
     if op in _DATA_MOVEMENT:
         return known(0)
@@ -232,15 +304,81 @@ def _transfer_first(node: ir.Node, op: str, ins: list[np.ndarray | None], assume
     if op in ("ReduceSum", "CumSum"):  # a sum of zeros is zero
         return known(0) if _is_zero(known(0)) else None
     if op == "Pad":
-        c, pad_value = known(0), known(2)
+        c = known(0)
         mode = node.attributes.get_string("mode", "constant")
-        if c is not None and mode == "constant" and (pad_value if pad_value is not None else 0) == c:
+        if c is None:
+            return None
+        if mode != "constant":  # edge / reflect / wrap copy elements of the uniform input
             return c
-        return None
+        if len(node.inputs) > 2 and node.inputs[2] is not None:
+            # NOTE: a run-time constant_value (computed, or an overridable initializer) is unknown,
+            # never 0 (issue 14, cause 5).
+            pad_value = known(2)
+        else:
+            pad_value = node.attributes.get("value").value if "value" in node.attributes else 0
+        return c if pad_value is not None and pad_value == c else None
     if op == "ConstantOfShape":
         attr = node.attributes.get("value")
         return np.float32(0.0) if attr is None else np.asarray(attr.value.numpy()).reshape(-1)[0]
     return None
+
+
+def _clip(node: ir.Node, ins: list[np.ndarray | None]) -> np.ndarray | None:
+    """Clip(c, lo, hi): the bounds are inputs (opset 11+, each optional) or attributes (older)."""
+    c = ins[0] if ins else None
+    if c is None:
+        return None
+    bounds: list[np.ndarray | float | None] = []
+    for k, name in ((1, "min"), (2, "max")):
+        if k < len(node.inputs) and node.inputs[k] is not None:
+            if ins[k] is None:
+                return None  # a run-time bound
+            bounds.append(ins[k])
+        else:
+            bounds.append(node.attributes.get_float(name, None) if name in node.attributes else None)
+    lo, hi = bounds
+    result = np.asarray(c)
+    if lo is not None:
+        result = np.maximum(result, np.asarray(lo).astype(result.dtype))
+    if hi is not None:
+        result = np.minimum(result, np.asarray(hi).astype(result.dtype))
+    return result
+
+
+def _softmax(node: ir.Node, op: str, c: np.ndarray | None) -> np.ndarray | None:
+    """Softmax of a uniform is 1/n (LogSoftmax: -log n), n the static size of the axis."""
+    shape = node.inputs[0].shape if node.inputs and node.inputs[0] is not None else None
+    if c is None or shape is None or len(shape) == 0 or not np.isfinite(c):
+        return None
+    axis = node.attributes.get_int("axis", -1) % len(shape)
+    n = shape[axis]
+    if not isinstance(n, int) or n <= 0:
+        return None
+    return np.asarray(-math.log(n) if op == "LogSoftmax" else 1.0 / n, dtype=np.float64)
+
+
+def _matmul_integer(node: ir.Node, ins: list[np.ndarray | None]) -> np.ndarray | None:
+    """MatMulInteger(a, b, a_zero_point, b_zero_point) = sum_k (a - azp)(b - bzp) (issue 14, cause 4).
+
+    Zero when either centred operand is zero (a uniform equal to its zero point); (ca - azp)(cb - bzp) K
+    when both are uniform and K is static. Integers: no finiteness hazard.
+    """
+    centred = []
+    for k in (0, 1):
+        c = ins[k] if k < len(ins) else None
+        has_zp = len(node.inputs) > k + 2 and node.inputs[k + 2] is not None
+        zp = ins[k + 2] if has_zp and len(ins) > k + 2 else None
+        if c is None or (has_zp and zp is None):
+            centred.append(None)
+            continue
+        centred.append(np.int64(c) - np.int64(0 if zp is None else zp))
+    if any(c is not None and c == 0 for c in centred):
+        return np.zeros((), dtype=np.int32)
+    shape = node.inputs[0].shape
+    if None in centred or shape is None or len(shape) < 1 or not isinstance(shape[-1], int):
+        return None
+    total = int(centred[0]) * int(centred[1]) * shape[-1]
+    return np.asarray(total, dtype=np.int32) if -(2**31) <= total < 2**31 else None
 
 
 def _transfer_contraction(

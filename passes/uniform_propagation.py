@@ -7,8 +7,9 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from layerzero.passes._graph import NameFactory, iter_graphs, make_constant, replace_value, same_shape
+from layerzero.passes._graph import NameFactory, iter_graphs, make_constant, replace_value
 from layerzero.passes._lattice import transfer, uniform_of_constant
+from layerzero.passes._shapes import SymbolicShapes
 
 __all__ = ["PropagateUniforms"]
 
@@ -49,15 +50,12 @@ class PropagateUniforms(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         root = model.graph
         names = NameFactory(root)
-        dim_sources: dict[str, tuple[ir.Value, int]] = {}
-        for value in root.inputs:
-            for axis, dim in enumerate(value.shape or ()):
-                if isinstance(getattr(dim, "value", None), str):
-                    dim_sources.setdefault(dim.value, (value, axis))
+        graphs = list(iter_graphs(root))
+        shapes = SymbolicShapes(root, graphs)
         use_shape_range = dict(model.opset_imports).get("", 18) >= 15
         modified = False
-        for graph in list(iter_graphs(root)):
-            rewriter = _GraphRewriter(graph, root, names, dim_sources, self.assume_finite, use_shape_range)
+        for graph in graphs:
+            rewriter = _GraphRewriter(graph, root, names, shapes, self.assume_finite, use_shape_range)
             modified |= rewriter.run()
         return ir.passes.PassResult(model, modified=modified)
 
@@ -68,14 +66,15 @@ class _GraphRewriter:
         graph: ir.Graph,
         root: ir.Graph,
         names: NameFactory,
-        dim_sources: dict[str, tuple[ir.Value, int]],
+        shapes: SymbolicShapes,
         assume_finite: bool,
         use_shape_range: bool,
     ) -> None:
         self.graph = graph
         self.root = root
         self.names = names
-        self.dim_sources = dim_sources
+        self.shapes = shapes
+        self.position = {node: i for i, node in enumerate(graph)}
         self.assume_finite = assume_finite
         self.use_shape_range = use_shape_range
         self.uniform: dict[ir.Value, np.ndarray] = {}
@@ -152,7 +151,7 @@ class _GraphRewriter:
         out = node.outputs[0]
         if out.is_graph_output() and op == "Identity":
             return None  # a graph output keeps its name through an Identity: nothing to gain
-        return candidate if same_shape(out, candidate) else None
+        return candidate if self.shapes.same_shape(out, candidate) else None
 
     # Case 1
     def _canonical(self, value: ir.Value) -> bool:
@@ -174,7 +173,7 @@ class _GraphRewriter:
                 continue
             if out in self.alias:
                 continue
-            if out in self.uniform and self._shape_dims(out) is not None:
+            if out in self.uniform and self._shape_dims(out, node) is not None:
                 continue
             return False
         return True
@@ -186,19 +185,35 @@ class _GraphRewriter:
             return True
         return any(not self._covered(user) for user, _ in value.uses())
 
-    def _shape_dims(self, value: ir.Value) -> list[int | tuple[ir.Value, int]] | None:
-        if value.shape is None:
+    def _shape_dims(self, value: ir.Value, anchor: ir.Node) -> list[int | tuple[ir.Value, int]] | None:
+        """Static sizes, or (value, axis) carriers of each dim that exist before ``anchor`` at run time."""
+        dims = self.shapes.dims(value)
+        if dims is None:
             return None
-        dims: list[int | tuple[ir.Value, int]] = []
-        for dim in value.shape:
+        out: list[int | tuple[ir.Value, int]] = []
+        for dim in dims:
             if isinstance(dim, int):
-                dims.append(dim)
+                out.append(dim)
                 continue
-            name = getattr(dim, "value", None)
-            if not isinstance(name, str) or name not in self.dim_sources:
+            carrier = next((c for c in self.shapes.carriers(dim) if self._available(c[0], anchor)), None)
+            if carrier is None:
                 return None
-            dims.append(self.dim_sources[name])
-        return dims
+            out.append(carrier)
+        return out
+
+    def _available(self, value: ir.Value, anchor: ir.Node) -> bool:
+        """True when ``value`` is computed before ``anchor`` and stays computed (not folded away)."""
+        if value.is_graph_input():
+            return value.graph is self.root or value.graph is self.graph
+        if value.is_initializer():
+            return False  # static sizes are ints already
+        producer = value.producer()
+        if producer is None or producer.graph is not self.graph or value in self.alias:
+            return False
+        if value in self.uniform and not self._canonical(value):
+            return False  # Shape() of it would keep the computation we are removing alive
+        index = self.position.get(producer)
+        return index is not None and index < self.position.get(anchor, -1)
 
     def _shape_tensor(self, dims: list[int | tuple[ir.Value, int]], before: ir.Node) -> ir.Value:
         key = tuple(d if isinstance(d, int) else (id(d[0]), d[1]) for d in dims)
@@ -249,9 +264,9 @@ class _GraphRewriter:
         return shape
 
     def _materialise(self, producer: ir.Node, value: ir.Value) -> bool:
-        dims = self._shape_dims(value)
+        dims = self._shape_dims(value, producer)
         if dims is None:
-            logger.debug("uniform %s has a shape we cannot build: %s", value.name, value.shape)
+            logger.debug("uniform %s: no operand carries its shape %s at run time", value.name, value.shape)
             return False
         c = self.uniform[value]
         # Insert before the first node of this graph, so the shape pieces (graph inputs) dominate.
