@@ -127,11 +127,12 @@ def make_constant(root: ir.Graph, names: NameFactory, hint: str, array: np.ndarr
 
 
 def replace_value(old: ir.Value, new: ir.Value, names: NameFactory) -> None:
-    """Make every consumer of ``old`` read ``new``; keep graph output names stable.
+    """Make every consumer of ``old`` read ``new``; keep the graph's output interface exactly.
 
     A graph output keeps its name (users address outputs by name): ``new`` takes the name when a node
     of the same graph produces it and it is no output yet; otherwise the output becomes
-    ``Identity(new)`` under the old name.
+    ``Identity(new)`` under the old name. A value listed several times as an output is replaced by the
+    same value at every place, so the duplicates keep their (shared) name too.
     """
     if old is new:
         return
@@ -140,27 +141,21 @@ def replace_value(old: ir.Value, new: ir.Value, names: NameFactory) -> None:
         # Graph outputs first: onnx-ir refuses to rewire the uses of a value that is still an output.
         old_name = old.name
         old.name = names(f"{old_name}__replaced")
-        output_name = old_name
         producer = new.producer()
-        if (
-            producer is not None
-            and producer.graph is graph
-            and not new.is_graph_output()
-            and list(graph.outputs).count(old) == 1
-        ):
+        if producer is not None and producer.graph is graph and not new.is_graph_output():
             # NOTE: renaming beats an Identity, which also cannot carry a sequence before opset 14.
             new.name = old_name
-            graph.outputs[list(graph.outputs).index(old)] = new
-        for i, out in enumerate(list(graph.outputs)):
-            if out is not old:
-                continue
+            target = new
+        else:
             ident = ir.Node("", "Identity", [new], name=names(f"{old_name}__identity"))
-            ident.outputs[0].name = output_name
-            output_name = names(old_name)  # a value listed twice as an output: names stay unique
-            ident.outputs[0].shape = old.shape
-            ident.outputs[0].type = old.type
+            target = ident.outputs[0]
+            target.name = old_name
+            target.shape = old.shape
+            target.type = old.type
             graph.append(ident)
-            graph.outputs[i] = ident.outputs[0]
+        for i, out in enumerate(list(graph.outputs)):
+            if out is old:
+                graph.outputs[i] = target
     old.replace_all_uses_with(new, replace_graph_outputs=False)
 
 

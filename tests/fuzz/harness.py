@@ -1,0 +1,146 @@
+"""One differential case: compile a model (``verify=False``), run original and compiled with ORT, compare.
+
+Outcomes (``Outcome.kind``):
+- ``equal``: every output equal within float rounding on every input-size set, interface identical;
+- ``differ``: an output differs, or the interface (input/output names, order, element types) changed;
+- ``exception``: ``compile_model`` raised;
+- ``cannot_run``: ORT cannot load or run the compiled model;
+- ``invalid``: the generated model itself is invalid (checker or ORT refuses it) or computes non-finite values
+  (``assume_finite`` folds ``x * 0`` on purpose, so those are not compared).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+from collections.abc import Mapping
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+
+from layerzero.compile import compile_model
+from layerzero.options import CompileOptions
+from layerzero.passes._dynamic import MASK_PREFIX, ROUTER_PREFIX
+
+__all__ = ["KINDS", "Outcome", "check_model", "make_feeds", "run_ort"]
+
+KINDS = ("equal", "differ", "exception", "cannot_run", "invalid")
+ATOL = 1e-4
+RTOL = 1e-3
+SIZES: tuple[dict[str, int], ...] = ({"N": 1, "S": 3}, {"N": 3, "S": 5})
+
+
+@dataclasses.dataclass
+class Outcome:
+    kind: str
+    detail: str = ""
+
+    @property
+    def signature(self) -> str:
+        """What a minimised case must keep reproducing: the kind, and for exceptions the exception type."""
+        if self.kind == "exception":
+            return f"exception:{self.detail.split(':', 1)[0]}"
+        return self.kind
+
+
+def _session(model: bytes) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def run_ort(session: ort.InferenceSession, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    wanted = {i.name for i in session.get_inputs()}
+    return session.run(None, {k: v for k, v in feeds.items() if k in wanted})
+
+
+def make_feeds(model: onnx.ModelProto, sizes: Mapping[str, int], seed: int) -> dict[str, np.ndarray]:
+    """Seeded inputs: symbolic dims from ``sizes`` (unknown names: 2)."""
+    rng = np.random.default_rng(seed)
+    inits = {t.name for t in model.graph.initializer}
+    feeds: dict[str, np.ndarray] = {}
+    for inp in model.graph.input:
+        if inp.name in inits:
+            continue
+        tt = inp.type.tensor_type
+        shape = tuple(d.dim_value if d.HasField("dim_value") else sizes.get(d.dim_param, 2) for d in tt.shape.dim)
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
+        if dtype == np.bool_:
+            feeds[inp.name] = np.asarray(rng.random(shape) > 0.5)
+        elif np.issubdtype(dtype, np.integer):
+            feeds[inp.name] = np.asarray(rng.integers(0, 3, size=shape)).astype(dtype)
+        else:
+            feeds[inp.name] = np.asarray(rng.standard_normal(shape)).astype(dtype)
+    return feeds
+
+
+def _interface(model: onnx.ModelProto) -> tuple[list, list]:
+    inits = {t.name for t in model.graph.initializer}
+
+    def sig(v: onnx.ValueInfoProto) -> tuple[str, int]:
+        return v.name, v.type.tensor_type.elem_type
+
+    inputs = [sig(v) for v in model.graph.input if v.name not in inits]
+    outputs = [sig(v) for v in model.graph.output if not v.name.startswith((MASK_PREFIX, ROUTER_PREFIX))]
+    return inputs, outputs
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> str | None:
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return f"{a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
+    if a.size == 0:
+        return None
+    if not np.issubdtype(a.dtype, np.number):
+        return None if np.array_equal(a, b) else "values differ"
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    if np.allclose(b64, a64, rtol=RTOL, atol=ATOL, equal_nan=True):
+        return None
+    return f"max abs {float(np.nanmax(np.abs(a64 - b64))):.3g}"
+
+
+def check_model(model: onnx.ModelProto, seed: int = 0, options: CompileOptions | None = None) -> Outcome:
+    """Run one differential case on ``model``."""
+    try:
+        onnx.checker.check_model(model, full_check=True)
+        blob = model.SerializeToString()
+        original = _session(blob)
+        feed_sets = [make_feeds(model, s, seed + k) for k, s in enumerate(SIZES)]
+        expected = [run_ort(original, f) for f in feed_sets]
+    except Exception as exc:
+        return Outcome("invalid", f"{type(exc).__name__}: {str(exc).strip()[:200]}")
+    for outs in expected:
+        for o in outs:
+            o = np.asarray(o)
+            if np.issubdtype(o.dtype, np.floating) and not np.all(np.isfinite(o)):
+                return Outcome("invalid", "non-finite reference output")
+    try:
+        result = compile_model(model, options or CompileOptions(verify=False))
+        compiled = ir.to_proto(result.model)
+    except Exception as exc:
+        tb = traceback.extract_tb(exc.__traceback__)[-1]
+        return Outcome("exception", f"{type(exc).__name__}: {str(exc)[:200]} ({tb.filename}:{tb.lineno})")
+    if _interface(compiled) != _interface(model):
+        return Outcome("differ", f"interface {_interface(model)} -> {_interface(compiled)}")
+    try:
+        session = _session(compiled.SerializeToString())
+    except Exception as exc:
+        return Outcome("cannot_run", f"load: {str(exc).strip().splitlines()[0][:200]}")
+    names = [o.name for o in model.graph.output]
+    user = [i for i, o in enumerate(session.get_outputs()) if not o.name.startswith((MASK_PREFIX, ROUTER_PREFIX))]
+    for feeds, outs in zip(feed_sets, expected):
+        try:
+            got = run_ort(session, feeds)
+        except Exception as exc:
+            return Outcome("cannot_run", f"run: {str(exc).strip().splitlines()[0][:200]}")
+        got = [got[i] for i in user]
+        for name, a, b in zip(names, outs, got):
+            problem = _close(a, b)
+            if problem is not None:
+                shape = {k: list(v.shape) for k, v in feeds.items()}
+                return Outcome("differ", f"output {name!r} at inputs {shape}: {problem}")
+    return Outcome("equal")
