@@ -60,15 +60,31 @@ def _top_level_owner(graph: ir.Graph) -> dict[ir.Node, ir.Node]:
     return owner
 
 
-def _weight_array(value: ir.Value) -> np.ndarray:
+# dtypes an OrtValue can wrap without copying (others, e.g. bfloat16 or float8, travel inside the proto).
+_WRAPPABLE = frozenset("?bBhHiIlLqQefd")
+
+
+def _weight_array(value: ir.Value) -> np.ndarray | None:
+    """The weight as an array ONNX Runtime can borrow, or None when it must travel inside the proto.
+
+    ``add_external_initializers`` refuses an OrtValue that owns its buffer ("Buffer containing the
+    initializer must be owned by the user"), and ``ortvalue_from_numpy`` copies (so owns) any array that is
+    not C-contiguous, aligned, in native byte order and of a plain numeric dtype. Weights the passes create
+    (e.g. the per-expert transposed / concatenated matrices of the MoE ``If`` lowering) may be Fortran-ordered
+    views, so every array is made C-contiguous first; the caller keeps it alive as long as the session.
+    """
     tensor = value.const_value
     if isinstance(tensor, ir.ExternalTensor):
         # A read-only memory map: pages are read on use and dropped when the chunk is done.
-        mm = np.memmap(
+        array: np.ndarray = np.memmap(
             tensor.path, dtype=tensor.dtype.numpy(), mode="r", offset=tensor.offset or 0, shape=tuple(tensor.shape)
         )
-        return mm
-    return tensor.numpy()
+    else:
+        array = tensor.numpy()
+    if array.dtype.char not in _WRAPPABLE:
+        return None
+    # NOTE: a copy here (non-contiguous, unaligned or byte-swapped) is owned by numpy, not by ORT: allowed.
+    return np.require(array, dtype=array.dtype.newbyteorder("="), requirements=("C_CONTIGUOUS", "ALIGNED"))
 
 
 def run_in_chunks(
@@ -146,12 +162,18 @@ def _run_chunk(
         if v.is_graph_output() or any(position.get(owner.get(user)) != index for user, _ in v.uses()):
             wanted.append(v)
     proto_inputs, initializers, external_names, external_values = [], [], [], []
+    borrowed: list[np.ndarray] = []  # the arrays ORT reads from, alive until the session is gone
     for v in reads:
         if v in inits:
             tensor = v.const_value
             if tensor is None:
                 raise UnsupportedModelError(f"initializer {v.name!r} has no data")
-            if tensor.nbytes < _EMBED_LIMIT and not isinstance(tensor, ir.ExternalTensor):
+            array = None
+            if tensor.nbytes >= _EMBED_LIMIT or isinstance(tensor, ir.ExternalTensor):
+                array = _weight_array(v)
+            if array is None:
+                if isinstance(tensor, ir.ExternalTensor):  # its file path means nothing to a proto in memory
+                    tensor = ir.tensor(tensor.numpy(), name=v.name)
                 initializers.append(ir.serde.serialize_tensor(tensor))
                 initializers[-1].name = v.name
             else:
@@ -160,7 +182,8 @@ def _run_chunk(
                 placeholder.external_data.add(key="location", value="layerzero-chunk-placeholder")
                 initializers.append(placeholder)
                 external_names.append(v.name)
-                external_values.append(ort.OrtValue.ortvalue_from_numpy(_weight_array(v)))
+                borrowed.append(array)
+                external_values.append(ort.OrtValue.ortvalue_from_numpy(array))
         else:
             if v.name not in env:
                 raise InvalidInputError(f"missing input {v.name!r} for chunk {index}")
@@ -182,4 +205,4 @@ def _run_chunk(
     session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
     results = session.run([v.name for v in wanted], {v.name: env[v.name] for v in reads if v not in inits})
     env.update({v.name: r for v, r in zip(wanted, results)})
-    del session, options, external_values
+    del session, options, external_values, borrowed

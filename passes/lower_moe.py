@@ -303,7 +303,10 @@ def _lower_if(b: _Builder, node: ir.Node, spec: _MoESpec, threshold: ir.Value) -
         sub = b.sub(f"{spec.path}.experts.{e}")
         index = sub.const("index", np.array(e, np.int64))
         # One [H, 2F] matrix for gate and up: one MatMul reads both.
-        w_gate_up = sub.weight("gate_up_proj", np.concatenate([spec.w_gate[e].T, spec.w_up[e].T], axis=1))
+        # C order: a Fortran-ordered initializer cannot be lent to ORT without a copy (chunked verification).
+        w_gate_up = sub.weight(
+            "gate_up_proj", np.ascontiguousarray(np.concatenate([spec.w_gate[e].T, spec.w_up[e].T], axis=1))
+        )
         w_down = sub.weight("down_proj", np.ascontiguousarray(spec.w_down[e].T))
         run = sub.op("Gather", [runs, index], axis=0)
         then = sub.sub(sub.scope)
