@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -206,7 +207,7 @@ def verify_compiled(
     original's own deviation from it is reported as those layers' measured impact. Solidified paths
     (``options.solidify``) are forced off in the reference the same way (``layerzero.solidify``).
     """
-    with tempfile.TemporaryDirectory(prefix="layerzero-verify-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"layerzero-verify-{os.getpid()}-") as tmp:
         tmpdir = Path(tmp)
         if source_path is not None:
             header = onnx.load(str(source_path), load_external_data=False)

@@ -18,6 +18,7 @@ import dataclasses
 import html
 import io
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,79 @@ from layerzero.errors import InvalidInputError
 from layerzero.inspect import natural_key
 from layerzero.passes._graph import layer_of
 
-__all__ = ["FORMATS", "ZeroingGrid", "render_html", "render_image", "write_report", "zeroing_grid"]
+__all__ = [
+    "FORMATS",
+    "GENERATOR",
+    "ZeroingGrid",
+    "check_paths",
+    "is_report",
+    "render_html",
+    "render_image",
+    "write_report",
+    "zeroing_grid",
+]
 
 FORMATS = (".png", ".svg", ".html")
+#: Written into every report (HTML meta generator, PNG Software, SVG Creator): how `layerzero report` knows
+#: a file it may replace without --force.
+GENERATOR = "layerzero report"
+
+# A path record as `layerzero profile` writes it: key -> the keys of its sub-record (None: a scalar).
+_RECORD_KEYS: dict[str, tuple[str, ...] | None] = {
+    "path": None,
+    "kind": None,
+    "tokens": ("run", "skipped"),
+    "requests": ("run", "skipped"),
+    "zeroing_stability": ("requests", "tokens"),
+    "params": None,
+}
+
+
+def check_paths(doc: dict) -> None:
+    """Check the profile's path records have every field the map draws (counts are non-negative integers).
+
+    Raises:
+        InvalidInputError: naming the first incomplete record and its missing or bad field.
+    """
+    paths = doc.get("paths")
+    if not isinstance(paths, list):
+        raise InvalidInputError("the profile has no list of path records (\"paths\")")
+    for index, record in enumerate(paths):
+        if not isinstance(record, dict):
+            raise InvalidInputError(f"profile path record {index} is not an object")
+        name = record.get("path")
+        if not isinstance(name, str) or not name:
+            raise InvalidInputError(f"profile path record {index} has no path name")
+        if not isinstance(record.get("kind"), str):
+            raise InvalidInputError(f"profile path record {name!r}: kind is missing")
+        for key, sub in _RECORD_KEYS.items():
+            if sub is None:
+                if key == "params" and not _count(record.get(key)):
+                    raise InvalidInputError(f"profile path record {name!r}: params must be a non-negative integer")
+                continue
+            value = record.get(key)
+            if not isinstance(value, dict) or not all(_count(value.get(k)) for k in sub):
+                raise InvalidInputError(
+                    f"profile path record {name!r}: {key} must hold non-negative integers {', '.join(sub)}"
+                )
+        impact = record.get("zeroing_impact")
+        if impact is not None and not isinstance(impact, dict):
+            raise InvalidInputError(f"profile path record {name!r}: zeroing_impact must be an object")
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def is_report(path: Path) -> bool:
+    """Whether ``path`` is a report `layerzero report` wrote (it carries ``GENERATOR`` near its start)."""
+    with open(path, "rb") as f:
+        return GENERATOR.encode() in f.read(1 << 16)
+
+
+def _text(value: Any) -> str:
+    """A profile field for the picture's title: a number as is, anything else '?' (no mathtext, no markup)."""
+    return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else "?"
 
 
 @dataclasses.dataclass
@@ -103,6 +174,14 @@ def _pyplot():
 def render_image(doc: dict, fmt: str = "png", *, tolerance: float = 0.01) -> bytes:
     """The heatmap as PNG or SVG bytes."""
     plt = _pyplot()
+
+    check_paths(doc)
+    # Path names come from the profile: '$' must not start matplotlib's mathtext (a parse error, or markup).
+    with plt.rc_context({"text.parse_math": False}):
+        return _render_image(plt, doc, fmt, tolerance)
+
+
+def _render_image(plt: Any, doc: dict, fmt: str, tolerance: float) -> bytes:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -137,8 +216,8 @@ def render_image(doc: dict, fmt: str = "png", *, tolerance: float = 0.01) -> byt
     bundle = Path(str((doc.get("bundle") or {}).get("path") or "")).name or "bundle"
     ax.set_title(
         f"Zeroing map of {bundle}: skip rate per path\n"
-        f"{traffic.get('requests', '?')} requests, {traffic.get('tokens', '?')} tokens; "
-        f"impact on {(doc.get('impact') or {}).get('samples', 0)} sampled requests",
+        f"{_text(traffic.get('requests'))} requests, {_text(traffic.get('tokens'))} tokens; "
+        f"impact on {_text((doc.get('impact') or {}).get('samples', 0))} sampled requests",
         fontsize=9,
     )
     bar = fig.colorbar(image, ax=ax, fraction=0.05, pad=0.02)
@@ -155,7 +234,7 @@ def render_image(doc: dict, fmt: str = "png", *, tolerance: float = 0.01) -> byt
     ncol = len(handles) if fig_w >= 9 else 1
     fig.legend(handles=handles, loc="outside lower center", ncol=ncol, fontsize=7, frameon=False)
     buffer = io.BytesIO()
-    fig.savefig(buffer, format=fmt)
+    fig.savefig(buffer, format=fmt, metadata={"Software" if fmt == "png" else "Creator": GENERATOR})
     plt.close(fig)
     return buffer.getvalue()
 
@@ -180,8 +259,10 @@ def _fmt(value: Any, percent: bool = False) -> str:
 def render_html(doc: dict, *, tolerance: float = 0.01, window: int | None = None, unit: str = "requests") -> str:
     """A self-contained page: the heatmap (inline PNG) and a table of every path."""
     png = base64.b64encode(render_image(doc, "png", tolerance=tolerance)).decode("ascii")
-    traffic = doc.get("traffic") or {}
-    source = doc.get("source") or {}
+    traffic = doc.get("traffic") if isinstance(doc.get("traffic"), dict) else {}
+    source = doc.get("source") if isinstance(doc.get("source"), dict) else {}
+    bundle = doc.get("bundle") if isinstance(doc.get("bundle"), dict) else {}
+    esc = html.escape  # every profile field is text from a file: escape each one (no script injection)
     rows = []
     for record in sorted(doc["paths"], key=lambda r: natural_key(r["path"])):
         tokens = record["tokens"]["run"] + record["tokens"]["skipped"]
@@ -217,9 +298,9 @@ def render_html(doc: dict, *, tolerance: float = 0.01, window: int | None = None
     criterion = f"impact &lt; {tolerance:g}" + (
         f" and skipped ≥ {window} consecutive {html.escape(unit)}" if window is not None else ""
     )
-    title = f"LayerZero zeroing map: {html.escape(str((doc.get('bundle') or {}).get('path') or 'bundle'))}"
+    title = f"LayerZero zeroing map: {esc(str(bundle.get('path') or 'bundle'))}"
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<html lang="en"><head><meta charset="utf-8"><meta name="generator" content="{GENERATOR}"><title>{title}</title>
 <style>
 body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
 img {{ max-width: 100%; height: auto; }}
@@ -231,9 +312,10 @@ code {{ background: #f3f3f3; padding: 0 0.2em; }}
 </style></head>
 <body>
 <h1>{title}</h1>
-<p>{traffic.get("requests", "?")} requests, {traffic.get("tokens", "?")} tokens
-(data: <code>{html.escape(str(traffic.get("data")))}</code>); source model sha256
-<code>{html.escape(str(source.get("sha256")))}</code>; profile format {doc.get("format")} v{doc.get("version")}.</p>
+<p>{esc(str(traffic.get("requests", "?")))} requests, {esc(str(traffic.get("tokens", "?")))} tokens
+(data: <code>{esc(str(traffic.get("data")))}</code>); source model sha256
+<code>{esc(str(source.get("sha256")))}</code>; profile format {esc(str(doc.get("format")))} \
+v{esc(str(doc.get("version")))}.</p>
 <img alt="zeroing map: skip rate per layer and path" src="data:image/png;base64,{png}">
 <h2>Paths</h2>
 <p>Skip rate and run / skip counts in tokens and requests; stability = the longest run of consecutive skips;
@@ -257,10 +339,19 @@ def write_report(
     suffix = out.suffix.lower()
     if suffix not in FORMATS:
         raise InvalidInputError(f"{out}: the report is written as {', '.join(FORMATS)} (by the file's suffix)")
+    check_paths(doc)
     if not doc["paths"]:
         raise InvalidInputError("the profile has no paths to draw (the bundle has no dynamic or removed path)")
     if suffix == ".html":
-        out.write_text(render_html(doc, tolerance=tolerance, window=window, unit=unit), encoding="utf-8")
+        data = render_html(doc, tolerance=tolerance, window=window, unit=unit).encode("utf-8")
     else:
-        out.write_bytes(render_image(doc, suffix[1:], tolerance=tolerance))
+        data = render_image(doc, suffix[1:], tolerance=tolerance)
+    # Atomically (temp file + rename): a reader never sees half a report, a failure leaves the old one.
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise InvalidInputError(f"{out}: cannot write the report: {e.strerror or e}") from None
     return out

@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -46,7 +47,11 @@ __all__ = [
     "MODEL_NAME",
     "Bundle",
     "check_external_data",
+    "check_integrity",
+    "clean_stale_temp_dirs",
+    "fingerprint_files",
     "read_bundle",
+    "sampled_sha256",
     "sha256_file",
     "write_bundle",
 ]
@@ -141,13 +146,23 @@ def write_bundle(
     except (TypeError, ValueError) as e:
         raise InvalidInputError(f"the bundle manifest is not JSON-serialisable: {e}") from e
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        clean_stale_temp_dirs(out.parent, out.name)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    except OSError as e:
+        raise InvalidInputError(f"cannot write the bundle {out}: {e.strerror or e}") from None
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700: a Triton service account could not read it
         _save_model(model, tmp / model_file, external_threshold_bytes)
+        full_manifest["integrity"] = fingerprint_files(tmp, model_file)
+        manifest_text = json.dumps(full_manifest, indent=2) + "\n"
         (tmp / MANIFEST_NAME).write_text(manifest_text, encoding="utf-8")
         _fsync_tree(tmp)
         _move_into_place(tmp, out, overwrite=overwrite)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise InvalidInputError(f"cannot write the bundle {out}: {e.strerror or e}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -208,24 +223,164 @@ def _check_replaceable(out: Path) -> None:
         )
 
 
-def _move_into_place(tmp: Path, out: Path, *, overwrite: bool) -> None:
-    if not (overwrite and os.path.lexists(out)):
-        if os.path.lexists(out):  # appeared since the check above
-            raise InvalidInputError(f"{out} already exists; pass overwrite=True (--force) to replace it")
-        os.rename(tmp, out)
-        _fsync_dir(out.parent)
-        return
-    # Reserve a unique name for the old bundle, then swap: old -> aside, new -> out, delete aside.
-    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    os.rmdir(aside)
-    os.rename(out, aside)
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    # An exclusive flock on the parent directory itself (no lock file left behind) serialises the swaps of
+    # concurrent writers to one output: each sees a consistent `out`, the last one wins, nothing is left aside.
     try:
-        os.rename(tmp, out)
-    except BaseException:
-        os.rename(aside, out)  # put the old bundle back
-        raise
-    _fsync_dir(out.parent)
+        import fcntl
+    except ImportError:  # not POSIX: no lock, the swap below is still atomic per rename
+        yield
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _move_into_place(tmp: Path, out: Path, *, overwrite: bool) -> None:
+    aside: Path | None = None
+    with _locked(out.parent):
+        if not (overwrite and os.path.lexists(out)):
+            if os.path.lexists(out):  # appeared since the check above
+                raise InvalidInputError(f"{out} already exists; pass overwrite=True (--force) to replace it")
+            os.rename(tmp, out)
+            _fsync_dir(out.parent)
+            return
+        _check_replaceable(out)  # again, under the lock: another writer may have put something else there
+        # Reserve a unique name for the old bundle, then swap: old -> aside, new -> out, delete aside.
+        aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
+        os.rmdir(aside)
+        os.rename(out, aside)
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            os.rename(aside, out)  # put the old bundle back
+            raise
+        _fsync_dir(out.parent)
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+#: Temporary directories LayerZero makes, with the pid of the process that made them: ``.NAME.tmp-PID-*``,
+#: ``.NAME.old-PID-*`` next to a bundle, ``layerzero-verify-PID-*`` (and other ``layerzero-*-PID-*``) in the
+#: system temp dir.
+_TEMP_PID = re.compile(r"^(?:\..+\.(?:tmp|old)|layerzero-[a-z]+)-(\d+)-[^/]*$")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not ours to judge
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's live process (or a number that is no pid): leave it
+    return True
+
+
+def clean_stale_temp_dirs(parent: str | os.PathLike[str] | None = None, name: str | None = None) -> list[Path]:
+    """Remove the temporary directories of LayerZero processes that died (killed mid-compile); return them.
+
+    Looks in ``parent`` for ``.NAME.tmp-PID-*`` / ``.NAME.old-PID-*`` (``name`` given: that bundle's only) and in
+    the system temp dir for ``layerzero-*-PID-*``; a directory is removed only when its PID is not running.
+    """
+    removed: list[Path] = []
+    places = [Path(tempfile.gettempdir())]
+    if parent is not None:
+        places.append(Path(parent))
+    for place in places:
+        try:
+            entries = list(os.scandir(place))
+        except OSError:
+            continue
+        for entry in entries:
+            match = _TEMP_PID.match(entry.name)
+            if match is None or (name is not None and place != places[0] and not entry.name.startswith(f".{name}.")):
+                continue
+            if not entry.is_dir(follow_symlinks=False) or _pid_alive(int(match.group(1))):
+                continue
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(Path(entry.path))
+            logger.info("removed %s, left by a LayerZero process that died", entry.path)
+    return removed
+
+
+# --------------------------------------------------------------------------------------------------- integrity
+
+#: Blocks hashed for the cheap fingerprint of a data file: 64 KiB at 17 evenly spaced offsets (first and last
+#: included), ~1 MiB read whatever the file's size.
+_SAMPLE_BLOCKS = 17
+_SAMPLE_BYTES = 64 * 1024
+
+
+def sampled_sha256(path: str | os.PathLike[str]) -> str:
+    """A cheap fingerprint of a (multi-GB) file: the SHA-256 of its size and of blocks at fixed offsets."""
+    size = os.path.getsize(path)
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        last = max(0, size - _SAMPLE_BYTES)
+        for i in range(_SAMPLE_BLOCKS):
+            f.seek(last * i // (_SAMPLE_BLOCKS - 1))
+            digest.update(f.read(_SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def fingerprint_files(root: Path, model_file: str) -> dict[str, dict[str, Any]]:
+    """The manifest's ``integrity`` section: size + sha256 of the model file; size, sampled and full sha256 of
+    each external-data file next to it."""
+    doc: dict[str, dict[str, Any]] = {model_file: {"size": (root / model_file).stat().st_size,
+                                                   "sha256": sha256_file(root / model_file)}}  # fmt: skip
+    for path in sorted(root.iterdir()):
+        if path.name.startswith(model_file + ".data") and path.is_file():
+            doc[path.name] = {"size": path.stat().st_size, "sha256": sha256_file(path),
+                              "sampled_sha256": sampled_sha256(path)}  # fmt: skip
+    return doc
+
+
+def check_integrity(root: Path, manifest: Mapping[str, Any], *, full: bool = False) -> None:
+    """Check the bundle's files against the manifest's ``integrity`` section (a bundle written before it
+    existed has none and is not checked). The model file: size and sha256. Data files: size and the sampled
+    fingerprint, which costs ~1 MiB of reads whatever their size; ``full``: their sha256 too.
+
+    Raises:
+        InvalidInputError: naming the file that differs from what was compiled.
+    """
+    integrity = manifest.get("integrity")
+    if integrity is None:
+        return
+    if not isinstance(integrity, dict) or not all(isinstance(v, dict) for v in integrity.values()):
+        raise InvalidInputError(f"{root / MANIFEST_NAME}: integrity must map file names to their fingerprints")
+    for file_name, expected in integrity.items():
+        if not isinstance(file_name, str) or not _is_plain_file_name(file_name):
+            raise InvalidInputError(f"{root / MANIFEST_NAME}: integrity names {file_name!r}, not a plain file name")
+        path = root / file_name
+        try:
+            size = path.stat().st_size
+            if size != expected.get("size"):
+                raise _Mismatch(f"{size} bytes, compiled as {expected.get('size')}")
+            if "sampled_sha256" in expected and sampled_sha256(path) != expected["sampled_sha256"]:
+                raise _Mismatch("its sampled fingerprint differs")
+            if ("sampled_sha256" not in expected or full) and sha256_file(path) != expected.get("sha256"):
+                raise _Mismatch("its sha256 differs")
+        except FileNotFoundError:
+            raise InvalidInputError(f"bundle {root} is incomplete: {file_name} is missing") from None
+        except _Mismatch as e:
+            raise InvalidInputError(
+                f"{path} is not the file this bundle was compiled with ({e}); recompile, or restore the bundle"
+            ) from None
+
+
+class _Mismatch(Exception):
+    pass
 
 
 def _fsync_tree(root: Path) -> None:
@@ -372,8 +527,12 @@ def _check_proto_weights_loaded(model: onnx.ModelProto) -> None:
 # --------------------------------------------------------------------------------------------------- reading
 
 
-def read_bundle(path: str | os.PathLike[str]) -> Bundle:
+def read_bundle(path: str | os.PathLike[str], *, full_check: bool = False) -> Bundle:
     """Open and check the bundle directory ``path``, without loading weights.
+
+    The files are checked against the manifest's fingerprints (``check_integrity``): the model file's sha256,
+    the data files' sizes and sampled fingerprint; ``full_check`` (or ``LAYERZERO_FULL_CHECK=1``) also hashes
+    the data files whole.
 
     Raises:
         InvalidInputError: the path is missing or not a directory (e.g. a plain ``.onnx`` file: compile
@@ -393,6 +552,7 @@ def read_bundle(path: str | os.PathLike[str]) -> Bundle:
         )
         raise InvalidInputError(f"bundle {root} is not a directory{hint}")
 
+    full_check = full_check or os.environ.get("LAYERZERO_FULL_CHECK", "") not in ("", "0")
     manifest = _read_manifest(root)
     model_file = manifest.get("model_file", MODEL_NAME)
     if not isinstance(model_file, str) or not _is_plain_file_name(model_file):
@@ -400,12 +560,22 @@ def read_bundle(path: str | os.PathLike[str]) -> Bundle:
     model_path = root / model_file
     if not model_path.is_file():
         raise InvalidInputError(f"bundle {root} is incomplete: its model file {model_file} is missing")
+    _check_inside(root, model_path)
     check_external_data(model_path)
+    check_integrity(root, manifest, full=full_check)
     return Bundle(path=root, manifest=manifest, model_path=model_path)
+
+
+def _check_inside(root: Path, path: Path) -> None:
+    # A symlink is fine inside the bundle; one leading out of it would run (or read) a file the bundle does not own.
+    if not Path(os.path.realpath(path)).is_relative_to(os.path.realpath(root)):
+        raise InvalidInputError(f"{path} is a link to a file outside the bundle {root}; refusing to read it")
 
 
 def _read_manifest(root: Path) -> dict[str, Any]:
     manifest_path = root / MANIFEST_NAME
+    if manifest_path.is_file():
+        _check_inside(root, manifest_path)
     if not manifest_path.is_file():
         raise InvalidInputError(
             f"{root} is not a LayerZero bundle: {MANIFEST_NAME} is missing (create bundles with `layerzero compile`)"

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import math
+import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -12,10 +15,93 @@ from rich.console import Console
 
 from layerzero.errors import InvalidInputError
 
-__all__ = ["console", "parse_feeds", "parse_shapes", "progress", "stderr"]
+__all__ = [
+    "MAX_DIM",
+    "MAX_ELEMENTS",
+    "check_output_dir",
+    "check_output_file",
+    "console",
+    "fraction",
+    "integer",
+    "number",
+    "one_line_errors",
+    "parse_feeds",
+    "parse_shapes",
+    "port",
+    "positive",
+    "progress",
+    "stderr",
+    "write_file_atomic",
+]
 
 console = Console(highlight=False)
 stderr = Console(stderr=True, highlight=False)
+
+
+#: The largest dim, and element count, a --shape may ask for: 2**31 elements of float32 is already 8 GiB of
+#: one sample input, far past any verification run, and numpy would fail with a traceback further on.
+MAX_DIM = 2**31 - 1
+MAX_ELEMENTS = 2**31
+
+
+def number(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False) -> argparse.FileType:
+    """An argparse ``type=`` for a finite float in [lo, hi] (``lo_open``: (lo, hi]); the error names the value,
+    argparse adds the option (exit 2)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number")
+        if lo is not None and (value < lo or (lo_open and value == lo)):
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {'>' if lo_open else '>='} {lo:g}")
+        if hi is not None and value > hi:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be <= {hi:g}")
+        return value
+
+    parse.__name__ = "number"
+    return parse  # type: ignore[return-value]
+
+
+def integer(lo: int | None = None, hi: int | None = None) -> argparse.FileType:
+    """An argparse ``type=`` for an integer in [lo, hi] (no 300-digit numbers, no floats)."""
+
+    def parse(text: str) -> int:
+        text = text.strip()
+        if len(text) > 20:
+            raise argparse.ArgumentTypeError(f"{text[:20]!r}...: integer too large")
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if lo is not None and value < lo:
+            raise argparse.ArgumentTypeError(f"{value}: must be >= {lo}")
+        if hi is not None and value > hi:
+            raise argparse.ArgumentTypeError(f"{value}: must be <= {hi}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse  # type: ignore[return-value]
+
+
+def one_line_errors(p: argparse.ArgumentParser) -> None:
+    """Make ``p`` report a bad argument as one line (``layerzero VERB: error: argument --x: ...``), exit 2,
+    without the usage block argparse prints first: the house rule is one line naming the problem."""
+
+    def error(message: str) -> None:
+        p.exit(2, f"{p.prog}: error: {message} (see --help)\n")
+
+    p.error = error  # type: ignore[method-assign]
+
+
+#: A TCP port (``0`` is not: Triton needs fixed ports).
+port = integer(1, 65535)
+#: A fraction (a sample rate, a threshold): finite, in [0, 1].
+fraction = number(0, 1)
+#: A finite number > 0 (a bound, a window).
+positive = number(0, lo_open=True)
 
 
 def parse_shapes(items: list[str] | None) -> dict[str, tuple[int, ...]]:
@@ -31,6 +117,8 @@ def parse_shapes(items: list[str] | None) -> dict[str, tuple[int, ...]]:
             raise InvalidInputError(f"--shape {item!r}: dims must be integers") from None
         if any(d < 0 for d in shapes[name]):
             raise InvalidInputError(f"--shape {item!r}: dims must be non-negative")
+        if any(d > MAX_DIM for d in shapes[name]) or math.prod(shapes[name]) > MAX_ELEMENTS:
+            raise InvalidInputError(f"--shape {item[:60]!r}: too large (at most {MAX_ELEMENTS:,} elements)")
     return shapes
 
 
@@ -74,3 +162,73 @@ def progress(description: str, enabled: bool = True) -> Iterator:
         return
     with stderr.status(description) as status:
         yield lambda msg: status.update(f"{description}: {msg}")
+
+
+def _nearest_existing(path: Path) -> Path:
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_output_dir(path: Path, option: str) -> None:
+    """Refuse, before any work, an output whose directory cannot be created or written (``-o /proc/x``)."""
+    parent = _nearest_existing(Path(os.path.abspath(path)).parent)
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise InvalidInputError(f"{option} {path}: cannot write in {parent} (not a writable directory)")
+
+
+def check_output_file(
+    path: Path,
+    option: str,
+    *,
+    kind: str,
+    force: bool,
+    is_ours: Callable[[Path], bool],
+    protect: Iterable[str | os.PathLike[str]] = (),
+    protect_dirs: Iterable[str | os.PathLike[str]] = (),
+) -> None:
+    """Refuse an output file that would replace what the user did not name as an output.
+
+    Cases: 1. ``path`` is one of ``protect`` (the source model, the input data) or lies in one of
+    ``protect_dirs`` (a bundle): always refused, ``--force`` or not. 2. ``path`` is a directory (or a link to
+    one). 3. ``path`` exists and ``is_ours`` says it is not a LayerZero ``kind``: refused unless ``force``.
+    4. its directory is not writable.
+    """
+    real = Path(os.path.realpath(path))
+    for p in protect:
+        if os.path.lexists(p) and real == Path(os.path.realpath(p)):
+            raise InvalidInputError(f"{option} {path}: that is the input {p}; choose another output path")
+    for d in protect_dirs:
+        if os.path.isdir(d) and real.is_relative_to(os.path.realpath(d)):
+            raise InvalidInputError(f"{option} {path}: that is inside the bundle {d}; choose another output path")
+    if os.path.isdir(path):
+        raise InvalidInputError(f"{option} {path}: is a directory; give a file name")
+    if os.path.lexists(path) and not force:
+        try:
+            ours = is_ours(Path(path))
+        except Exception:  # whatever the file holds, it is not ours if we cannot read it as ours
+            ours = False
+        if not ours:
+            raise InvalidInputError(
+                f"{option} {path}: exists and is not a LayerZero {kind}; pass --force to replace it"
+            )
+    check_output_dir(path, option)
+
+
+def write_file_atomic(path: Path, data: bytes, option: str = "output") -> None:
+    """Write ``data`` to ``path`` through a temp file in its directory + rename: a reader (or a crash) sees the
+    old file or the new one, never half; the file's mode follows the umask. OS errors become one line."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise InvalidInputError(f"{option} {path}: cannot write it: {e.strerror or e}") from None

@@ -32,7 +32,7 @@ import argparse
 import json
 from pathlib import Path
 
-from layerzero.cli._common import console, parse_shapes, progress
+from layerzero.cli._common import console, integer, number, one_line_errors, parse_shapes, progress
 from layerzero.compile import CompileResult, compile_file
 from layerzero.errors import InvalidInputError, VerificationError
 from layerzero.options import CompileOptions
@@ -40,14 +40,15 @@ from layerzero.passes._dynamic import read_dynamic_paths
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    one_line_errors(p)
     p.add_argument("model", type=Path, help="the .onnx model to compile")
     p.add_argument("-o", "--output", type=Path, required=True, help="the bundle directory to write")
     p.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
     p.add_argument("--shape", action="append", metavar="NAME:D0,D1", help="dims of a dynamic input for verification")
     p.add_argument("--inputs", type=Path, metavar="NPZ", help="sample inputs for verification (.npz)")
-    p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance (default 1e-4)")
-    p.add_argument("--rtol", type=float, default=1e-3, help="relative tolerance (default 1e-3)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random sample inputs")
+    p.add_argument("--atol", type=number(0), default=1e-4, help="absolute tolerance (default 1e-4)")
+    p.add_argument("--rtol", type=number(0), default=1e-3, help="relative tolerance (default 1e-3)")
+    p.add_argument("--seed", type=integer(0, 2**32 - 1), default=0, help="seed of the random sample inputs")
     p.add_argument("--no-verify", action="store_true", help="skip the numerical verification (not recommended)")
     p.add_argument(
         "--no-assume-finite",
@@ -63,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--threshold",
-        type=float,
+        type=number(0, 1),
         default=0.0,
         metavar="T",
         help="zeroing threshold: skip a routed expert whose weight is below T × the token's largest weight "
@@ -71,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-deviation",
-        type=float,
+        type=number(0),
         metavar="D",
         help="with --threshold > 0: fail verification when an output deviates by more than D (max abs)",
     )
@@ -85,7 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     solid.add_argument("--profile", type=Path, metavar="JSON", help="a profile of a bundle of this model")
     solid.add_argument(
         "--stability-window",
-        type=int,
+        type=integer(1),
         default=100,
         metavar="N",
         help="remove paths skipped at least N consecutive requests (or tokens) in the profile (default 100)",
@@ -98,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     solid.add_argument(
         "--impact-tolerance",
-        type=float,
+        type=number(0),
         default=0.01,
         metavar="T",
         help="... and whose measured impact on the output (relative L2) is below T (default 0.01)",
@@ -114,7 +115,7 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", choices=TARGETS, default="onnxruntime", help="what the bundle runs on")
     trt = p.add_argument_group("--target tensorrt")
     trt.add_argument("--precision", choices=PRECISIONS, default="fp32", help="engine precision (default fp32)")
-    trt.add_argument("--workspace-mb", type=int, metavar="MB", help="TensorRT builder workspace limit")
+    trt.add_argument("--workspace-mb", type=integer(1, 2**40), metavar="MB", help="TensorRT builder workspace limit")
     trt.add_argument("--plugin-library", type=Path, metavar="SO", help="liblayerzero_trt.so (default: the built one)")
     trt.add_argument("--no-verify-plan", action="store_true", help="do not run the engine against onnxruntime")
 

@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from rich.table import Table
 
-from layerzero.cli._common import console, progress
+from layerzero.cli._common import console, integer, one_line_errors, progress
 from layerzero.cli.compile import print_verification
 from layerzero.compile import compile_file
 from layerzero.models import TransformerConfig, build_transformer, example_feeds
@@ -30,10 +30,11 @@ from layerzero.runtime import Engine
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--layers", type=int, default=8, help="transformer blocks (default 8)")
-    p.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
-    p.add_argument("--seq", type=int, default=32, help="tokens per request (default 32)")
-    p.add_argument("--runs", type=int, default=50, help="timed runs per model (default 50)")
+    one_line_errors(p)
+    p.add_argument("--layers", type=integer(1, 1024), default=8, help="transformer blocks (default 8)")
+    p.add_argument("--hidden", type=integer(8, 65536), default=256, help="hidden size (default 256)")
+    p.add_argument("--seq", type=integer(1, 1 << 20), default=32, help="tokens per request (default 32)")
+    p.add_argument("--runs", type=integer(1, 10**6), default=50, help="timed runs per model (default 50)")
     p.add_argument("--workdir", type=Path, help="keep the model and bundle here (default: a temporary dir)")
 
 

@@ -29,11 +29,12 @@ import argparse
 import json
 from pathlib import Path
 
-from layerzero.cli._common import console, progress
+from layerzero.cli._common import console, integer, one_line_errors, progress
 from layerzero.errors import LayerZeroError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    one_line_errors(p)
     sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     for name, help_ in (("build", "configure and build the libraries"), ("info", "what a build would find")):
         a = sub.add_parser(name, help=help_, description=help_)
@@ -46,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 default="90-real;90-virtual",
                 help="CMAKE_CUDA_ARCHITECTURES (default: sm_90 code + compute_90 PTX)",
             )
-            a.add_argument("-j", "--jobs", type=int, default=2, help="parallel compile jobs (default 2)")
+            a.add_argument("-j", "--jobs", type=integer(1, 256), default=2, help="parallel compile jobs (default 2)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,29 +19,34 @@ examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from layerzero.cli._common import console, stderr
+from layerzero.cli._common import check_output_file, console, integer, one_line_errors, stderr, write_file_atomic
 from layerzero.errors import InvalidInputError
 from layerzero.profiling import load_requests, profile_bundle
+from layerzero.runtime.bundle import read_bundle
+from layerzero.runtime.profile import PROFILE_FORMAT
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    one_line_errors(p)
     p.add_argument("bundle", type=Path, help="a bundle written by `layerzero compile`")
     p.add_argument("--data", type=Path, required=True, metavar="NPZ|DIR", help="calibration requests")
     p.add_argument("-o", "--output", type=Path, default=Path("profile.json"), help="where (default profile.json)")
     p.add_argument(
         "--impact-samples",
-        type=int,
+        type=integer(0),
         default=8,
         metavar="N",
         help="measure impact on the first N requests (default 8; 0: counters only)",
     )
-    p.add_argument("--top", type=int, default=10, metavar="K", help="paths shown in the summary (default 10)")
+    p.add_argument("--force", action="store_true", help="replace OUTPUT even if it is not a profile")
+    p.add_argument("--top", type=integer(0), default=10, metavar="K", help="paths shown in the summary (default 10)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,6 +54,13 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"{args.bundle}: not a bundle (no manifest.json); compile the model first")
     if args.impact_samples < 0:
         raise InvalidInputError(f"--impact-samples {args.impact_samples}: must be >= 0")
+    protect, source = [args.data], None
+    with contextlib.suppress(Exception):  # read_bundle inside profile_bundle reports a broken bundle
+        source = (read_bundle(args.bundle).manifest.get("source") or {}).get("path")
+    if isinstance(source, str):
+        protect.append(Path(source))  # `-o source.onnx` must never replace the model the bundle came from
+    check_output_file(args.output, "-o", kind="profile", force=args.force, is_ours=_is_profile, protect=protect,
+                      protect_dirs=[args.bundle])  # fmt: skip
     requests = load_requests(args.data)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=stderr, transient=True, disable=not stderr.is_terminal) as bar:
@@ -63,10 +75,17 @@ def run(args: argparse.Namespace) -> int:
         doc = profile_bundle(
             args.bundle, requests, impact_samples=args.impact_samples, data=str(args.data), on_progress=tick
         )
-    args.output.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    write_file_atomic(args.output, (json.dumps(doc, indent=1) + "\n").encode("utf-8"), "-o")
     _summary(doc, args.top)
     console.print(f"wrote {args.output}")
     return 0
+
+
+def _is_profile(path: Path) -> bool:
+    if path.stat().st_size > 1 << 30:
+        return False
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    return isinstance(doc, dict) and doc.get("format") == PROFILE_FORMAT
 
 
 def _summary(doc: dict, top: int) -> None:

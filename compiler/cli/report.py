@@ -15,32 +15,35 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from layerzero.cli._common import console
-from layerzero.report_map import write_report
+from layerzero.cli._common import check_output_file, console, integer, number, one_line_errors
+from layerzero.report_map import is_report, write_report
 from layerzero.runtime.profile import load_profile
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    one_line_errors(p)
     p.add_argument("profile", type=Path, help="a profile written by `layerzero profile`")
     p.add_argument("-o", "--output", type=Path, required=True, help="map.png, map.svg or map.html")
     p.add_argument(
         "--impact-tolerance",
-        type=float,
+        type=number(0),
         default=0.01,
         metavar="T",
         help="mark paths whose impact is below T (default 0.01, as compile --profile)",
     )
     p.add_argument(
         "--stability-window",
-        type=int,
+        type=integer(1),
         metavar="N",
         help="HTML: call a path removable only when also skipped ≥ N consecutive requests (or tokens)",
     )
+    p.add_argument("--force", action="store_true", help="replace OUTPUT even if it is not a LayerZero report")
     p.add_argument("--stability-unit", choices=("requests", "tokens"), default="requests", help="of --stability-window")
 
 
 def run(args: argparse.Namespace) -> int:
     doc = load_profile(args.profile)
+    check_output_file(args.output, "-o", kind="report", force=args.force, is_ours=is_report, protect=[args.profile])
     out = write_report(
         doc, args.output, tolerance=args.impact_tolerance, window=args.stability_window, unit=args.stability_unit
     )

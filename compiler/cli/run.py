@@ -12,22 +12,27 @@ examples:
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from layerzero.cli._common import console, parse_feeds
+from layerzero.cli._common import check_output_file, console, one_line_errors, parse_feeds, write_file_atomic
 from layerzero.errors import InvalidInputError
 from layerzero.runtime import Engine
+from layerzero.runtime.bundle import read_bundle
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    one_line_errors(p)
     p.add_argument("bundle", type=Path, help="a bundle written by `layerzero compile`, or an .onnx file")
     p.add_argument("--input", action="append", metavar="NAME=VALUES", help="an input, e.g. input_ids=1,2,3")
     p.add_argument("--inputs", type=Path, metavar="NPZ", help="inputs from an .npz file")
     p.add_argument("--save", type=Path, metavar="NPZ", help="write the outputs to an .npz file")
+    p.add_argument("--force", action="store_true", help="--save: replace a file that is not an outputs .npz")
     p.add_argument("--masks", action="store_true", help="include per-token skip masks in the report")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="execution device (default cpu)")
     p.add_argument("--json", action="store_true", help="print outputs and report as JSON")
@@ -52,12 +57,42 @@ def _fit_ranks(engine: Engine, feeds: dict[str, np.ndarray]) -> dict[str, np.nda
         spec = specs.get(name)
         if spec is not None and spec.rank is not None and value.ndim == 1 and spec.rank > 1:
             feeds[name] = value.reshape((1,) * (spec.rank - 1) + value.shape)
-        if spec is not None and value.dtype != spec.dtype and value.dtype.kind == spec.dtype.kind == "i":
+        if spec is None or spec.dtype is None or value.dtype == spec.dtype:
+            continue
+        # Text parses to int64 / float64: feed the model's own dtype (x=0.5,1.5 into a float32 input, 1,0 into
+        # a bool one), but never narrow a float to an int silently.
+        kinds = (value.dtype.kind, spec.dtype.kind)
+        if kinds in (("i", "i"), ("u", "i"), ("i", "u"), ("f", "f"), ("i", "f"), ("i", "b")):
+            if kinds == ("i", "b") and not np.isin(value, (0, 1)).all():
+                raise InvalidInputError(f"--input {name}: a bool input takes 0 or 1")
             feeds[name] = value.astype(spec.dtype)
     return feeds
 
 
+def _is_outputs_npz(names: list[str]) -> Callable[[Path], bool]:
+    def check(path: Path) -> bool:
+        # An .npz of exactly this model's outputs is what an earlier --save wrote; anything else is not ours.
+        with np.load(path, allow_pickle=False) as data:
+            return sorted(data.files) == sorted(names)
+
+    return check
+
+
+def save_outputs(path: Path, outputs: dict[str, np.ndarray], *, force: bool) -> None:
+    """``--save``: the outputs as .npz, written atomically, never over a file that is not such an .npz."""
+    check_output_file(path, "--save", kind="outputs .npz", force=force, is_ours=_is_outputs_npz(list(outputs)))
+    buffer = io.BytesIO()
+    np.savez(buffer, **outputs)
+    write_file_atomic(path, buffer.getvalue(), "--save")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.bundle.is_dir():
+        read_bundle(args.bundle)  # a broken manifest (a JSON list, ...) is reported here, in one line
+    if args.save is not None:  # before running: a refused --save must not cost a run
+        check_output_file(args.save, "--save", kind="outputs .npz", force=args.force, is_ours=lambda _p: True,
+                          protect=[p for p in (args.inputs, args.bundle) if p is not None],
+                          protect_dirs=[args.bundle])  # fmt: skip
     engine = Engine.load(args.bundle, backend=_backend_for(args.bundle), device=args.device)
     feeds = parse_feeds(args.inputs, args.input)
     if not feeds and engine.input_specs:
@@ -68,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     result = engine.run(feeds, masks=args.masks)
     ms = (time.perf_counter() - start) * 1e3
     if args.save is not None:
-        np.savez(args.save, **result.outputs)
+        save_outputs(args.save, result.outputs, force=args.force)
     if args.json:
         doc = {
             "outputs": {

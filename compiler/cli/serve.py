@@ -27,36 +27,39 @@ import logging
 import sys
 from pathlib import Path
 
-from layerzero.cli._common import console
+from layerzero.cli._common import console, fraction, integer, one_line_errors, port, positive
 from layerzero.errors import InvalidInputError
 
 logger = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    one_line_errors(p)
     p.add_argument("bundle", type=Path, help="a bundle written by `layerzero compile`")
-    p.add_argument("--port-http", type=int, default=8000, help="KServe v2 HTTP port (default 8000)")
-    p.add_argument("--port-grpc", type=int, default=8001, help="KServe v2 gRPC port (default 8001)")
-    p.add_argument("--port-metrics", type=int, default=8002, help="control + /metrics port (default 8002)")
+    p.add_argument("--port-http", type=port, default=8000, help="KServe v2 HTTP port (default 8000)")
+    p.add_argument("--port-grpc", type=port, default=8001, help="KServe v2 gRPC port (default 8001)")
+    p.add_argument("--port-metrics", type=integer(0, 65535), default=8002,
+                   help="control + /metrics port (default 8002)")
     p.add_argument("--model-name", default="layerzero", help="the Triton model name (default layerzero)")
-    p.add_argument("--instances", type=int, default=2, help="model instances, i.e. concurrent requests (default 2)")
+    p.add_argument("--instances", type=integer(1, 64), default=2,
+                   help="model instances, i.e. concurrent requests (default 2)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="execution device (default cpu)")
     g = p.add_argument_group("guard")
     g.add_argument("--reference", type=Path, metavar="MODEL", help="the reference model (default: the source)")
     g.add_argument("--no-reference", action="store_true", help="serve without a reference (guard off)")
-    g.add_argument("--sample-rate", type=float, help="fraction of requests compared (default 0.01 with a reference)")
-    g.add_argument("--fallback-bound", type=float, default=0.05, help="relative L2 error bound (default 0.05)")
-    g.add_argument("--window-seconds", type=float, default=300.0, help="fallback-rate window (default 300)")
-    g.add_argument("--backoff-above", type=float, default=0.05, help="fallback rate that backs off the threshold")
-    g.add_argument("--min-window-requests", type=int, default=100, help="sampled requests before a back-off")
+    g.add_argument("--sample-rate", type=fraction, help="fraction of requests compared (default 0.01 with a reference)")
+    g.add_argument("--fallback-bound", type=positive, default=0.05, help="relative L2 error bound (default 0.05)")
+    g.add_argument("--window-seconds", type=positive, default=300.0, help="fallback-rate window (default 300)")
+    g.add_argument("--backoff-above", type=fraction, default=0.05, help="fallback rate that backs off the threshold")
+    g.add_argument("--min-window-requests", type=integer(1), default=100, help="sampled requests before a back-off")
     g.add_argument("--no-auto-backoff", action="store_true", help="never change the zeroing threshold automatically")
-    g.add_argument("--threshold", type=float, help="starting zeroing threshold (default: the compiled one)")
-    g.add_argument("--max-tokens", type=int, help="requests with more tokens go to the reference")
+    g.add_argument("--threshold", type=fraction, help="starting zeroing threshold (default: the compiled one)")
+    g.add_argument("--max-tokens", type=integer(1), help="requests with more tokens go to the reference")
     g.add_argument("--token-input", help="the input whose last axis counts tokens (default: first integer input)")
     g.add_argument("--segment", action="append", metavar="NAME:KEY=V,...",
                    help="a segment's settings, e.g. chat:sample_rate=0.1,threshold=0.02")  # fmt: skip
     g.add_argument("--kill-switch", action="store_true", help="start with the kill switch on")
-    g.add_argument("--seed", type=int, default=0, help="seed of the sampling RNG")
+    g.add_argument("--seed", type=integer(0, 2**32 - 1), default=0, help="seed of the sampling RNG")
 
 
 def parse_segments(items: list[str] | None) -> dict:
@@ -76,6 +79,8 @@ def parse_segments(items: list[str] | None) -> dict:
                 values[key] = float(value)
             except ValueError:
                 raise InvalidInputError(f"--segment {item!r}: {value!r} is not a number") from None
+            if not 0.0 <= values[key] <= 1.0:  # also refuses nan
+                raise InvalidInputError(f"--segment {item!r}: {key} must be in [0, 1], got {value!r}")
         segments[name] = SegmentConfig(**values)
     return segments
 

@@ -95,7 +95,7 @@ def test_failure_during_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest
         raise OSError("No space left on device")
 
     monkeypatch.setattr(onnx, "save_model", broken_save)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(InvalidInputError, match="No space"):
         write_bundle(tmp_path / "m.lz", _model(), _manifest())
     assert list(tmp_path.iterdir()) == []
 
@@ -107,7 +107,7 @@ def test_failure_while_overwriting_keeps_old_bundle(tmp_path: Path, monkeypatch:
         raise OSError("I/O error")
 
     monkeypatch.setattr(bundle_mod.os, "fsync", broken_fsync)
-    with pytest.raises(OSError, match="I/O error"):
+    with pytest.raises(InvalidInputError, match="I/O error"):
         write_bundle(out, _model(8), {"tag": "new"}, overwrite=True)
     assert read_bundle(out).manifest["tag"] == "old"
     assert _leftovers(tmp_path, "m.lz") == []
@@ -123,7 +123,7 @@ def test_failed_swap_restores_old_bundle(tmp_path: Path, monkeypatch: pytest.Mon
         real_rename(src, dst)
 
     monkeypatch.setattr(bundle_mod.os, "rename", rename)
-    with pytest.raises(OSError, match="rename failed"):
+    with pytest.raises(InvalidInputError, match="rename failed"):
         write_bundle(out, _model(8), {"tag": "new"}, overwrite=True)
     assert read_bundle(out).manifest["tag"] == "old"
     assert _leftovers(tmp_path, "m.lz") == []
