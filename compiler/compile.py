@@ -17,11 +17,12 @@ import onnx_ir as ir
 
 from layerzero import __version__
 from layerzero.chunked import run_in_chunks, weight_bytes
+from layerzero.contract import MASK_PREFIX, ROUTER_PREFIX
 from layerzero.errors import InvalidInputError, VerificationError
 from layerzero.inspect import ModelSummary, natural_key, summarize
 from layerzero.loader import load_model
 from layerzero.options import CompileOptions
-from layerzero.passes._dynamic import MASK_PREFIX, ROUTER_PREFIX, read_dynamic_paths
+from layerzero.passes._dynamic import read_dynamic_paths
 from layerzero.pipeline import (
     PipelineResult,
     bypass_declared_layers,

@@ -12,18 +12,14 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from layerzero.passes._dynamic import DynamicPath, read_dynamic_paths
+from layerzero.contract import BLOCK_PREFIX, FORCE_OFF_PREFIX, DynamicPath
+from layerzero.passes._dynamic import read_dynamic_paths
 from layerzero.passes._graph import NameFactory, insert_after_producer, make_constant, rename_output
 from layerzero.passes._paths import block_output, graph_output, moe_logits
 
 __all__ = ["BLOCK_PREFIX", "FORCE_OFF_PREFIX", "ExposeForceOff"]
 
 logger = logging.getLogger(__name__)
-
-#: Graph input of the variant per dynamic path: bool ``[len(subpaths)]`` (a scalar for one subpath); True = off.
-FORCE_OFF_PREFIX = "layerzero::force_off::"
-#: Graph output of the variant per dynamic path: the value the path writes (its block output).
-BLOCK_PREFIX = "layerzero::block::"
 
 
 class ExposeForceOff(ir.passes.InPlacePass):

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 import onnx_ir as ir
 
+from layerzero.contract import REFUSED_META_KEY
 from layerzero.passes._dynamic import (
     MASK_PREFIX,
     DynamicPath,
@@ -34,9 +35,6 @@ __all__ = ["REFUSED_META_KEY", "RefusedBranch", "SkipGatedBranches", "read_refus
 
 logger = logging.getLogger(__name__)
 
-#: Model metadata entry (a JSON list of ``{"path", "kind", "reason"}``) naming the gated branches a
-#: dynamic pass found but did not make dynamic, and why.
-REFUSED_META_KEY = "layerzero.dynamic.refused"
 
 _ONNX = ("", "ai.onnx")
 _MS = "com.microsoft"

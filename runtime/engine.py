@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from layerzero.contract import MASK_PREFIX, ROUTER_PREFIX, THRESHOLD_INPUT
 from layerzero.errors import InvalidInputError
 from layerzero.runtime.backends.base import Backend, TensorSpec, get_backend
 from layerzero.runtime.bundle import check_external_data, read_bundle
@@ -36,14 +37,6 @@ from layerzero.runtime.report import Report, index_dynamic
 __all__ = ["MASK_PREFIX", "ROUTER_PREFIX", "THRESHOLD_INPUT", "Engine", "Result"]
 
 logger = logging.getLogger(__name__)
-
-#: Graph outputs with this name prefix are skip masks, not user outputs; the rest of the name is the path.
-MASK_PREFIX = "layerzero::mask::"
-#: Graph outputs with this prefix hold each token's top-1 routing probability (the report's routing_confidence).
-ROUTER_PREFIX = "layerzero::router::"
-#: The run-time zeroing threshold: a float32 scalar graph input whose initializer holds the compiled default
-#: (``passes/_dynamic.py``). ONNX Runtime lists it as an overridable initializer, not as an input.
-THRESHOLD_INPUT = "layerzero::threshold"
 
 
 @dataclasses.dataclass

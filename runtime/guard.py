@@ -56,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from layerzero.contract import THRESHOLD_INPUT
 from layerzero.errors import InvalidInputError, LayerZeroError
 from layerzero.runtime.engine import Engine, Result
 
@@ -491,8 +492,9 @@ class GuardedEngine:
         if not self._has_threshold and not self._warned_no_threshold:
             self._warned_no_threshold = True
             logger.warning(
-                "the compiled model has no 'layerzero::threshold' input: threshold changes are recorded "
-                "(status, metrics) but do not change what it computes"
+                "the compiled model has no %r input: threshold changes are recorded "
+                "(status, metrics) but do not change what it computes",
+                THRESHOLD_INPUT,
             )
 
     def _ref(self) -> Engine:

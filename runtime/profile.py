@@ -40,8 +40,9 @@ from typing import Any
 import numpy as np
 
 from layerzero import __version__
+from layerzero.contract import BLOCK_PREFIX, FORCE_OFF_PREFIX, MASK_PREFIX
 from layerzero.errors import InvalidInputError
-from layerzero.runtime.engine import MASK_PREFIX, Engine, Result
+from layerzero.runtime.engine import Engine, Result
 from layerzero.runtime.guard import relative_l2
 
 __all__ = [
@@ -60,10 +61,6 @@ logger = logging.getLogger(__name__)
 
 PROFILE_FORMAT = "layerzero-profile"
 PROFILE_VERSION = 1
-#: The force-off variant's inputs / outputs (the names of ``layerzero.passes.force_off``; the runtime does not
-#: import passes).
-FORCE_OFF_PREFIX = "layerzero::force_off::"
-BLOCK_PREFIX = "layerzero::block::"
 
 
 @dataclasses.dataclass

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from layerzero.contract import RUNTIME_PREFIX
 from layerzero.errors import InvalidInputError
 
 __all__ = [
@@ -57,7 +58,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Graph outputs named with this prefix (``layerzero::mask::``, ``layerzero::router::``) are the runtime's.
-INTERNAL_PREFIX = "layerzero::"
+INTERNAL_PREFIX = RUNTIME_PREFIX
 
 #: ONNX TensorProto element type -> (Triton data type, numpy dtype).
 ONNX_TO_TRITON: dict[int, tuple[str, Any]] = {

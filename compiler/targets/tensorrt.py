@@ -341,7 +341,7 @@ def _verify_plan(
     """Run the plan and ONNX Runtime (the compiled graph, before lowering) on the same inputs; compare."""
     import onnx
 
-    from layerzero.passes._dynamic import MASK_PREFIX, ROUTER_PREFIX
+    from layerzero.contract import MASK_PREFIX, ROUTER_PREFIX
     from layerzero.runtime.backends.tensorrt import TensorRTBackend
     from layerzero.verify import compare_outputs, make_inputs, run_model
 

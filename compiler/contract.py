@@ -1,0 +1,94 @@
+"""The graph contract: every name a compiled graph shares with the runtime, serving and the profiler.
+
+A leaf module (standard library only): passes, the compiler, the runtime and serving import these names from
+here, so each exists once.
+
+- A dynamic pass (MoE expert skipping, gated branches, group masks) makes its skip decision a graph output
+  ``layerzero::mask::<path>`` (DESIGN.md: one mechanism, no side channel) and records one ``DynamicPath`` in
+  the model metadata ``layerzero.dynamic`` (a JSON list); the compiler copies that list into the bundle
+  manifest's ``dynamic`` section, the runtime reads it to turn masks into the per-request report.
+  Mask layout: shape ``[..., len(subpaths)]`` (``[T, E]`` for a MoE block: token × expert), or ``[...]`` when
+  there is one subpath (a gate: ``[T]`` or ``[]``; a group: ``[]``). True / nonzero = that subpath RUNS.
+- ``layerzero::router::<path>`` (optional), shape ``[T]``: each token's top-1 routing probability.
+- ``layerzero::threshold``: a float32 scalar graph input whose initializer holds the compiled zeroing
+  threshold, so the runtime (the guard's back-off) can change it per request without recompiling.
+- The force-off variant (``passes/force_off.py``, run by the profiler): one bool input
+  ``layerzero::force_off::<path>`` per path (True = off) and one output ``layerzero::block::<path>``.
+- ``ai.layerzero::MoE``: the MoE pass's target-independent skipping form, which each target lowers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = [
+    "BLOCK_PREFIX",
+    "DYNAMIC_META_KEY",
+    "FORCE_OFF_PREFIX",
+    "MASK_PREFIX",
+    "MOE_DOMAIN",
+    "MOE_OP",
+    "REFUSED_META_KEY",
+    "ROUTER_PREFIX",
+    "RUNTIME_PREFIX",
+    "THRESHOLD_INPUT",
+    "DynamicPath",
+    "is_runtime_output",
+]
+
+#: Every graph input / output the compiler adds for the runtime starts with this; none is the user's.
+RUNTIME_PREFIX = "layerzero::"
+#: Skip-mask graph outputs: ``layerzero::mask::<path>``.
+MASK_PREFIX = RUNTIME_PREFIX + "mask::"
+#: Routing-confidence graph outputs: ``layerzero::router::<path>``.
+ROUTER_PREFIX = RUNTIME_PREFIX + "router::"
+#: The run-time zeroing threshold (graph input with an initializer; ONNX Runtime lists it as overridable).
+THRESHOLD_INPUT = RUNTIME_PREFIX + "threshold"
+#: The force-off variant's graph inputs, one per dynamic path.
+FORCE_OFF_PREFIX = RUNTIME_PREFIX + "force_off::"
+#: The force-off variant's graph outputs, one per dynamic path: the value the path writes.
+BLOCK_PREFIX = RUNTIME_PREFIX + "block::"
+#: Model metadata key of the dynamic paths (a JSON list of ``DynamicPath.to_dict()``).
+DYNAMIC_META_KEY = "layerzero.dynamic"
+#: Model metadata key of the gated branches found but not made dynamic (JSON list of path, kind, reason).
+REFUSED_META_KEY = "layerzero.dynamic.refused"
+#: The skipping form ``ai.layerzero::MoE`` that the targets' lowerings replace.
+MOE_DOMAIN = "ai.layerzero"
+MOE_OP = "MoE"
+
+
+def is_runtime_output(name: str) -> bool:
+    """Whether a graph output is the runtime's (a mask or a router output), not the user's."""
+    return name.startswith((MASK_PREFIX, ROUTER_PREFIX))
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicPath:
+    """One dynamic path of a compiled model, as recorded in its metadata and the bundle manifest."""
+
+    path: str  # e.g. "model.layers.0.mlp"
+    kind: str  # "moe" | "gate" | "group"
+    subpaths: tuple[str, ...]  # e.g. ("model.layers.0.mlp.experts.0", ...), one per mask's last axis
+    params: tuple[int, ...]  # parameters each subpath touches when it runs
+    mask_output: str
+    router_output: str | None = None
+    detail: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["subpaths"] = list(self.subpaths)
+        out["params"] = list(self.params)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DynamicPath:
+        return cls(
+            path=d["path"],
+            kind=d["kind"],
+            subpaths=tuple(d["subpaths"]),
+            params=tuple(int(p) for p in d["params"]),
+            mask_output=d["mask_output"],
+            router_output=d.get("router_output"),
+            detail=dict(d.get("detail") or {}),
+        )

@@ -1,0 +1,94 @@
+"""The architecture's rules, checked on the source: contract names exist once, imports point one way."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from layerzero import contract
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("compiler", "passes", "runtime", "plugins", "models")
+
+
+def _sources(*folders: str) -> list[Path]:
+    return sorted(p for folder in folders for p in (ROOT / folder).rglob("*.py") if ".venv" not in p.parts)
+
+
+def _string_constants(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    ]
+
+
+CONTRACT_LITERALS = sorted(
+    {
+        contract.RUNTIME_PREFIX,
+        contract.MASK_PREFIX,
+        contract.ROUTER_PREFIX,
+        contract.THRESHOLD_INPUT,
+        contract.FORCE_OFF_PREFIX,
+        contract.BLOCK_PREFIX,
+        contract.DYNAMIC_META_KEY,
+        contract.REFUSED_META_KEY,
+        contract.MOE_DOMAIN,
+    }
+)
+
+
+@pytest.mark.parametrize("literal", CONTRACT_LITERALS)
+def test_contract_names_exist_once(literal: str) -> None:
+    # Outside the contract no string (docstrings aside) holds the name, not even inside a message; models/ builds
+    # example graphs in the skipping form on purpose (an ONNX file written by hand) and is not checked.
+    owners = [
+        str(p.relative_to(ROOT))
+        for p in _sources("compiler", "passes", "runtime", "plugins")
+        if p.name != "contract.py" and any(literal in s for s in _string_constants(p))
+    ]
+    assert not owners, f"{literal!r} is spelled out in {owners}"
+    defined = _string_constants(ROOT / "compiler" / "contract.py")
+    assert literal in defined or literal.startswith(contract.RUNTIME_PREFIX)
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("path", _sources("runtime"), ids=lambda p: p.name)
+def test_runtime_imports_no_pass_and_no_target(path: Path) -> None:
+    bad = sorted(
+        n for n in _imports(path) if n.startswith(("layerzero.passes", "layerzero.targets", "layerzero.pipeline"))
+    )
+    assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+@pytest.mark.parametrize("path", _sources("passes"), ids=lambda p: p.name)
+def test_passes_import_no_target_backend_or_compiler(path: Path) -> None:
+    allowed = ("layerzero.passes", "layerzero.contract", "layerzero.errors")
+    bad = sorted(n for n in _imports(path) if n.startswith("layerzero") and not n.startswith(allowed))
+    assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_contract_is_a_leaf() -> None:
+    ours = {n for n in _imports(ROOT / "compiler" / "contract.py") if n.startswith("layerzero")}
+    assert not ours
