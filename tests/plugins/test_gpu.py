@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -211,6 +212,116 @@ def test_shell_script_without_a_driver_is_incomplete(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stdout.strip().splitlines()[-1].startswith("GPU CHECK INCOMPLETE: nvidia-smi not found")
     assert json.loads(out.read_text())["status"] == "incomplete"
+
+
+class _HostDevice:
+    """``Device``'s interface over host numpy arrays: pointers are keys of a table."""
+
+    def __init__(self):
+        self.arrays: dict[int, np.ndarray] = {}
+        self.stream = type("Stream", (), {"ptr": 0})()
+
+    def _keep(self, array):
+        self.arrays[id(array)] = array
+        return array
+
+    def put(self, array):
+        return self._keep(np.ascontiguousarray(array).copy())
+
+    def empty(self, shape, dtype):
+        return self._keep(np.zeros(shape, dtype))
+
+    def ptr(self, array):
+        return id(array) if array.size else 0
+
+    def get(self, array):
+        return array.copy()
+
+
+class _ReferenceKernels:
+    """The C ABI's forward / route computed by the numpy reference, on ``_HostDevice`` pointers."""
+
+    def __init__(self, gpu_check, reference, dev, error=0.0):
+        self.g, self.reference, self.dev, self.error = gpu_check, reference, dev, error
+
+    def workspace_size(self, config):
+        return 256
+
+    def _values(self, ptr, dtype, shape):
+        if ptr == 0:
+            return np.zeros(shape, np.float32)
+        a = self.dev.arrays[ptr]
+        return self.g.bf16_to_f32(a) if dtype == "bfloat16" else a.astype(np.float32)
+
+    def _attrs(self, c):
+        scoring = ("softmax", "sigmoid")[c.scoring]
+        activation = ("silu", "gelu", "relu")[c.activation]
+        return dict(
+            top_k=c.top_k,
+            normalize=c.normalize,
+            scoring=scoring,
+            activation=activation,
+            zeroing_threshold=c.zeroing_threshold,
+        )
+
+    def forward(
+        self, c, dtype, *, hidden, router_logits, w_gate, w_up, w_down, y, mask, workspace, workspace_size, stream=0
+    ):
+        T, H, F, E = c.tokens, c.hidden, c.ffn, c.experts
+        args = [
+            self._values(p, dtype, s)
+            for p, s in (
+                (hidden, (T, H)),
+                (router_logits, (T, E)),
+                (w_gate, (E, F, H)),
+                (w_up, (E, F, H)),
+                (w_down, (E, H, F)),
+            )
+        ]
+        out, m = self.reference.moe_reference(*args, **self._attrs(c))
+        out = out + self.error
+        if y:
+            target = self.dev.arrays[y]
+            target[...] = self.g.bf16_bits(out) if dtype == "bfloat16" else out.astype(target.dtype)
+        if mask:
+            self.dev.arrays[mask][...] = m
+
+    def route(self, c, dtype, router_logits, topk_index, topk_weight, mask, stream=0):
+        _, m = self.reference.moe_routing_mask(self._values(router_logits, dtype, (c.tokens, c.experts)), c)
+        if mask:
+            self.dev.arrays[mask][...] = m
+
+
+@pytest.mark.parametrize(("error", "status"), [(0.0, "passed"), (0.05, "failed")])
+def test_correctness_check_plumbing_on_the_host(gpu_check, monkeypatch, error, status):
+    # The check's own plumbing (uploads, dtypes, bf16 bits, masks, T = 0, the figures) against kernels that are
+    # the reference itself: it passes them, and fails them once y is off by 0.05.
+    loader, reference = gpu_check.plugin_modules()
+    dev = _HostDevice()
+
+    class Reference:
+        moe_reference = staticmethod(reference.moe_reference)
+
+        @staticmethod
+        def moe_routing_mask(logits, c):
+            attrs = dict(
+                top_k=c.top_k,
+                normalize=c.normalize,
+                scoring=("softmax", "sigmoid")[c.scoring],
+                zeroing_threshold=c.zeroing_threshold,
+            )
+            return reference.moe_routing(logits, **attrs)
+
+    monkeypatch.setattr(gpu_check, "CASES", [c for c in gpu_check.CASES if c[0] in (0, 1, 9) or c[3] == 256][:5])
+    lib = _ReferenceKernels(gpu_check, Reference, dev, error)
+    outcome = gpu_check.check_correctness(lib, loader, reference, dev)
+    assert outcome.status == status, outcome.reason
+    cases = outcome.figures["cases"]
+    assert len(cases) == 3 * len(gpu_check.CASES)
+    assert {c["dtype"] for c in cases} == {"float32", "float16", "bfloat16"}
+    assert any(c["tokens"] == 0 for c in cases) and any(c["experts"] == 256 for c in cases)
+    if status == "passed":
+        assert all(c["mask_agreement"] == 1.0 and c["route_mask_equal"] for c in cases)
 
 
 # ------------------------------------------------------------------------------------------------ GPU
