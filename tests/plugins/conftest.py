@@ -19,12 +19,11 @@ from onnx import TensorProto, helper, numpy_helper
 from layerzero.plugins import loader
 
 FAKE_TENSORRT = Path(__file__).parent / "fake_tensorrt"
-REQUIRE_NATIVE = os.environ.get("LAYERZERO_REQUIRE_NATIVE") == "1"
 
 
 def native_missing(reason: str) -> None:
     """Skip for a missing native prerequisite; fail when ``LAYERZERO_REQUIRE_NATIVE=1`` (CI must have it)."""
-    if REQUIRE_NATIVE:
+    if os.environ.get("LAYERZERO_REQUIRE_NATIVE") == "1":
         pytest.fail(f"LAYERZERO_REQUIRE_NATIVE=1 but {reason}", pytrace=False)
     pytest.skip(reason)
 
@@ -54,6 +53,12 @@ def has_gpu() -> bool:
         return False
     err, count = rt.cudaGetDeviceCount()
     return int(err) == 0 and count > 0
+
+
+@pytest.fixture(scope="session")
+def missing():
+    """``native_missing`` for test modules (``from conftest import`` clashes with sibling test folders)."""
+    return native_missing
 
 
 @pytest.fixture(scope="session")
