@@ -518,7 +518,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--driver", type=Path, help="the sanitizer driver (tests/plugins/harness/kernel_driver.cpp)")
     parser.add_argument("--json", type=Path, help="write every figure and each check's status here")
     parser.add_argument("--quick", action="store_true", help="smaller timing problems")
-    parser.add_argument("--sanitizer-timeout", type=float, default=180.0, help="seconds per compute-sanitizer tool")
+    parser.add_argument("--sanitizer-timeout", type=float, default=150.0, help="seconds per compute-sanitizer tool")
     parser.add_argument(
         "--only", choices=CHECKS, action="append", help="run only these checks (repeatable); the others are skipped"
     )

@@ -41,7 +41,7 @@ def gpu_check():
 def test_arguments(gpu_check, tmp_path):
     args = gpu_check.parse_args([])
     assert args.build_dir is None and args.driver is None and args.json is None and not args.quick
-    assert args.only is None and args.sanitizer_timeout == 180.0
+    assert args.only is None and args.sanitizer_timeout == 150.0
     args = gpu_check.parse_args(
         ["--build-dir", str(tmp_path), "--driver", "d", "--json", "o.json", "--quick", "--only", "timing"]
     )
