@@ -1,10 +1,10 @@
 """The native libraries against real TensorRT headers, on a CPU: every built library loads, the glue compiles
 without a warning in our files, and a C++ lifecycle harness drives liblayerzero_trt.so the way TensorRT does.
 
-The headers are TensorRT 10.14's, from the pinned ``kernel-lens`` wheel (``scripts/fetch_trt_headers.sh``:
-version + sha256; or ``LAYERZERO_TRT_HEADERS=<dir>``). Where libnvinfer is absent the libraries link and load
-against ``harness/nvinfer_stub.cpp``, a link-only stand-in built here. Missing nvcc / cmake / g++ / headers skip,
-or fail under ``LAYERZERO_REQUIRE_NATIVE=1`` (CI).
+The headers are TensorRT 10.14's, from the pinned ``kernel-lens`` wheel (the ``trt_headers`` fixture of
+conftest.py: ``scripts/fetch_trt_headers.sh``, version + sha256; or ``LAYERZERO_TRT_HEADERS=<dir>``). Where
+libnvinfer is absent the libraries link and load against ``harness/nvinfer_stub.cpp``, a link-only stand-in
+built here. Missing nvcc / cmake / g++ / headers skip, or fail under ``LAYERZERO_REQUIRE_NATIVE=1`` (CI).
 """
 
 from __future__ import annotations
@@ -22,27 +22,7 @@ from layerzero.plugins import loader
 
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = Path(__file__).parent / "harness"
-FETCH = ROOT / "scripts" / "fetch_trt_headers.sh"
 GLUE_SOURCES = ("moe_plugin.cpp", "plugin_library.cpp", "register.cpp")
-
-
-@pytest.fixture(scope="session")
-def trt_headers(missing) -> Path:
-    """A directory with real TensorRT headers (NvInferRuntime.h): $LAYERZERO_TRT_HEADERS, else the pinned wheel."""
-    given = os.environ.get("LAYERZERO_TRT_HEADERS")
-    if given:
-        if not (Path(given) / "NvInferRuntime.h").is_file():
-            missing(f"LAYERZERO_TRT_HEADERS={given} holds no NvInferRuntime.h")
-        return Path(given)
-    if shutil.which("bash") is None:
-        missing("bash not found: cannot run scripts/fetch_trt_headers.sh")
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    dest = Path(cache) / "layerzero" / "trt-headers-10.14"
-    env = dict(os.environ, PYTHON=sys.executable)
-    proc = subprocess.run(["bash", str(FETCH), str(dest)], capture_output=True, text=True, env=env, timeout=300)
-    if proc.returncode != 0:
-        missing(f"TensorRT headers: scripts/fetch_trt_headers.sh failed: {proc.stderr.strip()[-500:]}")
-    return Path(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="session")
