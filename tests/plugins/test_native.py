@@ -139,6 +139,14 @@ def test_glue_compiles_against_real_headers_without_warnings(source, cxx, trt_he
     assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
 
 
+def test_run_plan_example_compiles_against_real_headers_without_warnings(cxx, trt_headers, cuda_headers):
+    cmd = [cxx, "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Werror"]
+    cmd += ["-isystem", str(trt_headers), "-isystem", str(cuda_headers)]
+    cmd.append(str(loader.source_dir() / "examples" / "run_plan.cpp"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
+
+
 def test_cmake_build_has_no_warning_in_our_files(native_build):
     ours = [line for line in native_build.log.splitlines() if "warning" in line.lower() and "/plugins/" in line]
     assert not ours, "\n".join(ours)
