@@ -272,6 +272,14 @@ MoEPlugin::MoEPlugin(MoEParams const& params, std::string name)
     mMetadata = s.str();
 }
 
+void MoEPlugin::report(std::string const& message) const noexcept {
+    try {
+        logError(mName.empty() ? message : "layer '" + mName + "': " + message);
+    } catch (...) {  // out of memory while naming the layer: report without the name
+        logError(message);
+    }
+}
+
 nvinfer1::IPluginCapability* MoEPlugin::getCapabilityInterface(nvinfer1::PluginCapabilityType type) noexcept {
     switch (type) {
         case nvinfer1::PluginCapabilityType::kCORE: return static_cast<nvinfer1::IPluginV3OneCore*>(this);
@@ -287,7 +295,7 @@ nvinfer1::IPluginV3* MoEPlugin::clone() noexcept {
         params.workspaceBytes = mWorkspaceBytes;
         return new MoEPlugin(params, mName);
     } catch (std::exception const& e) {
-        logError(std::string("clone failed: ") + e.what());
+        report(std::string("clone failed: ") + e.what());
         return nullptr;
     }
 }
@@ -295,11 +303,11 @@ nvinfer1::IPluginV3* MoEPlugin::clone() noexcept {
 int32_t MoEPlugin::getOutputDataTypes(DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes,
                                       int32_t nbInputs) const noexcept {
     if (nbInputs != 5 || nbOutputs != 2) {
-        logError("expects 5 inputs and 2 outputs, got " + std::to_string(nbInputs) + " and " + std::to_string(nbOutputs));
+        report("expects 5 inputs and 2 outputs, got " + std::to_string(nbInputs) + " and " + std::to_string(nbOutputs));
         return 1;
     }
     if (!isFloatType(inputTypes[0])) {
-        logError("hidden must be float32, float16 or bfloat16");
+        report("hidden must be float32, float16 or bfloat16");
         return 1;
     }
     outputTypes[0] = inputTypes[0];
@@ -311,11 +319,11 @@ int32_t MoEPlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbInputs, Di
                                    int32_t /*nbShapeInputs*/, DimsExprs* outputs, int32_t nbOutputs,
                                    nvinfer1::IExprBuilder& /*exprBuilder*/) noexcept {
     if (nbInputs != 5 || nbOutputs != 2) {
-        logError("expects 5 inputs and 2 outputs, got " + std::to_string(nbInputs) + " and " + std::to_string(nbOutputs));
+        report("expects 5 inputs and 2 outputs, got " + std::to_string(nbInputs) + " and " + std::to_string(nbOutputs));
         return 1;
     }
     if (inputs[0].nbDims != 2 || inputs[1].nbDims != 2) {
-        logError("hidden and router_logits must be rank 2 ([T, H] and [T, E])");
+        report("hidden and router_logits must be rank 2 ([T, H] and [T, E])");
         return 1;
     }
     outputs[0] = inputs[0];
@@ -339,13 +347,13 @@ int32_t MoEPlugin::configurePlugin(DynamicPluginTensorDesc const* in, int32_t nb
                                    DynamicPluginTensorDesc const* /*out*/, int32_t nbOutputs) noexcept {
     // Build time: validate here, so a bad model fails the engine build naming the layer, not the first enqueue.
     if (nbInputs != 5 || nbOutputs != 2 || in == nullptr) {
-        logError("expects 5 inputs (hidden, router_logits, w_gate, w_up, w_down) and 2 outputs (y, mask), got " +
+        report("expects 5 inputs (hidden, router_logits, w_gate, w_up, w_down) and 2 outputs (y, mask), got " +
                  std::to_string(nbInputs) + " and " + std::to_string(nbOutputs));
         return 1;
     }
     std::string error;
     if (!checkConfig(in, error)) {
-        logError(error);
+        report(error);
         return 1;
     }
     // What getWorkspaceSize will ask for: remembered (and serialised) so that enqueue passes the size it got.
@@ -390,12 +398,12 @@ size_t MoEPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* inputs, int32_
     // and asks for nothing; enqueue then refuses the call rather than run in a workspace too small.
     std::string error;
     if (nbInputs != 5 || nbOutputs != 2 || inputs == nullptr) {
-        logError("getWorkspaceSize: expects 5 inputs and 2 outputs, got " + std::to_string(nbInputs) + " and " +
+        report("getWorkspaceSize: expects 5 inputs and 2 outputs, got " + std::to_string(nbInputs) + " and " +
                  std::to_string(nbOutputs));
         return 0;
     }
     if (!checkConfig(inputs, error)) {
-        logError("getWorkspaceSize: " + error);
+        report("getWorkspaceSize: " + error);
         return 0;
     }
     size_t const bytes = workspaceFor(inputs);
@@ -408,7 +416,7 @@ char const* MoEPlugin::getMetadataString() noexcept { return mMetadata.c_str(); 
 int32_t MoEPlugin::onShapeChange(PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const* /*out*/,
                                  int32_t nbOutputs) noexcept {
     if (nbOutputs != 2 || nbInputs != 5 || in == nullptr) {
-        logError("expects 5 inputs and 2 outputs, got " + std::to_string(nbInputs) + " and " +
+        report("expects 5 inputs and 2 outputs, got " + std::to_string(nbInputs) + " and " +
                  std::to_string(nbOutputs));
         return 1;
     }
@@ -416,12 +424,12 @@ int32_t MoEPlugin::onShapeChange(PluginTensorDesc const* in, int32_t nbInputs, P
     for (int32_t i = 0; i < 5; ++i) dims[i] = in[i].dims;
     std::string error;
     if (!checkShapes(dims, nbInputs, mParams.topK, error)) {
-        logError(error);
+        report(error);
         return 1;
     }
     lz_moe_config const cfg = makeConfig(mParams, dims);
     if (lz_moe_check_config(&cfg) != LZ_OK) {
-        logError(std::string("onShapeChange: ") + lz_last_error());
+        report(std::string("onShapeChange: ") + lz_last_error());
         return 1;
     }
     return 0;
@@ -455,7 +463,7 @@ int32_t MoEPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc c
                                           workspace == nullptr ? nullptr : reinterpret_cast<void*>(aligned), got,
                                           reinterpret_cast<lz_stream_t>(stream));
     if (status != LZ_OK) {
-        logError(std::string("enqueue failed (") + lz_status_string(status) + "): " + lz_last_error());
+        report(std::string("enqueue failed (") + lz_status_string(status) + "): " + lz_last_error());
         return status;
     }
     return 0;

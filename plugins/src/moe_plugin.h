@@ -84,6 +84,7 @@ public:
     MoEParams const& params() const noexcept { return mParams; }
 
 private:
+    void report(std::string const& message) const noexcept;  // an error through the logger, naming the layer
     bool checkConfig(nvinfer1::DynamicPluginTensorDesc const* in, std::string& error) const;
     size_t workspaceFor(nvinfer1::DynamicPluginTensorDesc const* in) const noexcept;
 

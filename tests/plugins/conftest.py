@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,12 +21,12 @@ from onnx import TensorProto, helper, numpy_helper
 from layerzero.plugins import loader
 
 FAKE_TENSORRT = Path(__file__).parent / "fake_tensorrt"
-REQUIRE_NATIVE = os.environ.get("LAYERZERO_REQUIRE_NATIVE") == "1"
+FETCH_TRT_HEADERS = Path(__file__).resolve().parents[2] / "scripts" / "fetch_trt_headers.sh"
 
 
 def native_missing(reason: str) -> None:
     """Skip for a missing native prerequisite; fail when ``LAYERZERO_REQUIRE_NATIVE=1`` (CI must have it)."""
-    if REQUIRE_NATIVE:
+    if os.environ.get("LAYERZERO_REQUIRE_NATIVE") == "1":
         pytest.fail(f"LAYERZERO_REQUIRE_NATIVE=1 but {reason}", pytrace=False)
     pytest.skip(reason)
 
@@ -54,6 +56,33 @@ def has_gpu() -> bool:
         return False
     err, count = rt.cudaGetDeviceCount()
     return int(err) == 0 and count > 0
+
+
+@pytest.fixture(scope="session")
+def missing():
+    """``native_missing`` for test modules (``from conftest import`` clashes with sibling test folders)."""
+    return native_missing
+
+
+@pytest.fixture(scope="session")
+def trt_headers(missing) -> Path:
+    """A directory with real TensorRT headers (NvInferRuntime.h): $LAYERZERO_TRT_HEADERS, else the pinned wheel."""
+    given = os.environ.get("LAYERZERO_TRT_HEADERS")
+    if given:
+        if not (Path(given) / "NvInferRuntime.h").is_file():
+            missing(f"LAYERZERO_TRT_HEADERS={given} holds no NvInferRuntime.h")
+        return Path(given)
+    if shutil.which("bash") is None:
+        missing("bash not found: cannot run scripts/fetch_trt_headers.sh")
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    dest = Path(cache) / "layerzero" / "trt-headers-10.14"
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run(
+        ["bash", str(FETCH_TRT_HEADERS), str(dest)], capture_output=True, text=True, env=env, timeout=300
+    )
+    if proc.returncode != 0:
+        missing(f"TensorRT headers: scripts/fetch_trt_headers.sh failed: {proc.stderr.strip()[-500:]}")
+    return Path(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,10 @@
 """The native libraries against real TensorRT headers, on a CPU: every built library loads, the glue compiles
 without a warning in our files, and a C++ lifecycle harness drives liblayerzero_trt.so the way TensorRT does.
 
-The headers are TensorRT 10.14's, from the pinned ``kernel-lens`` wheel (``scripts/fetch_trt_headers.sh``:
-version + sha256; or ``LAYERZERO_TRT_HEADERS=<dir>``). Where libnvinfer is absent the libraries link and load
-against ``harness/nvinfer_stub.cpp``, a link-only stand-in built here. Missing nvcc / cmake / g++ / headers skip,
-or fail under ``LAYERZERO_REQUIRE_NATIVE=1`` (CI).
+The headers are TensorRT 10.14's, from the pinned ``kernel-lens`` wheel (the ``trt_headers`` fixture of
+conftest.py: ``scripts/fetch_trt_headers.sh``, version + sha256; or ``LAYERZERO_TRT_HEADERS=<dir>``). Where
+libnvinfer is absent the libraries link and load against ``harness/nvinfer_stub.cpp``, a link-only stand-in
+built here. Missing nvcc / cmake / g++ / headers skip, or fail under ``LAYERZERO_REQUIRE_NATIVE=1`` (CI).
 """
 
 from __future__ import annotations
@@ -20,48 +20,24 @@ import pytest
 
 from layerzero.plugins import loader
 
-from .conftest import native_missing
-
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = Path(__file__).parent / "harness"
-FETCH = ROOT / "scripts" / "fetch_trt_headers.sh"
 GLUE_SOURCES = ("moe_plugin.cpp", "plugin_library.cpp", "register.cpp")
 
 
 @pytest.fixture(scope="session")
-def trt_headers(tmp_path_factory) -> Path:
-    """A directory with real TensorRT headers (NvInferRuntime.h): $LAYERZERO_TRT_HEADERS, else the pinned wheel."""
-    given = os.environ.get("LAYERZERO_TRT_HEADERS")
-    if given:
-        if not (Path(given) / "NvInferRuntime.h").is_file():
-            native_missing(f"LAYERZERO_TRT_HEADERS={given} holds no NvInferRuntime.h")
-        return Path(given)
-    if shutil.which("bash") is None:
-        native_missing("bash not found: cannot run scripts/fetch_trt_headers.sh")
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    dest = Path(cache) / "layerzero" / "trt-headers-10.14"
-    env = dict(os.environ, PYTHON=sys.executable)
-    proc = subprocess.run(["bash", str(FETCH), str(dest)], capture_output=True, text=True, env=env, timeout=300)
-    if proc.returncode != 0:
-        native_missing(f"TensorRT headers: scripts/fetch_trt_headers.sh failed: {proc.stderr.strip()[-500:]}")
-    return Path(proc.stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture(scope="session")
-def cxx() -> str:
+def cxx(missing) -> str:
     path = shutil.which("g++") or shutil.which("c++")
     if path is None:
-        native_missing("no C++ compiler (g++) found")
+        missing("no C++ compiler (g++) found")
     return path
 
 
 @pytest.fixture(scope="session")
-def cuda_headers() -> Path:
-    from .conftest import cuda_include_dir
-
-    include = cuda_include_dir()
+def cuda_headers(cuda_include, missing) -> Path:
+    include = cuda_include
     if not (include / "cuda_runtime_api.h").is_file():
-        native_missing(f"CUDA headers (cuda_runtime_api.h) not found in {include}; install the CUDA toolkit")
+        missing(f"CUDA headers (cuda_runtime_api.h) not found in {include}; install the CUDA toolkit")
     return include
 
 
@@ -86,15 +62,24 @@ def trt_root(tmp_path_factory, trt_headers, cxx, cuda_headers, tools) -> Path:
 
 
 @pytest.fixture(scope="session")
-def native_build(tmp_path_factory, trt_root, tools) -> loader.BuildReport:
+def native_build(tmp_path_factory, trt_root, tools, missing) -> loader.BuildReport:
     """``build_plugins`` with TensorRT found (real headers; real or stub libnvinfer): all three libraries."""
     if not tools["cmake"].found:
-        native_missing(f"cmake not found: {tools['cmake'].note}")
+        missing(f"cmake not found: {tools['cmake'].note}")
     if not tools["nvcc"].found:
-        native_missing(f"nvcc not found: {tools['nvcc'].note}")
+        missing(f"nvcc not found: {tools['nvcc'].note}")
     report = loader.build_plugins(tmp_path_factory.mktemp("native-build"), tensorrt_root=trt_root)
     assert report.ok, report.summary() + "\n" + report.log[-3000:]
     return report
+
+
+def test_a_missing_prerequisite_fails_when_native_is_required(missing, monkeypatch):
+    monkeypatch.setenv("LAYERZERO_REQUIRE_NATIVE", "1")
+    with pytest.raises(pytest.fail.Exception, match="LAYERZERO_REQUIRE_NATIVE=1 but nvcc not found"):
+        missing("nvcc not found")
+    monkeypatch.delenv("LAYERZERO_REQUIRE_NATIVE")
+    with pytest.raises(pytest.skip.Exception, match="nvcc not found"):
+        missing("nvcc not found")
 
 
 def _library_env(trt_root: Path) -> dict[str, str]:
@@ -150,6 +135,14 @@ def test_glue_compiles_against_real_headers_without_warnings(source, cxx, trt_he
     cmd = [cxx, "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Wpedantic", "-Wshadow", "-Werror"]
     cmd += ["-isystem", str(trt_headers), "-isystem", str(cuda_headers), f"-I{loader.source_dir() / 'include'}"]
     cmd.append(str(loader.source_dir() / "src" / source))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
+
+
+def test_run_plan_example_compiles_against_real_headers_without_warnings(cxx, trt_headers, cuda_headers):
+    cmd = [cxx, "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Werror"]
+    cmd += ["-isystem", str(trt_headers), "-isystem", str(cuda_headers)]
+    cmd.append(str(loader.source_dir() / "examples" / "run_plan.cpp"))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
 

@@ -342,6 +342,31 @@ int main(int argc, char** argv) {
     CHECK("onShapeChange T=7", ctx->onShapeChange(inT7.data(), 5, outT0.data(), 2) == 0, logger.last);
     std::printf("ok   onShapeChange (T = 0, 7), enqueue with T = 0\n");
 
+    // 8b. enqueue hands the kernels the workspace TensorRT allocated (the serialised workspace_size), not what the
+    // problem needs: a plan that recorded 512 bytes is refused before any kernel runs (no device touched).
+    {
+        Fields f;
+        std::vector<PluginField> small(f.get()->fields, f.get()->fields + f.get()->nbFields);
+        int64_t recorded = 512;
+        small.emplace_back("workspace_size", &recorded, PluginFieldType::kINT64, 1);
+        PluginFieldCollection fc{static_cast<int32_t>(small.size()), small.data()};
+        PluginPtr tiny(creator->createPlugin("layers.5.moe", &fc, TensorRTPhase::kRUNTIME));
+        CHECK("recorded workspace", tiny != nullptr, logger.last);
+        auto* rt = static_cast<IPluginV3OneRuntime*>(tiny->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
+        CHECK("recorded workspace", rt->onShapeChange(inT7.data(), 5, outT0.data(), 2) == 0, logger.last);
+        // Never dereferenced: the size check comes first.
+        void const* fakeIn[5] = {reinterpret_cast<void const*>(0x1000), reinterpret_cast<void const*>(0x2000),
+                                 reinterpret_cast<void const*>(0x3000), reinterpret_cast<void const*>(0x4000),
+                                 reinterpret_cast<void const*>(0x5000)};
+        void* fakeOut[2] = {reinterpret_cast<void*>(0x6000), reinterpret_cast<void*>(0x7000)};
+        CHECK("enqueue small workspace",
+              rt->enqueue(inT7.data(), outT0.data(), fakeIn, fakeOut, reinterpret_cast<void*>(0x10000), nullptr) != 0,
+              "refused");
+        CHECK("enqueue small workspace", logger.takeError(msg) && msg.find("workspace has 512 bytes") != std::string::npos &&
+                                             msg.find("layers.5.moe") != std::string::npos, msg);
+    }
+    std::printf("ok   enqueue passes the recorded workspace size (512 bytes: refused, nothing launched)\n");
+
     // 9. Errors: each refused, with a message that names what is wrong.
     struct BadField {
         char const* what;
@@ -397,6 +422,7 @@ int main(int argc, char** argv) {
         wrongH[4].desc.dims.d[1] = 65, wrongH[4].max.d[1] = 65, wrongH[4].min.d[1] = 65;
         CHECK("inconsistent H", build->configurePlugin(wrongH.data(), 5, out.data(), 2) != 0, "refused");
         CHECK("inconsistent H", logger.takeError(msg) && msg.find("H (hidden size)") != std::string::npos &&
+                                    msg.find("layer 'layers.0.moe'") != std::string::npos &&
                                     msg.find("w_down") != std::string::npos, msg);
         std::vector<DynamicPluginTensorDesc> mixed = dynamicInputs(p, 1, 16, DataType::kFLOAT);
         mixed[2].desc.type = DataType::kHALF;
