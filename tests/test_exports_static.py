@@ -6,7 +6,10 @@ Tiny transformers configs with random weights are exported at test time and cach
 from operands, not from dim names:
 
 - rotary families with ``inv_freq = 0`` (the rotation is the identity): Cos, Sin and rotate-half's
-  Neg must be gone and the compiled model must equal the original on several sequence lengths.
+  Neg must be gone and the compiled model must equal the original on several sequence lengths;
+- MLPs with a zero weight and a kept bias (GPT-2's ``Gemm`` Conv1D, GPT-NeoX's Linear): ``x @ 0 + b``
+  is a row constant, so a zero up-projection leaves no MatMul/Gemm of that MLP, and GPT-2's zero
+  ``c_proj`` leaves none either (the residual adds the bias row).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ torch = pytest.importorskip("torch", reason="real-export tests need torch (pip i
 transformers = pytest.importorskip("transformers", reason="real-export tests need transformers")
 
 from layerzero.options import CompileOptions  # noqa: E402
+from layerzero.passes._graph import scope_of  # noqa: E402
 from layerzero.pipeline import run_static_passes  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
@@ -59,7 +63,28 @@ class _Logits(torch.nn.Module):
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
 
-def _build(family: str) -> torch.nn.Module:
+# family -> (config class, model class, config, the MLP's module path, {variant: parameters zeroed})
+MLPS = {
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        {"n_embd": 32, "n_layer": 1, "n_head": 2, "vocab_size": VOCAB, "n_positions": 32, "use_cache": False},
+        "transformer.h.0.mlp",
+        {"zero-up": ["c_fc.weight"], "zero-down": ["c_proj.weight"]},
+    ),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        {**COMMON, "num_key_value_heads": 2},
+        "gpt_neox.layers.0.mlp",
+        {"zero-up": ["dense_h_to_4h.weight"]},
+    ),
+}
+
+
+def _build(family: str, variant: str = "zero-inv-freq") -> torch.nn.Module:
+    if family in MLPS:
+        return _build_mlp(family, variant)
     config_cls, model_cls = ROTARY[family]
     torch.manual_seed(0)
     config = getattr(transformers, config_cls)(**COMMON)
@@ -75,8 +100,23 @@ def _build(family: str) -> torch.nn.Module:
     return model
 
 
-def _export(family: str, dynamo: bool) -> Path:
-    path = CACHE / f"{family}-zero-inv-freq-{'dynamo' if dynamo else 'torchscript'}.onnx"
+def _build_mlp(family: str, variant: str) -> torch.nn.Module:
+    config_cls, model_cls, kwargs, mlp_path, variants = MLPS[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**kwargs)
+    config._attn_implementation = "eager"
+    model = getattr(transformers, model_cls)(config).eval()
+    mlp = model.get_submodule(mlp_path)
+    with torch.no_grad():
+        for name in variants[variant]:
+            mlp.get_parameter(name).zero_()
+            bias = mlp.get_parameter(name.replace("weight", "bias"))
+            bias.normal_()  # the bias is kept (and not zero): x @ 0 + b is b over every token
+    return model
+
+
+def _export(family: str, dynamo: bool, variant: str = "zero-inv-freq") -> Path:
+    path = CACHE / f"{family}-{variant}-{'dynamo' if dynamo else 'torchscript'}.onnx"
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -90,13 +130,13 @@ def _export(family: str, dynamo: bool) -> Path:
             batch, seq = torch.export.Dim("batch", max=8), torch.export.Dim("seq", max=32)
             shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
             program = torch.onnx.export(
-                _Logits(_build(family)), args, input_names=names, dynamic_shapes=shapes, dynamo=True
+                _Logits(_build(family, variant)), args, input_names=names, dynamic_shapes=shapes, dynamo=True
             )
             program.save(str(tmp))
         else:
             axes = {n: {0: "batch", 1: "seq"} for n in names}
             torch.onnx.export(
-                _Logits(_build(family)),
+                _Logits(_build(family, variant)),
                 args,
                 str(tmp),
                 input_names=names,
@@ -144,5 +184,38 @@ def test_zero_inv_freq_removes_the_rotation(family, dynamo):
         (got,) = _run(model, feeds)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5, err_msg=f"{family} {batch}x{seq}")
     # A second run finds nothing left to do.
+    again = run_static_passes(model, CompileOptions())
+    assert again.iterations == 1 and not any(again.modified_by.values()), again.modified_by
+
+
+def _contractions_in(model: ir.Model, scope: str) -> int:
+    return sum(
+        1
+        for node in model.graph.all_nodes()
+        if node.op_type in ("MatMul", "Gemm") and f".{scope}." in f".{scope_of(node)}."
+    )
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+@pytest.mark.parametrize(("family", "variant"), [("gpt2", "zero-up"), ("gpt2", "zero-down"), ("gpt_neox", "zero-up")])
+def test_zero_weight_with_bias_leaves_no_contraction_of_the_mlp(family, variant, dynamo):
+    if dynamo:
+        pytest.importorskip("onnxscript", reason="torch.onnx.export(dynamo=True) needs onnxscript")
+    path = _export(family, dynamo, variant)
+    model = ir.load(str(path))
+    scope = MLPS[family][3]
+    assert _contractions_in(model, scope) == 2, "the export has the MLP's two contractions where we look"
+    before = collections.Counter(n.op_type for n in model.graph.all_nodes())
+    result = run_static_passes(model, CompileOptions())
+    assert result.converged
+    after = collections.Counter(n.op_type for n in model.graph.all_nodes())
+    assert _contractions_in(model, scope) == 0, after
+    contractions = before["MatMul"] + before["Gemm"] - after["MatMul"] - after["Gemm"]
+    assert contractions == 2, (before, after)  # only the MLP's: attention and the head stay
+    for batch, seq in SHAPES:
+        feeds = _feeds(batch, seq)
+        (expected,) = _run(path, feeds)
+        (got,) = _run(model, feeds)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5, err_msg=f"{family} {batch}x{seq}")
     again = run_static_passes(model, CompileOptions())
     assert again.iterations == 1 and not any(again.modified_by.values()), again.modified_by
