@@ -16,6 +16,8 @@ Cases:
 4. Data movement that commutes with the broadcast once the row is promoted to the value's rank:
    Identity, Dropout (inference), Expand, Unsqueeze, Squeeze, Transpose, and Slice/Gather/Split
    (axes where the row has size 1 stay 1); Reshape/Flatten when a 1-D row stays the last axis.
+5. ``Gather(table, positions)`` of a constant table whose rows along axis 0 are all equal (a cached
+   ``[positions, sin | cos]`` table once the frequencies are zero) is that row.
 """
 
 from __future__ import annotations
@@ -124,6 +126,8 @@ def _rule(
     if op == "Gemm":
         return _gemm(node, ins, assume_finite)
 
+    if op == "Gather" and x is not None and len(ins) > 1 and ins[1] is None:
+        return _gather_from_table(node, x)
     if x is None or rank is None:
         return None
     full = _full(x, rank)
@@ -207,6 +211,21 @@ def _rule(
             return None
         return [row]
     return None
+
+
+def _gather_from_table(node: ir.Node, table: Row) -> list[Row | None] | None:
+    """Rows of a constant table, every one equal, gathered at run-time positions: the row itself.
+
+    What a cached ``[positions, sin | cos]`` table (GPT-J) is once the frequencies are zero.
+    """
+    table = np.asarray(table)
+    if table.ndim < 1 or node.attributes.get_int("axis", 0) % table.ndim != 0 or table.shape[0] == 0:
+        return None
+    if table.shape[0] > 1 and not np.array_equal(table[1], table[0]):  # a cheap refusal first
+        return None
+    if not np.all(table == table[0:1]):
+        return None
+    return [table[0]]
 
 
 def _matmul(a: Row | None, w: Row | None) -> list[Row | None] | None:

@@ -1,4 +1,4 @@
-"""Uniform-value propagation: `x*0`, zero weights, `Cos(0)`, identities, through dynamic shapes."""
+"""Uniform and row-constant propagation: `x*0`, `x @ 0 + b`, `Cos(0)`, identities, through dynamic shapes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import onnx_ir as ir
 
 from layerzero.passes._graph import NameFactory, const_array, iter_graphs, make_constant, replace_value
 from layerzero.passes._lattice import transfer, uniform_of_constant
-from layerzero.passes._rows import transfer_row
+from layerzero.passes._rows import MAX_ROW_ELEMENTS, transfer_row
 from layerzero.passes._shapes import SymbolicShapes
 
 __all__ = ["PropagateUniforms"]
@@ -34,20 +34,30 @@ def _is_zero(c: np.ndarray | None) -> bool:
 
 
 class PropagateUniforms(ir.passes.InPlacePass):
-    """Track which values are uniform (every element equal) and rewrite what that proves.
+    """Track which values are uniform (every element equal) or rows, and rewrite what that proves.
+
+    Shapes come from the node's own operands (``passes/_shapes.py``): the op's shape rule over the
+    operands' dims and the contents of ``Shape``-built shape tensors, merged with inference's names.
+    TorchScript exports name almost no intermediate dim; nothing below depends on dim names.
 
     Cases:
     1. A uniform value that a surviving consumer reads is materialised as
-       ``ConstantOfShape(shape)``: the shape is static, or built from ``Shape`` of the graph inputs
-       that carry its symbolic dims, so the value keeps its (dynamic) shape. Its producer chain dies.
-       Uniform sources: all-equal constants (including all-zero weights) and ConstantOfShape.
+       ``ConstantOfShape(shape)``: the shape is static, or built from ``Shape`` of values that carry
+       its dims at run time (graph inputs first, else computed values before it that stay), so the
+       value keeps its (dynamic) shape. Its producer chain dies. Uniform sources: all-equal
+       constants (including all-zero weights) and ConstantOfShape. No carrier: logged, kept.
     2. An op whose output provably equals one input is bypassed: ``x + 0``, ``0 + x``, ``x - 0``,
        ``x * 1``, ``1 * x``, ``x / 1``, ``x ** 1``, ``Where(true, x, y)``, ``Where(false, y, x)``,
        ``x and true``, ``x or false``; and Reshape/Expand/Cast/Identity that keep shape and dtype.
-       Only when the output's dtype and (symbolic) shape equal the input's.
+       Only when the output's dtype and shape provably equal the input's (broadcasting keeps x).
     3. ``x * 0``, ``MatMul(x, 0)``, ``Gemm``/``Conv`` with zero weights and Einsum with a zero
        operand are 0 only when x is finite: they fold under ``assume_finite`` (default on).
-    Transfer functions: ``passes/_lattice.py``. Subgraphs are visited.
+    4. Row constants (``x @ 0 + b``, ``act(row)``, ``MatMul(row, W)``, norms, a cached table of equal
+       rows; ``passes/_rows.py``): a consumer that broadcasts reads the row as an initializer
+       (``residual + row`` is one Add); any other consumer or a graph output reads
+       ``Expand(row, shape)``. The row's producer chain dies.
+    Transfer functions: ``passes/_lattice.py`` (uniforms), ``passes/_rows.py`` (rows). Subgraphs are
+    visited.
     """
 
     def __init__(self, assume_finite: bool = True) -> None:
@@ -114,7 +124,11 @@ class _GraphRewriter:
                 if c is not None and out.shape is not None and out.dtype is not None:
                     self.uniform[out] = c
                     found = True
-            if not found and (any(c is not None for c in ins) or any(v in self.rows for v in node.inputs)):
+            if not found and (
+                any(c is not None for c in ins)
+                or any(v in self.rows for v in node.inputs)
+                or (node.op_type == "Gather" and self._small_constant(node.inputs[0]))
+            ):
                 self._transfer_rows(node)  # Case 4
         modified = False
         for node in nodes:  # Case 2
@@ -142,9 +156,22 @@ class _GraphRewriter:
         if c is not None:
             return np.asarray(c)
         tensor = value.const_value
-        if tensor is None or tensor.size > _MAX_CONSTANT_READ:
-            return None  # a big weight is read only when a row meets it (MatMul), see _MAX_CONSTANT_READ
-        return const_array(value)
+        if tensor is not None and tensor.size > _MAX_CONSTANT_READ:
+            return None  # a huge weight is not read (memory-mapped pages stay cold)
+        return const_array(value)  # an initializer or a Constant node
+
+    @staticmethod
+    def _small_constant(value: ir.Value | None) -> bool:
+        """A constant small enough to be a cached table (Case 5 of passes/_rows.py), not an embedding."""
+        if value is None or value.is_graph_input():
+            return False
+        tensor = value.const_value
+        if tensor is None:
+            producer = value.producer()
+            if producer is None or producer.op_type != "Constant":
+                return False
+            tensor = ir.convenience.get_const_tensor(value)
+        return tensor is not None and tensor.size <= MAX_ROW_ELEMENTS
 
     def _transfer_rows(self, node: ir.Node) -> None:
         ins = [self._row_state(v) for v in node.inputs]

@@ -85,6 +85,8 @@ MLPS = {
 def _build(family: str, variant: str = "zero-inv-freq") -> torch.nn.Module:
     if family in MLPS:
         return _build_mlp(family, variant)
+    if family == "gptj":
+        return _build_gptj()
     config_cls, model_cls = ROTARY[family]
     torch.manual_seed(0)
     config = getattr(transformers, config_cls)(**COMMON)
@@ -97,6 +99,25 @@ def _build(family: str, variant: str = "zero-inv-freq") -> torch.nn.Module:
             buffer = getattr(module, name, None)
             if isinstance(buffer, torch.Tensor):
                 buffer.zero_()
+    return model
+
+
+def _build_gptj() -> torch.nn.Module:
+    """GPT-J with its cached ``[positions, sin | cos]`` table as zero frequencies make it: sin 0, cos 1."""
+    torch.manual_seed(0)
+    config = transformers.GPTJConfig(
+        n_embd=32, n_layer=1, n_head=2, rotary_dim=8, vocab_size=VOCAB, n_positions=32, use_cache=False
+    )
+    config._attn_implementation = "eager"
+    model = transformers.GPTJForCausalLM(config).eval()
+    tables = [
+        m.embed_positions for m in model.modules() if isinstance(getattr(m, "embed_positions", None), torch.Tensor)
+    ]
+    assert tables, "GPT-J keeps no embed_positions table in this transformers version"
+    for table in tables:
+        half = table.shape[-1] // 2
+        table[..., :half] = 0.0
+        table[..., half:] = 1.0
     return model
 
 
@@ -186,6 +207,23 @@ def test_zero_inv_freq_removes_the_rotation(family, dynamo):
     # A second run finds nothing left to do.
     again = run_static_passes(model, CompileOptions())
     assert again.iterations == 1 and not any(again.modified_by.values()), again.modified_by
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_gptj_cached_table_with_zero_frequencies_removes_the_rotation(dynamo):
+    # The table is constant per half once the frequencies are zero; the halves appear after Gather + Split.
+    if dynamo:
+        pytest.importorskip("onnxscript", reason="torch.onnx.export(dynamo=True) needs onnxscript")
+    path = _export("gptj", dynamo, "zero-table")
+    model = ir.load(str(path))
+    before = collections.Counter(n.op_type for n in model.graph.all_nodes())
+    assert before["Neg"] >= 1, before  # rotate-every-two is there to remove
+    assert run_static_passes(model, CompileOptions()).converged
+    after = collections.Counter(n.op_type for n in model.graph.all_nodes())
+    assert after["Neg"] == 0 and after["Split"] == 0, after
+    for batch, seq in SHAPES:
+        feeds = _feeds(batch, seq)
+        np.testing.assert_allclose(_run(model, feeds)[0], _run(path, feeds)[0], rtol=1e-5, atol=1e-5)
 
 
 def _contractions_in(model: ir.Model, scope: str) -> int:

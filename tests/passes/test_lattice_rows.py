@@ -178,3 +178,82 @@ def test_a_row_that_broadcasting_would_widen_is_not_read_as_an_initializer(helpe
     check = helpers.check_pass(text, PropagateUniforms, modified=True, delta=0, dce_delta=-2)
     feeds = helpers.random_feeds(check.model, dims={"N": 3})
     np.testing.assert_allclose(helpers.run_ort(check.model, feeds)["y"], feeds["x"] + B_UP, rtol=1e-6)
+
+
+def test_gather_from_a_table_of_equal_rows_then_split_is_two_uniforms(helpers):
+    # GPT-J's cached [positions, sin | cos] table with zero frequencies: every row is [0, 0, 1, 1].
+    # before: sin, cos = Split(Gather(table, pos)); y = q * cos + q * sin     after: y = q
+    table = np.tile(np.array([0.0, 0.0, 1.0, 1.0], np.float32), (8, 1))
+    text = (
+        HEADER
+        + f"""
+        g (float[B, S, 2] q, int64[B, S] pos) => (float[B, S, 2] y)
+            <float[8, 4] table = {{{_floats(table)}}}, int64[2] halves = {{2, 2}}> {{
+            sincos = Gather<axis = 0>(table, pos)
+            sin, cos = Split<axis = -1>(sincos, halves)
+            a = Mul(q, cos)
+            b = Mul(q, sin)
+            y = Add(a, b)
+        }}
+        """
+    )
+    check = helpers.check_pass(text, PropagateUniforms, modified=True, delta=1, dce_delta=-4)
+    assert check.ops() == {"Identity": 1}
+    feeds = helpers.random_feeds(check.model, dims={"B": 2, "S": 3})
+    np.testing.assert_array_equal(helpers.run_ort(check.model, feeds)["y"], feeds["q"])
+
+
+def test_gather_from_a_table_of_different_rows_is_kept(helpers):
+    table = np.arange(32, dtype=np.float32).reshape(8, 4)
+    helpers.check_pass(
+        HEADER
+        + f"""
+        g (int64[B, S] pos) => (float[B, S, 4] y) <float[8, 4] table = {{{_floats(table)}}}> {{
+            y = Gather<axis = 0>(table, pos)
+        }}
+        """,
+        PropagateUniforms,
+        modified=False,
+        delta=0,
+    )
+
+
+def test_integer_pow_of_a_uniform_by_a_negative_exponent_does_not_crash(helpers):
+    # Issue 14, cause 1 at graph level: ConstantOfShape int64 ** -1 is what ORT computes (2 ** -1 = 0).
+    check = helpers.check_pass(
+        HEADER
+        + """
+        g (float[N, 3] x) => (int64[N, 3] y) <int64 e = {-1}> {
+            s = Shape(x)
+            two = ConstantOfShape<value = int64[1] {2}>(s)
+            y = Pow(two, e)
+        }
+        """,
+        PropagateUniforms,
+        modified=True,
+        delta=3,  # ConstantOfShape(Concat(Shape(x)[0:1], [3])) of 0; DCE drops the Pow chain
+        dce_delta=0,
+    )
+    assert check.ops()["Pow"] == 0
+    feeds = helpers.random_feeds(check.model, dims={"N": 2})
+    np.testing.assert_array_equal(helpers.run_ort(check.model, feeds)["y"], np.zeros((2, 3), np.int64))
+
+
+def test_pad_with_an_overridable_constant_value_is_not_folded(helpers):
+    # Issue 14, cause 5: constant_value is an initializer that is also a graph input (a user may feed it).
+    model = helpers.parse(
+        HEADER
+        + """
+        g (float[N, 3] x, float cv) => (float[N, 5] y) <int64[4] pads = {0, 1, 0, 1}, float cv = {0.0}> {
+            zero = Mul(x, cv0)
+            y = Pad(zero, pads, cv)
+        }
+        """.replace("float cv = {0.0}>", "float cv = {0.0}, float cv0 = {0.0}>")
+    )
+    result = helpers.apply_pass(PropagateUniforms(), model)
+    assert model.graph.outputs[0].producer().op_type == "Pad"
+    assert result.modified  # x * 0 was materialised, the Pad kept
+    feeds = {"x": np.ones((2, 3), np.float32), "cv": np.asarray(7.0, np.float32)}
+    got = helpers.run_ort(model, feeds)["y"]
+    np.testing.assert_array_equal(got[:, 0], [7.0, 7.0])
+    np.testing.assert_array_equal(got[:, 1:4], np.zeros((2, 3)))
