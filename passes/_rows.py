@@ -16,8 +16,9 @@ Cases:
 4. Data movement that commutes with the broadcast once the row is promoted to the value's rank:
    Identity, Dropout (inference), Expand, Unsqueeze, Squeeze, Transpose, and Slice/Gather/Split
    (axes where the row has size 1 stay 1); Reshape/Flatten when a 1-D row stays the last axis.
-5. ``Gather(table, positions)`` of a constant table whose rows along axis 0 are all equal (a cached
-   ``[positions, sin | cos]`` table once the frequencies are zero) is that row.
+5. ``Gather(table, positions)`` (or ``GatherND`` with ``[..., 1]`` indices) of a constant table whose
+   rows along axis 0 are all equal (a cached ``[positions, sin | cos]`` table once the frequencies
+   are zero) is that row.
 """
 
 from __future__ import annotations
@@ -128,6 +129,10 @@ def _rule(
 
     if op == "Gather" and x is not None and len(ins) > 1 and ins[1] is None:
         return _gather_from_table(node, x)
+    if op == "GatherND" and x is not None and len(ins) > 1 and ins[1] is None and not attrs.get_int("batch_dims", 0):
+        index_dims = dims_of(node.inputs[1])
+        # indices [..., 1] pick whole slices along axis 0, as Gather(axis=0) does (the dynamo form)
+        return _gather_from_table(node, x) if index_dims and index_dims[-1] == 1 else None
     if x is None or rank is None:
         return None
     full = _full(x, rank)
@@ -219,7 +224,8 @@ def _gather_from_table(node: ir.Node, table: Row) -> list[Row | None] | None:
     What a cached ``[positions, sin | cos]`` table (GPT-J) is once the frequencies are zero.
     """
     table = np.asarray(table)
-    if table.ndim < 1 or node.attributes.get_int("axis", 0) % table.ndim != 0 or table.shape[0] == 0:
+    axis = node.attributes.get_int("axis", 0) if node.op_type == "Gather" else 0
+    if table.ndim < 1 or axis % table.ndim != 0 or table.shape[0] == 0:
         return None
     if table.shape[0] > 1 and not np.array_equal(table[1], table[0]):  # a cheap refusal first
         return None

@@ -127,7 +127,7 @@ class _GraphRewriter:
             if not found and (
                 any(c is not None for c in ins)
                 or any(v in self.rows for v in node.inputs)
-                or (node.op_type == "Gather" and self._small_constant(node.inputs[0]))
+                or (node.op_type in ("Gather", "GatherND") and self._small_constant(node.inputs[0]))
             ):
                 self._transfer_rows(node)  # Case 4
         modified = False
