@@ -364,6 +364,8 @@ def _softmax(node: ir.Node, op: str, c: np.ndarray | None) -> np.ndarray | None:
     if c is None or shape is None or len(shape) == 0 or not np.isfinite(c):
         return None
     axis = node.attributes.get_int("axis", -1) % len(shape)
+    if axis != len(shape) - 1:
+        return None  # before opset 13 the axes from `axis` on are flattened: only the last agrees
     n = shape[axis]
     if not isinstance(n, int) or n <= 0:
         return None

@@ -157,7 +157,9 @@ def _rule(
         return [normed]
     if op in ("Softmax", "LogSoftmax"):
         axis = attrs.get_int("axis", -1) % rank
-        if full.shape[axis] == 1:
+        # NOTE: before opset 13 Softmax normalises over every axis from `axis` on: the last axis is
+        # the one where both definitions agree.
+        if axis != rank - 1 or full.shape[axis] == 1:
             return None  # the real size is not the row's: the uniform transfer knows static sizes
         shifted = full.astype(np.float64) - full.max(axis=axis, keepdims=True)
         log = shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))

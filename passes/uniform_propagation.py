@@ -334,7 +334,7 @@ class _GraphRewriter:
         producer = value.producer()
         if producer is None or producer.graph is not self.graph or value in self.alias:
             return False
-        if value in self.uniform and not self._canonical(value):
+        if (value in self.uniform or value in self.rows) and not self._canonical(value):
             return False  # Shape() of it would keep the computation we are removing alive
         index = self.position.get(producer)
         return index is not None and index < self.position.get(anchor, -1)
