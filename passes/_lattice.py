@@ -15,7 +15,7 @@ import onnx_ir as ir
 
 from layerzero.passes._graph import const_array
 
-__all__ = ["UNIFORM_META_KEY", "transfer", "uniform_of_constant"]
+__all__ = ["ELEMENTWISE_BINARY", "UNARY", "UNARY_ATTR", "UNIFORM_META_KEY", "transfer", "uniform_of_constant"]
 
 UNIFORM_META_KEY = "layerzero.uniform"
 _PROBE = 4096  # elements looked at before reading a whole tensor (keeps memory-mapped weights cold)
@@ -64,37 +64,41 @@ def _gelu(node: ir.Node, x: np.ndarray) -> np.ndarray:
     x = np.float64(x)
     if node.attributes.get_string("approximate", "none") == "tanh":
         return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
-    return 0.5 * x * (1.0 + math.erf(x / math.sqrt(2.0)))
+    return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
 
 
 def _f(node: ir.Node, name: str, default: float) -> float:
     return node.attributes.get_float(name, default)
 
 
-# Activations whose value depends on attributes: (node, scalar) -> scalar. Defaults are the spec's.
+def _shrink(node: ir.Node, x: np.ndarray) -> np.ndarray:
+    bias, lambd = _f(node, "bias", 0.0), _f(node, "lambd", 0.5)
+    return np.where(x > lambd, x - bias, np.where(x < -lambd, x + bias, 0.0 * x))
+
+
+def _is_inf(node: ir.Node, x: np.ndarray) -> np.ndarray:
+    positive = np.isposinf(x) & bool(node.attributes.get_int("detect_positive", 1))
+    return positive | (np.isneginf(x) & bool(node.attributes.get_int("detect_negative", 1)))
+
+
+# Activations whose value depends on attributes: (node, array) -> array, elementwise (scalars are
+# uniforms, arrays are rows). Defaults are the spec's.
 _UNARY_ATTR = {
     "Gelu": _gelu,
-    "Elu": lambda n, x: x if x > 0 else _f(n, "alpha", 1.0) * (np.exp(x) - 1.0),
+    "Elu": lambda n, x: np.where(x > 0, x, _f(n, "alpha", 1.0) * (np.exp(x) - 1.0)),
     "Selu": lambda n, x: (
         _f(n, "gamma", 1.05070102519989013671875)
-        * (x if x > 0 else _f(n, "alpha", 1.67326319217681884765625) * (np.exp(x) - 1.0))
+        * np.where(x > 0, x, _f(n, "alpha", 1.67326319217681884765625) * (np.exp(x) - 1.0))
     ),
-    "Celu": lambda n, x: max(0.0, x) + min(0.0, _f(n, "alpha", 1.0) * (np.exp(x / _f(n, "alpha", 1.0)) - 1.0)),
-    "LeakyRelu": lambda n, x: x if x >= 0 else _f(n, "alpha", 0.01) * x,
-    "ThresholdedRelu": lambda n, x: x if x > _f(n, "alpha", 1.0) else 0.0 * x,
+    "Celu": lambda n, x: (
+        np.maximum(0.0, x) + np.minimum(0.0, _f(n, "alpha", 1.0) * (np.exp(x / _f(n, "alpha", 1.0)) - 1.0))
+    ),
+    "LeakyRelu": lambda n, x: np.where(x >= 0, x, _f(n, "alpha", 0.01) * x),
+    "ThresholdedRelu": lambda n, x: np.where(x > _f(n, "alpha", 1.0), x, 0.0 * x),
     "HardSigmoid": lambda n, x: np.clip(_f(n, "alpha", 0.2) * x + _f(n, "beta", 0.5), 0.0, 1.0),
-    "Shrink": lambda n, x: (
-        x - _f(n, "bias", 0.0)
-        if x > _f(n, "lambd", 0.5)
-        else x + _f(n, "bias", 0.0)
-        if x < -_f(n, "lambd", 0.5)
-        else 0.0 * x
-    ),
+    "Shrink": _shrink,
     "IsNaN": lambda n, x: np.isnan(x),
-    "IsInf": lambda n, x: bool(
-        (np.isposinf(x) and n.attributes.get_int("detect_positive", 1))
-        or (np.isneginf(x) and n.attributes.get_int("detect_negative", 1))
-    ),
+    "IsInf": _is_inf,
 }
 
 
@@ -114,7 +118,11 @@ def _pow(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
     if np.issubdtype(np.asarray(a).dtype, np.integer):
         info = np.iinfo(np.asarray(a).dtype)
         result = np.power(np.float64(a), np.float64(b))
-        if not np.isfinite(result) or not info.min <= np.trunc(result) <= info.max:
+        if (
+            not np.all(np.isfinite(result))
+            or np.any(np.trunc(result) < info.min)
+            or np.any(np.trunc(result) > info.max)
+        ):
             return None
         return np.asarray(np.trunc(result)).astype(np.asarray(a).dtype)
     return np.power(a, b)
@@ -136,6 +144,11 @@ _BINARY = {
     "LessOrEqual": np.less_equal,
 }
 _VARIADIC = {"Sum": np.add, "Max": np.maximum, "Min": np.minimum}
+
+# Shared with the row-constant transfers (passes/_rows.py): elementwise, so they apply to arrays.
+UNARY = _UNARY
+UNARY_ATTR = _UNARY_ATTR
+ELEMENTWISE_BINARY = {**_BINARY, **_VARIADIC}
 
 # Ops that only move, copy or select elements of their first input: a uniform input stays uniform.
 _DATA_MOVEMENT = frozenset(
@@ -351,6 +364,8 @@ def _softmax(node: ir.Node, op: str, c: np.ndarray | None) -> np.ndarray | None:
     if c is None or shape is None or len(shape) == 0 or not np.isfinite(c):
         return None
     axis = node.attributes.get_int("axis", -1) % len(shape)
+    if axis != len(shape) - 1:
+        return None  # before opset 13 the axes from `axis` on are flattened: only the last agrees
     n = shape[axis]
     if not isinstance(n, int) or n <= 0:
         return None

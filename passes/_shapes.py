@@ -249,6 +249,15 @@ class SymbolicShapes:
                 return None
             axis = attrs.get_int("axis", 0) % len(data)
             return [[*data[:axis], *idx, *data[axis + 1 :]]]
+        if op == "Tile":
+            a, repeats = self._in(node, 0), const_array(node.inputs[1])
+            if a is None or repeats is None or repeats.size != len(a):
+                return None
+            tiled: list[Dim] = []
+            for d, r in zip(a, (int(r) for r in repeats.reshape(-1))):
+                d = self.canon(d)
+                tiled.append(d if r == 1 else d * r if isinstance(d, int) else self._new())
+            return [tiled]
         if op in ("Slice", "Split"):
             return self._sliced(node)
         if op == "Range":

@@ -1,4 +1,4 @@
-"""Uniform-value propagation: `x*0`, zero weights, `Cos(0)`, identities, through dynamic shapes."""
+"""Uniform and row-constant propagation: `x*0`, `x @ 0 + b`, `Cos(0)`, identities, through dynamic shapes."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from layerzero.passes._graph import NameFactory, iter_graphs, make_constant, replace_value
+from layerzero.passes._graph import NameFactory, const_array, iter_graphs, make_constant, replace_value
 from layerzero.passes._lattice import transfer, uniform_of_constant
+from layerzero.passes._rows import MAX_ROW_ELEMENTS, transfer_row
 from layerzero.passes._shapes import SymbolicShapes
 
 __all__ = ["PropagateUniforms"]
@@ -16,6 +17,12 @@ __all__ = ["PropagateUniforms"]
 logger = logging.getLogger(__name__)
 
 _CANONICAL = frozenset({"Constant", "ConstantOfShape"})
+# Consumers that broadcast their operands: a row is read by them as an initializer (Case 4).
+_BROADCASTING = frozenset(
+    {"Add", "Sub", "Mul", "Div", "Pow", "Where", "Max", "Min", "Sum", "Equal", "Greater", "Less", "And", "Or"}
+)
+# Constants up to this many elements are read for the row transfers (weights met by a row included).
+_MAX_CONSTANT_READ = 1 << 24
 
 
 def _is_one(c: np.ndarray | None) -> bool:
@@ -27,20 +34,30 @@ def _is_zero(c: np.ndarray | None) -> bool:
 
 
 class PropagateUniforms(ir.passes.InPlacePass):
-    """Track which values are uniform (every element equal) and rewrite what that proves.
+    """Track which values are uniform (every element equal) or rows, and rewrite what that proves.
+
+    Shapes come from the node's own operands (``passes/_shapes.py``): the op's shape rule over the
+    operands' dims and the contents of ``Shape``-built shape tensors, merged with inference's names.
+    TorchScript exports name almost no intermediate dim; nothing below depends on dim names.
 
     Cases:
     1. A uniform value that a surviving consumer reads is materialised as
-       ``ConstantOfShape(shape)``: the shape is static, or built from ``Shape`` of the graph inputs
-       that carry its symbolic dims, so the value keeps its (dynamic) shape. Its producer chain dies.
-       Uniform sources: all-equal constants (including all-zero weights) and ConstantOfShape.
+       ``ConstantOfShape(shape)``: the shape is static, or built from ``Shape`` of values that carry
+       its dims at run time (graph inputs first, else computed values before it that stay), so the
+       value keeps its (dynamic) shape. Its producer chain dies. Uniform sources: all-equal
+       constants (including all-zero weights) and ConstantOfShape. No carrier: logged, kept.
     2. An op whose output provably equals one input is bypassed: ``x + 0``, ``0 + x``, ``x - 0``,
        ``x * 1``, ``1 * x``, ``x / 1``, ``x ** 1``, ``Where(true, x, y)``, ``Where(false, y, x)``,
        ``x and true``, ``x or false``; and Reshape/Expand/Cast/Identity that keep shape and dtype.
-       Only when the output's dtype and (symbolic) shape equal the input's.
+       Only when the output's dtype and shape provably equal the input's (broadcasting keeps x).
     3. ``x * 0``, ``MatMul(x, 0)``, ``Gemm``/``Conv`` with zero weights and Einsum with a zero
        operand are 0 only when x is finite: they fold under ``assume_finite`` (default on).
-    Transfer functions: ``passes/_lattice.py``. Subgraphs are visited.
+    4. Row constants (``x @ 0 + b``, ``act(row)``, ``MatMul(row, W)``, norms, a cached table of equal
+       rows; ``passes/_rows.py``): a consumer that broadcasts reads the row as an initializer
+       (``residual + row`` is one Add); any other consumer or a graph output reads
+       ``Expand(row, shape)``. The row's producer chain dies.
+    Transfer functions: ``passes/_lattice.py`` (uniforms), ``passes/_rows.py`` (rows). Subgraphs are
+    visited.
     """
 
     def __init__(self, assume_finite: bool = True) -> None:
@@ -78,6 +95,7 @@ class _GraphRewriter:
         self.assume_finite = assume_finite
         self.use_shape_range = use_shape_range
         self.uniform: dict[ir.Value, np.ndarray] = {}
+        self.rows: dict[ir.Value, np.ndarray] = {}
         self.alias: dict[ir.Value, ir.Value] = {}
         self._shape_cache: dict[tuple, ir.Value] = {}
 
@@ -98,21 +116,125 @@ class _GraphRewriter:
                 c = self.state(target)
                 if c is not None:
                     self.uniform[node.outputs[0]] = c
+                elif target in self.rows:
+                    self.rows[node.outputs[0]] = self.rows[target]
                 continue
+            found = False
             for out, c in zip(node.outputs, transfer(node, ins, assume_finite=self.assume_finite)):
                 if c is not None and out.shape is not None and out.dtype is not None:
                     self.uniform[out] = c
+                    found = True
+            if not found and (
+                any(c is not None for c in ins)
+                or any(v in self.rows for v in node.inputs)
+                or (node.op_type in ("Gather", "GatherND") and self._small_constant(node.inputs[0]))
+            ):
+                self._transfer_rows(node)  # Case 4
         modified = False
         for node in nodes:  # Case 2
             out = node.outputs[0] if node.outputs else None
             if out is not None and out in self.alias and (out.uses() or out.is_graph_output()):
                 replace_value(out, self._resolve(out), self.names)
                 modified = True
+        for node in nodes:  # Case 4: rows that a consumer reads
+            for out in node.outputs:
+                if out in self.rows and self._needs_materialising(out):
+                    modified |= self._materialise_row(node, out)
         for node in nodes:  # Case 1
             for out in node.outputs:
-                if self._needs_materialising(out):
+                if out in self.uniform and self._needs_materialising(out):
                     modified |= self._materialise(node, out)
         return modified
+
+    # Case 4
+    def _row_state(self, value: ir.Value | None) -> np.ndarray | None:
+        if value is None:
+            return None
+        if value in self.rows:
+            return self.rows[value]
+        c = self.state(value)
+        if c is not None:
+            return np.asarray(c)
+        tensor = value.const_value
+        if tensor is not None and tensor.size > _MAX_CONSTANT_READ:
+            return None  # a huge weight is not read (memory-mapped pages stay cold)
+        return const_array(value)  # an initializer or a Constant node
+
+    @staticmethod
+    def _small_constant(value: ir.Value | None) -> bool:
+        """A constant small enough to be a cached table (Case 5 of passes/_rows.py), not an embedding."""
+        if value is None or value.is_graph_input():
+            return False
+        tensor = value.const_value
+        if tensor is None:
+            producer = value.producer()
+            if producer is None or producer.op_type != "Constant":
+                return False
+            tensor = ir.convenience.get_const_tensor(value)
+        return tensor is not None and tensor.size <= MAX_ROW_ELEMENTS
+
+    def _transfer_rows(self, node: ir.Node) -> None:
+        ins = [self._row_state(v) for v in node.inputs]
+
+        def rank_of(value: ir.Value) -> int | None:
+            dims = self.shapes.dims(value)
+            return None if dims is None else len(dims)
+
+        rows = transfer_row(node, ins, rank_of, self.shapes.dims, assume_finite=self.assume_finite)
+        for out, row in zip(node.outputs, rows):
+            if row is None or row.size == 0 or out.shape is None:
+                continue
+            flat = row.reshape(-1)
+            if np.all(flat == flat[0]):
+                self.uniform[out] = flat[0].copy()  # a row of equal elements is a uniform
+            else:
+                self.rows[out] = row
+
+    def _broadcast_keeps(self, user: ir.Node, index: int, row: np.ndarray) -> bool:
+        """True when ``user`` broadcasts its operand ``index`` and ``row`` in its place keeps the output shape."""
+        if user.domain not in ("", "ai.onnx") or user.op_type not in _BROADCASTING or len(user.outputs) != 1:
+            return False
+        operands = [list(row.shape) if k == index else self.shapes.dims(v) for k, v in enumerate(user.inputs)]
+        if any(v is None for v in user.inputs):
+            return False
+        out = self.shapes.dims(user.outputs[0])
+        return out is not None and self.shapes.broadcast(operands) == out
+
+    def _materialise_row(self, producer: ir.Node, value: ir.Value) -> bool:
+        """``residual + row`` reads the row as an initializer; elsewhere ``Expand(row, shape)``."""
+        row = self.rows[value]
+        dtype = value.dtype.numpy() if value.dtype is not None else row.dtype
+        constant: ir.Value | None = None
+        modified = False
+        rest = value.is_graph_output()
+        for user, index in list(value.uses()):
+            if self._covered(user):
+                continue
+            if self._broadcast_keeps(user, index, row):
+                # before: y = Add(residual, row_value)   after: y = Add(residual, <initializer R>)
+                if constant is None:
+                    constant = make_constant(self.root, self.names, f"{value.name}_row", row.astype(dtype))
+                user.replace_input_with(index, constant)
+                modified = True
+            else:
+                rest = True
+        if not rest:
+            return modified
+        dims = self._shape_dims(value, producer)
+        if dims is None:
+            logger.debug("row %s: no operand carries its shape %s at run time", value.name, value.shape)
+            return modified
+        if constant is None:
+            constant = make_constant(self.root, self.names, f"{value.name}_row", row.astype(dtype))
+        shape = self._shape_tensor(dims, producer)
+        node = ir.Node("", "Expand", [constant, shape], name=self.names("lz_row"))
+        new = node.outputs[0]
+        new.name = self.names(f"{value.name}_row")
+        new.shape = value.shape
+        new.type = value.type
+        self.graph.insert_before(producer, node)
+        replace_value(value, new, self.names)
+        return True
 
     def _resolve(self, value: ir.Value) -> ir.Value:
         while value in self.alias:
@@ -175,11 +297,13 @@ class _GraphRewriter:
                 continue
             if out in self.uniform and self._shape_dims(out, node) is not None:
                 continue
+            if out in self.rows:
+                continue
             return False
         return True
 
     def _needs_materialising(self, value: ir.Value) -> bool:
-        if value not in self.uniform or self._canonical(value):
+        if (value not in self.uniform and value not in self.rows) or self._canonical(value):
             return False
         if value.is_graph_output():
             return True
@@ -210,7 +334,7 @@ class _GraphRewriter:
         producer = value.producer()
         if producer is None or producer.graph is not self.graph or value in self.alias:
             return False
-        if value in self.uniform and not self._canonical(value):
+        if (value in self.uniform or value in self.rows) and not self._canonical(value):
             return False  # Shape() of it would keep the computation we are removing alive
         index = self.position.get(producer)
         return index is not None and index < self.position.get(anchor, -1)

@@ -137,8 +137,9 @@ def test_gemm_with_zero_weight_and_uniform_bias_is_the_scaled_bias(helpers):
     assert _uniform_fill(_output(check.model, "y")) == 1.5
 
 
-def test_gemm_with_zero_weight_and_non_uniform_bias_is_kept(helpers):
-    helpers.check_pass(
+def test_gemm_with_zero_weight_and_non_uniform_bias_is_the_bias_row(helpers):
+    # before: y = Gemm(x, 0, b)    after: y = Expand(b, [2, 3])  (a row constant; tests/passes/test_lattice_rows.py)
+    check = helpers.check_pass(
         HEADER
         + """
         g (float[2, 4] x) => (float[2, 3] y)
@@ -147,9 +148,11 @@ def test_gemm_with_zero_weight_and_non_uniform_bias_is_kept(helpers):
         }
         """.replace("ZEROS_12", ZEROS_12),
         PropagateUniforms,
-        modified=False,
-        delta=0,
+        modified=True,
+        delta=1,
+        dce_delta=0,
     )
+    assert check.ops() == {"Expand": 1}
 
 
 def test_zero_weight_propagates_through_a_chain(helpers):
