@@ -589,6 +589,10 @@ def generate(seed: int) -> onnx.ModelProto:
     for k in range(int(rng.integers(1, 4))):
         inputs.append(Val(f"x{k}", FLOAT, b.pick(shapes) if k == 0 or b.chance(0.5) else inputs[0].shape))
     pool = list(inputs)
+    # Constant sources: what they feed folds at compile time (constant subgraphs, Case 1 of FoldConstants).
+    for _ in range(int(rng.integers(0, 3))):
+        shape = b.pick([(4,), (1, 4), (2, 4), (3,), (2, 3, 4)])
+        pool.append(Val(b.const(b.fconst(shape), "k"), FLOAT, shape))
     target = int(rng.integers(5, 41))
     weights = np.array([w for _, w in OPS])
     weights /= weights.sum()
