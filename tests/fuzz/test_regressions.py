@@ -114,6 +114,22 @@ LATTICE_CASES: dict[str, tuple[str, str]] = {
            y = Add (f, x)
         }""",
     ),
+    # Cause 4: MatMulInteger with an all-zero B and an a_zero_point (no b_zero_point): the result is 0.
+    "matmul_integer_zero_weight_a_zero_point": (
+        "cause 4: MatMulInteger reads a_zero_point as a bias",
+        """
+        <ir_version: 9, opset_import: ["" : 20]>
+        g (float[N,8] x) => (float[N,3] y)
+           <uint8[8,3] w = {0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0}, uint8 azp = {2},
+            float lo = {0}, float hi = {5}>
+        {
+           r = Round (x)
+           c = Clip (r, lo, hi)
+           a = Cast <to: int = 2> (c)
+           m = MatMulInteger (a, w, azp)
+           y = Cast <to: int = 1> (m)
+        }""",
+    ),
     # Cause 5: Pad of a uniform with a run-time constant_value.
     "pad_uniform_runtime_constant_value": (
         "cause 5: Pad's run-time constant_value read as 0",
