@@ -151,11 +151,14 @@ def run_dynamic_passes(
     if not options.dynamic:
         return False
     modified = False
+    stale = True
     for spec in DYNAMIC_PASSES:
         module_name, _, class_name = spec.partition(":")
         cls = getattr(importlib.import_module(module_name), class_name)
-        _infer_shapes(model)
+        if stale:  # shapes are current until a pass changes the model (inference is most of a small compile)
+            _infer_shapes(model)
         changed = cls(options)(model).modified
+        stale = changed
         if changed and after_pass is not None:
             after_pass(class_name, model)
         modified |= changed
