@@ -612,9 +612,11 @@ def generate(seed: int) -> onnx.ModelProto:
         inputs.append(Val(f"x{k}", FLOAT, b.pick(shapes) if k == 0 or b.chance(0.5) else inputs[0].shape))
     pool = list(inputs)
     # Constant sources: what they feed folds at compile time (constant subgraphs, Case 1 of FoldConstants).
+    sources: list[Val] = []
     for _ in range(int(rng.integers(0, 3))):
         shape = b.pick([(4,), (1, 4), (2, 4), (3,), (2, 3, 4)])
-        pool.append(Val(b.const(b.fconst(shape), "k"), FLOAT, shape))
+        sources.append(Val(b.const(b.fconst(shape), "k"), FLOAT, shape))
+    pool.extend(sources)
     target = int(rng.integers(5, 41))
     weights = np.array([w for _, w in OPS])
     weights /= weights.sum()
@@ -641,6 +643,9 @@ def generate(seed: int) -> onnx.ModelProto:
         helper.make_tensor_value_info(v.name, v.dtype, list(v.shape) if b.chance(0.7) else [None] * len(v.shape))
         for v in chosen
     ]
+    # Sometimes a constant source is also a graph input: an overridable initializer, never a constant.
+    if sources and b.chance(0.3):
+        inputs.append(b.pick(sources))
     graph = helper.make_graph(
         b.nodes,
         f"fuzz{seed}",
