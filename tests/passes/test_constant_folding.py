@@ -586,3 +586,19 @@ def test_shape_of_an_overridable_initializer_still_folds_but_its_values_do_not(h
     )
     helpers.check_pass(model, FoldConstants, modified=True, delta=1, dce_delta=0)
     assert "Neg" in helpers.op_counts(model)
+
+
+def test_a_folded_value_listed_twice_as_an_output_keeps_its_name_at_both_places(helpers):
+    # issue 14 cause 2: the interface (names, order, duplicates) is preserved exactly.
+    model = helpers.parse(
+        HEADER
+        + """
+        g (float[3] x) => (float[3] y, float[3] z, float[3] y) <float[3] a = {1.0, 2.0, 3.0}> {
+            y = Neg(a)
+            z = Add(x, y)
+        }
+        """
+    )
+    helpers.check_pass(model, FoldConstants, modified=True, delta=1, dce_delta=0)
+    assert [o.name for o in model.graph.outputs] == ["y", "z", "y"]
+    assert model.graph.outputs[0] is model.graph.outputs[2]
