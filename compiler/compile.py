@@ -18,7 +18,7 @@ import onnx_ir as ir
 from layerzero import __version__
 from layerzero.chunked import run_in_chunks, weight_bytes
 from layerzero.contract import MASK_PREFIX, ROUTER_PREFIX
-from layerzero.errors import InvalidInputError, VerificationError
+from layerzero.errors import InvalidInputError, UnsupportedModelError, VerificationError
 from layerzero.inspect import ModelSummary, natural_key, summarize
 from layerzero.loader import load_model
 from layerzero.options import CompileOptions
@@ -30,7 +30,16 @@ from layerzero.pipeline import (
     run_dynamic_passes,
     run_static_passes,
 )
-from layerzero.verify import VerificationResult, compare_outputs, make_inputs, run_model
+from layerzero.verify import (
+    InputSet,
+    OutputComparison,
+    VerificationResult,
+    compare_outputs,
+    input_sets,
+    make_inputs,
+    merge_comparisons,
+    run_model,
+)
 
 if TYPE_CHECKING:
     from layerzero.solidify import SolidifyPlan
@@ -202,11 +211,18 @@ def verify_compiled(
     pipeline: PipelineResult,
     options: CompileOptions,
 ) -> VerificationResult:
-    """Compare the compiled model with the reference on sample inputs; raise on a mismatch.
+    """Compare the compiled model with the reference on several input sets; raise on any mismatch.
 
     With declared flags, the reference is the original with exactly those layers bypassed; the
     original's own deviation from it is reported as those layers' measured impact. Solidified paths
     (``options.solidify``) are forced off in the reference the same way (``layerzero.solidify``).
+
+    The input sets (``layerzero.verify.input_sets``): the default one, every dynamic dim at 1, every
+    dynamic dim larger, values around the constants the graph's comparisons split on, each with its own
+    seed; all must agree. A set the *original* cannot run on is skipped (the default one must run: that
+    is the inputs' fault, exit 2). A compiled model onnxruntime cannot load or run where the original runs
+    is a compiler bug (``VerificationError``, exit 1), and so is a mismatch: both name the pass whose
+    output first diverges, found by re-running the pipeline on a fresh copy of the source (``_bisect``).
     """
     with tempfile.TemporaryDirectory(prefix=f"layerzero-verify-{os.getpid()}-") as tmp:
         tmpdir = Path(tmp)
@@ -214,13 +230,17 @@ def verify_compiled(
             header = onnx.load(str(source_path), load_external_data=False)
         else:
             header = original_proto
-        feeds = _sample_inputs(header, options)
         chunked = weight_bytes(compiled) > options.chunked_verify_bytes
+        if options.sample_inputs is not None:
+            sets = [InputSet(str(options.sample_inputs), _sample_inputs(header, options))]
+        else:
+            # Big models run a few layers at a time, each set costing a pass over all weights: two sets.
+            sets = input_sets(header, options.shapes, options.seed, full=not chunked)
 
         def load_original() -> ir.Model:
             return load_model(source_path) if source_path is not None else ir.from_proto(original_proto)
 
-        def run(model: ir.Model | None, name: str) -> tuple[list[str], list[np.ndarray]]:
+        def run(model: ir.Model | None, name: str, feeds: dict) -> tuple[list[str], list[np.ndarray]]:
             # model None: the untouched original, run from its file when there is one.
             if chunked:
                 # Large models run a few layers at a time: verification never holds all the weights.
@@ -229,9 +249,20 @@ def verify_compiled(
                 return run_model(source_path if source_path is not None else original_proto.SerializeToString(), feeds)
             return run_model(_save(model, tmpdir / f"{name}.onnx"), feeds)
 
-        names, out_original = run(None, "original")
+        # The original on every set; a set it cannot run on is no test of the compiler (the default must run).
+        names: list[str] = []
+        originals: list[tuple[InputSet, list[np.ndarray]]] = []
+        for k, input_set in enumerate(sets):
+            try:
+                names, outs = run(None, "original", input_set.feeds)
+            except (InvalidInputError, UnsupportedModelError):
+                if k == 0:
+                    raise
+                logger.info("verification: the original cannot run on the %s inputs; set skipped", input_set.label)
+                continue
+            originals.append((input_set, outs))
         impact = None
-        reference_outputs = out_original
+        references: list[list[np.ndarray]] = [outs for _, outs in originals]
         if pipeline.bypassed or needs_dynamic_reference(options) or options.solidify:
             reference = load_original()
             bypass_declared_layers(reference, options)
@@ -239,16 +270,39 @@ def verify_compiled(
                 from layerzero.solidify import force_off_reference
 
                 force_off_reference(reference, options)  # the solidified paths forced off
-            _, reference_outputs = run(reference, "reference")
+            saved = reference if chunked else _save(reference, tmpdir / "reference.onnx")
+            references = []
+            for input_set, _ in originals:
+                if chunked:
+                    references.append(run(reference, "reference", input_set.feeds)[1])
+                else:
+                    references.append(run_model(saved, input_set.feeds)[1])
             del reference
-            impact = compare_outputs(names, out_original, reference_outputs, options.atol, options.rtol)
-        compiled_names, out_compiled = run(compiled, "compiled")
-        user = [i for i, n in enumerate(compiled_names) if not n.startswith((MASK_PREFIX, ROUTER_PREFIX))]
-        compiled_names = [compiled_names[i] for i in user]
-        out_compiled = [out_compiled[i] for i in user]
-        if compiled_names != names:
-            raise VerificationError(f"compiled model outputs {compiled_names} differ from the original's {names}")
-        outputs = compare_outputs(names, reference_outputs, out_compiled, options.atol, options.rtol)
+            impact = compare_outputs(names, originals[0][1], references[0], options.atol, options.rtol)
+        compiled_path = None if chunked else _save(compiled, tmpdir / "compiled.onnx")
+        per_set: list[list[OutputComparison]] = []
+        for (input_set, _), reference_outputs in zip(originals, references):
+            try:
+                if chunked:
+                    compiled_names, out_compiled = run_in_chunks(
+                        compiled, input_set.feeds, options.chunked_verify_bytes // 2
+                    )
+                else:
+                    compiled_names, out_compiled = run_model(compiled_path, input_set.feeds)
+            except (InvalidInputError, UnsupportedModelError) as exc:
+                # The original ran on these inputs: the compiler made a model the runtime cannot run.
+                culprit = _bisect(load_original, options, input_set, reference_outputs, names, chunked)
+                raise VerificationError(
+                    f"the compiled model fails in onnxruntime on the {input_set.label} inputs "
+                    f"{input_set.shapes()} where the original runs ({exc}); {culprit}"
+                ) from None
+            user = [i for i, n in enumerate(compiled_names) if not n.startswith((MASK_PREFIX, ROUTER_PREFIX))]
+            compiled_names = [compiled_names[i] for i in user]
+            out_compiled = [out_compiled[i] for i in user]
+            if compiled_names != names:
+                raise VerificationError(f"compiled model outputs {compiled_names} differ from the original's {names}")
+            per_set.append(compare_outputs(names, reference_outputs, out_compiled, options.atol, options.rtol))
+        outputs = merge_comparisons(per_set)
     if options.zeroing_threshold > 0:
         # Skipping below a threshold changes the output on purpose: report the deviation, fail only
         # above --max-deviation.
@@ -259,28 +313,91 @@ def verify_compiled(
         passed=all(o.passed for o in outputs),
         atol=options.atol,
         rtol=options.rtol,
-        inputs={k: list(v.shape) for k, v in feeds.items()},
+        inputs=originals[0][0].shapes(),
         outputs=outputs,
         impact=impact,
+        input_sets=[{"label": s.label, "inputs": s.shapes()} for s, _ in originals],
     )
     if not result.passed:
         worst = max(outputs, key=lambda o: o.needed_atol)
+        k = next(
+            (i for i, comps in enumerate(per_set) for o in comps if o.name == worst.name and not o.passed),
+            0,
+        )
+        failing = originals[k][0]
+        culprit = _bisect(load_original, options, failing, references[k], names, chunked)
         raise VerificationError(
             f"verification failed: output {worst.name!r} differs by max abs {worst.max_abs:.3g} "
-            f"(max rel {worst.max_rel:.3g}); it would pass with --atol {worst.needed_atol:.3g} "
-            f"at --rtol {options.rtol}",
+            f"(max rel {worst.max_rel:.3g}) on the {failing.label} inputs {failing.shapes()}; {culprit}; "
+            f"it would pass with --atol {worst.needed_atol:.3g} at --rtol {options.rtol}",
             result=result,
         )
     return result
 
 
+def _bisect(
+    load_original: Callable[[], ir.Model],
+    options: CompileOptions,
+    input_set: InputSet,
+    reference_outputs: list[np.ndarray],
+    names: list[str],
+    chunked: bool,
+) -> str:
+    """Which pass made the model diverge: a phrase for the error message.
+
+    Re-runs the pipeline (static, dynamic, static again, as ``compile_model``) on a fresh copy of the
+    source and checks the model after every pass that changed it: the culprit is the first pass after the
+    last checkpoint that agreed with the reference (the source itself is a checkpoint; with declared flags
+    it disagrees until FoldZeroFlags has run). A checkpoint ORT cannot load or run disagrees.
+    """
+    if chunked:
+        return "pass bisection skipped (weights over --chunked-verify-bytes)"
+
+    def agrees(model: ir.Model) -> bool:
+        try:
+            got_names, got = run_model(ir.to_proto(model).SerializeToString(), input_set.feeds)
+        except (InvalidInputError, UnsupportedModelError):
+            return False
+        user = [i for i, n in enumerate(got_names) if not n.startswith((MASK_PREFIX, ROUTER_PREFIX))]
+        if [got_names[i] for i in user] != names:
+            return False
+        comparisons = compare_outputs(names, reference_outputs, [got[i] for i in user], options.atol, options.rtol)
+        return all(o.passed for o in comparisons)
+
+    culprit: str | None = None
+    model = load_original()
+    good = agrees(model)
+
+    def check(name: str, current: ir.Model) -> None:
+        nonlocal culprit, good
+        if agrees(current):
+            good, culprit = True, None
+        elif good or culprit is None:
+            culprit, good = name, False
+
+    try:
+        run_static_passes(model, options, after_pass=check)
+        if run_dynamic_passes(model, options, after_pass=check):
+            run_static_passes(model, options, after_pass=check)
+        if options.target == "tensorrt":
+            from layerzero.targets.tensorrt import ort_equivalent
+
+            check(f"the {options.target} lowering", ort_equivalent(model, options))
+    except Exception as exc:  # the re-run itself failed: say so rather than guess
+        return f"pass bisection failed ({type(exc).__name__}: {exc})"
+    if culprit is None:
+        return "no pass's output diverges when the pipeline is re-run"
+    return f"first diverging pass: {culprit}"
+
+
 def _sample_inputs(header: onnx.ModelProto, options: CompileOptions) -> dict[str, np.ndarray]:
+    """The default input set: the user's ``.npz`` when given, else ``make_inputs``."""
     if options.sample_inputs is None:
         return make_inputs(header, options.shapes, options.seed)
     path = Path(options.sample_inputs)
     try:
         with np.load(path) as data:
-            return {k: data[k] for k in data.files}
+            return {k: np.asarray(data[k]) for k in data.files}
     except (OSError, ValueError) as exc:
         raise InvalidInputError(f"{path}: cannot read sample inputs (.npz expected): {exc}") from None
 

@@ -64,8 +64,12 @@ def run_static_passes(
     model: ir.Model,
     options: CompileOptions,
     on_iteration: Callable[[int], None] | None = None,
+    after_pass: Callable[[str, ir.Model], None] | None = None,
 ) -> PipelineResult:
-    """flags → constants → uniforms → DCE, repeated until no pass changes the model."""
+    """flags → constants → uniforms → DCE, repeated until no pass changes the model.
+
+    ``after_pass(name, model)`` is called after each pass that changed the model (verification's bisect).
+    """
     flags = FoldZeroFlags(options.flag_pattern)
     passes: list[ir.passes.PassBase] = [
         flags,
@@ -84,6 +88,8 @@ def run_static_passes(
             if p(model).modified:
                 modified_by[type(p).__name__] += 1
                 changed = True
+                if after_pass is not None:
+                    after_pass(f"{type(p).__name__} (static iteration {iteration})", model)
         if on_iteration is not None:
             on_iteration(iteration)
         if not changed:
@@ -136,16 +142,24 @@ DYNAMIC_PASSES: list[str] = [
 ]
 
 
-def run_dynamic_passes(model: ir.Model, options: CompileOptions) -> bool:
-    """Run the registered dynamic passes; returns whether any changed the model."""
+def run_dynamic_passes(
+    model: ir.Model, options: CompileOptions, after_pass: Callable[[str, ir.Model], None] | None = None
+) -> bool:
+    """Run the registered dynamic passes; returns whether any changed the model (``after_pass``: as above)."""
     import importlib
 
     if not options.dynamic:
         return False
     modified = False
+    stale = True
     for spec in DYNAMIC_PASSES:
         module_name, _, class_name = spec.partition(":")
         cls = getattr(importlib.import_module(module_name), class_name)
-        _infer_shapes(model)
-        modified |= cls(options)(model).modified
+        if stale:  # shapes are current until a pass changes the model (inference is most of a small compile)
+            _infer_shapes(model)
+        changed = cls(options)(model).modified
+        stale = changed
+        if changed and after_pass is not None:
+            after_pass(class_name, model)
+        modified |= changed
     return modified

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +13,17 @@ import onnxruntime as ort
 
 from layerzero.errors import InvalidInputError, UnsupportedModelError
 
-__all__ = ["OutputComparison", "VerificationResult", "compare_outputs", "make_inputs", "run_model"]
+__all__ = [
+    "InputSet",
+    "OutputComparison",
+    "VerificationResult",
+    "compare_outputs",
+    "comparison_points",
+    "input_sets",
+    "make_inputs",
+    "merge_comparisons",
+    "run_model",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +50,8 @@ class VerificationResult:
     inputs: dict[str, list[int]]
     outputs: list[OutputComparison]
     impact: list[OutputComparison] | None = None  # deviation of the bypassed reference from the original
+    # Every input set verification ran (label and shapes); ``inputs`` is the first one's shapes.
+    input_sets: list[dict] = dataclasses.field(default_factory=list)
 
     @property
     def needed_atol(self) -> float:
@@ -95,15 +107,29 @@ def _gather_bounds(model: onnx.ModelProto) -> dict[str, int]:
     return bounds
 
 
-def make_inputs(
-    model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]] | None = None, seed: int = 0
-) -> dict[str, np.ndarray]:
-    """Seeded sample inputs for every graph input, dynamic dims from ``shapes`` or defaults.
+def _default_size(dim_param: str) -> int:
+    return 1 if "batch" in dim_param.lower() else 8
 
-    Defaults: a symbolic dim whose name says batch is 1, any other 8. Integer inputs named like a
-    mask are ones, like positions are 0..n-1, used as Gather indices are below the table's size.
+
+def make_inputs(
+    model: onnx.ModelProto,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+    seed: int = 0,
+    *,
+    dynamic_size: Callable[[str], int] | None = None,
+    points: Sequence[float] = (),
+) -> dict[str, np.ndarray]:
+    """Seeded sample inputs for every graph input, dynamic dims from ``shapes`` or ``dynamic_size``.
+
+    Defaults: a symbolic dim whose name says batch is 1, any other 8 (``dynamic_size(dim_param)``
+    overrides that; unnamed dims get ``dynamic_size("")``). Integer inputs named like a mask are ones,
+    like positions are 0..n-1, used as Gather indices are below the table's size. With ``points`` (the
+    constants the graph's comparisons split on), float inputs spread over those values, a quarter of
+    them exactly on one, and integer inputs take those that fit their bounds at a quarter of positions.
+    Every value is an array, a rank-0 input a 0-d array (never a numpy scalar).
     """
     shapes = dict(shapes or {})
+    size_of = dynamic_size or _default_size
     rng = np.random.default_rng(seed)
     initializers = {t.name for t in model.graph.initializer}
     bounds = _gather_bounds(model)
@@ -122,26 +148,134 @@ def make_inputs(
                     f"--shape {inp.name}: rank {len(shape)}, the model's input has rank {len(ttype.shape.dim)}"
                 )
         else:
-            shape = tuple(
-                d.dim_value if d.HasField("dim_value") else (1 if "batch" in d.dim_param.lower() else 8)
-                for d in ttype.shape.dim
-            )
+            shape = tuple(d.dim_value if d.HasField("dim_value") else size_of(d.dim_param) for d in ttype.shape.dim)
         lname = inp.name.lower()
         if np.issubdtype(dtype, np.bool_):
-            feeds[inp.name] = rng.random(shape) > 0.5
+            value = rng.random(shape) > 0.5
         elif dtype in _INT_TYPES:
             if "mask" in lname:
-                feeds[inp.name] = np.ones(shape, dtype=dtype)
+                value = np.ones(shape, dtype=dtype)
             elif "position" in lname and shape:
-                feeds[inp.name] = np.broadcast_to(np.arange(shape[-1], dtype=dtype), shape).copy()
+                value = np.broadcast_to(np.arange(shape[-1], dtype=dtype), shape).copy()
             else:
-                high = bounds.get(inp.name, 2)
-                feeds[inp.name] = rng.integers(0, max(high, 1), size=shape).astype(dtype)
+                high = max(bounds.get(inp.name, 2), 1)
+                value = rng.integers(0, high, size=shape).astype(dtype)
+                fit = [int(p) for p in points if float(p).is_integer() and 0 <= p < bounds.get(inp.name, 2**31)]
+                if fit:
+                    at = rng.random(shape) < 0.25
+                    value = np.where(at, rng.choice(fit, size=shape), value).astype(dtype)
         elif np.issubdtype(dtype, np.floating):
-            feeds[inp.name] = rng.standard_normal(shape).astype(dtype)
+            if points:
+                lo, hi = min(points) - 1.0, max(points) + 1.0
+                value = rng.uniform(lo, hi, size=shape)
+                value = np.where(rng.random(shape) < 0.25, rng.choice(list(points), size=shape), value)
+                value = np.asarray(value).astype(dtype)
+            else:
+                value = np.asarray(rng.standard_normal(shape)).astype(dtype)
         else:
             raise UnsupportedModelError(f"input {inp.name!r}: cannot generate values of type {dtype}")
+        feeds[inp.name] = np.asarray(value, dtype=dtype)  # issue 14 cause 7: a rank-0 input is a 0-d array
     return feeds
+
+
+_COMPARISONS = frozenset({"Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual"})
+
+
+def comparison_points(model: onnx.ModelProto, limit: int = 8) -> list[float]:
+    """The constants the graph's comparisons split on (a small constant compared with a computed value)."""
+    consts: dict[str, np.ndarray] = {}
+    graph_inputs = {i.name for i in model.graph.input}
+    for t in model.graph.initializer:
+        if t.name not in graph_inputs and np.prod(t.dims, dtype=np.int64) <= 16:
+            consts[t.name] = onnx.numpy_helper.to_array(t)
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            array = onnx.numpy_helper.to_array(node.attribute[0].t)
+            if array.size <= 16:
+                consts[node.output[0]] = array
+    points: set[float] = set()
+    for node in model.graph.node:
+        if node.op_type not in _COMPARISONS or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+            continue
+        a, b = (consts.get(name) for name in node.input)
+        if (a is None) == (b is None):
+            continue  # both constant (folding's job) or neither: no threshold to cover
+        array = a if a is not None else b
+        if np.issubdtype(array.dtype, np.number):
+            points.update(float(v) for v in np.asarray(array, dtype=np.float64).ravel() if np.isfinite(v))
+    return sorted(points)[:limit]
+
+
+@dataclasses.dataclass
+class InputSet:
+    label: str
+    feeds: dict[str, np.ndarray]
+
+    def shapes(self) -> dict[str, list[int]]:
+        return {k: list(v.shape) for k, v in self.feeds.items()}
+
+
+def input_sets(
+    model: onnx.ModelProto,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+    seed: int = 0,
+    *,
+    full: bool = True,
+) -> list[InputSet]:
+    """The input sets verification compares on; the first is the default one (``make_inputs``).
+
+    Then, with other seeds: every dynamic dim at 1; every dynamic dim larger and all different (so that
+    two dims mixed up show); and, when the graph's comparisons split on constants, values spread over
+    those constants. Dims given in ``shapes`` stay as given. ``full=False`` (big models, where each set
+    costs a chunked run) keeps the default set and the dims-at-1 set.
+    """
+    sets = [InputSet("default", make_inputs(model, shapes, seed))]
+    sets.append(InputSet("dynamic dims 1", make_inputs(model, shapes, seed + 1, dynamic_size=lambda _name: 1)))
+    if not full:
+        return _distinct(sets)
+    larger: dict[str, int] = {}
+
+    def distinct_size(name: str) -> int:
+        if name not in larger:
+            larger[name] = (3 if "batch" in name.lower() else 5) + len(larger)
+        return larger[name]
+
+    sets.append(InputSet("dynamic dims larger", make_inputs(model, shapes, seed + 2, dynamic_size=distinct_size)))
+    points = comparison_points(model)
+    if points:
+        sets.append(InputSet(f"values around {points}", make_inputs(model, shapes, seed + 3, points=points)))
+    return _distinct(sets)
+
+
+def _distinct(sets: list[InputSet]) -> list[InputSet]:
+    """Drop a set whose feeds equal an earlier one's (a model without dynamic dims or inputs)."""
+    out: list[InputSet] = []
+    for s in sets:
+        same = any(
+            o.feeds.keys() == s.feeds.keys()
+            and all(o.feeds[k].shape == v.shape and np.array_equal(o.feeds[k], v) for k, v in s.feeds.items())
+            for o in out
+        )
+        if not same:
+            out.append(s)
+    return out
+
+
+def merge_comparisons(per_set: list[list[OutputComparison]]) -> list[OutputComparison]:
+    """Per output, the worst comparison over all input sets."""
+    merged: list[OutputComparison] = []
+    for column in zip(*per_set):
+        worst = max(column, key=lambda o: (not o.passed, o.needed_atol, o.max_abs))
+        merged.append(
+            OutputComparison(
+                worst.name,
+                max(o.max_abs for o in column),
+                max(o.max_rel for o in column),
+                max(o.needed_atol for o in column),
+                all(o.passed for o in column),
+            )
+        )
+    return merged
 
 
 def run_model(model: str | Path | bytes, feeds: Mapping[str, np.ndarray]) -> tuple[list[str], list[np.ndarray]]:

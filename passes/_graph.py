@@ -25,9 +25,11 @@ __all__ = [
     "layer_of",
     "make_constant",
     "node_subgraphs",
+    "read_round_trip_sources",
     "release_subgraphs",
     "rename_output",
     "replace_value",
+    "round_trip_source",
     "same_dim",
     "same_shape",
     "scope_of",
@@ -170,6 +172,77 @@ def rename_output(graph: ir.Graph, old: ir.Value, new: ir.Value, names: NameFact
     for i, out in enumerate(list(graph.outputs)):
         if out is old:
             graph.outputs[i] = new
+
+
+_D = ir.DataType
+# (narrow, wide): Cast narrow -> wide -> narrow gives back every value exactly.
+_WIDER: dict[ir.DataType, tuple[ir.DataType, ...]] = {
+    _D.FLOAT: (_D.DOUBLE,),
+    _D.FLOAT16: (_D.FLOAT, _D.DOUBLE),
+    _D.BFLOAT16: (_D.FLOAT, _D.DOUBLE),
+    _D.INT8: (_D.INT16, _D.INT32, _D.INT64),
+    _D.INT16: (_D.INT32, _D.INT64),
+    _D.INT32: (_D.INT64,),
+    _D.UINT8: (_D.UINT16, _D.UINT32, _D.UINT64, _D.INT16, _D.INT32, _D.INT64),
+    _D.UINT16: (_D.UINT32, _D.UINT64, _D.INT32, _D.INT64),
+    _D.UINT32: (_D.UINT64, _D.INT64),
+}
+_LOSSLESS_WIDENING = frozenset((narrow, wide) for narrow, wides in _WIDER.items() for wide in wides)
+
+
+def _cast(value: ir.Value) -> tuple[ir.Value, ir.DataType] | None:
+    """(input, target type) when ``value`` is made by a default-domain Cast."""
+    node = value.producer()
+    if node is None or node.op_type != "Cast" or node.domain not in ("", "ai.onnx") or node.inputs[0] is None:
+        return None
+    to = node.attributes.get_int("to", None)
+    return (node.inputs[0], ir.DataType(to)) if to is not None else None
+
+
+def round_trip_source(value: ir.Value) -> ir.Value:
+    """The value a lossless ``Cast(Cast(v, wide), narrow)`` chain gives back (``value`` itself otherwise)."""
+    while True:
+        outer = _cast(value)
+        inner = _cast(outer[0]) if outer is not None else None
+        if outer is None or inner is None:
+            return value
+        source = inner[0]
+        narrow, wide = outer[1], inner[1]
+        if source.dtype != narrow or (narrow, wide) not in _LOSSLESS_WIDENING:
+            return value
+        value = source
+
+
+def read_round_trip_sources(node: ir.Node) -> bool:
+    """Make ``node``'s subgraphs read the source of a lossless Cast round trip, not its result.
+
+    NOTE: onnxruntime (1.32) removes such a round trip (float -> double -> float, int32 -> int64 -> int32,
+    float16 -> float -> float16) and rewires the main graph's readers only: a subgraph that reads the result
+    then fails at run time with "Missing Input". Reading the source is the same value and sidesteps it.
+    Returns whether an input changed.
+    """
+    inner: set[int] = set()
+    subgraphs = [g for sub in node_subgraphs(node) for g in iter_graphs(sub)]
+    for g in subgraphs:
+        inner.update(id(v) for v in g.inputs)
+        inner.update(id(v) for v in g.initializers.values())
+        for n in g:
+            inner.update(id(v) for v in n.outputs)
+    changed = False
+    for g in subgraphs:
+        for n in list(g):
+            for k, value in enumerate(n.inputs):
+                if value is None or id(value) in inner:
+                    continue
+                source = round_trip_source(value)
+                if source is not value:
+                    n.replace_input_with(k, source)
+                    changed = True
+        for k, value in enumerate(list(g.outputs)):
+            if id(value) not in inner and (source := round_trip_source(value)) is not value:
+                g.outputs[k] = source
+                changed = True
+    return changed
 
 
 def insert_after_producer(graph: ir.Graph, value: ir.Value | None, nodes: list[ir.Node]) -> None:

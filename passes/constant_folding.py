@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 
 import numpy as np
 import onnx
 import onnx_ir as ir
+import onnxruntime as ort
 
 from layerzero.passes._graph import (
     NameFactory,
@@ -33,13 +35,17 @@ class FoldConstants(ir.passes.InPlacePass):
     """Fold computation whose inputs are known at compile time.
 
     Cases:
-    1. A default-domain node whose inputs are all constants (initializers not also graph inputs, or
-       Constant nodes) and whose outputs have at most ``max_elements`` elements each: evaluated with
-       the ONNX reference evaluator and replaced by initializers.
+    1. A default-domain node whose inputs are all constants (initializers not also graph inputs, Constant
+       nodes, or outputs of nodes folded in the same run) and whose outputs have at most ``max_elements``
+       elements each: evaluated with onnxruntime, the runtime the compiled model runs on (``onnx.reference``
+       differs from it on some ops, e.g. ``LpNormalization`` p=1), and replaced by initializers. All the
+       foldable nodes of one graph are evaluated in one ORT session per pass run; when that session
+       cannot be made (an op or type ORT lacks), each node is tried alone and those ORT refuses stay.
     2. ``Shape`` / ``Size`` of a value whose shape is fully static: replaced by the constant.
     3. ``If`` whose condition is a constant: the taken branch's nodes move into the enclosing graph
-       and its outputs replace the ``If``'s outputs (nested Ifs fold on the next iteration).
-    Subgraphs are visited. Nodes that fail to evaluate are left alone (logged at DEBUG).
+       and its outputs replace the ``If``'s outputs (nested Ifs fold on the same run).
+    Subgraphs are visited. An initializer that is also a graph input can be overridden at run time: it is
+    never a constant (``const_array``).
     """
 
     def __init__(self, max_elements: int = 1 << 20) -> None:
@@ -52,22 +58,30 @@ class FoldConstants(ir.passes.InPlacePass):
         opsets = dict(model.opset_imports)
         modified = False
         for graph in list(iter_graphs(root)):
-            pending = list(graph)
-            while pending:
-                node = pending.pop(0)
-                if node.graph is not graph:  # moved or removed by an earlier fold
-                    continue
-                if node.op_type == "If" and node.domain in ("", "ai.onnx"):
-                    inlined = self._fold_if(graph, node, names)
-                    if inlined is not None:
-                        modified = True
-                        pending[:0] = inlined  # a nested If (Case 3) folds on this same run
-                    continue
-                modified |= self._fold_node(root, node, names, opsets)
+            # Fold, then inline the Ifs whose condition that made constant, then fold what they brought along.
+            while True:
+                modified |= self._fold_graph(root, graph, names, opsets)
+                if not self._fold_ifs(graph, names):
+                    break
+                modified = True
         return ir.passes.PassResult(model, modified=modified)
 
+    # Case 3, over a FIFO (no quadratic pop(0)): a nested If an inlined branch brings along folds on this run.
+    def _fold_ifs(self, graph: ir.Graph, names: NameFactory) -> bool:
+        pending = collections.deque(node for node in graph if node.op_type == "If")
+        inlined_any = False
+        while pending:
+            node = pending.popleft()
+            if node.graph is not graph or node.domain not in ("", "ai.onnx"):
+                continue
+            inlined = self._fold_if(graph, node, names)
+            if inlined is not None:
+                inlined_any = True
+                pending.extend(n for n in inlined if n.op_type == "If")
+        return inlined_any
+
     # Case 1 and 2
-    def _fold_node(self, root: ir.Graph, node: ir.Node, names: NameFactory, opsets: dict[str, int]) -> bool:
+    def _foldable(self, node: ir.Node) -> bool:
         if node.domain not in ("", "ai.onnx") or node.op_type in _NEVER_FOLD | _NON_DETERMINISTIC:
             return False
         if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
@@ -76,22 +90,66 @@ class FoldConstants(ir.passes.InPlacePass):
             return False  # sequences and optionals have no initializer form
         if not any(out.uses() or out.is_graph_output() for out in node.outputs):
             return False  # dead: DCE's job
-        if node.op_type == "Identity" and node.outputs[0].is_graph_output():
-            # Already folded: Identity(constant) is how a graph output keeps its name (replace_value).
-            return False
-        results = self._static_shape_fold(node)
-        if results is None:
-            results = self._evaluate(node, opsets)
-        if results is None:
-            return False
-        if any(r.size > self.max_elements for r in results):
-            return False
-        for out, array in zip(node.outputs, results):
-            const = make_constant(root, names, out.name or "folded", array)
-            if out.type is not None:
-                const.type = out.type
-            replace_value(out, const, names)
-        return True
+        # Already folded: Identity(constant) is how a graph output keeps its name (replace_value).
+        return not (node.op_type == "Identity" and node.outputs[0].is_graph_output())
+
+    def _fold_graph(self, root: ir.Graph, graph: ir.Graph, names: NameFactory, opsets: dict[str, int]) -> bool:
+        known: dict[int, np.ndarray] = {}  # id(value) -> its constant contents (Case 2 results, constant inputs)
+        batch: list[ir.Node] = []
+        produced: set[int] = set()
+        static: dict[ir.Value, np.ndarray] = {}
+        for node in graph:
+            if not self._foldable(node):
+                continue
+            shape_fold = self._static_shape_fold(node)
+            if shape_fold is not None:  # Case 2
+                static[node.outputs[0]] = shape_fold[0]
+                continue
+            inputs_ok = True
+            size = 0
+            for value in node.inputs:
+                if value is None or id(value) in produced:
+                    continue
+                if value in static:
+                    array = static[value]
+                elif id(value) in known:
+                    array = known[id(value)]
+                else:
+                    array = const_array(value)
+                    if array is None:
+                        inputs_ok = False
+                        break
+                    known[id(value)] = array
+                size += array.size
+            if not inputs_ok or size > self.max_elements:
+                continue
+            if all(v is None for v in node.inputs):
+                continue  # a source op with only attributes (e.g. Range needs inputs): nothing to fold from
+            batch.append(node)
+            produced.update(id(out) for out in node.outputs)
+        results: dict[ir.Value, np.ndarray] = dict(static)
+        if batch:
+            for value in static:
+                known[id(value)] = static[value]
+            results.update(self._evaluate(batch, known, opsets))
+        modified = False
+        in_batch = set(batch)
+        for value, array in results.items():
+            # Replace only what a node outside the folded set reads, or a graph output.
+            needed = value.is_graph_output() or any(use.node not in in_batch for use in value.uses())
+            if not needed or array.size > self.max_elements:
+                continue
+            if value.dtype is not None and array.dtype != value.dtype.numpy():
+                try:
+                    array = array.astype(value.dtype.numpy())
+                except Exception:
+                    continue
+            const = make_constant(root, names, value.name or "folded", array)
+            if value.type is not None:
+                const.type = value.type
+            replace_value(value, const, names)
+            modified = True
+        return modified
 
     @staticmethod
     def _static_shape_fold(node: ir.Node) -> list[np.ndarray] | None:
@@ -108,45 +166,39 @@ class FoldConstants(ir.passes.InPlacePass):
         end = node.attributes.get_int("end", len(dims))
         return [np.array(dims[slice(start, end)], dtype=np.int64)]
 
-    def _evaluate(self, node: ir.Node, opsets: dict[str, int]) -> list[np.ndarray] | None:
-        inputs: list[np.ndarray | None] = []
-        for value in node.inputs:
-            if value is None:
-                inputs.append(None)
-                continue
-            array = const_array(value)
-            if array is None:
-                return None
-            inputs.append(array)
-        if all(x is None for x in inputs) and node.op_type != "Range":
-            # Nothing to fold from (e.g. a source op with only attributes we do not handle).
-            return None
-        if sum(x.size for x in inputs if x is not None) > self.max_elements:
-            return None
-        in_names = [f"i{k}" if x is not None else "" for k, x in enumerate(inputs)]
-        out_names = [f"o{k}" if out.name is not None else "" for k, out in enumerate(node.outputs)]
-        proto = onnx.helper.make_node(node.op_type, in_names, out_names, domain="")
-        proto.attribute.extend(ir.serde.serialize_attribute(a) for a in node.attributes.values())
-        feeds = {n: x for n, x in zip(in_names, inputs) if n}
-        try:
-            from onnx.reference import ReferenceEvaluator
+    def _evaluate(
+        self,
+        batch: list[ir.Node],
+        known: dict[int, np.ndarray],
+        opsets: dict[str, int],
+    ) -> dict[ir.Value, np.ndarray]:
+        """The outputs of ``batch`` (topologically ordered), computed by onnxruntime.
 
-            version = node.version or opsets.get("", opsets.get("ai.onnx", 18))
-            evaluator = ReferenceEvaluator(proto, opsets={"": version})
-            results = evaluator.run(None, feeds)
-        except Exception as exc:  # the reference evaluator lacks some ops / edge cases
-            logger.debug("could not fold %s (%s): %s", node.name, node.op_type, exc)
-            return None
-        if not all(isinstance(r, np.ndarray | np.generic) for r in results):
-            return None  # a sequence, optional or map: only tensors become initializers
-        arrays = [np.asarray(r) for r in results]
-        for k, (out, array) in enumerate(zip(node.outputs, arrays)):
-            if out.dtype is not None and array.dtype != out.dtype.numpy():
+        One session for the whole batch; when ORT refuses it, one session per node, feeding results forward
+        (a node ORT refuses, and whatever reads it, is left alone).
+        """
+        try:
+            return _run_ort(batch, known, opsets)
+        except Exception as exc:
+            logger.debug("batched folding failed (%s); folding node by node", str(exc).splitlines()[0][:200])
+        results: dict[ir.Value, np.ndarray] = {}
+        for node in batch:
+            feeds = {}
+            for value in node.inputs:
+                if value is None:
+                    continue
+                if value in results:
+                    feeds[id(value)] = results[value]
+                elif id(value) in known:
+                    feeds[id(value)] = known[id(value)]
+                else:
+                    break  # its producer could not be folded
+            else:
                 try:
-                    arrays[k] = array.astype(out.dtype.numpy())
-                except Exception:
-                    return None
-        return arrays
+                    results.update(_run_ort([node], feeds, opsets))
+                except Exception as exc:
+                    logger.debug("could not fold %s (%s): %s", node.name, node.op_type, str(exc).splitlines()[0])
+        return results
 
     # Case 3
     def _fold_if(self, graph: ir.Graph, node: ir.Node, names: NameFactory) -> list[ir.Node] | None:
@@ -178,3 +230,52 @@ class FoldConstants(ir.passes.InPlacePass):
             release_subgraphs(node)
             graph.remove(node, safe=True)
         return body
+
+
+def _run_ort(nodes: list[ir.Node], known: dict[int, np.ndarray], opsets: dict[str, int]) -> dict[ir.Value, np.ndarray]:
+    """Evaluate ``nodes`` (topologically ordered) with onnxruntime; their inputs are ``known`` constants."""
+    local: dict[int, str] = {}
+
+    def name(value: ir.Value) -> str:
+        if id(value) not in local:
+            local[id(value)] = f"v{len(local)}"
+        return local[id(value)]
+
+    protos = []
+    outputs: list[ir.Value] = []
+    produced: set[int] = set()
+    for node in nodes:
+        inputs = ["" if v is None else name(v) for v in node.inputs]
+        # An unnamed output is an omitted optional one: asking for it could change what the op computes.
+        outs = [name(v) if v.name else "" for v in node.outputs]
+        proto = onnx.helper.make_node(node.op_type, inputs, outs, domain="")
+        proto.attribute.extend(ir.serde.serialize_attribute(a) for a in node.attributes.values())
+        protos.append(proto)
+        outputs.extend(v for v in node.outputs if v.name)
+        produced.update(id(v) for v in node.outputs)
+    initializers = [
+        onnx.numpy_helper.from_array(np.asarray(known[key]), local[key])
+        for key in list(local)
+        if key not in produced and key in known
+    ]
+    missing = [key for key in local if key not in produced and key not in known]
+    if missing:
+        raise ValueError("an input of the folded nodes has no constant value")
+    version = opsets.get("", opsets.get("ai.onnx", 18))
+    graph = onnx.helper.make_graph(
+        protos, "fold", [], [onnx.ValueInfoProto(name=local[id(v)]) for v in outputs], initializers
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", version)], ir_version=10)
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    # The kernels themselves, not a graph rewrite of them: what the compiled model computes at run time.
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    arrays = session.run(None, {})
+    result = {}
+    for value, array in zip(outputs, arrays):
+        if isinstance(array, np.ndarray | np.generic):
+            result[value] = np.asarray(array)
+    return result

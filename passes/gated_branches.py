@@ -24,6 +24,7 @@ from layerzero.passes._graph import (
     common_scope,
     const_array,
     make_constant,
+    read_round_trip_sources,
     rename_output,
     same_dim,
     same_shape,
@@ -296,6 +297,7 @@ class SkipGatedBranches(ir.passes.InPlacePass):
             out.type, out.shape = y_type, y_shape
         then_branch.outputs.append(out)
         graph.outputs.append(mask)
+        read_round_trip_sources(if_node)  # onnxruntime's "Missing Input" (issue 14 cause 6)
         return mask
 
 

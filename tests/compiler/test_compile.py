@@ -115,3 +115,101 @@ def test_chunked_verification_still_catches_a_mismatch(tmp_path: Path) -> None:
     )
     with pytest.raises(VerificationError):
         compile_model(_save(model, tmp_path / "nan.onnx"), CompileOptions(chunked_verify_bytes=1))
+
+
+# ------------------------------------------------------------------------------ verification that cannot be fooled
+
+
+def _parse(text: str) -> onnx.ModelProto:
+    return onnx.parser.parse_model('<ir_version: 10, opset_import: ["" : 18]>\n' + text)
+
+
+def test_rank_0_bool_input_gets_a_0d_array() -> None:
+    # issue 14 cause 7: a rank-0 input (here the If condition) must be fed as a 0-d array, not a numpy scalar.
+    from layerzero.verify import make_inputs
+
+    model = _parse(
+        """g (bool c, float[N, 3] x) => (float[N, 3] y) <float[3] z = {0.0, 0.0, 0.0}> {
+            m = Mul(x, z)
+            y = If(c) <then_branch = t () => (float[N, 3] a) { a = Relu(m) },
+                       else_branch = e () => (float[N, 3] b) { b = Neg(x) }>
+        }"""
+    )
+    feeds = make_inputs(model)
+    assert isinstance(feeds["c"], np.ndarray) and feeds["c"].shape == () and feeds["c"].dtype == np.bool_
+    assert compile_model(model).verification.passed
+
+
+def test_input_sets_cover_dims_at_1_larger_dims_and_comparison_thresholds() -> None:
+    from layerzero.verify import input_sets
+
+    model = _parse(
+        """g (float[batch, S, 3] x) => (float[batch, S, 3] y) <float t = {3.5}, float[3] one = {1.0, 1.0, 1.0}> {
+            c = Greater(x, t)
+            y = Where(c, x, one)
+        }"""
+    )
+    sets = input_sets(model, seed=0)
+    shapes = {s.label: s.shapes()["x"] for s in sets}
+    assert shapes["default"] == [1, 8, 3]
+    assert shapes["dynamic dims 1"] == [1, 1, 3]
+    assert shapes["dynamic dims larger"] == [3, 6, 3]  # larger and all different
+    around = next(s for s in sets if s.label.startswith("values around"))
+    x = around.feeds["x"]
+    assert (x > 3.5).any() and (x < 3.5).any() and (x == 3.5).any()
+    result = compile_model(model)
+    assert [s["label"] for s in result.verification.input_sets] == [s.label for s in sets]
+
+
+def test_a_wrong_rewrite_the_default_inputs_miss_is_caught_and_its_pass_named(monkeypatch) -> None:
+    # A pass that turns ReduceSum over the batch into ReduceMax: equal at batch 1 (the default inputs, all
+    # the old verification ran), wrong at any larger batch.
+    from layerzero import pipeline
+    from layerzero.errors import VerificationError
+
+    class SimplifyConcatSplit(pipeline.SimplifyConcatSplit):  # same name: the pipeline's slot
+        def call(self, model: ir.Model) -> ir.passes.PassResult:
+            for node in model.graph:
+                if node.op_type == "ReduceSum":
+                    node.op_type = "ReduceMax"  # wrong on purpose
+                    return ir.passes.PassResult(model, modified=True)
+            return super().call(model)
+
+    model = _parse(
+        """g (float[batch, 3] x) => (float[1, 3] y) <int64[1] axis = {0}> {
+            y = ReduceSum <keepdims = 1> (x, axis)
+        }"""
+    )
+    monkeypatch.setattr(pipeline, "SimplifyConcatSplit", SimplifyConcatSplit)
+    with pytest.raises(VerificationError) as info:
+        compile_model(model)
+    message = str(info.value)
+    assert "dynamic dims larger inputs {'x': [3, 3]}" in message
+    assert "first diverging pass: SimplifyConcatSplit (static iteration 1)" in message
+    assert "\n" not in message
+    monkeypatch.undo()
+    assert compile_model(model).verification.passed
+
+
+def test_a_compiled_model_onnxruntime_cannot_run_names_the_pass(monkeypatch) -> None:
+    # Without the round-trip guard, the gated-branch rewrite makes a model ORT fails on ("Missing Input",
+    # issue 14 cause 6): that is the compiler's fault (VerificationError, exit 1), never the sample inputs'.
+    from layerzero.errors import VerificationError
+    from layerzero.passes import gated_branches
+
+    monkeypatch.setattr(gated_branches, "read_round_trip_sources", lambda node: False)
+    model = _parse(
+        """g (float[N, 4] xi, float[1] gi) => (float[N, 4] y) {
+            xd = Cast <to = 11> (xi)
+            x = Cast <to = 1> (xd)
+            h = Relu(x)
+            m = Mul(gi, h)
+            y = Add(x, m)
+        }"""
+    )
+    pattern = r"fails in onnxruntime.*first diverging pass: SkipGatedBranches"
+    with pytest.raises(VerificationError, match=pattern) as info:
+        compile_model(model)
+    assert info.value.exit_code == 1
+    monkeypatch.undo()
+    assert compile_model(model).verification.passed  # with the guard

@@ -487,7 +487,9 @@ def op_pad(b: _Builder, pool: list[Val]) -> list[Val]:
     pads = [0] * r + [0] * r
     pads[r - 1], pads[2 * r - 1] = lo, hi
     inputs = [x.name, b.i64(pads)]
-    if b.chance(0.6):
+    if b.chance(0.2):  # a run-time constant_value
+        inputs.append(b.op("ReduceMax", [x.name], keepdims=0))
+    elif b.chance(0.6):
         inputs.append(b.const(np.array(b.pick([0.0, 1.0, -2.0]), np.float32)))
     mode = b.pick(["constant", "constant", "reflect", "edge"])
     if mode == "reflect" and x.shape[-1] <= max(lo, hi):
@@ -495,6 +497,25 @@ def op_pad(b: _Builder, pool: list[Val]) -> list[Val]:
     if mode != "constant":
         inputs = inputs[:2]
     return [Val(b.op("Pad", inputs, mode=mode), FLOAT, (*x.shape[:-1], x.shape[-1] + lo + hi))]
+
+
+def op_matmul_integer(b: _Builder, pool: list[Val]) -> list[Val]:
+    """uint8 MatMulInteger with zero points (constant, often zero, or computed), back to float."""
+    cands = [v for v in _floats(pool) if len(v.shape) >= 1 and isinstance(v.shape[-1], int)]
+    if not cands:
+        return []
+    x = b.pick(cands)
+    k, m = x.shape[-1], b.pick([1, 3])
+    clipped = b.op("Clip", [b.op("Round", [x.name]), b.const(np.float32(0)), b.const(np.float32(5))])
+    a = b.op("Cast", [clipped], to=TensorProto.UINT8)
+    w = b.const(b.pick([np.zeros((k, m)), np.ones((k, m)), b.rng.integers(0, 4, size=(k, m))]).astype(np.uint8))
+    inputs = [a, w]
+    if b.chance(0.7):
+        inputs.append(b.const(np.array(b.pick([0, 1, 2]), np.uint8)))
+        if b.chance(0.6):
+            inputs.append(b.const(np.array(b.pick([0, 1, 3]), np.uint8)))
+    out = b.op("MatMulInteger", inputs)
+    return [Val(b.op("Cast", [out], to=FLOAT), FLOAT, (*x.shape[:-1], m))]
 
 
 def op_trilu(b: _Builder, pool: list[Val]) -> list[Val]:
@@ -574,6 +595,7 @@ OPS: list[tuple[Callable[[_Builder, list[Val]], list[Val]], float]] = [
     (op_shape_ops, 1.5),
     (op_pad, 1),
     (op_trilu, 0.5),
+    (op_matmul_integer, 0.7),
     (op_if, 1.5),
     (op_gated, 1),
 ]
@@ -589,6 +611,12 @@ def generate(seed: int) -> onnx.ModelProto:
     for k in range(int(rng.integers(1, 4))):
         inputs.append(Val(f"x{k}", FLOAT, b.pick(shapes) if k == 0 or b.chance(0.5) else inputs[0].shape))
     pool = list(inputs)
+    # Constant sources: what they feed folds at compile time (constant subgraphs, Case 1 of FoldConstants).
+    sources: list[Val] = []
+    for _ in range(int(rng.integers(0, 3))):
+        shape = b.pick([(4,), (1, 4), (2, 4), (3,), (2, 3, 4)])
+        sources.append(Val(b.const(b.fconst(shape), "k"), FLOAT, shape))
+    pool.extend(sources)
     target = int(rng.integers(5, 41))
     weights = np.array([w for _, w in OPS])
     weights /= weights.sum()
@@ -615,6 +643,9 @@ def generate(seed: int) -> onnx.ModelProto:
         helper.make_tensor_value_info(v.name, v.dtype, list(v.shape) if b.chance(0.7) else [None] * len(v.shape))
         for v in chosen
     ]
+    # Sometimes a constant source is also a graph input: an overridable initializer, never a constant.
+    if sources and b.chance(0.3):
+        inputs.append(b.pick(sources))
     graph = helper.make_graph(
         b.nodes,
         f"fuzz{seed}",

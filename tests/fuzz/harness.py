@@ -58,13 +58,16 @@ def run_ort(session: ort.InferenceSession, feeds: Mapping[str, np.ndarray]) -> l
     return session.run(None, {k: v for k, v in feeds.items() if k in wanted})
 
 
-def make_feeds(model: onnx.ModelProto, sizes: Mapping[str, int], seed: int) -> dict[str, np.ndarray]:
-    """Seeded inputs: symbolic dims from ``sizes`` (unknown names: 2)."""
+def make_feeds(
+    model: onnx.ModelProto, sizes: Mapping[str, int], seed: int, override: bool = False
+) -> dict[str, np.ndarray]:
+    """Seeded inputs: symbolic dims from ``sizes`` (unknown names: 2); with ``override``, initializers that
+    are also graph inputs get other values too (they are no constants)."""
     rng = np.random.default_rng(seed)
     inits = {t.name for t in model.graph.initializer}
     feeds: dict[str, np.ndarray] = {}
     for inp in model.graph.input:
-        if inp.name in inits:
+        if inp.name in inits and not override:
             continue
         tt = inp.type.tensor_type
         shape = tuple(d.dim_value if d.HasField("dim_value") else sizes.get(d.dim_param, 2) for d in tt.shape.dim)
@@ -109,7 +112,8 @@ def check_model(model: onnx.ModelProto, seed: int = 0, options: CompileOptions |
         onnx.checker.check_model(model, full_check=True)
         blob = model.SerializeToString()
         original = _session(blob)
-        feed_sets = [make_feeds(model, s, seed + k) for k, s in enumerate(SIZES)]
+        # The second set also overrides the initializers that are graph inputs.
+        feed_sets = [make_feeds(model, s, seed + k, override=k == 1) for k, s in enumerate(SIZES)]
         expected = [run_ort(original, f) for f in feed_sets]
     except Exception as exc:
         return Outcome("invalid", f"{type(exc).__name__}: {str(exc).strip()[:200]}")

@@ -54,18 +54,37 @@ CASES: dict[str, str] = {
            n = LpNormalization <axis: int = -1, p: int = 1> (c)
            y = Add (x, n)
         }""",
-    # Cause 6: the gated-branch rewrite with a gate made by Cast double -> float.
-    "gated_branch_cast_double": """
+    # Cause 6: the gated-branch rewrite must not make the branches read the result of a lossless Cast round
+    # trip (float -> double -> float): onnxruntime removes the round trip and its If then misses the input.
+    "gated_branch_cast_round_trip_scalar_gate": """
         <ir_version: 9, opset_import: ["" : 18]>
-        g (float[N,S,4] x) => (float[N,S,4] y)
-           <int64[1] ax = {-1}>
-        {
+        g (float[N,4] xi, float[1] gi) => (float[N,4] y) {
+           xd = Cast <to: int = 11> (xi)
+           x = Cast <to: int = 1> (xd)
+           h = Relu (x)
+           m = Mul (gi, h)
+           y = Add (x, m)
+        }""",
+    "gated_branch_cast_round_trip_token_gate": """
+        <ir_version: 9, opset_import: ["" : 18]>
+        g (float[N,S,4] xi) => (float[N,S,4] y) <int64[1] ax = {-1}> {
+           xd = Cast <to: int = 11> (xi)
+           x = Cast <to: int = 1> (xd)
            h = Relu (x)
            r = ReduceMean <keepdims: int = 1> (x, ax)
            s = Sigmoid (r)
-           d = Cast <to: int = 11> (s)
-           gt = Cast <to: int = 1> (d)
-           m = Mul (gt, h)
+           m = Mul (s, h)
+           y = Add (x, m)
+        }""",
+    "gated_branch_lossy_cast_chain_is_kept": """
+        <ir_version: 9, opset_import: ["" : 18]>
+        g (float[N,4] xi, float[1] gi) => (float[N,4] y) {
+           xh = Cast <to: int = 10> (xi)
+           xf = Cast <to: int = 1> (xh)
+           xb = Cast <to: int = 10> (xf)
+           x = Cast <to: int = 1> (xb)
+           h = Tanh (x)
+           m = Mul (gi, h)
            y = Add (x, m)
         }""",
     # An overridable initializer (also a graph input) is never folded.
@@ -93,6 +112,22 @@ LATTICE_CASES: dict[str, tuple[str, str]] = {
            p = Pow (k, e)
            f = Cast <to: int = 1> (p)
            y = Add (f, x)
+        }""",
+    ),
+    # Cause 4: MatMulInteger with an all-zero B and an a_zero_point (no b_zero_point): the result is 0.
+    "matmul_integer_zero_weight_a_zero_point": (
+        "cause 4: MatMulInteger reads a_zero_point as a bias",
+        """
+        <ir_version: 9, opset_import: ["" : 20]>
+        g (float[N,8] x) => (float[N,3] y)
+           <uint8[8,3] w = {0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0}, uint8 azp = {2},
+            float lo = {0}, float hi = {5}>
+        {
+           r = Round (x)
+           c = Clip (r, lo, hi)
+           a = Cast <to: int = 2> (c)
+           m = MatMulInteger (a, w, azp)
+           y = Cast <to: int = 1> (m)
         }""",
     ),
     # Cause 5: Pad of a uniform with a run-time constant_value.

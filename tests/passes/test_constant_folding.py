@@ -372,9 +372,10 @@ def test_if_with_a_sequence_output_at_opset_13(helpers):
     np.testing.assert_array_equal(res, [-np.arange(4, dtype=np.float32)])
 
 
-def test_sequence_results_are_not_folded(helpers):
-    # SplitToSequence of a constant is a sequence: it has no initializer form, so it stays.
-    helpers.check_pass(
+def test_sequence_results_fold_only_into_tensors(helpers):
+    # SplitToSequence of a constant is a sequence: it has no initializer form, it is never replaced; the
+    # tensor SequenceAt takes from it is (both run in the same ORT session), and the sequence goes with DCE.
+    check = helpers.check_pass(
         HEADER
         + """
         g (float[4] x) => (float[4] y) <float[4] a = {1.0, 2.0, 3.0, 4.0}, int64 one = {1}> {
@@ -384,10 +385,12 @@ def test_sequence_results_are_not_folded(helpers):
         }
         """,
         FoldConstants,
-        modified=False,
+        modified=True,
         delta=0,
+        dce_delta=-2,
         infer=False,  # see test_if_with_a_sequence_output_at_opset_13
     )
+    assert check.ops() == {"Add": 1}
 
 
 def test_if_with_a_dynamic_condition_is_kept(helpers):
@@ -493,3 +496,109 @@ def test_dead_constant_nodes_are_left_to_dce(helpers):
     assert RemoveDeadCode()(model).modified
     assert helpers.count_nodes(model) == 1
     assert _initializer_names(model) == set()
+
+
+# ------------------------------------------------------------------------------------------- folding = ORT
+
+
+def test_lp_normalization_folds_to_what_onnxruntime_computes(helpers):
+    # issue 14 cause 3: onnx.reference divides by sum(x) for p=1; ORT (the target runtime) by sum(|x|).
+    model = helpers.parse(
+        HEADER
+        + """
+        g (float[N, 3] x) => (float[N, 3] y) <float[1, 3] c = {1.0, -2.0, 0.5}> {
+            n = LpNormalization <axis = -1, p = 1> (c)
+            y = Add(x, n)
+        }
+        """
+    )
+    helpers.check_pass(model, FoldConstants, modified=True, delta=0, dce_delta=-1)
+    add = next(n for n in model.graph if n.op_type == "Add")
+    folded = add.inputs[1].const_value.numpy()
+    c = np.array([[1.0, -2.0, 0.5]], np.float32)
+    np.testing.assert_allclose(folded, c / np.abs(c).sum(), rtol=1e-6)
+
+
+def test_one_onnxruntime_session_per_graph_and_run(helpers, monkeypatch):
+    # A chain of 30 constant nodes is evaluated in one ORT session, not one per node.
+    import layerzero.passes.constant_folding as cf
+
+    sessions = []
+    real = cf.ort.InferenceSession
+
+    def counting(*args, **kwargs):
+        sessions.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cf.ort, "InferenceSession", counting)
+    body = "\n".join(f"            t{i + 1} = Sin(t{i})" for i in range(30))
+    model = helpers.parse(
+        HEADER
+        + f"""
+        g (float[N, 3] x) => (float[N, 3] y) <float[3] t0 = {{1.0, 2.0, 3.0}}> {{
+{body}
+            y = Add(x, t30)
+        }}
+        """
+    )
+    assert helpers.apply_pass(FoldConstants(), model).modified
+    assert len(sessions) == 1
+    sessions.clear()
+    RemoveDeadCode()(model)
+    assert helpers.count_nodes(model) == 1
+    assert not helpers.apply_pass(FoldConstants(), model).modified
+    assert sessions == []  # nothing left to fold: no session at all
+    expected = np.array([1.0, 2.0, 3.0], np.float32)
+    for _ in range(30):
+        expected = np.sin(expected)
+    add = next(n for n in model.graph if n.op_type == "Add")
+    np.testing.assert_allclose(add.inputs[1].const_value.numpy(), expected, rtol=1e-6)
+
+
+def test_a_node_onnxruntime_cannot_run_stays_and_the_rest_folds(helpers):
+    # ORT has no int16 Relu kernel: the batch fails, each node is tried alone; Neg folds, Relu stays.
+    model = helpers.parse(
+        HEADER
+        + """
+        g (float[3] x) => (float[3] y, int16[2] z) <float[3] a = {1.0, 2.0, 3.0}, int16[2] b = {-1, 2}> {
+            n = Neg(a)
+            y = Add(x, n)
+            z = Relu(b)
+        }
+        """
+    )
+    helpers.check_pass(model, FoldConstants, modified=True, delta=0, dce_delta=-1, run=False)
+    assert helpers.op_counts(model) == {"Add": 1, "Relu": 1}
+
+
+def test_shape_of_an_overridable_initializer_still_folds_but_its_values_do_not(helpers):
+    # An initializer that is also a graph input may be fed at run time with other values (not another
+    # shape: ORT checks it against the declared input), so Shape folds and Neg does not.
+    model = helpers.parse(
+        HEADER
+        + """
+        g (float[N, 3] x, float[3] c) => (float[N, 3] y, int64[1] s) <float[3] c = {0.0, 0.0, 0.0}> {
+            n = Neg(c)
+            y = Mul(x, n)
+            s = Shape(c)
+        }
+        """
+    )
+    helpers.check_pass(model, FoldConstants, modified=True, delta=1, dce_delta=0)
+    assert "Neg" in helpers.op_counts(model)
+
+
+def test_a_folded_value_listed_twice_as_an_output_keeps_its_name_at_both_places(helpers):
+    # issue 14 cause 2: the interface (names, order, duplicates) is preserved exactly.
+    model = helpers.parse(
+        HEADER
+        + """
+        g (float[3] x) => (float[3] y, float[3] z, float[3] y) <float[3] a = {1.0, 2.0, 3.0}> {
+            y = Neg(a)
+            z = Add(x, y)
+        }
+        """
+    )
+    helpers.check_pass(model, FoldConstants, modified=True, delta=1, dce_delta=0)
+    assert [o.name for o in model.graph.outputs] == ["y", "z", "y"]
+    assert model.graph.outputs[0] is model.graph.outputs[2]
