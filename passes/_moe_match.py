@@ -487,13 +487,18 @@ def _repeated_tokens(w: _Walk, value: ir.Value, top_k: int, hidden_size: int) ->
     """``Reshape(Expand(Unsqueeze(x, 1), [1, k, 1]), [-1, H])`` (``repeat_interleave(x, k, dim=0)``) → x."""
     reshape = w.node(value, "Reshape", "repeated tokens")
     _need(_ints(reshape.inputs[1]) == [-1, hidden_size], "repeated tokens: not reshaped to [-1, H]")
-    expand = w.node(reshape.inputs[0], "Expand", "repeated tokens")
-    shape = _ints(expand.inputs[1])
-    _need(
-        shape is not None and len(shape) == 3 and shape[1] == top_k and shape[0] == 1 and shape[2] == 1,
-        f"repeated tokens: not expanded k={top_k} times (Expand to [1, k, 1])",
-    )
-    unsq = w.node(expand.inputs[0], "Unsqueeze", "repeated tokens")
+    repeated = reshape.inputs[0]
+    producer = repeated.producer() if repeated is not None else None
+    if top_k > 1 or (producer is not None and producer.op_type == "Expand"):
+        # With k = 1 the Expand to [1, 1, 1] is an identity the static passes remove first.
+        expand = w.node(repeated, "Expand", "repeated tokens")
+        shape = _ints(expand.inputs[1])
+        _need(
+            shape is not None and len(shape) == 3 and shape[1] == top_k and shape[0] == 1 and shape[2] == 1,
+            f"repeated tokens: not expanded k={top_k} times (Expand to [1, k, 1])",
+        )
+        repeated = expand.inputs[0]
+    unsq = w.node(repeated, "Unsqueeze", "repeated tokens")
     _need(_norm(_axes(unsq), 3) == [1], "repeated tokens: not unsqueezed at axis 1")
     x = unsq.inputs[0]
     _need(_rank(x) == 2, "repeated tokens: the hidden state is not [T, H]")

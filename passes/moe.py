@@ -58,12 +58,19 @@ class SkipExperts(ir.passes.InPlacePass):
             matches = []
         names = NameFactory(graph)
         used_paths: set[str] = set()
+        # Blocks are matched before any is rewritten. A block may read what an earlier one wrote (stacked
+        # blocks without a residual: block 1's hidden state is block 0's output), and rewriting block 0 makes
+        # every node read its new output instead; the later matches must follow, or the MoE node built for
+        # block 1 reads the removed value.
+        rewired: dict[ir.Value, ir.Value] = {}
         for i, match in enumerate(matches):
+            match.hidden = _follow(rewired, match.hidden)
+            match.router.logits = _follow(rewired, match.router.logits)
             path = match.path or f"moe_{i}"
             while path in used_paths:
                 path = f"{path}_{i}"
             used_paths.add(path)
-            self._rewrite(model, match, path, names, opset)
+            rewired[match.output] = self._rewrite(model, match, path, names, opset)
             self.rewritten.append((path, match.form))
             logger.info(
                 "MoE block at %s (%s, %d experts, top-%d): skipping form",
@@ -78,7 +85,8 @@ class SkipExperts(ir.passes.InPlacePass):
             model.opset_imports[MOE_DOMAIN] = 1
         return ir.passes.PassResult(model, modified=bool(matches))
 
-    def _rewrite(self, model: ir.Model, m: MoEMatch, path: str, names: NameFactory, opset: int) -> None:
+    def _rewrite(self, model: ir.Model, m: MoEMatch, path: str, names: NameFactory, opset: int) -> ir.Value:
+        """Replace the block by the skipping form; return the value that now stands for ``m.output``."""
         # router(x) → TopK → experts(x) → combine   ->   y, mask = MoE(x, logits, w_gate, w_up, w_down)
         # NOTE: the router's logits stay as exported (any Gemm/MatMul/bias); only scores onward are replaced.
         graph = model.graph
@@ -165,6 +173,14 @@ class SkipExperts(ir.passes.InPlacePass):
                 },
             ),
         )
+        return y
+
+
+def _follow(rewired: dict[ir.Value, ir.Value], value: ir.Value) -> ir.Value:
+    """The value that stands for ``value`` after the rewrites so far."""
+    while value in rewired:
+        value = rewired[value]
+    return value
 
 
 def _remove_dead(graph: ir.Graph, nodes: list[ir.Node]) -> None:
