@@ -123,7 +123,7 @@ def find_moe(model: ir.Model) -> list[MoEFinding]:
     skipping form, or a candidate with the reason it is left alone. Infers shapes on ``model`` (in place)."""
     from onnx_ir.passes.common import ShapeInferencePass
 
-    from layerzero.passes._moe_match import find_moe_blocks
+    from layerzero.passes._moe import find_moe_blocks
 
     ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
     matches, rejections = find_moe_blocks(model.graph)

@@ -9,7 +9,7 @@ import onnx_ir as ir
 
 from layerzero.passes._dynamic import MASK_PREFIX, MOE_DOMAIN, MOE_OP, ROUTER_PREFIX, DynamicPath, record_dynamic_path
 from layerzero.passes._graph import NAME_SCOPES_KEY, NameFactory, make_constant, replace_value
-from layerzero.passes._moe_match import MoEMatch, Rejection, find_moe_blocks
+from layerzero.passes._moe import MoEMatch, Rejection, find_moe_blocks
 
 __all__ = ["MOE_DOMAIN", "MOE_OP", "SkipExperts"]
 
@@ -26,7 +26,7 @@ class SkipExperts(ir.passes.InPlacePass):
     with attributes ``top_k``, ``normalize``, ``scoring``, ``activation``, ``zeroing_threshold`` and ``path``;
     semantics in ``layerzero.plugins.reference``. Only the experts a token is routed to run for it.
 
-    Cases (the block shapes of ``passes/_moe_match.py``):
+    Cases (the block shapes of ``passes/_moe``):
     1. Hugging Face ``batched_mm`` exports (Mixtral, Qwen2-MoE; shared experts stay as they are).
     2. Dense blocks: every expert on every token, combined with a ``[T, E]`` routing matrix.
     3. Unrolled blocks: one FFN per expert scaled by its routing column and summed.
