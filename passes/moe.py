@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 import onnx_ir as ir
 
+from layerzero.errors import InvalidInputError
 from layerzero.passes._dynamic import MASK_PREFIX, MOE_DOMAIN, MOE_OP, ROUTER_PREFIX, DynamicPath, record_dynamic_path
 from layerzero.passes._graph import NAME_SCOPES_KEY, NameFactory, make_constant, replace_value
 from layerzero.passes._moe import MoEMatch, Rejection, find_moe_blocks
@@ -41,9 +43,15 @@ class SkipExperts(ir.passes.InPlacePass):
     removed, so a second run finds nothing.
     """
 
-    def __init__(self, options: object | None = None) -> None:
+    def __init__(self, options: object | None = None, *, zeroing_threshold: float | None = None) -> None:
+        """``zeroing_threshold`` (default 0) goes into each node; ``options`` (a ``CompileOptions``) gives it
+        when the argument is not given (the pipeline's old way in)."""
         super().__init__()
-        self.zeroing_threshold = float(getattr(options, "zeroing_threshold", 0.0) or 0.0)
+        if zeroing_threshold is None:
+            zeroing_threshold = 0.0 if options is None else options.zeroing_threshold
+        if not (math.isfinite(zeroing_threshold) and zeroing_threshold >= 0):
+            raise InvalidInputError(f"zeroing_threshold={zeroing_threshold!r}; expected a finite number >= 0")
+        self.zeroing_threshold = float(zeroing_threshold)
         self.rewritten: list[tuple[str, str]] = []  # (path, form)
         self.rejected: list[Rejection] = []
 
