@@ -16,7 +16,7 @@ import onnx_ir as ir
 
 from layerzero.passes._graph import common_scope, scope_of
 from layerzero.passes._moe.combine import FORMS
-from layerzero.passes._moe.router import Router, match_router
+from layerzero.passes._moe.router import Router, match_router, router_candidate
 from layerzero.passes._moe.walk import STD, NoMatch, Walk, need, static_dim
 
 __all__ = ["MoEMatch", "Rejection", "find_moe_blocks"]
@@ -117,8 +117,7 @@ def find_moe_blocks(graph: ir.Graph) -> tuple[list[MoEMatch], list[Rejection]]:
     rejections: list[Rejection] = []
     claimed: set[ir.Node] = set()
     for topk in [n for n in graph if n.op_type == "TopK" and n.domain in STD]:
-        scores = topk.inputs[0].producer() if topk.inputs[0] is not None else None
-        if scores is None or scores.op_type not in ("Softmax", "Sigmoid"):
+        if not router_candidate(topk):
             continue  # not a router: no candidate
         try:
             router = match_router(topk)

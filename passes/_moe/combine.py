@@ -37,7 +37,9 @@ from layerzero.passes._moe.walk import (
     const_ints,
     need,
     rank_of,
+    reshape_dims,
     sorted_axes,
+    static_ints,
 )
 
 __all__ = ["FORMS", "match_batched_mm", "match_dense", "match_unrolled"]
@@ -45,17 +47,26 @@ __all__ = ["FORMS", "match_batched_mm", "match_dense", "match_unrolled"]
 
 def _repeated_tokens(w: Walk, value: ir.Value, top_k: int, hidden_size: int) -> ir.Value:
     """``Reshape(Expand(Unsqueeze(x, 1), [1, k, 1]), [-1, H])`` (``repeat_interleave(x, k, dim=0)``) → x."""
-    reshape = w.node(value, "Reshape", "repeated tokens")
-    need(const_ints(reshape.inputs[1]) == [-1, hidden_size], "repeated tokens: not reshaped to [-1, H]")
+    reshape = w.node(value, ("Reshape", "Flatten"), "repeated tokens")
+    if reshape.op_type == "Flatten":  # TorchScript: Flatten(axis=2) of [T, k, H]
+        need(attr_of(reshape, "axis", 1) in (2, -1), "repeated tokens: Flatten is not of [T, k, H] at axis 2")
+    else:
+        need(reshape_dims(reshape) == [-1, hidden_size], "repeated tokens: not reshaped to [-1, H]")
     repeated = reshape.inputs[0]
     producer = repeated.producer() if repeated is not None else None
-    if top_k > 1 or (producer is not None and producer.op_type == "Expand"):
-        # With k = 1 the Expand to [1, 1, 1] is an identity the static passes remove first.
-        expand = w.node(repeated, "Expand", "repeated tokens")
-        shape = const_ints(expand.inputs[1])
+    if top_k > 1 or (producer is not None and producer.op_type in ("Expand", "Tile")):
+        # With k = 1 the Expand to [1, 1, 1] is an identity the static passes remove first. Tile by [1, k, 1]
+        # (TorchScript) repeats the size-1 axis the same way.
+        expand = w.node(repeated, ("Expand", "Tile"), "repeated tokens")
+        shape = static_ints(w, expand.inputs[1])
+        if shape is None and expand.outputs[0].shape is not None and expand.inputs[0].shape is not None:
+            # A shape built at run time (TorchScript): the inferred [T, k, H] of an input [T, 1, H] says the same.
+            before, after = list(expand.inputs[0].shape), list(expand.outputs[0].shape)
+            if len(before) == len(after) == 3 and before[1] == 1 and before[0] == after[0] and before[2] == after[2]:
+                shape = [1, after[1], 1]
         need(
             shape is not None and len(shape) == 3 and shape[1] == top_k and shape[0] == 1 and shape[2] == 1,
-            f"repeated tokens: not expanded k={top_k} times (Expand to [1, k, 1])",
+            f"repeated tokens: not repeated k={top_k} times ({expand.op_type} to [1, k, 1])",
         )
         repeated = expand.inputs[0]
     unsq = w.node(repeated, "Unsqueeze", "repeated tokens")
@@ -71,7 +82,7 @@ def match_batched_mm(w: Walk, end: ir.Node, router: Router) -> dict:
     need(sorted_axes(axes_of(end), 3) == [1], "batched_mm: ReduceSum is not over the top-k slots")
     need(attr_of(end, "keepdims", 1) == 0, "batched_mm: ReduceSum keeps the top-k axis")
     reshape = w.node(end.inputs[0], "Reshape", "batched_mm: [T·k, H] → [T, k, H]")
-    shape = const_ints(reshape.inputs[1])
+    shape = reshape_dims(reshape)
     need(
         shape is not None and len(shape) == 3 and shape[0] == -1 and shape[1] == router.top_k,
         f"batched_mm: not reshaped to [-1, k={router.top_k}, H]",
@@ -101,7 +112,7 @@ def _flat_weights(w: Walk, value: ir.Value, router: Router) -> int:
     unsq = w.node(value, "Unsqueeze", "routing weight per slot")
     need(sorted_axes(axes_of(unsq), 2) == [1], "routing weight per slot: not unsqueezed to [T·k, 1]")
     flat = w.node(unsq.inputs[0], "Reshape", "routing weight per slot")
-    need(const_ints(flat.inputs[1]) == [-1], "routing weight per slot: not flattened with Reshape [-1]")
+    need(reshape_dims(flat) == [-1], "routing weight per slot: not flattened with Reshape [-1]")
     return routing_weights(w, flat.inputs[0], router)
 
 

@@ -33,7 +33,9 @@ from layerzero.passes._moe.walk import (
     near,
     need,
     rank_of,
+    reshape_dims,
     sorted_axes,
+    static_ints,
 )
 
 __all__ = ["Projection", "act_times_up", "batched_projection", "gate_up", "linear_projection", "stacked_projection"]
@@ -152,7 +154,7 @@ def _row_selection(w: Walk, value: ir.Value) -> tuple[ir.Value, Callable[[int], 
 
         w.node(value, "Split", "gate/up split")
         return source, rows
-    starts, ends = const_ints(producer.inputs[1]), const_ints(producer.inputs[2])
+    starts, ends = static_ints(w, producer.inputs[1]), static_ints(w, producer.inputs[2])
     axes = const_ints(producer.inputs[3]) if len(producer.inputs) > 3 and producer.inputs[3] is not None else None
     steps = const_ints(producer.inputs[4]) if len(producer.inputs) > 4 and producer.inputs[4] is not None else None
     need(starts is not None and ends is not None and len(starts) == 1, "gate/up split: Slice bounds are not constants")
@@ -188,28 +190,36 @@ def gate_up(
     return g, u, x_g
 
 
-def _flat_indices(w: Walk, value: ir.Value, router: Router) -> None:
-    """``Unsqueeze(Reshape(indices, [-1]), [1])``: the top-k indices as GatherND rows ``[T·k, 1]``."""
-    unsq = w.node(value, "Unsqueeze", "expert index")
-    need(sorted_axes(axes_of(unsq), 2) == [1], "expert index: not unsqueezed to [T·k, 1]")
-    flat = w.node(unsq.inputs[0], "Reshape", "expert index")
-    need(const_ints(flat.inputs[1]) == [-1], "expert index: the top-k indices are not flattened with Reshape [-1]")
+def _flat_indices(w: Walk, value: ir.Value, router: Router, rows: bool) -> None:
+    """``Reshape(indices, [-1])``, as GatherND rows ``[T·k, 1]`` (``Unsqueeze`` at 1) when ``rows``."""
+    if rows:
+        unsq = w.node(value, "Unsqueeze", "expert index")
+        need(sorted_axes(axes_of(unsq), 2) == [1], "expert index: not unsqueezed to [T·k, 1]")
+        value = unsq.inputs[0]
+    flat = w.node(value, "Reshape", "expert index")
+    need(reshape_dims(flat) == [-1], "expert index: the top-k indices are not flattened with Reshape [-1]")
     need(flat.inputs[0] is router.indices, "expert index: not the router's top-k indices")
 
 
 def batched_projection(w: Walk, router: Router) -> Projection:
+    """Per (token, slot) expert weights, picked by ``GatherND(W, rows)`` (dynamo) or ``Gather(W, flat, axis=0)``
+    (TorchScript), times the tokens as ``[T·k, in, 1]``, squeezed."""
+
     def projection(value: ir.Value, what: str) -> tuple[np.ndarray, ir.Value]:
         squeeze = w.node(value, "Squeeze", what)
         need(sorted_axes(axes_of(squeeze), 3) == [2], f"{what}: Squeeze is not of the last axis")
         matmul = w.node(squeeze.inputs[0], "MatMul", what)
-        gather = w.node(matmul.inputs[0], "GatherND", f"{what}: per-token expert weights")
-        need(attr_of(gather, "batch_dims", 0) == 0, f"{what}: GatherND with batch_dims")
+        gather = w.node(matmul.inputs[0], ("GatherND", "Gather"), f"{what}: per-token expert weights")
+        if gather.op_type == "GatherND":
+            need(attr_of(gather, "batch_dims", 0) == 0, f"{what}: GatherND with batch_dims")
+        else:
+            need(attr_of(gather, "axis", 0) == 0, f"{what}: Gather of expert weights is not along the experts axis")
         weight = const_weight(gather.inputs[0], 3, f"{what}: expert weights")
         need(
             weight.shape[0] == router.experts,
             f"{what}: {weight.shape[0]} experts' weights for a router of {router.experts}",
         )
-        _flat_indices(w, gather.inputs[1], router)
+        _flat_indices(w, gather.inputs[1], router, rows=gather.op_type == "GatherND")
         unsq = w.node(matmul.inputs[1], "Unsqueeze", f"{what}: tokens as [T·k, in, 1]")
         need(sorted_axes(axes_of(unsq), 3) == [2], f"{what}: tokens are not unsqueezed to [T·k, in, 1]")
         return weight, unsq.inputs[0]

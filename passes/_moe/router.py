@@ -1,7 +1,9 @@
 """The router part: scores, top-k selection, normalisation of the routing weights, the routing matrix.
 
 Variants:
-- scores: ``TopK(Softmax(logits, -1) | Sigmoid(logits), k, axis=-1, largest=1)``, logits ``[T, E]``;
+- scores (``ROUTER_VARIANTS``): ``TopK(Softmax(logits, -1) | Sigmoid(logits), k)`` (Mixtral, Qwen-MoE, OLMoE),
+  or ``Softmax(TopK(logits, k).values)`` (GraniteMoE, JetMoE, GPT-OSS: the same weights as the first with
+  ``normalize``), ``TopK`` over the last axis, ``largest=1``, logits ``[T, E]``;
 - routing weights: the top-k values (``normalize`` 0) or the values divided by their sum (1);
 - routing matrix ``[T, E]`` (dense and unrolled blocks): ``ScatterElements(zeros, indices, weights, axis=1)``
   (zeros: ``ConstantOfShape(Shape(logits))`` or ``Expand(0, shape)``) or
@@ -30,36 +32,79 @@ from layerzero.passes._moe.walk import (
     static_dim,
 )
 
-__all__ = ["Router", "match_router", "routing_matrix", "routing_weights"]
+__all__ = ["ROUTER_VARIANTS", "Router", "match_router", "router_candidate", "routing_matrix", "routing_weights"]
 
 
 @dataclasses.dataclass
 class Router:
     topk: ir.Node
-    scores: ir.Node  # Softmax | Sigmoid
+    scores: ir.Node  # Softmax | Sigmoid (of the logits, or of the top-k logits: ``variant``)
     logits: ir.Value  # [T, E]
-    values: ir.Value  # TopK values
+    values: ir.Value  # the top-k routing weights [T, k] (before any renormalisation Div)
     indices: ir.Value  # TopK indices
     top_k: int
     experts: int
     scoring: str  # "softmax" | "sigmoid"
+    variant: str = "scores-topk"  # a key of ROUTER_VARIANTS
+    # ``values`` are already the top-k probabilities renormalised to sum 1 (a softmax of the k logits is the
+    # softmax over all experts restricted to the top k and renormalised: ``normalize`` 1 of the skipping form).
+    normalized: bool = False
 
 
-def match_router(topk: ir.Node) -> Router:
-    """``TopK(Softmax(logits, -1) | Sigmoid(logits), k, axis=-1, largest=1)`` with ``logits`` ``[T, E]``."""
-    need(topk.op_type == "TopK" and topk.domain in STD, "not a TopK")
+def _scores_then_topk(topk: ir.Node) -> tuple[ir.Node, ir.Value, ir.Value, bool]:
+    """``TopK(Softmax(logits, -1) | Sigmoid(logits))`` (Mixtral, Qwen2/3-MoE, OLMoE, ...)."""
     scores_value = topk.inputs[0]
     scores = scores_value.producer() if scores_value is not None else None
     need(
         scores is not None and scores.op_type in ("Softmax", "Sigmoid") and scores.domain in STD,
         "router: TopK does not read Softmax or Sigmoid scores",
     )
-    logits = scores.inputs[0]
+    return scores, scores.inputs[0], topk.outputs[0], False
+
+
+def _topk_then_softmax(topk: ir.Node) -> tuple[ir.Node, ir.Value, ir.Value, bool]:
+    """``Softmax(TopK(logits).values, -1)`` (GraniteMoE, JetMoE, GPT-OSS): the k logits' softmax."""
+    values = topk.outputs[0]
+    users = [u for u, _ in values.uses()]
+    need(
+        len(users) == 1 and users[0].op_type == "Softmax" and users[0].domain in STD,
+        "router: the top-k logits are not read by one Softmax",
+    )
+    scores = users[0]
+    need(attr_of(scores, "axis", -1) in (-1, 1), "router: the Softmax of the top-k logits is not over the k axis")
+    return scores, topk.inputs[0], scores.outputs[0], True
+
+
+# Router variants (rules as data): name -> part returning (scores node, logits [T, E], weights [T, k],
+# normalized). Tried in order; the first that accepts the TopK wins.
+ROUTER_VARIANTS = {"scores-topk": _scores_then_topk, "topk-softmax": _topk_then_softmax}
+
+
+def router_candidate(topk: ir.Node) -> bool:
+    """Whether a TopK looks like a router at all (its scores or its values feed a Softmax / Sigmoid)."""
+    producer = topk.inputs[0].producer() if topk.inputs and topk.inputs[0] is not None else None
+    if producer is not None and producer.op_type in ("Softmax", "Sigmoid") and producer.domain in STD:
+        return True
+    return any(u.op_type == "Softmax" and u.domain in STD for u, _ in topk.outputs[0].uses())
+
+
+def match_router(topk: ir.Node) -> Router:
+    """A router: ``TopK(k, axis=-1, largest=1)`` over logits ``[T, E]`` in one of ``ROUTER_VARIANTS``."""
+    need(topk.op_type == "TopK" and topk.domain in STD, "not a TopK")
+    reasons, found = [], None
+    for name, part in ROUTER_VARIANTS.items():
+        try:
+            found = (name, *part(topk))
+            break
+        except NoMatch as exc:
+            reasons.append(str(exc))
+    need(found is not None, "; ".join(reasons))
+    variant, scores, logits, values, normalized = found
     rank = rank_of(logits)
     need(rank == 2, f"router: logits {logits.name} have rank {rank}, expected [tokens, experts]")
     experts = static_dim(logits, 1)
     need(experts is not None, f"router: the number of experts (dim 1 of {logits.name}) is not static")
-    if scores.op_type == "Softmax":
+    if scores.op_type == "Softmax" and not normalized:
         need(attr_of(scores, "axis", -1) in (-1, 1), "router: Softmax is not over the experts axis")
     need(attr_of(topk, "axis", -1) in (-1, 1), "router: TopK is not over the experts axis")
     need(attr_of(topk, "largest", 1) == 1, "router: TopK takes the smallest scores (largest=0)")
@@ -70,18 +115,20 @@ def match_router(topk: ir.Node) -> Router:
         topk=topk,
         scores=scores,
         logits=logits,
-        values=topk.outputs[0],
+        values=values,
         indices=topk.outputs[1],
         top_k=k[0],
         experts=experts,
         scoring=scores.op_type.lower(),
+        variant=variant,
+        normalized=normalized,
     )
 
 
 def routing_weights(w: Walk, value: ir.Value, router: Router) -> int:
     """``normalize`` of the routing weights ``value``: the top-k values (0), or values / their sum (1)."""
     if value is router.values:
-        return 0
+        return int(router.normalized)
     div = w.node(value, "Div", "routing weights")
     need(div.inputs[0] is router.values, "routing weights: the Div does not divide the router's top-k values")
     total = w.node(div.inputs[1], "ReduceSum", "routing weights: the divisor")
