@@ -28,8 +28,11 @@ class SkipExperts(ir.passes.InPlacePass):
     with attributes ``top_k``, ``normalize``, ``scoring``, ``activation``, ``zeroing_threshold`` and ``path``;
     semantics in ``layerzero.plugins.reference``. Only the experts a token is routed to run for it.
 
-    Cases (the block shapes of ``passes/_moe``):
-    1. Hugging Face ``batched_mm`` exports (Mixtral, Qwen2-MoE; shared experts stay as they are).
+    Cases (the block shapes of ``passes/_moe``; routers ``TopK(Softmax | Sigmoid(logits))`` or
+    ``Softmax(TopK(logits).values)``, the latter as ``scoring="softmax", normalize=1``):
+    1. Hugging Face ``batched_mm`` exports (Mixtral, Qwen2-MoE, GraniteMoE, ...; shared experts stay as they
+       are), by ``torch.onnx`` with ``dynamo=True`` (``GatherND``) or TorchScript (``Gather``, ``Tile``,
+       ``Flatten``, shapes computed from ``Shape``).
     2. Dense blocks: every expert on every token, combined with a ``[T, E]`` routing matrix.
     3. Unrolled blocks: one FFN per expert scaled by its routing column and summed.
     A block is rewritten only on an exact match (structure, attributes, constants, weight shapes, no
@@ -88,7 +91,9 @@ class SkipExperts(ir.passes.InPlacePass):
                 match.router.top_k,
             )
         for r in self.rejected:
-            logger.info("MoE candidate at %s: not rewritten: %s", r.scope or "(no scope)", r.reason)
+            logger.info(
+                "MoE candidate at %s: not rewritten (at node %s): %s", r.scope or "(no scope)", r.node or "?", r.reason
+            )
         if matches:
             model.opset_imports[MOE_DOMAIN] = 1
         return ir.passes.PassResult(model, modified=bool(matches))

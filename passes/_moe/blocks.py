@@ -47,8 +47,11 @@ class MoEMatch:
 
 @dataclasses.dataclass
 class Rejection:
+    """A router that is no block: the block's scope, why, and the node where the furthest attempt stopped."""
+
     scope: str
     reason: str
+    node: str = ""  # "<op_type> <name>"
 
 
 def combination_ends(router: Router, depth: int = 12) -> list[ir.Node]:
@@ -122,10 +125,10 @@ def find_moe_blocks(graph: ir.Graph) -> tuple[list[MoEMatch], list[Rejection]]:
         try:
             router = match_router(topk)
         except NoMatch as exc:
-            rejections.append(Rejection(block_scope([topk]) or topk.name or "", str(exc)))
+            rejections.append(Rejection(block_scope([topk]) or topk.name or "", str(exc), f"TopK {topk.name}"))
             continue
         ends = combination_ends(router)
-        failures: list[tuple[int, str, ir.Node]] = []  # (nodes matched before failing, reason, end)
+        failures: list[tuple[int, str, ir.Node, str]] = []  # (nodes matched before failing, reason, end)
         found = None
         for end in ends:
             if end in claimed:
@@ -150,23 +153,23 @@ def find_moe_blocks(graph: ir.Graph) -> tuple[list[MoEMatch], list[Rejection]]:
                 except NoMatch as exc:
                     found = None
                     w.note(exc)
-                    depth, why = w.deepest
+                    depth, why, where = w.deepest
                     reason = why if why.startswith(form) else f"{form}: {why}"
-                    failures.append((depth, reason, end))
+                    failures.append((depth, reason, end, where or f"{end.op_type} {end.name}"))
             if found is not None:
                 break
         if found is None:
-            scope = block_scope([topk])
+            scope, where = block_scope([topk]), f"TopK {topk.name}"
             if failures:
                 # The attempt that got furthest says best why this is no block.
-                _, reason, end = max(failures, key=lambda f: f[0])
+                _, reason, end, where = max(failures, key=lambda f: f[0])
                 scope = block_scope([topk, end]) or scope
             else:
                 reason = (
                     "no combination of expert outputs downstream of the router (a ReduceSum over the top-k slots, "
                     "an Einsum / ReduceSum with a routing matrix, or a sum of per-expert outputs)"
                 )
-            rejections.append(Rejection(scope, reason))
+            rejections.append(Rejection(scope, reason, where))
             continue
         claimed.update(found.nodes)
         matches.append(found)

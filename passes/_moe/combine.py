@@ -1,8 +1,10 @@
 """The combine part: how the experts' outputs are weighted and summed, one variant per block shape.
 
-1. ``batched_mm`` (Hugging Face ``_experts_implementation="batched_mm"``): tokens repeated k times, the
-   top-k indices flattened, per-slot expert projections, scaled by the flattened routing weights,
-   ``Reshape [-1, k, H]`` and ``ReduceSum`` over the k slots.
+1. ``batched_mm`` (Hugging Face ``_experts_implementation="batched_mm"``): tokens repeated k times
+   (``Expand`` or, TorchScript, ``Tile`` to ``[1, k, 1]``; then ``Reshape [-1, H]`` or ``Flatten``), the top-k
+   indices flattened, per-slot expert projections, scaled by the flattened routing weights,
+   ``Reshape [-1, k, H]`` (a constant shape, or one built from ``Shape``: its inferred dims) and
+   ``ReduceSum`` over the k slots.
 2. ``dense``: every expert on every token, combined with a ``[T, E]`` routing matrix by
    ``Einsum("te,eth->th")`` or ``ReduceSum(Unsqueeze(Transpose(R)) * Y, axis 0)``.
 3. ``unrolled``: one FFN per expert, each scaled by its column of the routing matrix (``Slice`` or

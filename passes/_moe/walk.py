@@ -102,7 +102,8 @@ class Walk:
         self.nodes: list[ir.Node] = []
         # Cheap router-side nodes other blocks may share (an exporter's CSE merges equal zeros / sums).
         self.shareable: set[ir.Node] = set()
-        self.deepest: tuple[int, str] = (-1, "")  # the failed attempt that matched most nodes, and why
+        # The failed attempt that matched most nodes, why, and the last node it accepted (where it stopped).
+        self.deepest: tuple[int, str, str] = (-1, "", "")
 
     def node(self, value: ir.Value | None, ops: str | tuple[str, ...], what: str) -> ir.Node:
         ops = (ops,) if isinstance(ops, str) else ops
@@ -128,7 +129,8 @@ class Walk:
 
     def note(self, exc: NoMatch) -> None:
         if len(self.nodes) > self.deepest[0]:
-            self.deepest = (len(self.nodes), str(exc))
+            last = self.nodes[-1] if self.nodes else None
+            self.deepest = (len(self.nodes), str(exc), "" if last is None else f"{last.op_type} {last.name}")
 
 
 def const_weight(value: ir.Value, rank: int, what: str) -> np.ndarray:
