@@ -110,12 +110,14 @@ class MoEFinding:
     scope: str
     rewritten: bool
     detail: str  # the block's form and shape, or why it is not rewritten
+    node: str = ""  # not rewritten: the node where the matcher stopped
 
     def line(self) -> str:
         where = self.scope or "(no scope)"
         if self.rewritten:
             return f"MoE block at {where}: {self.detail}"
-        return f"MoE candidate at {where}: not rewritten: {self.detail}"
+        at = f" (at node {self.node})" if self.node else ""
+        return f"MoE candidate at {where}: not rewritten{at}: {self.detail}"
 
 
 def find_moe(model: ir.Model) -> list[MoEFinding]:
@@ -123,7 +125,7 @@ def find_moe(model: ir.Model) -> list[MoEFinding]:
     skipping form, or a candidate with the reason it is left alone. Infers shapes on ``model`` (in place)."""
     from onnx_ir.passes.common import ShapeInferencePass
 
-    from layerzero.passes._moe_match import find_moe_blocks
+    from layerzero.passes._moe import find_moe_blocks
 
     ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
     matches, rejections = find_moe_blocks(model.graph)
@@ -137,5 +139,5 @@ def find_moe(model: ir.Model) -> list[MoEFinding]:
         )
         for m in matches
     ]
-    found += [MoEFinding(r.scope, False, r.reason) for r in rejections]
+    found += [MoEFinding(r.scope, False, r.reason, r.node) for r in rejections]
     return sorted(found, key=lambda f: natural_key(f.scope))

@@ -34,7 +34,7 @@ import onnx_ir as ir
 from layerzero.errors import InvalidInputError
 from layerzero.options import CompileOptions
 from layerzero.passes._graph import NameFactory, make_constant
-from layerzero.passes._moe_match import find_moe_blocks
+from layerzero.passes._moe import find_moe_blocks
 from layerzero.runtime.profile import load_profile
 
 __all__ = ["SolidifyCandidate", "SolidifyPlan", "force_off_reference", "plan_solidify", "solidified_records"]

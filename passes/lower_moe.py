@@ -8,6 +8,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from layerzero.errors import InvalidInputError, UnsupportedModelError
 from layerzero.passes._dynamic import (
     MOE_DOMAIN,
     MOE_OP,
@@ -39,7 +40,7 @@ def ort_moe_supports(scoring: str, activation: str, zeroing_threshold: float) ->
 def choose_lowering(requested: str, scoring: str, activation: str, zeroing_threshold: float) -> str:
     """``"if"`` or ``"ort-moe"`` for one block; ``auto`` is ``AUTO_CHOICE`` (see there)."""
     if requested not in LOWERINGS:
-        raise ValueError(f"moe_lowering={requested!r}; expected one of {LOWERINGS}")
+        raise InvalidInputError(f"moe_lowering={requested!r}; expected one of {LOWERINGS}")
     why_not = ort_moe_supports(scoring, activation, zeroing_threshold)
     if requested == "ort-moe":
         if why_not is not None:
@@ -82,15 +83,26 @@ class LowerMoE(ir.passes.InPlacePass):
     ``onnxruntime`` target is lowered; other targets keep the node (a TensorRT plugin implements it).
     """
 
-    def __init__(self, options: object | None = None) -> None:
+    def __init__(
+        self, options: object | None = None, *, lowering: str | None = None, enabled: bool | None = None
+    ) -> None:
+        """``lowering``: one of ``LOWERINGS`` (default ``"auto"``). ``enabled``: False keeps the nodes (a target
+        whose backend implements the op). ``options`` (a ``CompileOptions``) is the pipeline's old way in: its
+        ``moe_lowering``, and ``target == "onnxruntime"`` for ``enabled``; explicit arguments win.
+        """
         super().__init__()
-        self.requested = str(getattr(options, "moe_lowering", "auto") or "auto")
-        self.target = str(getattr(options, "target", "onnxruntime") or "onnxruntime")
+        if options is not None:
+            lowering = options.moe_lowering if lowering is None else lowering
+            enabled = options.target == "onnxruntime" if enabled is None else enabled
+        self.requested = "auto" if lowering is None else lowering
+        if self.requested not in LOWERINGS:
+            raise InvalidInputError(f"moe_lowering={self.requested!r}; expected one of {LOWERINGS}")
+        self.enabled = True if enabled is None else bool(enabled)
         self.lowered: list[tuple[str, str]] = []  # (path, lowering)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.lowered = []
-        if self.target != "onnxruntime":
+        if not self.enabled:
             return ir.passes.PassResult(model, modified=False)
         graph = model.graph
         nodes = [n for n in graph if n.domain == MOE_DOMAIN and n.op_type == MOE_OP]
@@ -150,7 +162,9 @@ class _MoESpec:
         for value in node.inputs[2:5]:
             tensor = None if value is None else value.const_value
             if tensor is None:
-                raise ValueError(f"MoE node {node.name}: expert weight {value and value.name} is not a constant")
+                raise UnsupportedModelError(
+                    f"MoE node {node.name}: expert weight {value and value.name} is not a constant"
+                )
             arrays.append(tensor.numpy())
         return cls(
             path=str(attr("path", node.name)),
@@ -252,7 +266,7 @@ def _activation(b: _Builder, x: ir.Value, activation: str) -> ir.Value:
         root2 = b.const("sqrt2", np.array(np.sqrt(2.0), dtype))
         erf = b.op("Erf", [b.op("Div", [x, root2])])
         return b.op("Mul", [b.op("Mul", [x, half]), b.op("Add", [erf, one])])
-    raise ValueError(f"activation {activation!r}")
+    raise UnsupportedModelError(f"MoE block {b.scope}: activation {activation!r} is not lowered")
 
 
 def _routing(

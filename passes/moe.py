@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 import onnx_ir as ir
 
+from layerzero.errors import InvalidInputError
 from layerzero.passes._dynamic import MASK_PREFIX, MOE_DOMAIN, MOE_OP, ROUTER_PREFIX, DynamicPath, record_dynamic_path
 from layerzero.passes._graph import NAME_SCOPES_KEY, NameFactory, make_constant, replace_value
-from layerzero.passes._moe_match import MoEMatch, Rejection, find_moe_blocks
+from layerzero.passes._moe import MoEMatch, Rejection, find_moe_blocks
 
 __all__ = ["MOE_DOMAIN", "MOE_OP", "SkipExperts"]
 
@@ -26,8 +28,11 @@ class SkipExperts(ir.passes.InPlacePass):
     with attributes ``top_k``, ``normalize``, ``scoring``, ``activation``, ``zeroing_threshold`` and ``path``;
     semantics in ``layerzero.plugins.reference``. Only the experts a token is routed to run for it.
 
-    Cases (the block shapes of ``passes/_moe_match.py``):
-    1. Hugging Face ``batched_mm`` exports (Mixtral, Qwen2-MoE; shared experts stay as they are).
+    Cases (the block shapes of ``passes/_moe``; routers ``TopK(Softmax | Sigmoid(logits))`` or
+    ``Softmax(TopK(logits).values)``, the latter as ``scoring="softmax", normalize=1``):
+    1. Hugging Face ``batched_mm`` exports (Mixtral, Qwen2-MoE, GraniteMoE, ...; shared experts stay as they
+       are), by ``torch.onnx`` with ``dynamo=True`` (``GatherND``) or TorchScript (``Gather``, ``Tile``,
+       ``Flatten``, shapes computed from ``Shape``).
     2. Dense blocks: every expert on every token, combined with a ``[T, E]`` routing matrix.
     3. Unrolled blocks: one FFN per expert scaled by its routing column and summed.
     A block is rewritten only on an exact match (structure, attributes, constants, weight shapes, no
@@ -41,9 +46,15 @@ class SkipExperts(ir.passes.InPlacePass):
     removed, so a second run finds nothing.
     """
 
-    def __init__(self, options: object | None = None) -> None:
+    def __init__(self, options: object | None = None, *, zeroing_threshold: float | None = None) -> None:
+        """``zeroing_threshold`` (default 0) goes into each node; ``options`` (a ``CompileOptions``) gives it
+        when the argument is not given (the pipeline's old way in)."""
         super().__init__()
-        self.zeroing_threshold = float(getattr(options, "zeroing_threshold", 0.0) or 0.0)
+        if zeroing_threshold is None:
+            zeroing_threshold = 0.0 if options is None else options.zeroing_threshold
+        if not (math.isfinite(zeroing_threshold) and zeroing_threshold >= 0):
+            raise InvalidInputError(f"zeroing_threshold={zeroing_threshold!r}; expected a finite number >= 0")
+        self.zeroing_threshold = float(zeroing_threshold)
         self.rewritten: list[tuple[str, str]] = []  # (path, form)
         self.rejected: list[Rejection] = []
 
@@ -58,12 +69,19 @@ class SkipExperts(ir.passes.InPlacePass):
             matches = []
         names = NameFactory(graph)
         used_paths: set[str] = set()
+        # Blocks are matched before any is rewritten. A block may read what an earlier one wrote (stacked
+        # blocks without a residual: block 1's hidden state is block 0's output), and rewriting block 0 makes
+        # every node read its new output instead; the later matches must follow, or the MoE node built for
+        # block 1 reads the removed value.
+        rewired: dict[ir.Value, ir.Value] = {}
         for i, match in enumerate(matches):
+            match.hidden = _follow(rewired, match.hidden)
+            match.router.logits = _follow(rewired, match.router.logits)
             path = match.path or f"moe_{i}"
             while path in used_paths:
                 path = f"{path}_{i}"
             used_paths.add(path)
-            self._rewrite(model, match, path, names, opset)
+            rewired[match.output] = self._rewrite(model, match, path, names, opset)
             self.rewritten.append((path, match.form))
             logger.info(
                 "MoE block at %s (%s, %d experts, top-%d): skipping form",
@@ -73,12 +91,15 @@ class SkipExperts(ir.passes.InPlacePass):
                 match.router.top_k,
             )
         for r in self.rejected:
-            logger.info("MoE candidate at %s: not rewritten: %s", r.scope or "(no scope)", r.reason)
+            logger.info(
+                "MoE candidate at %s: not rewritten (at node %s): %s", r.scope or "(no scope)", r.node or "?", r.reason
+            )
         if matches:
             model.opset_imports[MOE_DOMAIN] = 1
         return ir.passes.PassResult(model, modified=bool(matches))
 
-    def _rewrite(self, model: ir.Model, m: MoEMatch, path: str, names: NameFactory, opset: int) -> None:
+    def _rewrite(self, model: ir.Model, m: MoEMatch, path: str, names: NameFactory, opset: int) -> ir.Value:
+        """Replace the block by the skipping form; return the value that now stands for ``m.output``."""
         # router(x) → TopK → experts(x) → combine   ->   y, mask = MoE(x, logits, w_gate, w_up, w_down)
         # NOTE: the router's logits stay as exported (any Gemm/MatMul/bias); only scores onward are replaced.
         graph = model.graph
@@ -165,6 +186,14 @@ class SkipExperts(ir.passes.InPlacePass):
                 },
             ),
         )
+        return y
+
+
+def _follow(rewired: dict[ir.Value, ir.Value], value: ir.Value) -> ir.Value:
+    """The value that stands for ``value`` after the rewrites so far."""
+    while value in rewired:
+        value = rewired[value]
+    return value
 
 
 def _remove_dead(graph: ir.Graph, nodes: list[ir.Node]) -> None:

@@ -16,6 +16,7 @@ import onnxruntime as ort
 import pytest
 from onnx_ir.passes.common import ShapeInferencePass
 
+from layerzero.errors import InvalidInputError
 from layerzero.models.moe import MoEConfig, build_moe, moe_feeds, moe_layer_weights
 from layerzero.options import CompileOptions
 from layerzero.passes._dynamic import THRESHOLD_INPUT
@@ -188,3 +189,19 @@ def test_other_targets_keep_the_skipping_form() -> None:
     model = ir.from_proto(build_moe(CASES["softmax-norm-silu"]))
     assert LowerMoE(CompileOptions(target="tensorrt"))(model).modified is False
     assert [n.op_type for n in model.graph if n.domain == "ai.layerzero"] == ["MoE"]
+
+
+def test_lower_moe_takes_explicit_arguments() -> None:
+    config = CASES["softmax-norm-silu"]
+    explicit = ir.from_proto(build_moe(config))
+    lower = LowerMoE(lowering="ort-moe")
+    assert lower(explicit).modified and lower.lowered == [("layers.0.moe", "ort-moe")]
+    kept = ir.from_proto(build_moe(config))
+    assert not LowerMoE(lowering="if", enabled=False)(kept).modified
+    assert any(n.op_type == "MoE" for n in kept.graph)
+    # The options form still works; explicit arguments win over it.
+    assert not LowerMoE(CompileOptions(target="tensorrt"))(ir.from_proto(build_moe(config))).modified
+    forced = LowerMoE(CompileOptions(target="tensorrt", moe_lowering="ort-moe"), lowering="if", enabled=True)
+    assert forced(ir.from_proto(build_moe(config))).modified and forced.lowered == [("layers.0.moe", "if")]
+    with pytest.raises(InvalidInputError, match="moe_lowering='iff'"):
+        LowerMoE(lowering="iff")

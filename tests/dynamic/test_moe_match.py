@@ -215,7 +215,10 @@ def test_inspect_says_why(tmp_path: Path, capsys) -> None:
     assert "MoE block at layers.0.moe: dense, 4 experts, top-2, softmax, renormalised, silu" in out
     assert main(["inspect", str(bad)]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "MoE candidate at layers.0.moe: not rewritten: batched_mm: not reshaped to [-1, k=2, H]" in out
+    assert (
+        "MoE candidate at layers.0.moe: not rewritten (at node Reshape /layers.0.moe.experts/Reshape_3): "
+        "batched_mm: not reshaped to [-1, k=2, H]"
+    ) in out
     assert main(["inspect", str(bad), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["moe"] == [
@@ -223,6 +226,7 @@ def test_inspect_says_why(tmp_path: Path, capsys) -> None:
             "scope": "layers.0.moe",
             "rewritten": False,
             "detail": "batched_mm: not reshaped to [-1, k=2, H]",
+            "node": "Reshape /layers.0.moe.experts/Reshape_3",
         }
     ]
 

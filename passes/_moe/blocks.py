@@ -1,0 +1,176 @@
+"""Find MoE blocks: from each router, the nodes that may combine the experts, each form tried in turn.
+
+A candidate is a router (``router.match_router``). Downstream of it the search collects the nodes that may
+combine the experts' outputs (``combination_ends``), tries the forms ``combine.FORMS`` lists for each, and
+checks the block (``check_block``): no intermediate value read outside it, weight shapes and dtypes that
+fit. A router that is no block becomes a ``Rejection`` naming the block's scope, the node where the
+furthest attempt failed, and the check that failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+
+from layerzero.passes._graph import common_scope, scope_of
+from layerzero.passes._moe.combine import FORMS
+from layerzero.passes._moe.router import Router, match_router, router_candidate
+from layerzero.passes._moe.walk import STD, NoMatch, Walk, need, static_dim
+
+__all__ = ["MoEMatch", "Rejection", "find_moe_blocks"]
+
+
+@dataclasses.dataclass
+class MoEMatch:
+    path: str
+    form: str  # "batched_mm" | "dense" | "unrolled"
+    router: Router
+    hidden: ir.Value  # [T, H]
+    output: ir.Value  # [T, H]: what the block's consumers read
+    normalize: int
+    activation: str
+    w_gate: np.ndarray  # [E, F, H]
+    w_up: np.ndarray  # [E, F, H]
+    w_down: np.ndarray  # [E, H, F]
+    nodes: list[ir.Node]  # the experts' nodes (router excluded), dead once ``output`` is replaced
+
+    @property
+    def experts(self) -> int:
+        return int(self.w_gate.shape[0])
+
+    @property
+    def params_per_expert(self) -> list[int]:
+        return [int(self.w_gate[e].size + self.w_up[e].size + self.w_down[e].size) for e in range(self.experts)]
+
+
+@dataclasses.dataclass
+class Rejection:
+    """A router that is no block: the block's scope, why, and the node where the furthest attempt stopped."""
+
+    scope: str
+    reason: str
+    node: str = ""  # "<op_type> <name>"
+
+
+def combination_ends(router: Router, depth: int = 12) -> list[ir.Node]:
+    """Nodes downstream of the router that may combine the experts' outputs, nearest first."""
+    seen: set[ir.Node] = set()
+    frontier = [router.values, router.indices]
+    ends: list[ir.Node] = []
+    for _ in range(depth):
+        nxt = []
+        for value in frontier:
+            for user, _ in value.uses():
+                if user in seen or user.domain not in STD:
+                    continue
+                seen.add(user)
+                nxt.extend(user.outputs)
+                if user.op_type == "ReduceSum" and router.values in user.inputs:
+                    continue  # the renormalisation's sum
+                if user.op_type in ("ReduceSum", "Einsum"):
+                    ends.append(user)
+                elif user.op_type in ("Add", "Sum"):
+                    # Every Add of the chain, outermost first: the last one may be a residual connection.
+                    chain = [user]
+                    while True:
+                        uses = chain[-1].outputs[0].uses()
+                        if len(uses) != 1 or uses[0][0].op_type not in ("Add", "Sum"):
+                            break
+                        chain.append(uses[0][0])
+                    ends.extend(n for n in reversed(chain) if n not in ends)
+        frontier = nxt
+    return ends
+
+
+def block_scope(nodes: list[ir.Node]) -> str:
+    """The scope the nodes that have one share (nodes without a scope do not count)."""
+    return common_scope([s for s in map(scope_of, nodes) if s])
+
+
+def check_block(match: MoEMatch, shareable: set[ir.Node]) -> None:
+    inside = set(match.nodes)
+    for node in match.nodes:
+        if node in shareable:
+            continue  # read elsewhere too: it stays for those readers, nothing of the experts' compute
+        for out in node.outputs:
+            if out is match.output:
+                continue
+            need(not out.is_graph_output(), f"{out.name}, inside the experts, is a graph output")
+            for user, _ in out.uses():
+                need(user in inside, f"{out.name}, inside the experts, is also read by {user.op_type} ({user.name})")
+    x = match.hidden
+    hidden_size = match.w_gate.shape[2]
+    need(
+        match.w_down.shape == (match.experts, hidden_size, match.w_gate.shape[1]),
+        f"down weights {list(match.w_down.shape)} do not fit gate weights {list(match.w_gate.shape)}",
+    )
+    need(static_dim(x, 1) in (None, hidden_size), f"hidden state {x.name} is not [T, {hidden_size}]")
+    need(
+        x.dtype is not None and x.dtype.numpy() == match.w_gate.dtype == match.w_down.dtype,
+        f"hidden state {x.name} and expert weights differ in dtype",
+    )
+    need(match.router.logits.dtype == x.dtype, "router logits and hidden state differ in dtype")
+
+
+def find_moe_blocks(graph: ir.Graph) -> tuple[list[MoEMatch], list[Rejection]]:
+    """Every MoE block of ``graph`` (not its subgraphs) and, for each router that is no block, why."""
+    matches: list[MoEMatch] = []
+    rejections: list[Rejection] = []
+    claimed: set[ir.Node] = set()
+    for topk in [n for n in graph if n.op_type == "TopK" and n.domain in STD]:
+        if not router_candidate(topk):
+            continue  # not a router: no candidate
+        try:
+            router = match_router(topk)
+        except NoMatch as exc:
+            rejections.append(Rejection(block_scope([topk]) or topk.name or "", str(exc), f"TopK {topk.name}"))
+            continue
+        ends = combination_ends(router)
+        failures: list[tuple[int, str, ir.Node, str]] = []  # (nodes matched before failing, reason, end)
+        found = None
+        for end in ends:
+            if end in claimed:
+                continue
+            for form, matcher in FORMS.get(end.op_type, ()):
+                w = Walk()
+                try:
+                    parts = matcher(w, end, router)
+                    if end not in w.nodes:
+                        w.nodes.append(end)
+                    block = [n for n in w.nodes if n not in (router.topk, router.scores)]
+                    found = MoEMatch(
+                        path=block_scope([topk, end]),
+                        form=form,
+                        router=router,
+                        output=end.outputs[0],
+                        nodes=block,
+                        **parts,
+                    )
+                    check_block(found, w.shareable)
+                    break
+                except NoMatch as exc:
+                    found = None
+                    w.note(exc)
+                    depth, why, where = w.deepest
+                    reason = why if why.startswith(form) else f"{form}: {why}"
+                    failures.append((depth, reason, end, where or f"{end.op_type} {end.name}"))
+            if found is not None:
+                break
+        if found is None:
+            scope, where = block_scope([topk]), f"TopK {topk.name}"
+            if failures:
+                # The attempt that got furthest says best why this is no block.
+                _, reason, end, where = max(failures, key=lambda f: f[0])
+                scope = block_scope([topk, end]) or scope
+            else:
+                reason = (
+                    "no combination of expert outputs downstream of the router (a ReduceSum over the top-k slots, "
+                    "an Einsum / ReduceSum with a routing matrix, or a sum of per-expert outputs)"
+                )
+            rejections.append(Rejection(scope, reason, where))
+            continue
+        claimed.update(found.nodes)
+        matches.append(found)
+    return matches, rejections

@@ -1,0 +1,267 @@
+"""The combine part: how the experts' outputs are weighted and summed, one variant per block shape.
+
+1. ``batched_mm`` (Hugging Face ``_experts_implementation="batched_mm"``): tokens repeated k times
+   (``Expand`` or, TorchScript, ``Tile`` to ``[1, k, 1]``; then ``Reshape [-1, H]`` or ``Flatten``), the top-k
+   indices flattened, per-slot expert projections, scaled by the flattened routing weights,
+   ``Reshape [-1, k, H]`` (a constant shape, or one built from ``Shape``: its inferred dims) and
+   ``ReduceSum`` over the k slots.
+2. ``dense``: every expert on every token, combined with a ``[T, E]`` routing matrix by
+   ``Einsum("te,eth->th")`` or ``ReduceSum(Unsqueeze(Transpose(R)) * Y, axis 0)``.
+3. ``unrolled``: one FFN per expert, each scaled by its column of the routing matrix (``Slice`` or
+   ``Gather``) and summed (``Add`` chain or ``Sum``).
+
+``FORMS`` (rules as data) says which shapes a combining node may end: each is tried in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import onnx_ir as ir
+
+from layerzero.passes._graph import const_array
+from layerzero.passes._moe.experts import (
+    act_times_up,
+    batched_projection,
+    gate_up,
+    linear_projection,
+    stacked_projection,
+)
+from layerzero.passes._moe.router import Router, routing_matrix, routing_weights
+from layerzero.passes._moe.walk import (
+    STD,
+    NoMatch,
+    Walk,
+    attr_of,
+    axes_of,
+    commuted,
+    const_ints,
+    need,
+    rank_of,
+    reshape_dims,
+    sorted_axes,
+    static_ints,
+)
+
+__all__ = ["FORMS", "match_batched_mm", "match_dense", "match_unrolled"]
+
+
+def _repeated_tokens(w: Walk, value: ir.Value, top_k: int, hidden_size: int) -> ir.Value:
+    """``Reshape(Expand(Unsqueeze(x, 1), [1, k, 1]), [-1, H])`` (``repeat_interleave(x, k, dim=0)``) → x."""
+    reshape = w.node(value, ("Reshape", "Flatten"), "repeated tokens")
+    if reshape.op_type == "Flatten":  # TorchScript: Flatten(axis=2) of [T, k, H]
+        need(attr_of(reshape, "axis", 1) in (2, -1), "repeated tokens: Flatten is not of [T, k, H] at axis 2")
+    else:
+        need(reshape_dims(reshape) == [-1, hidden_size], "repeated tokens: not reshaped to [-1, H]")
+    repeated = reshape.inputs[0]
+    producer = repeated.producer() if repeated is not None else None
+    if top_k > 1 or (producer is not None and producer.op_type in ("Expand", "Tile")):
+        # With k = 1 the Expand to [1, 1, 1] is an identity the static passes remove first. Tile by [1, k, 1]
+        # (TorchScript) repeats the size-1 axis the same way.
+        expand = w.node(repeated, ("Expand", "Tile"), "repeated tokens")
+        shape = static_ints(w, expand.inputs[1])
+        if shape is None and expand.outputs[0].shape is not None and expand.inputs[0].shape is not None:
+            # A shape built at run time (TorchScript): the inferred [T, k, H] of an input [T, 1, H] says the same.
+            before, after = list(expand.inputs[0].shape), list(expand.outputs[0].shape)
+            if len(before) == len(after) == 3 and before[1] == 1 and before[0] == after[0] and before[2] == after[2]:
+                shape = [1, after[1], 1]
+        need(
+            shape is not None and len(shape) == 3 and shape[1] == top_k and shape[0] == 1 and shape[2] == 1,
+            f"repeated tokens: not repeated k={top_k} times ({expand.op_type} to [1, k, 1])",
+        )
+        repeated = expand.inputs[0]
+    unsq = w.node(repeated, "Unsqueeze", "repeated tokens")
+    need(sorted_axes(axes_of(unsq), 3) == [1], "repeated tokens: not unsqueezed at axis 1")
+    x = unsq.inputs[0]
+    need(rank_of(x) == 2, "repeated tokens: the hidden state is not [T, H]")
+    return x
+
+
+def match_batched_mm(w: Walk, end: ir.Node, router: Router) -> dict:
+    # ReduceSum(Reshape(Mul(down, Unsqueeze(Reshape(weights, [-1]), 1)), [-1, k, H]), axis=1)
+    need(end.op_type == "ReduceSum", "batched_mm: the combination is not a ReduceSum")
+    need(sorted_axes(axes_of(end), 3) == [1], "batched_mm: ReduceSum is not over the top-k slots")
+    need(attr_of(end, "keepdims", 1) == 0, "batched_mm: ReduceSum keeps the top-k axis")
+    reshape = w.node(end.inputs[0], "Reshape", "batched_mm: [T·k, H] → [T, k, H]")
+    shape = reshape_dims(reshape)
+    need(
+        shape is not None and len(shape) == 3 and shape[0] == -1 and shape[1] == router.top_k,
+        f"batched_mm: not reshaped to [-1, k={router.top_k}, H]",
+    )
+    hidden_size = shape[2]
+    mul = w.node(reshape.inputs[0], "Mul", "batched_mm: expert output × routing weight")
+    reason, down_value = "batched_mm: no factor is the flattened routing weights", None
+    for other, weight_value in commuted(mul):
+        try:
+            normalize = w.attempt(lambda v=weight_value: _flat_weights(w, v, router))
+        except NoMatch as exc:
+            reason = str(exc)
+            continue
+        down_value = other
+        break
+    need(down_value is not None, reason)
+    projection = batched_projection(w, router)
+    w_down, h = projection(down_value, "down projection")
+    need(w_down.shape[1] == hidden_size, f"batched_mm: down weights {list(w_down.shape)} do not give H={hidden_size}")
+    act, gate, up = act_times_up(w, h)
+    w_gate, w_up, xr = gate_up(w, gate, up, projection)
+    x = _repeated_tokens(w, xr, router.top_k, hidden_size)
+    return {"hidden": x, "normalize": normalize, "activation": act, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+
+
+def _flat_weights(w: Walk, value: ir.Value, router: Router) -> int:
+    unsq = w.node(value, "Unsqueeze", "routing weight per slot")
+    need(sorted_axes(axes_of(unsq), 2) == [1], "routing weight per slot: not unsqueezed to [T·k, 1]")
+    flat = w.node(unsq.inputs[0], "Reshape", "routing weight per slot")
+    need(reshape_dims(flat) == [-1], "routing weight per slot: not flattened with Reshape [-1]")
+    return routing_weights(w, flat.inputs[0], router)
+
+
+def match_dense(w: Walk, end: ir.Node, router: Router) -> dict:
+    if end.op_type == "Einsum":
+        eq = str(attr_of(end, "equation", "")).replace(" ", "")
+        lhs, _, out = eq.partition("->")
+        terms = lhs.split(",")
+        need(len(terms) == 2 and len(out) == 2, f"dense: Einsum {eq!r} is not a [T, E] × [E, T, H] combination")
+        r_i = 0 if len(terms[0]) == 2 else 1
+        r, y = terms[r_i], terms[1 - r_i]
+        need(
+            len(r) == 2 and len(y) == 3 and len(set(r + y[2])) == 3 and y == r[1] + r[0] + out[1] and out[0] == r[0],
+            f"dense: Einsum {eq!r} is not 'te,eth->th'",
+        )
+        r_value, y_value = end.inputs[r_i], end.inputs[1 - r_i]
+    else:
+        need(end.op_type == "ReduceSum", "dense: the combination is not an Einsum or ReduceSum")
+        need(sorted_axes(axes_of(end), 3) == [0], "dense: ReduceSum is not over the experts axis")
+        need(attr_of(end, "keepdims", 1) == 0, "dense: ReduceSum keeps the experts axis")
+        mul = w.node(end.inputs[0], "Mul", "dense: routing × expert outputs")
+        r_value = y_value = None
+        for a, b in commuted(mul):
+            unsq = a.producer()
+            if unsq is None or unsq.op_type != "Unsqueeze" or sorted_axes(axes_of(unsq), 3) != [2]:
+                continue
+            tr = unsq.inputs[0].producer()
+            if tr is None or tr.op_type != "Transpose" or list(attr_of(tr, "perm", [1, 0])) != [1, 0]:
+                continue
+            w.nodes.extend(n for n in (unsq, tr) if n not in w.nodes)
+            r_value, y_value = tr.inputs[0], b
+            break
+        need(r_value is not None, "dense: no factor is the transposed routing matrix [E, T, 1]")
+    normalize = routing_matrix(w, r_value, router)
+    projection = stacked_projection(w)
+    w_down, h = projection(y_value, "down projection")
+    act, gate, up = act_times_up(w, h)
+    w_gate, w_up, x = gate_up(w, gate, up, projection)
+    need(rank_of(x) == 2, "dense: the experts' input is not the hidden state [T, H]")
+    return {"hidden": x, "normalize": normalize, "activation": act, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+
+
+def _column(w: Walk, value: ir.Value) -> tuple[ir.Value, int]:
+    """``R[:, e:e+1]`` (Slice) or ``R[:, e][:, None]`` (Gather + Unsqueeze) or ``Gather(R, [e], axis=1)``."""
+    node = w.node(value, ("Slice", "Unsqueeze", "Gather"), "routing column")
+    if node.op_type == "Slice":
+        starts, ends = const_ints(node.inputs[1]), const_ints(node.inputs[2])
+        axes = const_ints(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
+        steps = const_ints(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else [1]
+        need(axes is not None and sorted_axes(axes, 2) == [1] and steps == [1], "routing column: Slice not on axis 1")
+        need(
+            starts is not None
+            and ends is not None
+            and len(starts) == 1
+            and ends[0] == starts[0] + 1
+            and starts[0] >= 0,
+            "routing column: Slice is not one column",
+        )
+        return node.inputs[0], starts[0]
+    if node.op_type == "Unsqueeze":
+        need(sorted_axes(axes_of(node), 2) == [1], "routing column: not unsqueezed to [T, 1]")
+        gather = w.node(node.inputs[0], "Gather", "routing column")
+        index = const_array(gather.inputs[1])
+        need(index is not None and index.ndim == 0, "routing column: Gather index is not a scalar constant")
+    else:
+        gather = node
+        index = const_array(gather.inputs[1])
+        need(index is not None and index.shape == (1,), "routing column: Gather index is not [e]")
+    need(attr_of(gather, "axis", 0) in (1, -1), "routing column: Gather is not on the experts axis")
+    e = int(index.reshape(-1)[0])
+    need(e >= 0, "routing column: negative expert index")
+    return gather.inputs[0], e
+
+
+def _sum_terms(w: Walk, end: ir.Node) -> list[ir.Value]:
+    terms: list[ir.Value] = []
+
+    def visit(value: ir.Value) -> None:
+        producer = value.producer()
+        if (
+            producer is not None
+            and producer.op_type in ("Add", "Sum")
+            and producer.domain in STD
+            and len(value.uses()) == 1
+        ):
+            w.nodes.append(producer)
+            for v in producer.inputs:
+                visit(v)
+        else:
+            terms.append(value)
+
+    w.nodes.append(end)
+    for v in end.inputs:
+        visit(v)
+    return terms
+
+
+def match_unrolled(w: Walk, end: ir.Node, router: Router) -> dict:
+    terms = _sum_terms(w, end)
+    need(len(terms) == router.experts, f"unrolled: a sum of {len(terms)} terms for {router.experts} experts")
+    per_expert: dict[int, ir.Value] = {}
+    matrix = None
+    for term in terms:
+        mul = w.node(term, "Mul", "unrolled: expert output × routing column")
+        found = None
+        for y, col in commuted(mul):
+            try:
+                found = (w.attempt(lambda c=col: _column(w, c)), y)
+                break
+            except NoMatch:
+                continue
+        need(found is not None, "unrolled: a term is not an expert output times a routing column")
+        (r_value, e), y = found
+        need(matrix is None or r_value is matrix, "unrolled: terms read different routing matrices")
+        matrix = r_value
+        need(e < router.experts and e not in per_expert, f"unrolled: expert column {e} repeated or out of range")
+        per_expert[e] = y
+    normalize = routing_matrix(w, matrix, router)
+    projection = linear_projection(w)
+    gates, ups, downs, acts, x = [], [], [], set(), None
+    for e in range(router.experts):
+        w_down, h = projection(per_expert[e], f"expert {e} down projection")
+        act, gate, up = act_times_up(w, h)
+        w_gate, w_up, x_e = gate_up(w, gate, up, projection)
+        need(x is None or x_e is x, f"unrolled: expert {e} reads another input than expert 0")
+        x = x_e
+        gates.append(w_gate)
+        ups.append(w_up)
+        downs.append(w_down)
+        acts.add(act)
+    need(len(acts) == 1, f"unrolled: experts use different activations {sorted(acts)}")
+    shapes = {(g.shape, u.shape, d.shape) for g, u, d in zip(gates, ups, downs)}
+    need(len(shapes) == 1, "unrolled: experts have different weight shapes")
+    return {
+        "hidden": x,
+        "normalize": normalize,
+        "activation": acts.pop(),
+        "w_gate": np.concatenate(gates),
+        "w_up": np.concatenate(ups),
+        "w_down": np.concatenate(downs),
+    }
+
+
+# The op that ends a block -> the block shapes it may end, tried in order.
+FORMS: dict[str, tuple[tuple[str, Callable[[Walk, ir.Node, Router], dict]], ...]] = {
+    "Einsum": (("dense", match_dense),),
+    "ReduceSum": (("batched_mm", match_batched_mm), ("dense", match_dense)),
+    "Add": (("unrolled", match_unrolled),),
+    "Sum": (("unrolled", match_unrolled),),
+}

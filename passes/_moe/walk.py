@@ -1,0 +1,240 @@
+"""Backward matching over producers: the checks every part of the MoE matcher shares.
+
+A part walks from a value to the nodes that produce it (``Walk.node``), accepts each node it checks and
+raises ``NoMatch`` with the failed check otherwise. ``commuted`` generates both operand orders of a
+commutative node, so no rule is written twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import onnx_ir as ir
+
+from layerzero.passes._graph import const_array
+
+__all__ = [
+    "STD",
+    "NoMatch",
+    "Walk",
+    "attr_of",
+    "axes_of",
+    "commuted",
+    "const_ints",
+    "const_scalar",
+    "const_weight",
+    "near",
+    "need",
+    "rank_of",
+    "reshape_dims",
+    "sorted_axes",
+    "static_dim",
+    "static_ints",
+]  # fmt: skip
+
+STD = ("", "ai.onnx")
+
+
+class NoMatch(Exception):
+    """A check of the matcher failed; the message says which."""
+
+
+def need(condition: bool, reason: str) -> None:
+    if not condition:
+        raise NoMatch(reason)
+
+
+def const_ints(value: ir.Value | None) -> list[int] | None:
+    array = const_array(value)
+    if array is None or array.dtype.kind not in "iu":
+        return None
+    return [int(v) for v in array.reshape(-1)]
+
+
+def attr_of(node: ir.Node, name: str, default: object = None) -> object:
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.value
+
+
+def rank_of(value: ir.Value) -> int | None:
+    return None if value.shape is None else len(value.shape)
+
+
+def static_dim(value: ir.Value, axis: int) -> int | None:
+    if value.shape is None or not -len(value.shape) <= axis < len(value.shape):
+        return None
+    d = value.shape[axis]
+    return d if isinstance(d, int) else None
+
+
+def axes_of(node: ir.Node) -> list[int] | None:
+    """Reduce/Squeeze/Unsqueeze axes, from the input (opset ≥ 13/18) or the attribute."""
+    if len(node.inputs) > 1 and node.inputs[1] is not None:
+        return const_ints(node.inputs[1])
+    axes = attr_of(node, "axes")
+    return None if axes is None else [int(a) for a in axes]
+
+
+def sorted_axes(axes: list[int] | None, rank: int) -> list[int] | None:
+    return None if axes is None else sorted(a + rank if a < 0 else a for a in axes)
+
+
+def commuted(node: ir.Node) -> Iterator[tuple[ir.Value, ir.Value]]:
+    a, b = node.inputs[0], node.inputs[1]
+    yield a, b
+    yield b, a
+
+
+def near(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-6 * max(1.0, abs(b))
+
+
+def const_scalar(value: ir.Value) -> float | None:
+    array = const_array(value)
+    return None if array is None or array.size != 1 else float(array.reshape(-1)[0])
+
+
+class Walk:
+    """Backward matching over producers, remembering every computing node it accepts."""
+
+    def __init__(self) -> None:
+        self.nodes: list[ir.Node] = []
+        # Cheap router-side nodes other blocks may share (an exporter's CSE merges equal zeros / sums).
+        self.shareable: set[ir.Node] = set()
+        # The failed attempt that matched most nodes, why, and the last node it accepted (where it stopped).
+        self.deepest: tuple[int, str, str] = (-1, "", "")
+
+    def node(self, value: ir.Value | None, ops: str | tuple[str, ...], what: str) -> ir.Node:
+        ops = (ops,) if isinstance(ops, str) else ops
+        producer = None if value is None else value.producer()
+        if producer is None or producer.op_type not in ops or producer.domain not in STD:
+            found = "nothing" if value is None else ("a graph input or constant" if producer is None else "")
+            if producer is not None:
+                found = f"{producer.op_type} ({producer.name})"
+            raise NoMatch(f"{what}: expected {' or '.join(ops)}, found {found}")
+        if producer not in self.nodes:
+            self.nodes.append(producer)
+        return producer
+
+    def attempt(self, fn: Callable[[], object]) -> object:
+        """Run ``fn``; on NoMatch forget the nodes it accepted and re-raise."""
+        mark = len(self.nodes)
+        try:
+            return fn()
+        except NoMatch as exc:
+            self.note(exc)
+            del self.nodes[mark:]
+            raise
+
+    def note(self, exc: NoMatch) -> None:
+        if len(self.nodes) > self.deepest[0]:
+            last = self.nodes[-1] if self.nodes else None
+            self.deepest = (len(self.nodes), str(exc), "" if last is None else f"{last.op_type} {last.name}")
+
+
+def const_weight(value: ir.Value, rank: int, what: str) -> np.ndarray:
+    array = const_array(value)
+    need(array is not None, f"{what}: {value.name} is not a constant weight")
+    need(array.ndim == rank, f"{what}: {value.name} has shape {list(array.shape)}, expected rank {rank}")
+    need(array.dtype.kind == "f", f"{what}: {value.name} has dtype {array.dtype}, expected a float type")
+    return array
+
+
+def reshape_dims(node: ir.Node) -> list[int] | None:
+    """The target shape of a ``Reshape``, ``-1`` for the one dim left to infer: the constant shape input, or
+    (TorchScript exports build it with ``Shape`` / ``Gather`` / ``Concat``) the inferred output shape when at
+    most one of its dims is not static; such a shape determines the Reshape exactly as the constant would."""
+    shape = const_ints(node.inputs[1]) if len(node.inputs) > 1 else None
+    if shape is not None:
+        return shape
+    out = node.outputs[0].shape
+    if out is None:
+        return None
+    dims = [d if isinstance(d, int) else -1 for d in out]
+    return dims if dims.count(-1) <= 1 else None
+
+
+_SHAPE_ARITHMETIC = {"Add": lambda a, b: a + b, "Sub": lambda a, b: a - b, "Mul": lambda a, b: a * b}
+
+
+def static_ints(w: Walk, value: ir.Value | None, depth: int = 8) -> list[int] | None:
+    """An integer vector known at compile time: a constant, or computed from static dims of ``Shape`` by
+    ``Gather`` / ``Concat`` / ``Unsqueeze`` / ``Squeeze`` / ``Cast`` / ``Add`` / ``Sub`` / ``Mul`` / ``Div``
+    (TorchScript's ``chunk`` bounds: ``(Shape(x)[-1] + 1) / 2 * i``). The nodes it reads are accepted into the
+    walk as shareable (they compute the block's bounds; what else reads them keeps them)."""
+    found = _static(value, depth, [])
+    if found is None:
+        return None
+    ints, nodes = found
+    if any(v is None for v in ints):
+        return None
+    for node in nodes:
+        if node not in w.nodes:
+            w.nodes.append(node)
+    # Shape arithmetic other shape computations may read too (TorchScript shares it): it goes when dead.
+    w.shareable.update(nodes)
+    return ints
+
+
+def _static(value: ir.Value | None, depth: int, nodes: list[ir.Node]) -> tuple[list, list[ir.Node]] | None:
+    """``(ints with None for dims not static, nodes read)`` or None."""
+    ints = const_ints(value)
+    if ints is not None or value is None or depth == 0:
+        return None if ints is None else (ints, nodes)
+    node = value.producer()
+    if node is None or node.domain not in STD:
+        return None
+    nodes = [*nodes, node]
+    if node.op_type == "Shape":
+        shape = node.inputs[0].shape
+        if shape is None:
+            return None
+        dims = [d if isinstance(d, int) else None for d in shape]
+        start, end = attr_of(node, "start", 0), attr_of(node, "end", None)
+        return dims[slice(start, end)], nodes
+    operands = []
+    for v in node.inputs:
+        found = _static(v, depth - 1, [])
+        if found is None:
+            return None
+        operands.append(found[0])
+        nodes.extend(n for n in found[1] if n not in nodes)
+    if node.op_type == "Gather" and len(operands) == 2 and attr_of(node, "axis", 0) == 0:
+        data, index = operands
+        if any(i is None or not -len(data) <= i < len(data) for i in index):
+            return None
+        return [data[i] for i in index], nodes
+    if node.op_type in ("Unsqueeze", "Squeeze", "Cast", "Identity", "Reshape") and operands:
+        return operands[0], nodes  # 0-D and 1-D integer vectors: the same elements
+    if node.op_type == "Slice" and len(operands) >= 3:
+        data, starts, ends = operands[:3]
+        steps = operands[4] if len(operands) > 4 else [1]
+        one_axis = len(operands) <= 3 or operands[3] in ([0], [-1])
+        if len(starts) != 1 or None in (*starts, *ends, *steps) or not one_axis:
+            return None
+        return data[slice(starts[0], ends[0], steps[0])], nodes
+    if node.op_type == "OneHot" and len(operands) == 3 and attr_of(node, "axis", -1) == -1:
+        # TorchScript's repeat_interleave builds its repeats [1, k, 1] as OneHot([1], 3, [1, k]).
+        (depth,), (off, on) = operands[1], operands[2]
+        if None in (depth, off, on) or None in operands[0]:
+            return None
+        return [on if j == i % depth else off for i in operands[0] for j in range(depth)], nodes
+    if node.op_type == "Concat":
+        return [v for part in operands for v in part], nodes
+    if node.op_type in (*_SHAPE_ARITHMETIC, "Div") and len(operands) == 2:
+        a, b = operands
+        if len(a) != len(b) and 1 not in (len(a), len(b)):
+            return None
+        n = max(len(a), len(b))
+        a, b = (a * n if len(a) == 1 else a), (b * n if len(b) == 1 else b)
+        out = []
+        for x, y in zip(a, b):
+            if x is None or y is None or (node.op_type == "Div" and y == 0):
+                out.append(None)
+            elif node.op_type == "Div":
+                out.append(int(x / y))  # ONNX integer Div truncates
+            else:
+                out.append(_SHAPE_ARITHMETIC[node.op_type](x, y))
+        return out, nodes
+    return None
