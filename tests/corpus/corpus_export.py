@@ -85,7 +85,10 @@ def build_model(family: Family, exporter: str):
         config._attn_implementation = attn
         model = transformers.AutoModel.from_config(config, add_pooling_layer=False)
     else:
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+        except ValueError:  # a family without an SDPA implementation (Gemma 2): eager, as users export it
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     if family.moe and hasattr(model, "set_experts_implementation"):
         with contextlib.suppress(Exception):
             model.set_experts_implementation("batched_mm")

@@ -54,7 +54,7 @@ def _better(key: str, what: str) -> None:
     warnings.warn(message, UserWarning, stacklevel=2)
 
 
-@pytest.mark.parametrize(("family", "exporter", "variant"), all_cases(), ids="/".join)
+@pytest.mark.parametrize(("family", "exporter", "variant"), all_cases(), ids=["/".join(c) for c in all_cases()])
 def test_case(family: str, exporter: str, variant: str) -> None:
     result = run_case(family, exporter, variant)
     write_result(result)
