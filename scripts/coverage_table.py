@@ -126,6 +126,18 @@ def write_table(results: dict[str, dict]) -> str:
                     notes.append(f"- {family.name} / {exporter} / {variant}: exported on its own "
                                  f"({r['exported_separately']})")
     lines += ["", "## Refusals, crashes and export failures", "", *(notes or ["None."]), ""]
+    lines += [
+        "## Families",
+        "",
+        "Dense: " + ", ".join(f"{f.name} (`{f.config}`)" for f in FAMILIES.values() if not f.moe) + ".",
+        "MoE (experts through transformers' `batched_mm` implementation): "
+        + ", ".join(f"{f.name} (`{f.config}`)" for f in FAMILIES.values() if f.moe)
+        + ". Not in the corpus: multimodal, hybrid (Mamba / linear attention) and encoder-decoder families.",
+        "",
+        "The real-size cases (≥ 1 GB of external data: a Llama and an OLMoE-style MoE, 64 experts, top-8, hidden",
+        "1024) are `tests/corpus/test_real_size.py` (`-m slow`), which prints each compile's peak RSS.",
+        "",
+    ]
     lines += ["## Counts", "", *_counts(results), ""]
     return "\n".join(lines)
 

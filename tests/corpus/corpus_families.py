@@ -200,7 +200,7 @@ _MOES = [
     _moe("deepseek_v2", "DeepseekV2Config", kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
          qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4, topk_method="greedy"),
     _moe("deepseek_v3", "DeepseekV3Config", kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
-         qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4),
+         qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4, head_dim=8),
     _moe("glm4_moe", "Glm4MoeConfig"),
     _moe("dots1", "Dots1Config"),
     _moe("ernie4_5_moe", "Ernie4_5_MoeConfig", moe_num_experts=4, moe_k=2, moe_layer_start_index=0,
