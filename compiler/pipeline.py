@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import onnx_ir as ir
 
+from layerzero.groups import ApplyGroupSpec
 from layerzero.options import CompileOptions
 from layerzero.passes import (
     BypassedLayer,
@@ -17,8 +19,22 @@ from layerzero.passes import (
     RemoveDeadCode,
     SimplifyConcatSplit,
 )
+from layerzero.passes.gated_branches import SkipGatedBranches
+from layerzero.passes.moe import SkipExperts
+from layerzero.passes.solidify_paths import DropExperts, RemoveSkippedBranches
 
-__all__ = ["PipelineResult", "bypass_declared_layers", "needs_dynamic_reference", "run_static_passes"]
+if TYPE_CHECKING:
+    from layerzero.targets.base import Target
+
+__all__ = [
+    "DYNAMIC_PASSES",
+    "PipelineResult",
+    "bypass_declared_layers",
+    "lower_for_target",
+    "needs_dynamic_reference",
+    "run_dynamic_passes",
+    "run_static_passes",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -117,35 +133,36 @@ def needs_dynamic_reference(options: CompileOptions) -> bool:
     return options.dynamic and options.groups is not None
 
 
-# Dynamic passes: each entry is "module:Class", built as Class(options) and run once, in order,
-# after the static fixpoint. A pass records what it made dynamic with
-# ``layerzero.passes._dynamic.record_dynamic_path``; the static passes then run once more to clean up.
-DYNAMIC_PASSES: list[str] = [
+# Dynamic passes: each built as Class(options) and run once, in order, after the static fixpoint. A pass records
+# what it made dynamic with ``layerzero.passes._dynamic.record_dynamic_path``; the target then lowers the skipping
+# forms (``lower_for_target``) and the static passes run once more to clean up. A new dynamic pass is one line here.
+DYNAMIC_PASSES: list[type[ir.passes.PassBase]] = [
     # Group masks first: a group's scopes must still be plain layers (no other pass's mask inside).
     # The spec is read here, in the compiler (passes know no file system).
-    "layerzero.groups:ApplyGroupSpec",
-    # MoE: rewrite each block into the skipping form ai.layerzero::MoE, then lower it for the target.
-    "layerzero.passes.moe:SkipExperts",
+    ApplyGroupSpec,
+    # MoE: rewrite each block into the skipping form ai.layerzero::MoE (each target lowers it afterwards).
+    SkipExperts,
     # Solidify (options.solidify, from a profile): drop experts from the skipping form, before lowering.
-    "layerzero.passes.solidify_paths:DropExperts",
-    "layerzero.passes.lower_moe:LowerMoE",
-    # Gated branches last: an MoE's weighted expert sum looks like x + g * f(x) too.
-    "layerzero.passes.gated_branches:SkipGatedBranches",
+    DropExperts,
+    # Gated branches last: an MoE's weighted expert sum looks like x + g * f(x) too (here it is one MoE node).
+    SkipGatedBranches,
     # Solidify: gates and groups always skipped take their else path (constant folding inlines it).
-    "layerzero.passes.solidify_paths:RemoveSkippedBranches",
+    RemoveSkippedBranches,
 ]
 
 
 def run_dynamic_passes(model: ir.Model, options: CompileOptions) -> bool:
     """Run the registered dynamic passes; returns whether any changed the model."""
-    import importlib
-
     if not options.dynamic:
         return False
     modified = False
-    for spec in DYNAMIC_PASSES:
-        module_name, _, class_name = spec.partition(":")
-        cls = getattr(importlib.import_module(module_name), class_name)
+    for cls in DYNAMIC_PASSES:
         _infer_shapes(model)
         modified |= cls(options)(model).modified
     return modified
+
+
+def lower_for_target(model: ir.Model, options: CompileOptions, target: Target) -> bool:
+    """The target's lowering of the skipping forms (``Target.lower``); returns whether it changed the model."""
+    _infer_shapes(model)  # lowerings read dtypes and shapes
+    return target.lower(model, options)
