@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import onnx_ir as ir
 
+from layerzero.errors import LayerZeroError
 from layerzero.groups import ApplyGroupSpec
 from layerzero.options import CompileOptions
 from layerzero.passes import (
@@ -21,6 +22,7 @@ from layerzero.passes import (
 )
 from layerzero.passes.gated_branches import SkipGatedBranches
 from layerzero.passes.moe import SkipExperts
+from layerzero.passes.shape_inference import InferShapes
 from layerzero.passes.solidify_paths import DropExperts, RemoveSkippedBranches
 
 if TYPE_CHECKING:
@@ -47,33 +49,33 @@ class PipelineResult:
     bypassed: list[BypassedLayer]
 
 
-def _infer_shapes(model: ir.Model) -> None:
-    """onnx shape inference, merged back with whole types (not only dtype and shape).
+class _Iteration(ir.passes.InPlacePass):
+    """One iteration of the static fixpoint: shape inference, then each pass in order.
 
-    onnx-ir's ShapeInferencePass copies dtype and shape only, so a value onnx infers to be a
-    sequence or an optional would come back as a plain tensor, which ORT then rejects.
+    ``modified`` when a pass changed the model (new shapes alone do not count); ``modified_by`` counts, per pass
+    name, the iterations in which it did.
     """
-    import onnx
-    from onnx_ir.passes.common import _c_api_utils
 
-    def infer(proto: onnx.ModelProto) -> onnx.ModelProto:
-        return onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
+    def __init__(self, passes: list[ir.passes.PassBase], on_iteration: Callable[[int], None] | None) -> None:
+        super().__init__()
+        self.passes = passes
+        self.on_iteration = on_iteration
+        self.modified_by = {type(p).__name__: 0 for p in passes}
+        self.count = 0
+        self.last_modified = False
 
-    try:
-        inferred = ir.serde.deserialize_model(_c_api_utils.call_onnx_api(infer, model))
-    except Exception as exc:  # inference is a help, never a requirement
-        logger.info("shape inference failed, shapes left as they are: %s", exc)
-        return
-    for graph, inferred_graph in zip(model.graphs(), inferred.graphs()):
-        known = ir.convenience.create_value_mapping(inferred_graph)
-        for name, value in ir.convenience.create_value_mapping(graph).items():
-            other = known.get(name)
-            if other is None:
-                continue
-            if other.type is not None and (value.type is None or value.type != other.type):
-                value.type = other.type
-            if other.shape is not None and value.shape != other.shape:
-                value.shape = other.shape
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.count += 1
+        InferShapes()(model)
+        changed = False
+        for p in self.passes:
+            if p(model).modified:
+                self.modified_by[type(p).__name__] += 1
+                changed = True
+        if self.on_iteration is not None:
+            self.on_iteration(self.count)
+        self.last_modified = changed
+        return ir.passes.PassResult(model, modified=changed)
 
 
 def run_static_passes(
@@ -81,7 +83,8 @@ def run_static_passes(
     options: CompileOptions,
     on_iteration: Callable[[int], None] | None = None,
 ) -> PipelineResult:
-    """flags → constants → uniforms → DCE, repeated until no pass changes the model."""
+    """flags → constants → uniforms → DCE, repeated until no pass changes the model (onnx-ir's ``PassManager``:
+    at most ``options.max_iterations`` steps, early stop on ``modified``)."""
     flags = FoldZeroFlags(options.flag_pattern)
     passes: list[ir.passes.PassBase] = [
         flags,
@@ -90,24 +93,30 @@ def run_static_passes(
         SimplifyConcatSplit(),
         RemoveDeadCode(),
     ]
-    modified_by = {type(p).__name__: 0 for p in passes}
-    converged = False
-    iteration = 0
-    for iteration in range(1, options.max_iterations + 1):
-        _infer_shapes(model)
-        changed = False
-        for p in passes:
-            if p(model).modified:
-                modified_by[type(p).__name__] += 1
-                changed = True
-        if on_iteration is not None:
-            on_iteration(iteration)
-        if not changed:
-            converged = True
-            break
+    iteration = _Iteration(passes, on_iteration)
+    manager = ir.passes.PassManager([iteration], steps=options.max_iterations, early_stop=True)
+    try:
+        manager(model)
+    except ir.passes.PassError as exc:
+        # PassManager wraps what a pass raised; our errors (a scope that is not a layer, ...) go out as they are.
+        ours = _our_error(exc)
+        if ours is None:
+            raise
+        raise ours from None
+    converged = not iteration.last_modified
     if not converged:
         logger.warning("static passes did not reach a fixpoint in %d iterations", options.max_iterations)
-    return PipelineResult(iteration, converged, modified_by, list(flags.bypassed))
+    return PipelineResult(iteration.count, converged, iteration.modified_by, list(flags.bypassed))
+
+
+def _our_error(exc: BaseException) -> LayerZeroError | None:
+    """The ``LayerZeroError`` that ``exc`` (onnx-ir's ``PassError``) wraps, if any."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, LayerZeroError):
+            return cause
+        cause = cause.__cause__
+    return None
 
 
 def bypass_declared_layers(model: ir.Model, options: CompileOptions) -> list[BypassedLayer]:
@@ -116,14 +125,14 @@ def bypass_declared_layers(model: ir.Model, options: CompileOptions) -> list[Byp
     With a group spec (``options.groups``), each group's layers are also bypassed where its router
     says so, computed densely (``Where``), since skipping them changes the output on purpose.
     """
-    _infer_shapes(model)
+    InferShapes()(model)
     flags = FoldZeroFlags(options.flag_pattern)
     flags(model)
     RemoveDeadCode()(model)
     if needs_dynamic_reference(options):
         from layerzero.groups import apply_group_reference
 
-        _infer_shapes(model)
+        InferShapes()(model)
         apply_group_reference(model, options)
     return list(flags.bypassed)
 
@@ -157,12 +166,12 @@ def run_dynamic_passes(model: ir.Model, options: CompileOptions) -> bool:
         return False
     modified = False
     for cls in DYNAMIC_PASSES:
-        _infer_shapes(model)
+        InferShapes()(model)
         modified |= cls(options)(model).modified
     return modified
 
 
 def lower_for_target(model: ir.Model, options: CompileOptions, target: Target) -> bool:
     """The target's lowering of the skipping forms (``Target.lower``); returns whether it changed the model."""
-    _infer_shapes(model)  # lowerings read dtypes and shapes
+    InferShapes()(model)  # lowerings read dtypes and shapes
     return target.lower(model, options)

@@ -34,6 +34,7 @@ from layerzero.errors import InvalidInputError
 from layerzero.options import CompileOptions
 from layerzero.passes._graph import NameFactory, make_constant
 from layerzero.passes._moe_match import find_moe_blocks
+from layerzero.passes.shape_inference import InferShapes
 from layerzero.runtime.profile import load_profile
 
 __all__ = ["SolidifyCandidate", "SolidifyPlan", "force_off_reference", "plan_solidify", "solidified_records"]
@@ -225,9 +226,7 @@ def force_off_reference(model: ir.Model, options: CompileOptions) -> None:
 
 def _force_off_experts(model: ir.Model, names: NameFactory, wanted: set[str]) -> set[str]:
     # TopK(Softmax(logits))   ->   TopK(Softmax(Where(off, -inf, logits)))
-    from layerzero.pipeline import _infer_shapes
-
-    _infer_shapes(model)
+    InferShapes()(model)
     graph = model.graph
     matches, _ = find_moe_blocks(graph)
     used: set[str] = set()
@@ -282,9 +281,7 @@ def _force_off_gates(model: ir.Model, names: NameFactory, wanted: set[str]) -> s
     from layerzero.passes._dynamic import read_dynamic_paths
     from layerzero.passes._paths import driven_ifs, graph_output
     from layerzero.passes.gated_branches import SkipGatedBranches
-    from layerzero.pipeline import _infer_shapes
-
-    _infer_shapes(model)
+    InferShapes()(model)
     before = {p.path for p in read_dynamic_paths(model)}
     SkipGatedBranches(threshold=0.0)(model)
     graph = model.graph

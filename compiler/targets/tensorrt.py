@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes.common import ShapeInferencePass
 
 from layerzero.contract import MOE_DOMAIN, MOE_OP
 from layerzero.errors import InvalidInputError, LayerZeroError, UnsupportedModelError, VerificationError
 from layerzero.passes.lower_tensorrt import LowerMoEToTensorRT
+from layerzero.passes.shape_inference import InferShapes
 from layerzero.runtime.backends.tensorrt import (
     TensorRTUnavailableError,
     import_tensorrt,
@@ -139,7 +139,7 @@ def require_tensorrt() -> Any:
 def lower_for_tensorrt(model: ir.Model) -> tuple[ir.Model, int]:
     """A copy of ``model`` with its MoE nodes lowered to plugin nodes, and how many were lowered."""
     lowered = model.clone()
-    ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(lowered)  # the lowering reads dtypes
+    InferShapes()(lowered)  # the lowering reads dtypes
     before = sum(1 for n in lowered.graph.all_nodes() if n.domain == MOE_DOMAIN and n.op_type == MOE_OP)
     LowerMoEToTensorRT()(lowered)
     return lowered, before
