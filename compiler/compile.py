@@ -18,7 +18,6 @@ from layerzero import __version__
 from layerzero.chunked import run_in_chunks, weight_bytes
 from layerzero.contract import MASK_PREFIX, ROUTER_PREFIX
 from layerzero.errors import InvalidInputError, VerificationError
-from layerzero.inspect import ModelSummary, natural_key, summarize
 from layerzero.loader import load_model
 from layerzero.options import CompileOptions
 from layerzero.passes._dynamic import read_dynamic_paths
@@ -30,11 +29,12 @@ from layerzero.pipeline import (
     run_dynamic_passes,
     run_static_passes,
 )
+from layerzero.summary import ModelSummary, natural_key, summarize
 from layerzero.targets import get_target
 from layerzero.verify import VerificationResult, compare_outputs, make_inputs, run_model
 
 if TYPE_CHECKING:
-    from layerzero.solidify import SolidifyPlan
+    from layerzero.solidify_plan import SolidifyPlan
     from layerzero.targets.tensorrt import TensorRTOptions
 
 __all__ = ["CompileResult", "RemovedScope", "compile_file", "compile_model"]
@@ -62,7 +62,7 @@ class CompileResult:
     pipeline: PipelineResult
     verification: VerificationResult | None
     seconds: float
-    # Paths solidified from a profile (layerzero.solidify): what went, with the profile's numbers; the plan.
+    # Paths solidified from a profile (layerzero.solidify_plan): what went, with the profile's numbers; the plan.
     solidified: list[dict] = dataclasses.field(default_factory=list)
     solidify_plan: SolidifyPlan | None = None
 
@@ -146,7 +146,7 @@ def compile_model(
     if options.profile is not None:
         # Solidify: the profile's always-skipped, harmless paths become options.solidify (the passes remove them).
         from layerzero.runtime.bundle import sha256_file
-        from layerzero.solidify import plan_solidify
+        from layerzero.solidify_plan import plan_solidify
 
         plan = plan_solidify(options, sha256_file(source_path) if source_path is not None else None)
         options = dataclasses.replace(options, solidify=plan.subpaths)
@@ -168,7 +168,7 @@ def compile_model(
     kinds.update({s: "consumed-flag" for s in consumed if s not in kinds})
     solidified: list[dict] = []
     if options.solidify:
-        from layerzero.solidify import check_all_removed, solidified_records
+        from layerzero.solidify_plan import check_all_removed, solidified_records
 
         solidified = solidified_records(model, plan)
         check_all_removed(options, solidified)
@@ -209,7 +209,7 @@ def verify_compiled(
 
     With declared flags, the reference is the original with exactly those layers bypassed; the
     original's own deviation from it is reported as those layers' measured impact. Solidified paths
-    (``options.solidify``) are forced off in the reference the same way (``layerzero.solidify``).
+    (``options.solidify``) are forced off in the reference the same way (``layerzero.solidify_plan``).
     """
     with tempfile.TemporaryDirectory(prefix="layerzero-verify-") as tmp:
         tmpdir = Path(tmp)
@@ -239,7 +239,7 @@ def verify_compiled(
             reference = load_original()
             bypass_declared_layers(reference, options)
             if options.solidify:
-                from layerzero.solidify import force_off_reference
+                from layerzero.solidify_plan import force_off_reference
 
                 force_off_reference(reference, options)  # the solidified paths forced off
             _, reference_outputs = run(reference, "reference")

@@ -49,7 +49,7 @@ class CompileOptions:
     max_deviation: float | None = None  # with a threshold > 0: fail verification above this max abs deviation
     moe_lowering: str = "auto"  # one of MOE_LOWERINGS
     groups: Path | None = None  # group-mask spec (YAML or JSON)
-    # Solidify (layerzero.solidify): remove for good the dynamic paths a profile (`layerzero profile`) found
+    # Solidify (layerzero.solidify_plan): remove for good the dynamic paths a profile (`layerzero profile`) found
     # skipped at least `stability_window` consecutive requests (or tokens, `stability_unit`) and whose measured
     # impact (relative L2 change of the model output when forced off) is below `impact_tolerance`.
     profile: Path | None = None

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import onnx_ir as ir
 
 from layerzero.errors import LayerZeroError
-from layerzero.groups import ApplyGroupSpec
+from layerzero.groups import GroupMasksFromFile
 from layerzero.options import CompileOptions
 from layerzero.passes import (
     BypassedLayer,
@@ -148,7 +148,7 @@ def needs_dynamic_reference(options: CompileOptions) -> bool:
 DYNAMIC_PASSES: list[type[ir.passes.PassBase]] = [
     # Group masks first: a group's scopes must still be plain layers (no other pass's mask inside).
     # The spec is read here, in the compiler (passes know no file system).
-    ApplyGroupSpec,
+    GroupMasksFromFile,
     # MoE: rewrite each block into the skipping form ai.layerzero::MoE (each target lowers it afterwards).
     SkipExperts,
     # Solidify (options.solidify, from a profile): drop experts from the skipping form, before lowering.

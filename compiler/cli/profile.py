@@ -25,9 +25,9 @@ from pathlib import Path
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from layerzero.calibration import load_requests, profile_bundle
 from layerzero.cli._common import console, stderr
 from layerzero.errors import InvalidInputError
-from layerzero.profiling import load_requests, profile_bundle
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -35,7 +35,7 @@ from layerzero.options import CompileOptions
 from layerzero.passes._graph import NameFactory, make_constant
 from layerzero.passes._moe_match import find_moe_blocks
 from layerzero.passes.shape_inference import InferShapes
-from layerzero.runtime.profile import load_profile
+from layerzero.runtime.path_stats import load_profile
 
 __all__ = ["SolidifyCandidate", "SolidifyPlan", "force_off_reference", "plan_solidify", "solidified_records"]
 
@@ -279,7 +279,7 @@ def _force_off_groups(graph: ir.Graph, names: NameFactory, wanted: set[str]) -> 
 
 def _force_off_gates(model: ir.Model, names: NameFactory, wanted: set[str]) -> set[str]:
     from layerzero.passes._dynamic import read_dynamic_paths
-    from layerzero.passes._paths import driven_ifs, graph_output
+    from layerzero.passes._dynamic_paths import driven_ifs, graph_output
     from layerzero.passes.gated_branches import SkipGatedBranches
     InferShapes()(model)
     before = {p.path for p in read_dynamic_paths(model)}

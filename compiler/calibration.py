@@ -1,6 +1,6 @@
 """``profile_bundle``: run calibration traffic through a bundle, count each path, measure its impact.
 
-The counters are the runtime's (``layerzero.runtime.profile.Profiler``: it only needs the bundle's
+The counters are the runtime's (``layerzero.runtime.path_stats.Profiler``: it only needs the bundle's
 ``Engine``). The impact needs the force-off variant of the compiled model, built here in memory
 (``layerzero.passes.force_off.ExposeForceOff``) and run as a second ``Engine`` on the first
 ``impact_samples`` requests: per request one run with nothing forced off, then one per subpath.
@@ -21,7 +21,7 @@ from layerzero.errors import InvalidInputError
 from layerzero.loader import load_model
 from layerzero.passes.force_off import ExposeForceOff
 from layerzero.runtime import Engine
-from layerzero.runtime.profile import ImpactMeter, Profiler, iter_requests
+from layerzero.runtime.path_stats import ImpactMeter, Profiler, iter_requests
 
 __all__ = ["force_off_variant", "load_requests", "profile_bundle"]
 
