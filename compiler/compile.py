@@ -9,7 +9,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
@@ -19,17 +19,19 @@ from layerzero import __version__
 from layerzero.chunked import run_in_chunks, weight_bytes
 from layerzero.contract import MASK_PREFIX, ROUTER_PREFIX
 from layerzero.errors import InvalidInputError, UnsupportedModelError, VerificationError
-from layerzero.inspect import ModelSummary, natural_key, summarize
 from layerzero.loader import load_model
 from layerzero.options import CompileOptions
 from layerzero.passes._dynamic import read_dynamic_paths
 from layerzero.pipeline import (
     PipelineResult,
     bypass_declared_layers,
+    lower_for_target,
     needs_dynamic_reference,
     run_dynamic_passes,
     run_static_passes,
 )
+from layerzero.summary import ModelSummary, natural_key, summarize
+from layerzero.targets import get_target
 from layerzero.verify import (
     InputSet,
     OutputComparison,
@@ -42,7 +44,7 @@ from layerzero.verify import (
 )
 
 if TYPE_CHECKING:
-    from layerzero.solidify import SolidifyPlan
+    from layerzero.solidify_plan import SolidifyPlan
     from layerzero.targets.tensorrt import TensorRTOptions
 
 __all__ = ["CompileResult", "RemovedScope", "compile_file", "compile_model"]
@@ -70,7 +72,7 @@ class CompileResult:
     pipeline: PipelineResult
     verification: VerificationResult | None
     seconds: float
-    # Paths solidified from a profile (layerzero.solidify): what went, with the profile's numbers; the plan.
+    # Paths solidified from a profile (layerzero.solidify_plan): what went, with the profile's numbers; the plan.
     solidified: list[dict] = dataclasses.field(default_factory=list)
     solidify_plan: SolidifyPlan | None = None
 
@@ -83,6 +85,8 @@ class CompileResult:
         return {
             "layerzero_version": __version__,
             "target": self.options.target,
+            # The runtime backend that runs this bundle (Engine.load picks it from here).
+            "backend": get_target(self.options.target).backend,
             "source": {"path": None if source is None else str(source.resolve()), "sha256": sha256},
             "options": self.options.to_dict(),
             "stats": {
@@ -137,6 +141,7 @@ def compile_model(
     Raises VerificationError when the compiled model's outputs differ from the reference's.
     """
     options = options or CompileOptions()
+    target = get_target(options.target)
     say = progress or (lambda _msg: None)
     start = time.perf_counter()
     say("loading")
@@ -151,7 +156,7 @@ def compile_model(
     if options.profile is not None:
         # Solidify: the profile's always-skipped, harmless paths become options.solidify (the passes remove them).
         from layerzero.runtime.bundle import sha256_file
-        from layerzero.solidify import plan_solidify
+        from layerzero.solidify_plan import plan_solidify
 
         plan = plan_solidify(options, sha256_file(source_path) if source_path is not None else None)
         options = dataclasses.replace(options, solidify=plan.subpaths)
@@ -161,7 +166,10 @@ def compile_model(
     say("static passes")
     pipeline = run_static_passes(model, options, on_iteration=lambda i: say(f"static passes, iteration {i}"))
     say("dynamic passes")
-    if run_dynamic_passes(model, options):
+    changed = run_dynamic_passes(model, options)
+    say(f"lowering for {target.name}")
+    changed |= lower_for_target(model, options, target)
+    if changed:
         bypassed = pipeline.bypassed
         pipeline = run_static_passes(model, options)
         pipeline.bypassed = bypassed + pipeline.bypassed
@@ -170,7 +178,7 @@ def compile_model(
     kinds.update({s: "consumed-flag" for s in consumed if s not in kinds})
     solidified: list[dict] = []
     if options.solidify:
-        from layerzero.solidify import check_all_removed, solidified_records
+        from layerzero.solidify_plan import check_all_removed, solidified_records
 
         solidified = solidified_records(model, plan)
         check_all_removed(options, solidified)
@@ -182,12 +190,8 @@ def compile_model(
     verification = None
     if options.verify:
         say("verifying")
-        checked = model
-        if options.target == "tensorrt":
-            # TensorRT keeps the MoE nodes for its plugin; ONNX Runtime verifies their onnxruntime lowering.
-            from layerzero.targets.tensorrt import ort_equivalent
-
-            checked = ort_equivalent(model, options)
+        # What ONNX Runtime runs in place of the compiled graph (TensorRT: the onnxruntime lowering of its MoE nodes).
+        checked = target.verification_model(model, options)
         verification = verify_compiled(source_path, original_proto, checked, pipeline, options)
     seconds = time.perf_counter() - start
     return CompileResult(
@@ -215,7 +219,7 @@ def verify_compiled(
 
     With declared flags, the reference is the original with exactly those layers bypassed; the
     original's own deviation from it is reported as those layers' measured impact. Solidified paths
-    (``options.solidify``) are forced off in the reference the same way (``layerzero.solidify``).
+    (``options.solidify``) are forced off in the reference the same way (``layerzero.solidify_plan``).
 
     The input sets (``layerzero.verify.input_sets``): the default one, every dynamic dim at 1, every
     dynamic dim larger, values around the constants the graph's comparisons split on, each with its own
@@ -267,7 +271,7 @@ def verify_compiled(
             reference = load_original()
             bypass_declared_layers(reference, options)
             if options.solidify:
-                from layerzero.solidify import force_off_reference
+                from layerzero.solidify_plan import force_off_reference
 
                 force_off_reference(reference, options)  # the solidified paths forced off
             saved = reference if chunked else _save(reference, tmpdir / "reference.onnx")
@@ -376,13 +380,14 @@ def _bisect(
             culprit, good = name, False
 
     try:
+        target = get_target(options.target)
         run_static_passes(model, options, after_pass=check)
-        if run_dynamic_passes(model, options, after_pass=check):
+        changed = run_dynamic_passes(model, options, after_pass=check)
+        changed |= lower_for_target(model, options, target, after_pass=check)
+        if changed:
             run_static_passes(model, options, after_pass=check)
-        if options.target == "tensorrt":
-            from layerzero.targets.tensorrt import ort_equivalent
-
-            check(f"the {options.target} lowering", ort_equivalent(model, options))
+        # What ONNX Runtime runs in place of the compiled graph (TensorRT: the onnxruntime lowering of its MoE nodes).
+        check(f"the {target.name} target's verification model", target.verification_model(model, options))
     except Exception as exc:  # the re-run itself failed: say so rather than guess
         return f"pass bisection failed ({type(exc).__name__}: {exc})"
     if culprit is None:
@@ -414,50 +419,31 @@ def compile_file(
     progress: Progress | None = None,
     overwrite: bool = False,
     tensorrt: TensorRTOptions | None = None,
+    target_options: Any = None,
 ) -> CompileResult:
     """Compile ``source`` and write the engine bundle ``out`` atomically (nothing on failure).
 
-    With ``options.target == "tensorrt"`` the bundle also holds a TensorRT plan built with ``tensorrt``
-    (``layerzero.targets.tensorrt.TensorRTOptions``; default: fp32, profiles from ``options.shapes``).
+    The bundle is written by the target (``options.target``, ``layerzero.targets``) with ``target_options``,
+    its own build options: for ``tensorrt`` a ``layerzero.targets.tensorrt.TensorRTOptions`` (``tensorrt=`` is
+    the older spelling; default: fp32, profiles from ``options.shapes``), a plan built with TensorRT.
     """
-    from layerzero.runtime.bundle import sha256_file, write_bundle
+    from layerzero.runtime.bundle import sha256_file
 
     source, out = Path(source), Path(out)
     if out.resolve() == source.resolve() or source.resolve().is_relative_to(out.resolve()):
         raise InvalidInputError(f"{out}: the output would overwrite the input model {source}")
     if out.exists() and not overwrite:
         raise InvalidInputError(f"{out}: already exists (pass --force to replace it)")
-    if options is not None and options.target == "tensorrt":
-        from layerzero.targets.tensorrt import require_tensorrt
-
-        require_tensorrt()  # before any work: without TensorRT this target cannot build anything
+    target = get_target((options or CompileOptions()).target)
+    target.check_available()  # before any work: a target whose toolkit is missing cannot build anything
     result = compile_model(source, options, progress)
-    say = progress or (lambda _msg: None)
-    if result.options.target == "tensorrt":
-        from layerzero.targets.tensorrt import TensorRTOptions, write_tensorrt_bundle
-
-        trt_options = tensorrt or TensorRTOptions(verify=result.options.verify)
-        write_tensorrt_bundle(
-            out,
-            result,
-            result.options,
-            trt_options,
-            source=source,
-            sha256=sha256_file(source),
-            overwrite=overwrite,
-            progress=progress,
-        )
-        return result
-    say("writing bundle")
-    # Weights that came memory-mapped from external data stay external: they are copied file to file. Saved
-    # into one protobuf they would be read into memory and serialised, several times their size at peak.
-    mapped = any(isinstance(v.const_value, ir.ExternalTensor) for v in result.model.graph.initializers.values())
-    write_bundle(
+    target.write_bundle(
         out,
-        result.model,
-        result.manifest(source, sha256_file(source)),
+        result,
+        source=source,
+        sha256=sha256_file(source),
         overwrite=overwrite,
-        protect=[source],
-        **({"external_threshold_bytes": 0} if mapped else {}),
+        progress=progress,
+        target_options=target_options if target_options is not None else tensorrt,
     )
     return result

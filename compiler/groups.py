@@ -36,7 +36,7 @@ from layerzero.errors import InvalidInputError, LayerZeroError
 from layerzero.options import CompileOptions
 from layerzero.passes.group_masks import DEFAULT_THRESHOLD, ApplyGroupMasks, Group, GroupRouter, GroupSpec
 
-__all__ = ["ApplyGroupSpec", "apply_group_reference", "load_group_spec", "parse_group_spec"]
+__all__ = ["GroupMasksFromFile", "apply_group_reference", "load_group_spec", "parse_group_spec"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,10 +170,10 @@ def _align_router_opset(spec: GroupSpec, model: ir.Model) -> GroupSpec:
     return GroupSpec(spec.groups, GroupRouter(spec.router.output, ir.from_proto(proto)), spec.threshold, spec.source)
 
 
-class ApplyGroupSpec(ir.passes.InPlacePass):
+class GroupMasksFromFile(ir.passes.InPlacePass):
     """The dynamic pass of the pipeline: ``ApplyGroupMasks`` with the spec ``options.groups`` names.
 
-    Does nothing without ``options.groups``. Built as ``ApplyGroupSpec(options)`` (``DYNAMIC_PASSES``).
+    Does nothing without ``options.groups``. Built as ``GroupMasksFromFile(options)`` (``DYNAMIC_PASSES``).
     """
 
     def __init__(self, options: CompileOptions, *, select: bool = False) -> None:
@@ -190,4 +190,4 @@ class ApplyGroupSpec(ir.passes.InPlacePass):
 
 def apply_group_reference(model: ir.Model, options: CompileOptions) -> bool:
     """The verification reference: every grouped layer computes, ``Where(router on, layer, input)`` picks."""
-    return ApplyGroupSpec(options, select=True)(model).modified
+    return GroupMasksFromFile(options, select=True)(model).modified

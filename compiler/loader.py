@@ -20,7 +20,7 @@ def check_external_data(path: Path, proto: onnx.ModelProto) -> None:
     """Every external-data file the model names exists next to it (weights are not read)."""
     base = path.parent
     missing: set[str] = set()
-    for tensor in onnx.external_data_helper._get_all_tensors(proto):
+    for tensor in _tensors(proto.graph):
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
             continue
         location = next((e.value for e in tensor.external_data if e.key == "location"), None)
@@ -33,6 +33,22 @@ def check_external_data(path: Path, proto: onnx.ModelProto) -> None:
         raise InvalidInputError(
             f"{path}: external-data file(s) missing: {names} (expected next to the model in {base})"
         )
+
+
+def _tensors(graph: onnx.GraphProto):
+    """Every TensorProto of ``graph``: initializers (sparse ones too) and tensor attributes, subgraphs included."""
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield from (sparse.values, sparse.indices)
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from _tensors(attr.g)
+            for sub in attr.graphs:
+                yield from _tensors(sub)
 
 
 def load_model(path: str | Path) -> ir.Model:

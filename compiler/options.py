@@ -1,16 +1,28 @@
-"""Compile options: one dataclass, written into the bundle's manifest."""
+"""Compile options: one dataclass, checked when built, written into the bundle's manifest."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import os
 from pathlib import Path
+from typing import Any
 
-__all__ = ["CompileOptions"]
+from layerzero.errors import InvalidInputError
+
+__all__ = ["MOE_LOWERINGS", "STABILITY_UNITS", "CompileOptions"]
+
+#: ``moe_lowering``: "auto" | "if" (per-expert If subgraphs) | "ort-moe" (com.microsoft.MoE); the onnxruntime
+#: target's choices (``passes/lower_moe.py`` ``LOWERINGS``; a test keeps the two equal).
+MOE_LOWERINGS = ("auto", "if", "ort-moe")
+#: ``stability_unit``: what ``stability_window`` counts.
+STABILITY_UNITS = ("requests", "tokens")
 
 
 @dataclasses.dataclass
 class CompileOptions:
-    """What ``compile`` does.
+    """What ``compile`` does. Building one checks every field (``InvalidInputError`` naming the option).
 
     ``assume_finite``: fold ``x * 0`` (and MatMul/Gemm/Conv with an all-zero weight) to 0. This is
     wrong when x holds NaN or Inf (``NaN * 0`` is NaN), which inference activations normally do not;
@@ -35,16 +47,47 @@ class CompileOptions:
     dynamic: bool = True
     zeroing_threshold: float = 0.0  # skip a routed expert / gated branch below threshold × the token's largest weight
     max_deviation: float | None = None  # with a threshold > 0: fail verification above this max abs deviation
-    moe_lowering: str = "auto"  # "auto" | "if" (per-expert If subgraphs) | "ort-moe" (com.microsoft.MoE)
+    moe_lowering: str = "auto"  # one of MOE_LOWERINGS
     groups: Path | None = None  # group-mask spec (YAML or JSON)
-    # Solidify (layerzero.solidify): remove for good the dynamic paths a profile (`layerzero profile`) found
+    # Solidify (layerzero.solidify_plan): remove for good the dynamic paths a profile (`layerzero profile`) found
     # skipped at least `stability_window` consecutive requests (or tokens, `stability_unit`) and whose measured
     # impact (relative L2 change of the model output when forced off) is below `impact_tolerance`.
     profile: Path | None = None
     stability_window: int = 100
-    stability_unit: str = "requests"  # "requests" | "tokens"
+    stability_unit: str = "requests"  # one of STABILITY_UNITS
     impact_tolerance: float = 0.01
     solidify: tuple[str, ...] = ()  # the subpaths to remove (filled from `profile`, or given directly)
+
+    def __post_init__(self) -> None:
+        # Cases: 1. flags are bools; 2. counts are ints (not bools) in range; 3. tolerances and thresholds are
+        # finite numbers >= 0 (ints become floats); 4. names are one of the known ones; 5. paths are str or
+        # os.PathLike (stored as Path); 6. shapes map names to dims >= 0, solidify is a sequence of names.
+        for name in ("assume_finite", "verify", "dynamic"):
+            _check_bool(name, getattr(self, name))
+        _check_int("max_iterations", self.max_iterations, 1)
+        _check_int("fold_max_elements", self.fold_max_elements, 0)
+        _check_int("seed", self.seed, 0)
+        _check_int("chunked_verify_bytes", self.chunked_verify_bytes, 1)
+        _check_int("stability_window", self.stability_window, 1)
+        for name in ("max_iterations", "fold_max_elements", "seed", "chunked_verify_bytes", "stability_window"):
+            setattr(self, name, int(getattr(self, name)))
+        for name in ("atol", "rtol", "zeroing_threshold", "impact_tolerance"):
+            setattr(self, name, _finite(name, getattr(self, name)))
+        if self.max_deviation is not None:
+            self.max_deviation = _finite("max_deviation", self.max_deviation)
+        if not isinstance(self.flag_pattern, str) or not self.flag_pattern:
+            raise InvalidInputError(f"option flag_pattern: expected a non-empty pattern, got {self.flag_pattern!r}")
+        from layerzero.targets import TARGETS  # the registry's names; importing it imports no target
+
+        _check_choice("target", self.target, TARGETS)
+        _check_choice("moe_lowering", self.moe_lowering, MOE_LOWERINGS)
+        _check_choice("stability_unit", self.stability_unit, STABILITY_UNITS)
+        for name in ("sample_inputs", "groups", "profile"):
+            setattr(self, name, _path(name, getattr(self, name)))
+        self.shapes = _shapes(self.shapes)
+        if isinstance(self.solidify, str) or not all(isinstance(s, str) for s in _iterable("solidify", self.solidify)):
+            raise InvalidInputError(f"option solidify: expected a sequence of subpath names, got {self.solidify!r}")
+        self.solidify = tuple(self.solidify)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -54,3 +97,60 @@ class CompileOptions:
         out["solidify"] = list(self.solidify)
         out["shapes"] = {k: list(v) for k, v in self.shapes.items()}
         return out
+
+
+def _is_int(value: Any) -> bool:
+    # numpy integers count (a shape read from an array); bools do not, though Python makes them ints.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise InvalidInputError(f"option {name}: expected True or False, got {value!r}")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not _is_int(value):
+        raise InvalidInputError(f"option {name}: expected an integer >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise InvalidInputError(f"option {name}: must be >= {minimum}, got {value}")
+
+
+def _finite(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidInputError(f"option {name}: expected a number >= 0, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise InvalidInputError(f"option {name}: must be a finite number >= 0, got {value}")
+    return float(value)
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise InvalidInputError(f"option {name}: {value!r} is not one of {', '.join(choices)}")
+
+
+def _path(name: str, value: Any) -> Path | None:
+    if value is None or isinstance(value, Path):
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        return Path(value)
+    raise InvalidInputError(f"option {name}: expected a file path, got {type(value).__name__}")
+
+
+def _iterable(name: str, value: Any) -> list[Any]:
+    try:
+        return list(value)
+    except TypeError:
+        raise InvalidInputError(f"option {name}: expected a sequence, got {type(value).__name__}") from None
+
+
+def _shapes(value: Any) -> dict[str, tuple[int, ...]]:
+    if not isinstance(value, dict):
+        raise InvalidInputError(f"option shapes: expected a dict of input name to dims, got {type(value).__name__}")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for key, dims in value.items():
+        items = _iterable(f"shapes[{key!r}]", dims)
+        if not isinstance(key, str) or not all(_is_int(d) and d >= 0 for d in items):
+            raise InvalidInputError(f"option shapes[{key!r}]: expected integer dims >= 0, got {dims!r}")
+        shapes[key] = tuple(int(d) for d in items)
+    return shapes

@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import onnx_ir as ir
 
+from layerzero.errors import LayerZeroError
+from layerzero.groups import GroupMasksFromFile
 from layerzero.options import CompileOptions
 from layerzero.passes import (
     BypassedLayer,
@@ -17,8 +20,23 @@ from layerzero.passes import (
     RemoveDeadCode,
     SimplifyConcatSplit,
 )
+from layerzero.passes.gated_branches import SkipGatedBranches
+from layerzero.passes.moe import SkipExperts
+from layerzero.passes.shape_inference import InferShapes
+from layerzero.passes.solidify_paths import DropExperts, RemoveSkippedBranches
 
-__all__ = ["PipelineResult", "bypass_declared_layers", "needs_dynamic_reference", "run_static_passes"]
+if TYPE_CHECKING:
+    from layerzero.targets.base import Target
+
+__all__ = [
+    "DYNAMIC_PASSES",
+    "PipelineResult",
+    "bypass_declared_layers",
+    "lower_for_target",
+    "needs_dynamic_reference",
+    "run_dynamic_passes",
+    "run_static_passes",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -31,33 +49,41 @@ class PipelineResult:
     bypassed: list[BypassedLayer]
 
 
-def _infer_shapes(model: ir.Model) -> None:
-    """onnx shape inference, merged back with whole types (not only dtype and shape).
+class _Iteration(ir.passes.InPlacePass):
+    """One iteration of the static fixpoint: shape inference, then each pass in order.
 
-    onnx-ir's ShapeInferencePass copies dtype and shape only, so a value onnx infers to be a
-    sequence or an optional would come back as a plain tensor, which ORT then rejects.
+    ``modified`` when a pass changed the model (new shapes alone do not count); ``modified_by`` counts, per pass
+    name, the iterations in which it did.
     """
-    import onnx
-    from onnx_ir.passes.common import _c_api_utils
 
-    def infer(proto: onnx.ModelProto) -> onnx.ModelProto:
-        return onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
+    def __init__(
+        self,
+        passes: list[ir.passes.PassBase],
+        on_iteration: Callable[[int], None] | None,
+        after_pass: Callable[[str, ir.Model], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self.passes = passes
+        self.on_iteration = on_iteration
+        self.after_pass = after_pass
+        self.modified_by = {type(p).__name__: 0 for p in passes}
+        self.count = 0
+        self.last_modified = False
 
-    try:
-        inferred = ir.serde.deserialize_model(_c_api_utils.call_onnx_api(infer, model))
-    except Exception as exc:  # inference is a help, never a requirement
-        logger.info("shape inference failed, shapes left as they are: %s", exc)
-        return
-    for graph, inferred_graph in zip(model.graphs(), inferred.graphs()):
-        known = ir.convenience.create_value_mapping(inferred_graph)
-        for name, value in ir.convenience.create_value_mapping(graph).items():
-            other = known.get(name)
-            if other is None:
-                continue
-            if other.type is not None and (value.type is None or value.type != other.type):
-                value.type = other.type
-            if other.shape is not None and value.shape != other.shape:
-                value.shape = other.shape
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.count += 1
+        InferShapes()(model)
+        changed = False
+        for p in self.passes:
+            if p(model).modified:
+                self.modified_by[type(p).__name__] += 1
+                changed = True
+                if self.after_pass is not None:
+                    self.after_pass(f"{type(p).__name__} (static iteration {self.count})", model)
+        if self.on_iteration is not None:
+            self.on_iteration(self.count)
+        self.last_modified = changed
+        return ir.passes.PassResult(model, modified=changed)
 
 
 def run_static_passes(
@@ -66,7 +92,8 @@ def run_static_passes(
     on_iteration: Callable[[int], None] | None = None,
     after_pass: Callable[[str, ir.Model], None] | None = None,
 ) -> PipelineResult:
-    """flags → constants → uniforms → DCE, repeated until no pass changes the model.
+    """flags → constants → uniforms → DCE, repeated until no pass changes the model (onnx-ir's ``PassManager``:
+    at most ``options.max_iterations`` steps, early stop on ``modified``).
 
     ``after_pass(name, model)`` is called after each pass that changed the model (verification's bisect).
     """
@@ -78,26 +105,30 @@ def run_static_passes(
         SimplifyConcatSplit(),
         RemoveDeadCode(),
     ]
-    modified_by = {type(p).__name__: 0 for p in passes}
-    converged = False
-    iteration = 0
-    for iteration in range(1, options.max_iterations + 1):
-        _infer_shapes(model)
-        changed = False
-        for p in passes:
-            if p(model).modified:
-                modified_by[type(p).__name__] += 1
-                changed = True
-                if after_pass is not None:
-                    after_pass(f"{type(p).__name__} (static iteration {iteration})", model)
-        if on_iteration is not None:
-            on_iteration(iteration)
-        if not changed:
-            converged = True
-            break
+    iteration = _Iteration(passes, on_iteration, after_pass)
+    manager = ir.passes.PassManager([iteration], steps=options.max_iterations, early_stop=True)
+    try:
+        manager(model)
+    except ir.passes.PassError as exc:
+        # PassManager wraps what a pass raised; our errors (a scope that is not a layer, ...) go out as they are.
+        ours = _our_error(exc)
+        if ours is None:
+            raise
+        raise ours from None
+    converged = not iteration.last_modified
     if not converged:
         logger.warning("static passes did not reach a fixpoint in %d iterations", options.max_iterations)
-    return PipelineResult(iteration, converged, modified_by, list(flags.bypassed))
+    return PipelineResult(iteration.count, converged, iteration.modified_by, list(flags.bypassed))
+
+
+def _our_error(exc: BaseException) -> LayerZeroError | None:
+    """The ``LayerZeroError`` that ``exc`` (onnx-ir's ``PassError``) wraps, if any."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, LayerZeroError):
+            return cause
+        cause = cause.__cause__
+    return None
 
 
 def bypass_declared_layers(model: ir.Model, options: CompileOptions) -> list[BypassedLayer]:
@@ -106,14 +137,14 @@ def bypass_declared_layers(model: ir.Model, options: CompileOptions) -> list[Byp
     With a group spec (``options.groups``), each group's layers are also bypassed where its router
     says so, computed densely (``Where``), since skipping them changes the output on purpose.
     """
-    _infer_shapes(model)
+    InferShapes()(model)
     flags = FoldZeroFlags(options.flag_pattern)
     flags(model)
     RemoveDeadCode()(model)
     if needs_dynamic_reference(options):
         from layerzero.groups import apply_group_reference
 
-        _infer_shapes(model)
+        InferShapes()(model)
         apply_group_reference(model, options)
     return list(flags.bypassed)
 
@@ -123,22 +154,21 @@ def needs_dynamic_reference(options: CompileOptions) -> bool:
     return options.dynamic and options.groups is not None
 
 
-# Dynamic passes: each entry is "module:Class", built as Class(options) and run once, in order,
-# after the static fixpoint. A pass records what it made dynamic with
-# ``layerzero.passes._dynamic.record_dynamic_path``; the static passes then run once more to clean up.
-DYNAMIC_PASSES: list[str] = [
+# Dynamic passes: each built as Class(options) and run once, in order, after the static fixpoint. A pass records
+# what it made dynamic with ``layerzero.passes._dynamic.record_dynamic_path``; the target then lowers the skipping
+# forms (``lower_for_target``) and the static passes run once more to clean up. A new dynamic pass is one line here.
+DYNAMIC_PASSES: list[type[ir.passes.PassBase]] = [
     # Group masks first: a group's scopes must still be plain layers (no other pass's mask inside).
     # The spec is read here, in the compiler (passes know no file system).
-    "layerzero.groups:ApplyGroupSpec",
-    # MoE: rewrite each block into the skipping form ai.layerzero::MoE, then lower it for the target.
-    "layerzero.passes.moe:SkipExperts",
+    GroupMasksFromFile,
+    # MoE: rewrite each block into the skipping form ai.layerzero::MoE (each target lowers it afterwards).
+    SkipExperts,
     # Solidify (options.solidify, from a profile): drop experts from the skipping form, before lowering.
-    "layerzero.passes.solidify_paths:DropExperts",
-    "layerzero.passes.lower_moe:LowerMoE",
-    # Gated branches last: an MoE's weighted expert sum looks like x + g * f(x) too.
-    "layerzero.passes.gated_branches:SkipGatedBranches",
+    DropExperts,
+    # Gated branches last: an MoE's weighted expert sum looks like x + g * f(x) too (here it is one MoE node).
+    SkipGatedBranches,
     # Solidify: gates and groups always skipped take their else path (constant folding inlines it).
-    "layerzero.passes.solidify_paths:RemoveSkippedBranches",
+    RemoveSkippedBranches,
 ]
 
 
@@ -146,20 +176,30 @@ def run_dynamic_passes(
     model: ir.Model, options: CompileOptions, after_pass: Callable[[str, ir.Model], None] | None = None
 ) -> bool:
     """Run the registered dynamic passes; returns whether any changed the model (``after_pass``: as above)."""
-    import importlib
-
     if not options.dynamic:
         return False
     modified = False
     stale = True
-    for spec in DYNAMIC_PASSES:
-        module_name, _, class_name = spec.partition(":")
-        cls = getattr(importlib.import_module(module_name), class_name)
+    for cls in DYNAMIC_PASSES:
         if stale:  # shapes are current until a pass changes the model (inference is most of a small compile)
-            _infer_shapes(model)
+            InferShapes()(model)
         changed = cls(options)(model).modified
         stale = changed
-        if changed and after_pass is not None:
-            after_pass(class_name, model)
         modified |= changed
+        if changed and after_pass is not None:
+            after_pass(cls.__name__, model)
     return modified
+
+
+def lower_for_target(
+    model: ir.Model,
+    options: CompileOptions,
+    target: Target,
+    after_pass: Callable[[str, ir.Model], None] | None = None,
+) -> bool:
+    """The target's lowering of the skipping forms (``Target.lower``); returns whether it changed the model."""
+    InferShapes()(model)  # lowerings read dtypes and shapes
+    changed = target.lower(model, options)
+    if changed and after_pass is not None:
+        after_pass(f"{target.name} lowering", model)
+    return changed

@@ -2,7 +2,7 @@
 
     layerzero report profile.json -o map.png      # or map.svg, or map.html (the heatmap inline + a table)
 
-Cells are the paths of the profile (``layerzero.runtime.profile``): a MoE expert, a gated branch, a group,
+Cells are the paths of the profile (``layerzero.runtime.path_stats``): a MoE expert, a gated branch, a group,
 a layer removed at compile time. The row is the path's layer (``layers.3``; ``groups`` for a group of
 layers, ``model`` for a path outside any layer), the column what it is within the layer (``moe.experts.5``,
 ``mlp``; a prefix all columns share goes to the axis label). The colour is the skip rate in tokens; a dot
@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from layerzero.errors import InvalidInputError
-from layerzero.inspect import natural_key
 from layerzero.passes._graph import layer_of
+from layerzero.summary import natural_key
 
 __all__ = [
     "FORMATS",

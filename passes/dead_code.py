@@ -1,61 +1,59 @@
-"""Dead-code and unused-initializer removal."""
+"""Dead-code and unused-initializer removal: onnx-ir's ``RemoveUnusedNodesPass`` plus what it lacks."""
 
 from __future__ import annotations
 
 import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from layerzero.passes._graph import iter_graphs, release_subgraphs
+from layerzero.passes._graph import node_subgraphs, release_subgraphs
 
 __all__ = ["RemoveDeadCode"]
 
-# Nodes with an effect beyond their outputs are never removed.
-_SIDE_EFFECTS = frozenset({"Print"})
 
-
-def _used(value: ir.Value) -> bool:
-    return bool(value.uses()) or value.is_graph_output()
-
-
-class RemoveDeadCode(ir.passes.InPlacePass):
+class RemoveDeadCode(RemoveUnusedNodesPass):
     """Remove nodes none of whose outputs is used, then initializers nothing reads.
 
-    Cases:
-    1. A node whose outputs are neither consumed nor graph outputs is removed; its inputs may become
-       dead in turn (the graph is walked from the outputs back, so one call removes whole chains).
-    2. An initializer that no node reads, is not a graph input and not a graph output is removed.
-    Subgraphs are visited, before the graph that owns them; a node used only inside a removed
-    subgraph (or only by dead nodes of a live one) dies with it on the same walk, since removing the
-    subgraph's owner releases its uses.
+    Cases (1, 2: onnx-ir's pass; 3, 4: added here):
+    1. A node whose outputs are neither consumed nor graph outputs is removed, walking each graph from its outputs
+       back, so one call removes whole chains; the subgraphs of live nodes are swept when the walk reaches their
+       owner, so an outer value read only by a dead node of a live branch dies on the same walk. (onnx-ir also
+       trims trailing empty inputs and unused optional outputs of standard ops.)
+    2. A main-graph initializer that no node reads, and that is neither a graph input nor a graph output, goes.
+    3. A dead node that owns subgraphs (an ``If`` nothing reads) releases the outer values its subgraphs read
+       before the walk: onnx-ir removes the node but its subgraph nodes keep their uses, so the producers of
+       those values (and the initializers) would survive until the next call.
+    4. An unused initializer of a subgraph goes too.
     """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        modified = False
-        # Subgraphs before the graphs that own them, each in reverse order: consumers go before
-        # producers, so an outer value read only by a dead node of a live branch dies on this run too.
-        for graph in reversed(list(iter_graphs(model.graph))):
-            modified |= self._remove_dead_nodes(graph)
-        for graph in list(iter_graphs(model.graph)):
-            modified |= self._remove_unused_initializers(graph)
+        live: set[ir.Node] = set()
+        _mark_live(model.graph, live)
+        for graph in model.graphs():
+            for node in graph:
+                if node not in live and node_subgraphs(node):
+                    release_subgraphs(node)  # Case 3: its outputs are dead, so the walk below removes it
+        result = super().call(model)
+        modified = result.modified
+        for graph in model.graphs():
+            if graph is model.graph:
+                continue
+            inputs, outputs = set(graph.inputs), set(graph.outputs)
+            dead = [n for n, v in graph.initializers.items() if not v.uses() and v not in inputs and v not in outputs]
+            for name in dead:  # Case 4
+                graph.initializers.pop(name)
+            modified |= bool(dead)
         return ir.passes.PassResult(model, modified=modified)
 
-    @staticmethod
-    def _remove_dead_nodes(graph: ir.Graph) -> bool:
-        modified = False
-        for node in reversed(list(graph)):
-            if node.op_type in _SIDE_EFFECTS and node.domain in ("", "ai.onnx"):
-                continue
-            if any(_used(out) for out in node.outputs):
-                continue
-            # Case 1: removing a node detaches its inputs, so earlier producers see the new use counts.
-            release_subgraphs(node)
-            graph.remove(node, safe=True)
-            modified = True
-        return modified
 
-    @staticmethod
-    def _remove_unused_initializers(graph: ir.Graph) -> bool:
-        graph_inputs = set(graph.inputs)
-        dead = [name for name, value in graph.initializers.items() if value not in graph_inputs and not _used(value)]
-        for name in dead:  # Case 2
-            graph.initializers.pop(name)
-        return bool(dead)
+def _mark_live(graph: ir.Graph, live: set[ir.Node]) -> None:
+    """Add to ``live`` the nodes of ``graph`` (and of the subgraphs of live nodes) the graph's outputs need.
+
+    Consumers before producers: a node is live when it makes a graph output or a live node reads one of its
+    outputs; the subgraphs of a live node are marked before the outer nodes above it, whose values they read.
+    """
+    outputs = set(graph.outputs)
+    for node in reversed(list(graph)):
+        if any(out in outputs or any(user in live for user, _ in out.uses()) for out in node.outputs):
+            live.add(node)
+            for sub in node_subgraphs(node):
+                _mark_live(sub, live)

@@ -14,8 +14,8 @@ import onnx_ir as ir
 
 from layerzero.contract import BLOCK_PREFIX, FORCE_OFF_PREFIX, DynamicPath
 from layerzero.passes._dynamic import read_dynamic_paths
+from layerzero.passes._dynamic_paths import block_output, graph_output, moe_logits
 from layerzero.passes._graph import NameFactory, insert_after_producer, make_constant, rename_output
-from layerzero.passes._paths import block_output, graph_output, moe_logits
 
 __all__ = ["BLOCK_PREFIX", "FORCE_OFF_PREFIX", "ExposeForceOff"]
 

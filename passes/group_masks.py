@@ -10,6 +10,7 @@ import onnx_ir as ir
 
 from layerzero.errors import InvalidInputError
 from layerzero.passes._dynamic import MASK_PREFIX, DynamicPath, read_dynamic_paths, record_dynamic_path
+from layerzero.passes._dynamic_paths import graph_output
 from layerzero.passes._graph import (
     NameFactory,
     insert_after_producer,
@@ -19,7 +20,6 @@ from layerzero.passes._graph import (
     scope_of,
 )
 from layerzero.passes._layers import Layer, bypassable_layer, in_scope, layer_params, scope_members
-from layerzero.passes._paths import graph_output
 
 __all__ = ["ApplyGroupMasks", "Group", "GroupRouter", "GroupSpec"]
 

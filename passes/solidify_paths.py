@@ -17,8 +17,8 @@ import onnx_ir as ir
 
 from layerzero.errors import InvalidInputError
 from layerzero.passes._dynamic import DYNAMIC_META_KEY, DynamicPath, read_dynamic_paths, record_dynamic_path
+from layerzero.passes._dynamic_paths import driven_ifs, graph_output, moe_node
 from layerzero.passes._graph import NameFactory, const_array, make_constant
-from layerzero.passes._paths import driven_ifs, graph_output, moe_node
 
 __all__ = ["SOLIDIFIED_META_KEY", "DropExperts", "RemoveSkippedBranches", "read_solidified"]
 

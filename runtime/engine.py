@@ -38,6 +38,9 @@ __all__ = ["MASK_PREFIX", "ROUTER_PREFIX", "THRESHOLD_INPUT", "Engine", "Result"
 
 logger = logging.getLogger(__name__)
 
+#: The backend of a plain ``.onnx`` file (and of a bundle whose manifest names none).
+DEFAULT_BACKEND = "onnxruntime"
+
 
 @dataclasses.dataclass
 class Result:
@@ -67,12 +70,14 @@ class Engine:
         self._has_threshold: bool | None = None
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], *, backend: str = "onnxruntime", **backend_options: Any) -> Engine:
+    def load(cls, path: str | os.PathLike[str], *, backend: str | None = None, **backend_options: Any) -> Engine:
         """Load a bundle directory, or a plain ``.onnx`` file (run as is, with an empty manifest).
 
         Args:
             path: The bundle written by ``layerzero compile``, or an ``.onnx`` file.
-            backend: A registered backend name (``"onnxruntime"``/``"ort"``).
+            backend: A registered backend name (``"onnxruntime"``/``"ort"``, ``"tensorrt"``); None: the one the
+                bundle's manifest names (``backend``, written by its compile target), ONNX Runtime for a plain
+                ``.onnx`` file.
             **backend_options: Passed to the backend's ``load`` (e.g. ``device="cuda"``).
 
         Raises:
@@ -80,16 +85,17 @@ class Engine:
                 this backend cannot run.
             UnsupportedModelError: the backend cannot load the model.
         """
-        backend_cls = get_backend(backend)
         root = Path(path)
         if root.is_file() and root.suffix == ".onnx":
             logger.info("%s is a plain ONNX file: running it uncompiled (no zeroing report)", root)
             check_external_data(root)
             manifest: dict[str, Any] = {}
             model_path = root
+            backend_cls = get_backend(backend or DEFAULT_BACKEND)
         else:
             bundle = read_bundle(root)
             manifest, model_path = bundle.manifest, bundle.model_path
+            backend_cls = get_backend(backend or _manifest_backend(manifest))
             _check_target(manifest, backend_cls, root)
         instance = backend_cls()
         instance.load(model_path, **backend_options)
@@ -205,6 +211,13 @@ class Engine:
             f"Engine({str(self._path)!r}, backend={self._backend.name!r}, inputs={list(self._specs)}, "
             f"outputs={self._output_names}, mask_paths={len(self._mask_paths)})"
         )
+
+
+def _manifest_backend(manifest: Mapping[str, Any]) -> str:
+    """The backend a bundle names: its ``backend``; bundles written before that field name only their ``target``,
+    whose name was the backend's."""
+    named = manifest.get("backend") or manifest.get("target") or DEFAULT_BACKEND
+    return str(named)
 
 
 def _check_target(manifest: Mapping[str, Any], backend_cls: type, root: Path) -> None:

@@ -441,7 +441,7 @@ class GuardedEngine:
     def _record(self, seg: _Segment, fell_back: bool) -> None:
         cfg = self._config
         now = self._clock()
-        raised: tuple[float, float, float, int] | None = None
+        backed_off: tuple[float, float, float, int] | None = None
         with self._lock:
             seg.requests += 1
             seg.sampled += 1
@@ -463,9 +463,9 @@ class GuardedEngine:
                     seg.backoffs += 1
                 seg.window.clear()
                 seg.window_fallbacks = 0
-                raised = (old, new, rate, n)
-        if raised is not None:
-            old, new, rate, n = raised
+                backed_off = (old, new, rate, n)
+        if backed_off is not None:
+            old, new, rate, n = backed_off
             if old == new:
                 logger.warning(
                     "segment %r: fallback rate %.1f%% over the last %d sampled requests (%gs window) > %.1f%% "

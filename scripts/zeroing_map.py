@@ -20,9 +20,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from layerzero.calibration import profile_bundle
 from layerzero.compile import compile_file
 from layerzero.models.moe import NEVER_ROUTED_BIAS, MoEConfig, build_moe
-from layerzero.profiling import profile_bundle
 from layerzero.report_map import write_report
 
 CONFIG = MoEConfig(hidden=32, ffn=64, experts=8, top_k=2, layers=4, residual=True, seed=7)

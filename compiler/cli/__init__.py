@@ -7,14 +7,18 @@ file, a wrong shape). Errors print one line on stderr naming what is wrong.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import importlib.util
 import logging
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 
 from layerzero import __version__
 from layerzero.errors import LayerZeroError
 
-__all__ = ["main"]
+__all__ = ["VERBS", "build_parser", "main"]
 
 VERBS = ("inspect", "compile", "run", "profile", "report", "demo", "serve", "triton-export", "plugins")
 
@@ -24,7 +28,24 @@ def _module_name(verb: str) -> str:
     return f"layerzero.cli.{verb.replace('-', '_')}"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _docstring(verb: str) -> str:
+    """A verb module's docstring, read from its source: listing the verbs imports none of them (and nothing
+    they import: onnx, onnxruntime, torch)."""
+    spec = importlib.util.find_spec(_module_name(verb))
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError(f"no module for the layerzero verb {verb!r}")
+    return ast.get_docstring(ast.parse(Path(spec.origin).read_text(encoding="utf-8"))) or ""
+
+
+def _chosen_verb(argv: Sequence[str]) -> str | None:
+    # The first word that is a verb (the top-level options take no value).
+    return next((a for a in argv if a in VERBS), None)
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser. Only the verb in ``argv`` (every verb when ``argv`` is None) is imported and gets its
+    arguments; the others are listed with the first line of their docstring."""
+    chosen = None if argv is None else _chosen_verb(argv)
     parser = argparse.ArgumentParser(
         prog="layerzero",
         description="An ONNX compiler that removes computation which is zero, and its runtime.",
@@ -33,21 +54,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the passes do")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
     for verb in VERBS:
-        module = importlib.import_module(_module_name(verb))
-        doc = (module.__doc__ or "").strip()
+        full = argv is None or verb == chosen
+        module = importlib.import_module(_module_name(verb)) if full else None
+        doc = ((module.__doc__ if module is not None else _docstring(verb)) or "").strip()
         p = sub.add_parser(
             verb,
             help=doc.splitlines()[0] if doc else verb,
             description=doc,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        module.add_arguments(p)
-        p.set_defaults(handler=module.run)
+        if module is not None:
+            module.add_arguments(p)
+            p.set_defaults(handler=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"

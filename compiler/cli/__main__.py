@@ -1,4 +1,4 @@
-"""``python -m layerzero``: the command line."""
+"""``python -m layerzero.cli``: the command line."""
 
 import sys
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from rich.table import Table
 
 from layerzero.cli._common import console
-from layerzero.inspect import find_moe, natural_key, summarize
 from layerzero.loader import load_model
+from layerzero.summary import find_moe, natural_key, summarize
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

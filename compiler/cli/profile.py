@@ -26,11 +26,11 @@ from pathlib import Path
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from layerzero.calibration import load_requests, profile_bundle
 from layerzero.cli._common import check_output_file, console, integer, one_line_errors, stderr, write_file_atomic
 from layerzero.errors import InvalidInputError
-from layerzero.profiling import load_requests, profile_bundle
 from layerzero.runtime.bundle import read_bundle
-from layerzero.runtime.profile import PROFILE_FORMAT
+from layerzero.runtime.path_stats import PROFILE_FORMAT
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

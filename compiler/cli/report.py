@@ -17,7 +17,7 @@ from pathlib import Path
 
 from layerzero.cli._common import check_output_file, console, integer, number, one_line_errors
 from layerzero.report_map import is_report, write_report
-from layerzero.runtime.profile import load_profile
+from layerzero.runtime.path_stats import load_profile
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -38,19 +38,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print outputs and report as JSON")
 
 
-def _backend_for(path: Path) -> str:
-    """The backend a bundle was compiled for (its manifest's target); ORT for a plain .onnx file."""
-    manifest = path / "manifest.json"
-    if path.is_dir() and manifest.is_file():
-        try:
-            target = json.loads(manifest.read_text()).get("target")
-        except (OSError, ValueError):
-            return "onnxruntime"  # read_bundle reports the broken manifest with its own message
-        if target == "tensorrt":
-            return "tensorrt"
-    return "onnxruntime"
-
-
 def _fit_ranks(engine: Engine, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     specs = {s.name: s for s in engine.input_specs}
     for name, value in feeds.items():
@@ -93,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(args.save, "--save", kind="outputs .npz", force=args.force, is_ours=lambda _p: True,
                           protect=[p for p in (args.inputs, args.bundle) if p is not None],
                           protect_dirs=[args.bundle])  # fmt: skip
-    engine = Engine.load(args.bundle, backend=_backend_for(args.bundle), device=args.device)
+    engine = Engine.load(args.bundle, device=args.device)  # the backend its manifest names
     feeds = parse_feeds(args.inputs, args.input)
     if not feeds and engine.input_specs:
         names = ", ".join(s.describe() for s in engine.input_specs)

@@ -3,7 +3,10 @@
     layerzero compile model.onnx -o model.lz --target tensorrt --precision fp16 \\
         --shape hidden:1,512/64,512/1024,512
 
-Steps, after the usual passes and verification (``compile_model``):
+``TensorRTTarget`` (the ``tensorrt`` entry of ``layerzero.targets``): its compile-time lowering keeps the skipping
+form ``ai.layerzero::MoE`` (the plugin implements it), the compile's verification runs ONNX Runtime on the
+``onnxruntime`` lowering of that form (``ort_equivalent``), its bundle is written by ``write_tensorrt_bundle`` and
+the ``tensorrt`` backend runs it. Steps, after the usual passes and verification (``compile_model``):
 
 1. lower: every ``ai.layerzero::MoE`` becomes ``trt.plugins::LayerZeroMoE`` (``passes/lower_tensorrt.py``);
 2. build: TensorRT's ONNX parser reads the lowered graph with ``liblayerzero_trt.so`` loaded into the plugin
@@ -26,17 +29,25 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes.common import ShapeInferencePass
 
+from layerzero.contract import MOE_DOMAIN, MOE_OP
 from layerzero.errors import InvalidInputError, LayerZeroError, UnsupportedModelError, VerificationError
-from layerzero.passes.lower_tensorrt import MOE_DOMAIN, MOE_OP, LowerMoEToTensorRT
-from layerzero.runtime.backends.tensorrt import TensorRTUnavailableError, import_tensorrt, load_plugin_library
+from layerzero.passes.lower_tensorrt import LowerMoEToTensorRT
+from layerzero.passes.shape_inference import InferShapes
+from layerzero.runtime.backends.tensorrt import (
+    TensorRTUnavailableError,
+    import_tensorrt,
+    load_plugin_library,
+    trt_logger,
+)
+from layerzero.targets import PRECISIONS
+from layerzero.targets.base import Progress, Target
 
 if TYPE_CHECKING:
     from layerzero.compile import CompileResult
@@ -46,6 +57,7 @@ __all__ = [
     "PLAN_NAME",
     "PRECISIONS",
     "TensorRTOptions",
+    "TensorRTTarget",
     "TensorRTUnavailableError",
     "build_engine",
     "lower_for_tensorrt",
@@ -58,12 +70,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PLAN_NAME = "model.plan"
-PRECISIONS = ("fp32", "fp16", "bf16")
 # Plan vs ONNX Runtime: fp32 matches to fp32 noise; half types keep ~3 (fp16) or ~2 (bf16) significant digits.
 _PLAN_ATOL = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 1e-1}
 
 Profile = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
-Progress = Callable[[str], None]
 
 
 @dataclasses.dataclass
@@ -129,7 +139,7 @@ def require_tensorrt() -> Any:
 def lower_for_tensorrt(model: ir.Model) -> tuple[ir.Model, int]:
     """A copy of ``model`` with its MoE nodes lowered to plugin nodes, and how many were lowered."""
     lowered = model.clone()
-    ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(lowered)  # the lowering reads dtypes
+    InferShapes()(lowered)  # the lowering reads dtypes
     before = sum(1 for n in lowered.graph.all_nodes() if n.domain == MOE_DOMAIN and n.op_type == MOE_OP)
     LowerMoEToTensorRT()(lowered)
     return lowered, before
@@ -141,22 +151,57 @@ def ort_equivalent(model: ir.Model, options: CompileOptions) -> ir.Model:
     compare against this graph; the graph that TensorRT gets keeps the nodes for the plugin."""
     if not any(n.domain == MOE_DOMAIN for n in model.graph.all_nodes()):
         return model
-    from layerzero.passes.lower_moe import LowerMoE
+    from layerzero.targets import get_target
 
     copy = model.clone()
-    LowerMoE(dataclasses.replace(options, target="onnxruntime"))(copy)
+    get_target("onnxruntime").lower(copy, dataclasses.replace(options, target="onnxruntime"))
     return copy
 
 
+class TensorRTTarget(Target):
+    """Bundles TensorRT runs: the lowered graph with plugin nodes and an engine plan built from it."""
+
+    name = "tensorrt"
+    backend = "tensorrt"
+
+    def check_available(self) -> None:
+        require_tensorrt()  # before any work: without TensorRT this target cannot build anything
+
+    def lower(self, model: ir.Model, options: CompileOptions) -> bool:
+        # The compiled graph keeps ai.layerzero::MoE: verification lowers a copy for ONNX Runtime
+        # (verification_model), the bundle lowers one to plugin nodes (write_tensorrt_bundle).
+        return False
+
+    def verification_model(self, model: ir.Model, options: CompileOptions) -> ir.Model:
+        return ort_equivalent(model, options)
+
+    def write_bundle(
+        self,
+        out: str | os.PathLike[str],
+        result: CompileResult,
+        *,
+        source: Path | None,
+        sha256: str | None,
+        overwrite: bool = False,
+        progress: Progress | None = None,
+        target_options: Any = None,
+    ) -> dict[str, Any]:
+        if target_options is not None and not isinstance(target_options, TensorRTOptions):
+            raise InvalidInputError(f"target 'tensorrt' takes TensorRTOptions, got {type(target_options).__name__}")
+        trt_options = target_options or TensorRTOptions(verify=result.options.verify)
+        return write_tensorrt_bundle(
+            out,
+            result,
+            result.options,
+            trt_options,
+            source=source,
+            sha256=sha256,
+            overwrite=overwrite,
+            progress=progress,
+        )
+
+
 # ------------------------------------------------------------------------------------------------- building
-
-
-def _trt_logger(trt: Any) -> Any:
-    from layerzero.runtime.backends.tensorrt import _Logger
-
-    log = _Logger.get(trt)
-    log.errors.clear()
-    return log
 
 
 def build_engine(
@@ -175,7 +220,8 @@ def build_engine(
         LayerZeroError: the build failed.
     """
     trt = require_tensorrt()
-    log = _trt_logger(trt)
+    log = trt_logger(trt)
+    log.errors.clear()
     library = load_plugin_library(trt, options.plugin_library, required=options.plugin_library is not None)
     builder = trt.Builder(log)
     network = builder.create_network(0)

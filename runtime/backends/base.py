@@ -52,7 +52,12 @@ class TensorSpec:
 
 @runtime_checkable
 class Backend(Protocol):
-    """What ``Engine`` needs from a backend. Instances are created with no arguments, then ``load``-ed."""
+    """What ``Engine`` needs from a backend. Instances are created with no arguments, then ``load``-ed.
+
+    Optional class attributes: ``targets``, the compile targets whose bundles it runs (``Engine.load`` checks the
+    manifest's ``target``); ``loads_onnx``, whether ``load`` takes any ONNX file (the profiler runs a bundle's
+    force-off variant on the bundle's backend only then).
+    """
 
     name: str
 

@@ -67,6 +67,8 @@ class OrtBackend:
     name = "onnxruntime"
     #: Bundle targets this backend can run (``Engine.load`` checks the manifest's ``target``).
     targets = ("onnxruntime",)
+    #: ``load`` takes any ONNX file.
+    loads_onnx = True
 
     def __init__(self) -> None:
         self._session: Any = None

@@ -31,7 +31,7 @@ import numpy as np
 from layerzero.errors import InvalidInputError, LayerZeroError, UnsupportedModelError
 from layerzero.runtime.backends.base import TensorSpec, reject_unknown_options
 
-__all__ = ["TensorRTBackend", "TensorRTUnavailableError", "import_tensorrt", "load_plugin_library"]
+__all__ = ["TensorRTBackend", "TensorRTUnavailableError", "import_tensorrt", "load_plugin_library", "trt_logger"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,12 @@ class _Logger:
 
             cls._instance = Forward()
         return cls._instance
+
+
+def trt_logger(trt: Any) -> Any:
+    """The process's ``tensorrt.ILogger``: forwards to Python logging and keeps TensorRT's errors in ``.errors``
+    (the builder and this backend share it, so a failed build or load can quote them)."""
+    return _Logger.get(trt)
 
 
 _LOADED_LIBRARIES: dict[str, Any] = {}
@@ -140,6 +146,8 @@ class TensorRTBackend:
     name = "tensorrt"
     #: Bundle targets this backend can run (``Engine.load`` checks the manifest's ``target``).
     targets = ("tensorrt",)
+    #: ``load`` takes built plans only, not an ONNX file.
+    loads_onnx = False
 
     def __init__(self) -> None:
         self._trt: Any = None
@@ -167,12 +175,12 @@ class TensorRTBackend:
         except RuntimeError as e:
             raise TensorRTUnavailableError(f"CUDA device {device} is not usable: {e}") from e
         load_plugin_library(trt, plugin_library, required=plugin_library is not None)
-        trt_logger = _Logger.get(trt)
-        trt_logger.errors.clear()
-        runtime = trt.Runtime(trt_logger)
+        log = trt_logger(trt)
+        log.errors.clear()
+        runtime = trt.Runtime(log)
         engine = runtime.deserialize_cuda_engine(plan_path.read_bytes())
         if engine is None:
-            detail = "; ".join(trt_logger.errors[-3:]) or "see the TensorRT log"
+            detail = "; ".join(log.errors[-3:]) or "see the TensorRT log"
             hint = ""
             if "plugin" in detail.lower() or "creator" in detail.lower():
                 hint = (

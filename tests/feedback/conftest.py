@@ -17,9 +17,9 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
+from layerzero.calibration import profile_bundle
 from layerzero.compile import compile_file
 from layerzero.models.moe import MoEConfig, build_moe, moe_layer_weights
-from layerzero.profiling import profile_bundle
 
 CONFIG = MoEConfig(hidden=16, ffn=32, experts=4, top_k=2, never_routed=(3,), form="dense")
 PATH = "layers.0.moe"

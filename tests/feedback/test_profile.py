@@ -12,15 +12,15 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
+from layerzero.calibration import load_requests, profile_bundle
 from layerzero.cli import main
 from layerzero.compile import compile_file
 from layerzero.models import TransformerConfig, build_gated_model, build_transformer, example_feeds, gated_feeds
 from layerzero.options import CompileOptions
 from layerzero.passes._dynamic import read_dynamic_paths
 from layerzero.passes.force_off import BLOCK_PREFIX, FORCE_OFF_PREFIX, ExposeForceOff
-from layerzero.profiling import load_requests, profile_bundle
 from layerzero.runtime import Engine, sha256_file
-from layerzero.runtime.profile import PROFILE_FORMAT, PROFILE_VERSION, PathStats, load_profile
+from layerzero.runtime.path_stats import PROFILE_FORMAT, PROFILE_VERSION, PathStats, load_profile
 
 
 def _longest_skip(ran: list[bool]) -> int:

@@ -12,13 +12,13 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
+from layerzero.calibration import profile_bundle
 from layerzero.cli import main
 from layerzero.compile import compile_file, compile_model
 from layerzero.errors import InvalidInputError
 from layerzero.models import build_gated_model, gated_feeds
 from layerzero.models.moe import moe_layer_weights
 from layerzero.options import CompileOptions
-from layerzero.profiling import profile_bundle
 from layerzero.runtime import Engine
 
 

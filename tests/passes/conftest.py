@@ -16,9 +16,8 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from onnx_ir.passes.common import ShapeInferencePass
 
-from layerzero.passes import RemoveDeadCode
+from layerzero.passes import InferShapes, RemoveDeadCode
 
 __all__ = [
     "PassCheck",
@@ -51,7 +50,7 @@ def to_proto(model: ir.Model | onnx.ModelProto) -> onnx.ModelProto:
 
 def infer_shapes(model: ir.Model) -> None:
     """The shape inference the pipeline runs before each iteration (the passes read shapes)."""
-    ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
+    InferShapes()(model)
 
 
 def apply_pass(pass_: ir.passes.PassBase, model: ir.Model, *, infer: bool = True) -> ir.passes.PassResult:

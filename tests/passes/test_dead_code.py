@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx_ir as ir
 
 from layerzero.passes import RemoveDeadCode
 
@@ -215,3 +216,48 @@ def test_outer_value_read_only_by_a_dead_node_in_a_live_branch(helpers):
         delta=-2,
     )
     assert check.ops() == {"If": 1, "Cos": 1, "Neg": 1}
+
+
+def test_if_dead_through_a_dead_consumer_releases_its_reads_on_the_same_run(helpers):
+    # The If is dead only because its one reader (Exp) is: onnx-ir's walk alone would leave Sin and w behind.
+    check = helpers.check_pass(
+        HEADER
+        + """
+        g (float[N, 4] x, bool b) => (float[N, 4] y) <float[4] w = {1.0, 2.0, 3.0, 4.0}> {
+            s = Sin(x)
+            d = If(b) <then_branch = then_g () => (float[N, 4] t) {
+                    t = Mul(s, w)
+                }, else_branch = else_g () => (float[N, 4] e) {
+                    e = Neg(s)
+                }>
+            c = Exp(d)
+            y = Neg(x)
+        }
+        """,
+        RemoveDeadCode,
+        modified=True,
+        delta=-5,
+    )
+    assert check.ops() == {"Neg": 1}
+    assert set(check.model.graph.initializers) == set()
+
+
+def test_unused_initializer_of_a_subgraph_is_removed(helpers):
+    model = helpers.parse(
+        HEADER
+        + """
+        g (float[N, 4] x, bool b) => (float[N, 4] y) {
+            y = If(b) <then_branch = then_g () => (float[N, 4] t) {
+                    t = Cos(x)
+                }, else_branch = else_g () => (float[N, 4] e) {
+                    e = Neg(x)
+                }>
+        }
+        """
+    )
+    (if_node,) = model.graph
+    branch = if_node.attributes["then_branch"].as_graph()
+    branch.initializers.add(ir.Value(name="unused_w", const_value=ir.tensor(np.ones(4, np.float32), name="unused_w")))
+    assert RemoveDeadCode()(model).modified
+    assert not branch.initializers
+    assert not RemoveDeadCode()(model).modified

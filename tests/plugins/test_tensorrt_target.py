@@ -61,8 +61,10 @@ def test_engine_load_of_a_tensorrt_bundle_without_tensorrt(no_tensorrt, tmp_path
     (bundle / "model.plan").write_bytes(b"not a plan")
     with pytest.raises(TensorRTUnavailableError, match="TensorRT is not available"):
         Engine.load(bundle, backend="tensorrt")
+    with pytest.raises(TensorRTUnavailableError, match="TensorRT is not available"):
+        Engine.load(bundle)  # the manifest's target picks the tensorrt backend
     with pytest.raises(InvalidInputError, match="backend='tensorrt'"):
-        Engine.load(bundle)  # the onnxruntime backend refuses a tensorrt bundle
+        Engine.load(bundle, backend="onnxruntime")  # the onnxruntime backend refuses a tensorrt bundle
 
 
 def test_plan_lookup(tmp_path):
@@ -177,8 +179,9 @@ def test_tensorrt_bundle_holds_lowered_graph_plan_and_manifest(fake_builder, moe
     assert [n.op_type for n in built.graph.node if n.domain == "trt.plugins"] == ["LayerZeroMoE"]
     assert fake_builder["shapes"] == {"hidden": (8, 16)}
     assert onnx.load(str(out / "model.onnx")).graph.node  # the lowered graph, kept for rebuilding
+    assert manifest["backend"] == "tensorrt"  # what Engine.load picks
     with pytest.raises(InvalidInputError, match="backend='tensorrt'"):
-        Engine.load(out)
+        Engine.load(out, backend="onnxruntime")
 
 
 def test_failed_engine_build_writes_nothing(fake_builder, moe_onnx, tmp_path):

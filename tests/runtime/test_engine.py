@@ -253,7 +253,30 @@ def test_cuda_without_onnxruntime_gpu(mlp_bundle: Path) -> None:
 def test_bundle_for_another_target_is_refused(tmp_path: Path) -> None:
     out = write_bundle(tmp_path / "trt.lz", _mlp(), {**MANIFEST, "target": "tensorrt"})
     with pytest.raises(InvalidInputError, match=r"compiled for target 'tensorrt'.*backend='tensorrt'"):
-        Engine.load(out)
+        Engine.load(out, backend="onnxruntime")
+
+
+def test_backend_comes_from_the_manifest(tmp_path: Path) -> None:
+    # A registered fake backend named by the manifest's "backend" is the one Engine.load uses; "target" alone
+    # (bundles written before the "backend" field) names it too; an explicit backend= wins.
+    from layerzero.runtime.backends import base
+
+    class Fake(OrtBackend):
+        name = "fake"
+        targets = ("fake-target",)
+
+    base.register_backend("fake", Fake)
+    try:
+        named = write_bundle(tmp_path / "a.lz", _mlp(), {**MANIFEST, "target": "fake-target", "backend": "fake"})
+        assert type(Engine.load(named).backend) is Fake
+        old = write_bundle(tmp_path / "b.lz", _mlp(), {**MANIFEST, "target": "fake"})
+        with pytest.raises(InvalidInputError, match="compiled for target 'fake'"):
+            Engine.load(old)  # the "fake" backend runs target "fake-target" only
+        with pytest.raises(InvalidInputError, match="compiled for target 'fake-target'"):
+            Engine.load(named, backend="onnxruntime")
+        assert type(Engine.load(tmp_path / "a.lz" / "model.onnx").backend) is OrtBackend
+    finally:
+        base._REGISTRY.pop("fake")
 
 
 def test_profiling(mlp_bundle: Path, tmp_path: Path) -> None:

@@ -123,11 +123,10 @@ class MoEFinding:
 def find_moe(model: ir.Model) -> list[MoEFinding]:
     """Every router (TopK of Softmax/Sigmoid scores) of the model: a block the compiler rewrites into its
     skipping form, or a candidate with the reason it is left alone. Infers shapes on ``model`` (in place)."""
-    from onnx_ir.passes.common import ShapeInferencePass
-
     from layerzero.passes._moe import find_moe_blocks
+    from layerzero.passes.shape_inference import InferShapes
 
-    ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
+    InferShapes()(model)
     matches, rejections = find_moe_blocks(model.graph)
     found = [
         MoEFinding(

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +34,13 @@ from layerzero.errors import InvalidInputError
 from layerzero.options import CompileOptions
 from layerzero.passes._graph import NameFactory, make_constant
 from layerzero.passes._moe import find_moe_blocks
-from layerzero.runtime.profile import load_profile
+from layerzero.passes.shape_inference import InferShapes
+from layerzero.runtime.path_stats import load_profile
 
 __all__ = ["SolidifyCandidate", "SolidifyPlan", "force_off_reference", "plan_solidify", "solidified_records"]
 
 logger = logging.getLogger(__name__)
 
-UNITS = ("requests", "tokens")
 _DYNAMIC_KINDS = ("moe", "gate", "group")
 
 
@@ -80,12 +79,7 @@ def plan_solidify(options: CompileOptions, source_sha256: str | None) -> Solidif
     """Read ``options.profile``, check it belongs to the source model, choose the subpaths to remove."""
     assert options.profile is not None
     path = Path(options.profile)
-    if options.stability_unit not in UNITS:
-        raise InvalidInputError(f"stability unit {options.stability_unit!r}; expected one of {UNITS}")
-    if options.stability_window < 1:
-        raise InvalidInputError(f"--stability-window {options.stability_window}: must be at least 1")
-    if not (options.impact_tolerance >= 0 and math.isfinite(options.impact_tolerance)):
-        raise InvalidInputError(f"--impact-tolerance {options.impact_tolerance}: must be a finite number >= 0")
+    # stability_unit, stability_window and impact_tolerance were checked when the options were built.
     doc = load_profile(path)
     recorded = (doc.get("source") or {}).get("sha256")
     if source_sha256 is None:
@@ -232,9 +226,7 @@ def force_off_reference(model: ir.Model, options: CompileOptions) -> None:
 
 def _force_off_experts(model: ir.Model, names: NameFactory, wanted: set[str]) -> set[str]:
     # TopK(Softmax(logits))   ->   TopK(Softmax(Where(off, -inf, logits)))
-    from layerzero.pipeline import _infer_shapes
-
-    _infer_shapes(model)
+    InferShapes()(model)
     graph = model.graph
     matches, _ = find_moe_blocks(graph)
     used: set[str] = set()
@@ -287,11 +279,9 @@ def _force_off_groups(graph: ir.Graph, names: NameFactory, wanted: set[str]) -> 
 
 def _force_off_gates(model: ir.Model, names: NameFactory, wanted: set[str]) -> set[str]:
     from layerzero.passes._dynamic import read_dynamic_paths
-    from layerzero.passes._paths import driven_ifs, graph_output
+    from layerzero.passes._dynamic_paths import driven_ifs, graph_output
     from layerzero.passes.gated_branches import SkipGatedBranches
-    from layerzero.pipeline import _infer_shapes
-
-    _infer_shapes(model)
+    InferShapes()(model)
     before = {p.path for p in read_dynamic_paths(model)}
     SkipGatedBranches(threshold=0.0)(model)
     graph = model.graph

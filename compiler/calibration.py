@@ -1,6 +1,6 @@
 """``profile_bundle``: run calibration traffic through a bundle, count each path, measure its impact.
 
-The counters are the runtime's (``layerzero.runtime.profile.Profiler``: it only needs the bundle's
+The counters are the runtime's (``layerzero.runtime.path_stats.Profiler``: it only needs the bundle's
 ``Engine``). The impact needs the force-off variant of the compiled model, built here in memory
 (``layerzero.passes.force_off.ExposeForceOff``) and run as a second ``Engine`` on the first
 ``impact_samples`` requests: per request one run with nothing forced off, then one per subpath.
@@ -21,8 +21,7 @@ from layerzero.errors import InvalidInputError
 from layerzero.loader import load_model
 from layerzero.passes.force_off import ExposeForceOff
 from layerzero.runtime import Engine
-from layerzero.runtime.backends.base import get_backend
-from layerzero.runtime.profile import ImpactMeter, Profiler, iter_requests
+from layerzero.runtime.path_stats import ImpactMeter, Profiler, iter_requests
 
 __all__ = ["force_off_variant", "load_requests", "profile_bundle"]
 
@@ -66,8 +65,11 @@ def _read_npz(path: Path) -> dict[str, np.ndarray]:
 def force_off_variant(engine: Engine, workdir: Path) -> tuple[Engine | None, str | None]:
     """The bundle's force-off variant as an ``Engine`` (its model written under ``workdir``); ``(None, why)``
     when it cannot be built."""
-    if engine.manifest.get("target", "onnxruntime") != "onnxruntime":
-        return None, f"impact is measured with onnxruntime; this bundle targets {engine.manifest.get('target')!r}"
+    # The variant runs on the bundle's own backend, which must be able to load an ONNX file (a TensorRT plan is
+    # built at compile time; the profiler builds none).
+    backend_cls = type(engine.backend)
+    if not getattr(backend_cls, "loads_onnx", False):
+        return None, f"the {engine.backend.name!r} backend cannot run the force-off variant (an ONNX model)"
     if not engine.manifest.get("dynamic"):
         return None, "the bundle has no dynamic path"
     model = load_model(engine.model_path)
@@ -79,7 +81,7 @@ def force_off_variant(engine: Engine, workdir: Path) -> tuple[Engine | None, str
         return None, "no dynamic path of the bundle could be forced off"
     target = workdir / "variant.onnx"
     ir.save(model, target, external_data=target.name + ".data", size_threshold_bytes=1 << 20)
-    backend = get_backend("onnxruntime")()
+    backend = backend_cls()
     backend.load(target)
     return Engine(backend, engine.manifest, path=engine.path, model_path=target), None
 

@@ -1,0 +1,67 @@
+"""The target interface: what a compile target decides, in one small class.
+
+A target (``onnxruntime``, ``tensorrt``) says how the compiled graph is lowered for it, what the compile's
+numerical verification compares (a graph ONNX Runtime can run), how its bundle is written and which runtime
+backend runs that bundle. ``compile_model`` / ``compile_file`` ask the target, never test its name; a new target
+is one module in this package plus one line in the registry (``layerzero.targets.TARGET_CLASSES``).
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
+
+    from layerzero.compile import CompileResult
+    from layerzero.options import CompileOptions
+
+__all__ = ["Progress", "Target"]
+
+Progress = Callable[[str], None]
+
+
+class Target(abc.ABC):
+    """One compile target. Instances hold no state; ``layerzero.targets.get_target(name)`` returns one."""
+
+    #: ``CompileOptions.target`` / ``layerzero compile --target`` name; the manifest's ``target``.
+    name: ClassVar[str]
+    #: The runtime backend (``layerzero.runtime.backends`` registry name) that runs this target's bundles;
+    #: ``CompileResult.manifest`` writes it as ``backend``, where ``Engine.load`` reads it.
+    backend: ClassVar[str]
+
+    def check_available(self) -> None:  # noqa: B027 (a default, not an abstract step)
+        """Raise before any work when this target cannot build here (a missing toolkit); default: always can."""
+
+    @abc.abstractmethod
+    def lower(self, model: ir.Model, options: CompileOptions) -> bool:
+        """Lower the target-independent forms the passes made (``ai.layerzero::MoE``) in place, after the dynamic
+        passes; returns whether the model changed (the static passes then clean up)."""
+
+    def verification_model(self, model: ir.Model, options: CompileOptions) -> ir.Model:
+        """The graph the compile's verification runs with ONNX Runtime in place of ``model``; default: ``model``."""
+        return model
+
+    @abc.abstractmethod
+    def write_bundle(
+        self,
+        out: str | os.PathLike[str],
+        result: CompileResult,
+        *,
+        source: Path | None,
+        sha256: str | None,
+        overwrite: bool = False,
+        progress: Progress | None = None,
+        target_options: Any = None,
+    ) -> dict[str, Any]:
+        """Write the bundle for ``result`` at ``out`` atomically (nothing on failure); returns its manifest.
+
+        ``target_options``: this target's own build options (e.g. ``TensorRTOptions``), None for its defaults.
+        """
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, backend={self.backend!r})"

@@ -1,0 +1,62 @@
+"""The target registry and interface, and the dynamic-pass registry: every entry resolves, names agree."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+import pytest
+
+from layerzero import pipeline
+from layerzero.contract import MOE_DOMAIN
+from layerzero.errors import InvalidInputError
+from layerzero.options import CompileOptions
+from layerzero.runtime.backends.base import get_backend
+from layerzero.targets import TARGET_CLASSES, TARGETS, get_target
+from layerzero.targets.base import Target
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_every_registered_target_resolves_and_names_a_backend(name: str) -> None:
+    target = get_target(name)
+    assert isinstance(target, Target)
+    assert target.name == name
+    backend = get_backend(target.backend)  # a typo in the registry or the backend name fails here
+    assert target.name in getattr(backend, "targets", (target.name,))
+    assert get_target(name) is target
+
+
+def test_unknown_target_is_an_invalid_input() -> None:
+    with pytest.raises(InvalidInputError, match=r"unknown target 'tensorrtx'; known targets: onnxruntime, tensorrt"):
+        get_target("tensorrtx")
+
+
+def test_registry_lists_the_modules_of_this_package() -> None:
+    assert set(TARGET_CLASSES) == {"onnxruntime", "tensorrt"}
+    assert all(ref.startswith(f"layerzero.targets.{name}:") for name, ref in TARGET_CLASSES.items())
+
+
+def test_dynamic_passes_are_pass_classes() -> None:
+    assert pipeline.DYNAMIC_PASSES, "no dynamic pass registered"
+    for cls in pipeline.DYNAMIC_PASSES:
+        assert isinstance(cls, type) and issubclass(cls, ir.passes.PassBase), cls
+        cls(CompileOptions())  # each is built from the options alone
+    # Lowering is the target's step, not a dynamic pass's.
+    assert "LowerMoE" not in {cls.__name__ for cls in pipeline.DYNAMIC_PASSES}
+
+
+def test_targets_lower_the_skipping_form_their_own_way() -> None:
+    from layerzero.compile import compile_model
+    from layerzero.models.moe import MoEConfig, build_moe
+
+    proto = build_moe(MoEConfig(hidden=16, ffn=32, experts=4, top_k=2))
+    ort = compile_model(proto, CompileOptions(target="onnxruntime"))
+    trt = compile_model(proto, CompileOptions(target="tensorrt"))
+    # onnxruntime lowers ai.layerzero::MoE in the compiled graph; tensorrt keeps it for its plugin and verifies the
+    # onnxruntime lowering of a copy.
+    assert not any(n.domain == MOE_DOMAIN for n in ort.model.graph.all_nodes())
+    assert sum(n.domain == MOE_DOMAIN for n in trt.model.graph.all_nodes()) >= 1
+    assert ort.verification.passed and trt.verification.passed
+    checked = get_target("tensorrt").verification_model(trt.model, trt.options)
+    assert not any(n.domain == MOE_DOMAIN for n in checked.graph.all_nodes())
+    assert any(n.domain == MOE_DOMAIN for n in trt.model.graph.all_nodes())  # the copy was lowered, not the model
+    assert ort.manifest(None, None)["backend"] == "onnxruntime"
+    assert trt.manifest(None, None)["backend"] == "tensorrt"
