@@ -128,7 +128,7 @@ def make_inputs(
             )
         lname = inp.name.lower()
         if np.issubdtype(dtype, np.bool_):
-            feeds[inp.name] = rng.random(shape) > 0.5
+            feeds[inp.name] = np.asarray(rng.random(shape) > 0.5)  # a 0-d comparison is a numpy scalar
         elif dtype in _INT_TYPES:
             if "mask" in lname:
                 feeds[inp.name] = np.ones(shape, dtype=dtype)

@@ -57,6 +57,9 @@ def _fit_ranks(engine: Engine, feeds: dict[str, np.ndarray]) -> dict[str, np.nda
         spec = specs.get(name)
         if spec is not None and spec.rank is not None and value.ndim == 1 and spec.rank > 1:
             feeds[name] = value.reshape((1,) * (spec.rank - 1) + value.shape)
+        if spec is not None and spec.rank == 0 and value.shape == (1,):  # flag=1 feeds a scalar input
+            feeds[name] = value = value.reshape(())
+        value = feeds[name]
         if spec is None or spec.dtype is None or value.dtype == spec.dtype:
             continue
         # Text parses to int64 / float64: feed the model's own dtype (x=0.5,1.5 into a float32 input, 1,0 into
