@@ -781,7 +781,8 @@ class ControlServer:
 
     def __init__(self, server: LayerZeroServer, host: str, port: int) -> None:
         self.ready = False
-        handler = type("Handler", (_ControlHandler,), {"lz": server, "control": self})
+        timeout = min(10.0, server.config.client_timeout_s)
+        handler = type("Handler", (_ControlHandler,), {"lz": server, "control": self, "timeout": timeout})
         try:
             self._httpd = ThreadingHTTPServer((host, port), handler)
         except OSError as e:

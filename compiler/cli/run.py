@@ -20,7 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
-from layerzero.cli._common import check_output_file, console, one_line_errors, parse_feeds, write_file_atomic
+from layerzero.cli._common import (
+    check_output_file,
+    console,
+    one_line_errors,
+    parse_feeds,
+    source_of,
+    write_file_atomic,
+)
 from layerzero.errors import InvalidInputError
 from layerzero.runtime import Engine
 from layerzero.runtime.bundle import read_bundle
@@ -90,12 +97,13 @@ def save_outputs(path: Path, outputs: dict[str, np.ndarray], *, force: bool) -> 
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.bundle.is_dir():
-        read_bundle(args.bundle)  # a broken manifest (a JSON list, ...) is reported here, in one line
     if args.save is not None:  # before running: a refused --save must not cost a run
+        # source_of reads the bundle: a broken manifest (a JSON list, ...) is reported here, in one line.
+        protect = [p for p in (args.inputs, args.bundle) if p is not None] + source_of(args.bundle)
         check_output_file(args.save, "--save", kind="outputs .npz", force=args.force, is_ours=lambda _p: True,
-                          protect=[p for p in (args.inputs, args.bundle) if p is not None],
-                          protect_dirs=[args.bundle])  # fmt: skip
+                          protect=protect, protect_dirs=[args.bundle])  # fmt: skip
+    elif args.bundle.is_dir():
+        read_bundle(args.bundle)  # a broken manifest (a JSON list, ...) is reported here, in one line
     engine = Engine.load(args.bundle, backend=_backend_for(args.bundle), device=args.device)
     feeds = parse_feeds(args.inputs, args.input)
     if not feeds and engine.input_specs:
