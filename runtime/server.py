@@ -231,7 +231,9 @@ class LayerZeroServer:
             logger.error("Triton Inference Server exited unexpectedly; restarting it")
             with contextlib.suppress(Exception):
                 triton.stop()
-            if self._stop.is_set():
+            # PyTriton's own exit callback tears the old workspace and proxies down in another thread: give
+            # it a moment, or the new stubs' handshake races it (and, on a loaded machine, times out).
+            if self._stop.wait(1.0):
                 return
             try:
                 self._triton = self._start_triton()
@@ -242,7 +244,7 @@ class LayerZeroServer:
             except Exception as e:
                 failures += 1
                 logger.error("restarting Triton failed (%d): %s", failures, _one_line(str(e), 300))
-                if failures >= 3:
+                if failures >= 5:
                     self._fatal = f"Triton Inference Server could not be restarted: {_one_line(str(e), 200)}"
                     self._stop.set()
                     return
