@@ -361,6 +361,10 @@ def hostile(args: argparse.Namespace) -> int:
             wall = time.perf_counter() - t0
             after = _metric_totals(control_port)
             alive = process.poll() is None
+        except Exception:
+            lines = [x for x in log.read_text(errors="replace").splitlines() if not x.startswith(("I1", "I0"))]
+            print("--- layerzero serve log ---", *lines[-40:], sep="\n", file=sys.stderr)
+            raise
         finally:
             _stop(process)
     requests_delta, errors_delta = after[0] - before[0], after[1] - before[1]
