@@ -288,3 +288,20 @@ def test_killed_triton_is_restarted_and_the_waiting_request_answered(served: Sim
     [output] = json.loads(answer)["outputs"]
     np.testing.assert_allclose(np.asarray(output["data"], np.float32).reshape(output["shape"]), want, atol=1e-5)
     assert server.restarts == restarts + 1 and server.triton_pid != pid
+
+
+def test_serve_refuses_bad_setups_before_starting(tiny: SimpleNamespace, helpers: SimpleNamespace,
+                                                   tmp_path: os.PathLike) -> None:  # fmt: skip
+    from pathlib import Path
+
+    garbage = Path(tmp_path) / "garbage.onnx"
+    garbage.write_bytes(b"not a model")
+    http_port, grpc_port, control_port = helpers.free_ports(3)
+    ports = ["--port-http", str(http_port), "--port-grpc", str(grpc_port), "--port-metrics", str(control_port)]
+    helpers.one_line(helpers.run_cli("serve", tiny.bundle, "--reference", garbage, *ports), "garbage.onnx")
+    same = ["--port-http", str(http_port), "--port-grpc", str(http_port), "--port-metrics", str(control_port)]
+    helpers.one_line(helpers.run_cli("serve", tiny.bundle, "--no-reference", *same), "must differ")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", http_port))
+        busy.listen()
+        helpers.one_line(helpers.run_cli("serve", tiny.bundle, "--no-reference", *ports), "--port-http")
