@@ -81,6 +81,8 @@ def pytriton_available() -> bool:
 
 #: The default cap of one inference request's body over HTTP (``--max-request-bytes``).
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
+#: Tries to start (or restart) Triton before giving up.
+_START_ATTEMPTS = 5
 #: The cap of a control request's body: its JSON documents are a few bytes.
 CONTROL_MAX_BODY_BYTES = 64 * 1024
 
@@ -169,16 +171,19 @@ class LayerZeroServer:
             self._control.start()
             self._front = InferenceFront(self, cfg.host, cfg.http_port)
             self._front.start()
-            for attempt in range(3):
+            # PyTriton's handshake with its Python-backend stubs has a fixed 1 s timeout, which a loaded machine
+            # misses now and then: try a few times, a little apart.
+            for attempt in range(_START_ATTEMPTS):
                 try:
                     self._triton = self._start_triton()
                     self._triton_ready.set()
                     break
-                except Exception as e:  # PyTriton's handshake with its stubs times out on a loaded machine
-                    if attempt == 2:
+                except Exception as e:
+                    if attempt == _START_ATTEMPTS - 1:
                         message = f"Triton Inference Server did not start: {_one_line(str(e), 300)}"
                         raise LayerZeroError(message) from None
                     logger.warning("Triton did not start (%s); trying again", _one_line(str(e), 200))
+                    time.sleep(1.0 + attempt)
         except Exception:
             self.stop()
             raise
@@ -244,7 +249,7 @@ class LayerZeroServer:
             except Exception as e:
                 failures += 1
                 logger.error("restarting Triton failed (%d): %s", failures, _one_line(str(e), 300))
-                if failures >= 5:
+                if failures >= _START_ATTEMPTS:
                     self._fatal = f"Triton Inference Server could not be restarted: {_one_line(str(e), 200)}"
                     self._stop.set()
                     return
