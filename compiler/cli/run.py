@@ -2,7 +2,9 @@
 
 Prints each output (shape, dtype, values, abbreviated) and the zeroing report. Inputs come from an
 .npz file and/or NAME=VALUES items; a flat list given for an input of higher rank gets leading
-dims of 1 (input_ids=1,2,3 feeds a [batch, seq] input as [1, 3]).
+dims of 1 (input_ids=1,2,3 feeds a [batch, seq] input as [1, 3]); values take the input's dtype
+(x=0.5,1.5 feeds a float32 input; flag=1 a scalar bool one). --save writes an .npz atomically; it never
+replaces the bundle's files or its source model, nor (without --force) a file that is not such an .npz.
 
 examples:
   layerzero run model.lz --input input_ids=1,2,3,4
