@@ -1,18 +1,27 @@
-"""Bounded load test: bare PyTriton + plain ONNX Runtime vs `layerzero serve`, on the same tiny model.
+"""Bounded load test: the same bundle served bare (PyTriton + ONNX Runtime) and by `layerzero serve`.
 
     python bench/serve_load.py                      # 10,000 requests from 8 concurrent clients, per server
     python bench/serve_load.py --quick              # 1,000 requests
     python bench/serve_load.py --requests 2000 --clients 4 --protocol grpc --sample-rate 0
+    python bench/serve_load.py --hostile            # 8 clients x 1,000 requests, 5 % malformed, layerzero serve
+    python bench/serve_load.py --hostile --quick    # 8 clients x 125 requests
 
-Builds the example transformer (consumed zero flags, one block zeroed), compiles it, then serves
-(i) the source model with a bare PyTriton infer function around an onnxruntime session and
-(ii) the compiled bundle with `layerzero serve` (guard on at --sample-rate, reference = the source),
+Builds the example transformer (consumed zero flags, two blocks zeroed), compiles it, then serves the SAME
+compiled model.onnx (i) with a bare PyTriton infer function around an onnxruntime session and
+(ii) with `layerzero serve` (the bundle; guard on at --sample-rate, reference = the source),
 one after the other, each on free 127.0.0.1 ports, and sends the same requests to each from --clients threads
 (tritonclient, one client per thread, after a warm-up). Prints p50/p95/p99 latency, throughput and errors
 side by side, then the guard's in-process overhead (Engine.run vs GuardedEngine.run, off and sampling).
 
 Target: 0 errors, LayerZero p50 within 3 ms of bare PyTriton. Needs the serve extra (PyTriton, tritonclient).
 Every run is bounded by --requests and --max-seconds per server.
+
+--hostile serves the bundle with `layerzero serve` alone and sends --clients x --per-client KServe v2 HTTP/JSON
+requests, --malformed-rate of them malformed (huge or empty shapes, ids out of range, wrong datatype, bad or
+deeply nested JSON, a list-valued segment, unknown inputs) mixed in at random. Every valid request must be
+answered 200 with the outputs Engine.run gives, every malformed one with a 4xx; and the server's
+layerzero_requests_total / layerzero_request_errors_total must have moved by exactly the valid / malformed
+counts. Prints the tally; exits 1 on any miss.
 """
 
 from __future__ import annotations
@@ -67,11 +76,13 @@ def bare_server(model: str, http_port: int, grpc_port: int, instances: int) -> N
     import sysconfig
 
     import onnxruntime as ort
+    import pytriton
     from pytriton.model_config import ModelConfig, Tensor
     from pytriton.triton import Triton, TritonConfig
 
+    wheel_libs = Path(pytriton.__file__).resolve().parent.parent / "nvidia_pytriton.libs"  # libcudart, ...
     os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(
-        p for p in (sysconfig.get_config_var("LIBDIR"), os.environ.get("LD_LIBRARY_PATH")) if p
+        p for p in (sysconfig.get_config_var("LIBDIR"), str(wheel_libs), os.environ.get("LD_LIBRARY_PATH")) if p
     )
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -220,6 +231,164 @@ def guard_overhead(source: Path, bundle: Path, seq: int, n: int) -> list[tuple[s
     return rows
 
 
+# ------------------------------------------------------------------------------------------- --hostile
+
+
+def _malformed(ids: np.ndarray) -> list[tuple[str, bytes]]:
+    """Malformed KServe v2 JSON bodies, each named; every one must be answered with a 4xx."""
+    import json
+
+    def tensor(**changes: object) -> dict:
+        t = {"name": "input_ids", "shape": list(ids.shape), "datatype": "INT64", "data": ids.ravel().tolist()}
+        t.update(changes)
+        return t
+
+    def body(*tensors: dict, **extra: object) -> bytes:
+        return json.dumps({"inputs": list(tensors), **extra}).encode()
+
+    n = ids.size
+    return [
+        ("huge shape", body(tensor(shape=[1, 1_000_000_000, 16]))),
+        ("huge rank-2 shape", body(tensor(shape=[1, 1_000_000_000]))),
+        ("empty sequence", body(tensor(shape=[1, 0], data=[]))),
+        ("id out of range", body(tensor(data=[VOCAB + 7] * n))),
+        ("negative id", body(tensor(data=[-3] * n))),
+        ("wrong datatype", body(tensor(datatype="FP32"))),
+        ("short data", body(tensor(data=[1]))),
+        ("unknown input", body(tensor(name="nope"))),
+        ("not json", b"{inputs: oops"),
+        ("deep json", b"[" * 5000 + b"]" * 5000),
+        ("segment list", body(tensor(), parameters={"segment": ["default"]})),
+        ("no inputs", b"{}"),
+    ]
+
+
+def _metric_totals(control_port: int) -> tuple[float, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{control_port}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    totals = {"layerzero_requests_total": 0.0, "layerzero_request_errors_total": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return totals["layerzero_requests_total"], totals["layerzero_request_errors_total"]
+
+
+def hostile(args: argparse.Namespace) -> int:
+    """8 clients x 1,000 requests with 5 % malformed ones: every valid one right, the counters add up."""
+    import http.client
+    import json
+
+    from layerzero.runtime import Engine
+
+    per_client = min(args.per_client, 125) if args.quick else args.per_client
+    with tempfile.TemporaryDirectory(prefix="serve_load.") as tmp_name:
+        tmp = Path(tmp_name)
+        source, bundle = _build(tmp)
+        engine = Engine.load(bundle)
+        rng = np.random.default_rng(0)
+        valid = []
+        for k in range(8):  # a few distinct requests, each with the answer Engine.run gives
+            ids = rng.integers(0, VOCAB, size=(1, 4 + k), dtype=np.int64)
+            tensor = {"name": "input_ids", "shape": list(ids.shape), "datatype": "INT64", "data": ids.ravel().tolist()}
+            valid.append((json.dumps({"inputs": [tensor]}).encode(), engine.run({"input_ids": ids}).outputs["logits"]))
+        malformed = _malformed(rng.integers(0, VOCAB, size=(1, 6), dtype=np.int64))
+        http_port, grpc_port, control_port = _free_ports(3)
+        command = [sys.executable, "-m", "layerzero", "serve", str(bundle), "--port-http", str(http_port),
+                   "--port-grpc", str(grpc_port), "--port-metrics", str(control_port), "--reference", str(source),
+                   "--sample-rate", str(args.sample_rate), "--instances", str(args.instances)]  # fmt: skip
+        log = tmp / "serve.log"
+        with open(log, "wb") as out:
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        tally = {"valid sent": 0, "valid ok": 0, "valid wrong": 0, "valid failed": 0, "malformed sent": 0,
+                 "malformed 4xx": 0, "malformed other": 0}  # fmt: skip
+        kinds: dict[str, int] = {}
+        lock = threading.Lock()
+        try:
+            _wait_ready("layerzero serve", http_port, process)
+            before = _metric_totals(control_port)
+            deadline = time.monotonic() + args.max_seconds
+
+            def client(i: int) -> None:
+                local = dict.fromkeys(tally, 0)
+                local_kinds: dict[str, int] = {}
+                crng = np.random.default_rng(100 + i)
+                conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=120)
+                for _ in range(per_client):
+                    if time.monotonic() > deadline:
+                        break
+                    bad = crng.random() < args.malformed_rate
+                    if bad:
+                        name, body = malformed[int(crng.integers(len(malformed)))]
+                        local_kinds[name] = local_kinds.get(name, 0) + 1
+                    else:
+                        body, want = valid[int(crng.integers(len(valid)))]
+                    local["malformed sent" if bad else "valid sent"] += 1
+                    try:
+                        conn.request("POST", "/v2/models/layerzero/infer", body,
+                                     {"Content-Type": "application/json"})  # fmt: skip
+                        response = conn.getresponse()
+                        answer = response.read()
+                        if response.getheader("Connection", "").lower() == "close":
+                            conn.close()
+                    except (OSError, http.client.HTTPException):
+                        conn.close()
+                        local["malformed other" if bad else "valid failed"] += 1
+                        continue
+                    if bad:
+                        local["malformed 4xx" if 400 <= response.status < 500 else "malformed other"] += 1
+                    elif response.status != 200:
+                        local["valid failed"] += 1
+                    else:
+                        [output] = json.loads(answer)["outputs"]
+                        got = np.asarray(output["data"], np.float32).reshape(output["shape"])
+                        local["valid ok" if np.allclose(got, want, atol=1e-4, rtol=1e-4) else "valid wrong"] += 1
+                conn.close()
+                with lock:
+                    for key, value in local.items():
+                        tally[key] += value
+                    for key, value in local_kinds.items():
+                        kinds[key] = kinds.get(key, 0) + value
+
+            t0 = time.perf_counter()
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(args.clients)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - t0
+            after = _metric_totals(control_port)
+            alive = process.poll() is None
+        except Exception:
+            lines = [x for x in log.read_text(errors="replace").splitlines() if not x.startswith(("I1", "I0"))]
+            print("--- layerzero serve log ---", *lines[-40:], sep="\n", file=sys.stderr)
+            raise
+        finally:
+            _stop(process)
+    requests_delta, errors_delta = after[0] - before[0], after[1] - before[1]
+    sent = tally["valid sent"] + tally["malformed sent"]
+    print(f"\n--hostile: {args.clients} clients x {per_client} requests, {args.malformed_rate:.0%} malformed, "
+          f"{wall:.1f} s ({sent / wall:,.0f} req/s), {os.cpu_count()} CPUs")  # fmt: skip
+    for key, value in tally.items():
+        print(f"  {key:18}{value:>8,}")
+    print("  malformed kinds    " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())))
+    print(f"  layerzero_requests_total       +{requests_delta:,.0f}  (valid sent {tally['valid sent']:,})")
+    print(f"  layerzero_request_errors_total +{errors_delta:,.0f}  (malformed sent {tally['malformed sent']:,})")
+    print(f"  sum {requests_delta + errors_delta:,.0f} of {sent:,} sent; server alive after the run: {alive}")
+    ok = (
+        alive
+        and tally["valid ok"] == tally["valid sent"]
+        and tally["malformed 4xx"] == tally["malformed sent"]
+        and requests_delta == tally["valid sent"]
+        and errors_delta == tally["malformed sent"]
+        and sent == args.clients * per_client
+    )
+    print(f"target (every valid request right, every malformed one 4xx, counters add up): {'met' if ok else 'MISSED'}")
+    return 0 if ok else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=10_000, help="requests per server (default 10,000)")
@@ -231,6 +400,9 @@ def main() -> int:
     parser.add_argument("--sample-rate", type=float, default=0.01, help="LayerZero guard sample rate (default 0.01)")
     parser.add_argument("--max-seconds", type=float, default=300.0, help="time bound per server (default 300)")
     parser.add_argument("--rounds", type=int, default=4, help="alternating load phases per server (default 4)")
+    parser.add_argument("--hostile", action="store_true", help="malformed requests mixed in (layerzero serve only)")
+    parser.add_argument("--per-client", type=int, default=1000, help="--hostile: requests per client (default 1000)")
+    parser.add_argument("--malformed-rate", type=float, default=0.05, help="--hostile: share malformed (0.05)")
     parser.add_argument("--bare-server", metavar="MODEL", help=argparse.SUPPRESS)
     parser.add_argument("--port-http", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port-grpc", type=int, help=argparse.SUPPRESS)
@@ -238,6 +410,8 @@ def main() -> int:
     if args.bare_server:
         bare_server(args.bare_server, args.port_http, args.port_grpc, args.instances)
         return 0
+    if args.hostile:
+        return hostile(args)
     if args.quick:
         args.requests = min(args.requests, 1000)
 
@@ -246,8 +420,9 @@ def main() -> int:
         source, bundle = _build(tmp)
         ports = _free_ports(5)
         commands = {
+            # The bundle's own model.onnx: the comparison is the serving stack, not the model.
             "bare PyTriton + ORT": (
-                [sys.executable, __file__, "--bare-server", str(source), "--port-http", str(ports[0]),
+                [sys.executable, __file__, "--bare-server", str(bundle / "model.onnx"), "--port-http", str(ports[0]),
                  "--port-grpc", str(ports[1]), "--instances", str(args.instances)], ports[0], ports[1]),
             "layerzero serve": (
                 [sys.executable, "-m", "layerzero", "serve", str(bundle), "--port-http", str(ports[2]),

@@ -59,6 +59,8 @@ def load_group_spec(path: str | Path) -> GroupSpec:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise InvalidInputError(f"{path}: not valid JSON: {exc}") from None
+        except RecursionError:
+            raise InvalidInputError(f"{path}: the group spec is nested too deeply") from None
     else:
         try:
             import yaml
@@ -67,7 +69,9 @@ def load_group_spec(path: str | Path) -> GroupSpec:
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise InvalidInputError(f"{path}: not valid YAML: {exc}") from None
+            raise InvalidInputError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+        except RecursionError:  # a document nested thousands deep: the YAML composer recurses per level
+            raise InvalidInputError(f"{path}: the group spec is nested too deeply") from None
     return parse_group_spec(data, base_dir=path.parent, source=str(path))
 
 
@@ -88,6 +92,7 @@ def parse_group_spec(data: Any, *, base_dir: str | Path = ".", source: str = "gr
     if not isinstance(raw_groups, list) or not raw_groups:
         raise fail("groups must be a non-empty list of {name, scopes, index}")
     groups: list[Group] = []
+    names: set[str] = set()  # a set, not a scan of `groups`: 100k groups must parse in linear time
     for position, raw in enumerate(raw_groups):
         if not isinstance(raw, Mapping):
             raise fail(f"groups[{position}] must be a mapping with keys {sorted(_GROUP_KEYS)}")
@@ -95,8 +100,9 @@ def parse_group_spec(data: Any, *, base_dir: str | Path = ".", source: str = "gr
         name = raw.get("name")
         if not isinstance(name, str) or not name.strip():
             raise fail(f"groups[{position}] needs a name (a non-empty string)")
-        if any(g.name == name for g in groups):
+        if name in names:
             raise fail(f"group name {name!r} is used twice")
+        names.add(name)
         scopes = raw.get("scopes")
         if isinstance(scopes, str):
             scopes = [scopes]

@@ -151,7 +151,7 @@ def make_inputs(
             shape = tuple(d.dim_value if d.HasField("dim_value") else size_of(d.dim_param) for d in ttype.shape.dim)
         lname = inp.name.lower()
         if np.issubdtype(dtype, np.bool_):
-            value = rng.random(shape) > 0.5
+            value = np.asarray(rng.random(shape) > 0.5)  # a 0-d comparison is a numpy scalar
         elif dtype in _INT_TYPES:
             if "mask" in lname:
                 value = np.ones(shape, dtype=dtype)

@@ -202,7 +202,7 @@ def export_triton_repository(
         InvalidInputError: not a bundle, a model directory already there (without ``overwrite``), a model
             input/output Triton cannot describe.
     """
-    from layerzero.runtime.bundle import MODEL_NAME, read_bundle
+    from layerzero.runtime.bundle import read_bundle
     from layerzero.runtime.guard import GuardConfig
 
     bundle_info = read_bundle(Path(bundle))
@@ -214,9 +214,18 @@ def export_triton_repository(
     if name == onnx_name:
         raise InvalidInputError(f"the two models need different names, both are {name!r}")
     targets = [repo / name, repo / onnx_name]
+    if os.path.lexists(repo) and not repo.is_dir():
+        raise InvalidInputError(f"{repo} exists and is not a directory; give a model repository directory")
     for target in targets:
-        if target.exists() and not overwrite:
+        if not os.path.lexists(target):
+            continue
+        if not overwrite:
             raise InvalidInputError(f"{target} already exists (pass --force to replace it)")
+        if not _is_exported(target):
+            raise InvalidInputError(
+                f"refusing to replace {target}: it is not a model written by `layerzero triton-export` "
+                "(remove it yourself or choose another --name)"
+            )
     if no_reference:
         reference = None
     elif reference is None:
@@ -229,7 +238,21 @@ def export_triton_repository(
     inputs, outputs = model_io(bundle_info.model_path)
     # Every ``layerzero::`` output (mask::, router::) is the runtime's, not the user's: (a) strips them.
     user_outputs = [o for o in outputs if not o.name.startswith(INTERNAL_PREFIX)]
-    repo.mkdir(parents=True, exist_ok=True)
+    try:
+        repo.mkdir(parents=True, exist_ok=True)
+        _write_models(repo, name, onnx_name, bundle_info, reference, guard, inputs, outputs, user_outputs,
+                      instances, onnx_kind, overwrite)  # fmt: skip
+    except OSError as e:
+        raise InvalidInputError(f"cannot write the model repository {repo}: {e.strerror or e}") from None
+    return targets
+
+
+def _write_models(
+    repo: Path, name: str, onnx_name: str, bundle_info: Any, reference: Any, guard: Any, inputs: Any,
+    outputs: Any, user_outputs: Any, instances: int, onnx_kind: str, overwrite: bool,
+) -> None:  # fmt: skip
+    from layerzero.runtime.bundle import MODEL_NAME
+
 
     # (a) the Python backend model: the runtime, with the guard and metrics.
     params = {"layerzero.guard": json.dumps(guard.to_dict(), sort_keys=True)}
@@ -248,7 +271,7 @@ def export_triton_repository(
                 _copy_model(ref, version / "reference")
                 params["layerzero.reference"] = f"reference/{ref.name}"
         config = render_config(name, inputs, user_outputs, backend="python", instances=instances, parameters=params)
-        (stage / "config.pbtxt").write_text(config, encoding="utf-8")
+        (stage / "config.pbtxt").write_text(EXPORT_MARKER + config, encoding="utf-8")
 
     # (b) the onnxruntime backend model: the compiled graph as is (mask outputs included).
     with _staged(repo, onnx_name, overwrite) as stage:
@@ -256,8 +279,22 @@ def export_triton_repository(
         version.mkdir()
         _copy_model(bundle_info.model_path, version, MODEL_NAME)
         config = render_config(onnx_name, inputs, outputs, platform="onnxruntime_onnx", kind=onnx_kind)
-        (stage / "config.pbtxt").write_text(config, encoding="utf-8")
-    return targets
+        (stage / "config.pbtxt").write_text(EXPORT_MARKER + config, encoding="utf-8")
+
+
+#: The first line of every config.pbtxt `layerzero triton-export` writes (a pbtxt comment): what --force may
+#: replace. A directory without it is someone else's model.
+EXPORT_MARKER = "# written by layerzero triton-export\n"
+
+
+def _is_exported(target: Path) -> bool:
+    if target.is_symlink() or not target.is_dir():
+        return False
+    try:
+        with open(target / "config.pbtxt", encoding="utf-8") as f:
+            return f.readline() == EXPORT_MARKER
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def default_reference(manifest: Mapping[str, Any]) -> Path | None:
@@ -415,24 +452,41 @@ class _staged:
     """Build a model directory in a temporary sibling, then rename it into place (replacing an old one)."""
 
     def __init__(self, repo: Path, name: str, overwrite: bool) -> None:
+        from layerzero.runtime.bundle import clean_stale_temp_dirs
+
         self.target = repo / name
         self.overwrite = overwrite
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=repo))
+        clean_stale_temp_dirs(repo, name)  # of exports that were killed
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-{os.getpid()}-", dir=repo))
 
     def __enter__(self) -> Path:
         return self.tmp
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
+        from layerzero.runtime.bundle import _locked, _umask
+
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return
-        if self.target.exists() and self.overwrite:
-            old = self.target.with_name(f".{self.target.name}.old")
+        self.tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; Triton's account must read it
+        old = None
+        try:
+            with _locked(self.target.parent):  # concurrent exports to one repo: one swap at a time
+                if os.path.lexists(self.target):
+                    if not (self.overwrite and _is_exported(self.target)):
+                        raise InvalidInputError(f"{self.target} already exists (pass --force to replace it)")
+                    prefix = f".{self.target.name}.old-{os.getpid()}-"
+                    old = Path(tempfile.mkdtemp(prefix=prefix, dir=self.target.parent))
+                    os.rmdir(old)
+                    self.target.rename(old)
+                self.tmp.rename(self.target)
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            if old is not None and not os.path.lexists(self.target):
+                old.rename(self.target)
+            raise
+        if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-            self.target.rename(old)
-            shutil.rmtree(old, ignore_errors=True)
-        self.tmp.chmod(0o755)
-        self.tmp.rename(self.target)
 
 
 def _copy_model(src: Path, dst_dir: Path, name: str | None = None) -> Path:

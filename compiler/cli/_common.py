@@ -30,6 +30,7 @@ __all__ = [
     "port",
     "positive",
     "progress",
+    "source_of",
     "stderr",
     "write_file_atomic",
 ]
@@ -214,6 +215,16 @@ def check_output_file(
                 f"{option} {path}: exists and is not a LayerZero {kind}; pass --force to replace it"
             )
     check_output_dir(path, option)
+
+
+def source_of(bundle: Path) -> list[Path]:
+    """The model a bundle was compiled from (its manifest's source path), as a list for ``protect``."""
+    from layerzero.runtime.bundle import read_bundle
+
+    if not Path(bundle).is_dir():
+        return []
+    source = (read_bundle(bundle).manifest.get("source") or {}).get("path")
+    return [Path(source)] if isinstance(source, str) and source else []
 
 
 def write_file_atomic(path: Path, data: bytes, option: str = "output") -> None:

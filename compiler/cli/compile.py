@@ -2,8 +2,10 @@
 
 Runs the static passes (zero flags, constant folding, uniform propagation, dead code) to a
 fixpoint, runs the original and the compiled model with onnxruntime on sample inputs, and writes
-OUT/ (model.onnx + manifest.json) atomically. On a verification mismatch nothing is written and the
-exit code is 1. Bad input (malformed model, unknown op, missing external data) exits 2.
+OUT/ (model.onnx + manifest.json, which records their sha256) atomically. On a verification mismatch
+nothing is written and the exit code is 1. Bad input (malformed model, unknown op, missing external data)
+exits 2. An existing OUT is replaced only with --force and only when it is a LayerZero bundle; temporary
+directories left by killed compiles are removed.
 
 examples:
   layerzero compile model.onnx -o model.lz
@@ -30,9 +32,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
-from layerzero.cli._common import console, integer, number, one_line_errors, parse_shapes, progress
+from layerzero.cli._common import check_output_dir, console, integer, number, one_line_errors, parse_shapes, progress
 from layerzero.compile import CompileResult, compile_file
 from layerzero.errors import InvalidInputError, VerificationError
 from layerzero.options import CompileOptions
@@ -223,6 +226,10 @@ def print_verification(v) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from layerzero.runtime.bundle import clean_stale_temp_dirs
+
+    check_output_dir(args.output, "-o")  # before the compile, not after minutes of it
+    clean_stale_temp_dirs(Path(os.path.abspath(args.output)).parent, args.output.name)  # of killed compiles
     options = options_from(args)
     try:
         with progress(f"compiling {args.model}") as say:

@@ -19,7 +19,6 @@ examples:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 from pathlib import Path
 
@@ -27,9 +26,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from layerzero.calibration import load_requests, profile_bundle
-from layerzero.cli._common import check_output_file, console, integer, one_line_errors, stderr, write_file_atomic
+from layerzero.cli._common import (
+    check_output_file,
+    console,
+    integer,
+    one_line_errors,
+    source_of,
+    stderr,
+    write_file_atomic,
+)
 from layerzero.errors import InvalidInputError
-from layerzero.runtime.bundle import read_bundle
 from layerzero.runtime.path_stats import PROFILE_FORMAT
 
 
@@ -54,11 +60,8 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"{args.bundle}: not a bundle (no manifest.json); compile the model first")
     if args.impact_samples < 0:
         raise InvalidInputError(f"--impact-samples {args.impact_samples}: must be >= 0")
-    protect, source = [args.data], None
-    with contextlib.suppress(Exception):  # read_bundle inside profile_bundle reports a broken bundle
-        source = (read_bundle(args.bundle).manifest.get("source") or {}).get("path")
-    if isinstance(source, str):
-        protect.append(Path(source))  # `-o source.onnx` must never replace the model the bundle came from
+    # `-o source.onnx` must never replace the model the bundle came from, --force or not.
+    protect = [args.data, *source_of(args.bundle)]
     check_output_file(args.output, "-o", kind="profile", force=args.force, is_ours=_is_profile, protect=protect,
                       protect_dirs=[args.bundle])  # fmt: skip
     requests = load_requests(args.data)

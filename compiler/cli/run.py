@@ -2,7 +2,9 @@
 
 Prints each output (shape, dtype, values, abbreviated) and the zeroing report. Inputs come from an
 .npz file and/or NAME=VALUES items; a flat list given for an input of higher rank gets leading
-dims of 1 (input_ids=1,2,3 feeds a [batch, seq] input as [1, 3]).
+dims of 1 (input_ids=1,2,3 feeds a [batch, seq] input as [1, 3]); values take the input's dtype
+(x=0.5,1.5 feeds a float32 input; flag=1 a scalar bool one). --save writes an .npz atomically; it never
+replaces the bundle's files or its source model, nor (without --force) a file that is not such an .npz.
 
 examples:
   layerzero run model.lz --input input_ids=1,2,3,4
@@ -20,7 +22,14 @@ from pathlib import Path
 
 import numpy as np
 
-from layerzero.cli._common import check_output_file, console, one_line_errors, parse_feeds, write_file_atomic
+from layerzero.cli._common import (
+    check_output_file,
+    console,
+    one_line_errors,
+    parse_feeds,
+    source_of,
+    write_file_atomic,
+)
 from layerzero.errors import InvalidInputError
 from layerzero.runtime import Engine
 from layerzero.runtime.bundle import read_bundle
@@ -44,6 +53,9 @@ def _fit_ranks(engine: Engine, feeds: dict[str, np.ndarray]) -> dict[str, np.nda
         spec = specs.get(name)
         if spec is not None and spec.rank is not None and value.ndim == 1 and spec.rank > 1:
             feeds[name] = value.reshape((1,) * (spec.rank - 1) + value.shape)
+        if spec is not None and spec.rank == 0 and value.shape == (1,):  # flag=1 feeds a scalar input
+            feeds[name] = value = value.reshape(())
+        value = feeds[name]
         if spec is None or spec.dtype is None or value.dtype == spec.dtype:
             continue
         # Text parses to int64 / float64: feed the model's own dtype (x=0.5,1.5 into a float32 input, 1,0 into
@@ -74,12 +86,13 @@ def save_outputs(path: Path, outputs: dict[str, np.ndarray], *, force: bool) -> 
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.bundle.is_dir():
-        read_bundle(args.bundle)  # a broken manifest (a JSON list, ...) is reported here, in one line
     if args.save is not None:  # before running: a refused --save must not cost a run
+        # source_of reads the bundle: a broken manifest (a JSON list, ...) is reported here, in one line.
+        protect = [p for p in (args.inputs, args.bundle) if p is not None] + source_of(args.bundle)
         check_output_file(args.save, "--save", kind="outputs .npz", force=args.force, is_ours=lambda _p: True,
-                          protect=[p for p in (args.inputs, args.bundle) if p is not None],
-                          protect_dirs=[args.bundle])  # fmt: skip
+                          protect=protect, protect_dirs=[args.bundle])  # fmt: skip
+    elif args.bundle.is_dir():
+        read_bundle(args.bundle)  # a broken manifest (a JSON list, ...) is reported here, in one line
     engine = Engine.load(args.bundle, device=args.device)  # the backend its manifest names
     feeds = parse_feeds(args.inputs, args.input)
     if not feeds and engine.input_specs:

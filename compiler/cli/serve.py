@@ -3,6 +3,10 @@
 KServe v2 inference over HTTP (--port-http) and gRPC (--port-grpc), and a control server on --port-metrics,
 all on 127.0.0.1 only. Needs the serve extra: pip install 'layerzero[serve]'.
 
+Every HTTP inference request is validated before Triton parses it (body at most --max-request-bytes, shape
+and dims of each input against the model, data length, token ids within the embedding); a bad one gets a 4xx
+and one line. Triton runs under a supervisor that restarts it if it dies; requests wait meanwhile.
+
   GET  /metrics       Prometheus text: requests, fallbacks, reference runs, kill switch, threshold, latency
   GET  /status        JSON: model, endpoints, guard state and counters
   GET  /healthz       ok once the model is served
@@ -43,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", default="layerzero", help="the Triton model name (default layerzero)")
     p.add_argument("--instances", type=integer(1, 64), default=2,
                    help="model instances, i.e. concurrent requests (default 2)")
+    p.add_argument("--max-request-bytes", type=integer(1024, 2**34), default=64 * 1024 * 1024, metavar="N",
+                   help="largest inference request body over HTTP (default 64 MiB; bigger: 413)")  # fmt: skip
+    p.add_argument("--client-timeout", type=positive, default=30.0, metavar="S",
+                   help="seconds a client may take to send one request (default 30)")  # fmt: skip
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="execution device (default cpu)")
     g = p.add_argument_group("guard")
     g.add_argument("--reference", type=Path, metavar="MODEL", help="the reference model (default: the source)")
@@ -124,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
             control_port=args.port_metrics,
             model_name=args.model_name,
             instances=args.instances,
+            max_request_bytes=args.max_request_bytes,
+            client_timeout_s=args.client_timeout,
         ),
     )
     with server:

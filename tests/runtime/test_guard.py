@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from pathlib import Path
@@ -17,6 +18,7 @@ from layerzero.errors import InvalidInputError, LayerZeroError
 from layerzero.models import TransformerConfig, build_transformer, example_feeds
 from layerzero.options import CompileOptions
 from layerzero.runtime import Engine
+from layerzero.runtime.bundle import fingerprint_files
 from layerzero.runtime.engine import THRESHOLD_INPUT
 from layerzero.runtime.guard import GuardConfig, GuardedEngine, SegmentConfig, relative_l2
 
@@ -78,6 +80,10 @@ def faulty_bundle(models: dict[str, Path], tmp_path_factory: pytest.TempPathFact
     value = onnx.numpy_helper.to_array(weight)
     weight.CopyFrom(onnx.numpy_helper.from_array((value * -1.5).astype(value.dtype), weight.name))
     onnx.save(model, str(bundle / "model.onnx"))
+    # A fault made before the bundle was fingerprinted (a miscompile), so Engine.load's integrity check passes it.
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["integrity"] = fingerprint_files(bundle, "model.onnx")
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
     return bundle
 
 

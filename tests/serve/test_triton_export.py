@@ -270,8 +270,13 @@ def test_python_backend_model_in_a_real_tritonserver(tiny_model: SimpleNamespace
     http_port, grpc_port, metrics_port = net.free_ports(3)
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the stub's Python env
+    import pytriton
+
+    wheel_libs = Path(pytriton.__file__).resolve().parent.parent / "nvidia_pytriton.libs"  # libcudart, ...
     env["LD_LIBRARY_PATH"] = os.pathsep.join(
-        p for p in (str(get_libs_path()), sysconfig.get_config_var("LIBDIR"), env.get("LD_LIBRARY_PATH")) if p
+        p
+        for p in (str(get_libs_path()), str(wheel_libs), sysconfig.get_config_var("LIBDIR"), env.get("LD_LIBRARY_PATH"))
+        if p
     )
     command = [
         str(Path(TRITONSERVER_DIST_DIR, "bin", "tritonserver")), "--model-repository", str(repo),
