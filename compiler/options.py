@@ -35,7 +35,11 @@ class CompileOptions:
     dynamic: bool = True
     zeroing_threshold: float = 0.0  # skip a routed expert / gated branch below threshold × the token's largest weight
     max_deviation: float | None = None  # with a threshold > 0: fail verification above this max abs deviation
-    moe_lowering: str = "auto"  # "auto" | "if" (per-expert If subgraphs) | "ort-moe" (com.microsoft.MoE)
+    # "auto" | "if" (per-expert If subgraphs) | "ort-moe" (com.microsoft.MoE) | "native" (ai.layerzero::MoE kept
+    # for liblayerzero_ort.so, `layerzero plugins build`; the bundle then lists it and needs it at run time).
+    # auto: native when the library is built, else If below 32 experts and, above, If or ort-moe by a measured cost
+    # model (passes/lower_moe_native.py). A block a lowering cannot run falls back to If.
+    moe_lowering: str = "auto"
     groups: Path | None = None  # group-mask spec (YAML or JSON)
     # Solidify (layerzero.solidify): remove for good the dynamic paths a profile (`layerzero profile`) found
     # skipped at least `stability_window` consecutive requests (or tokens, `stability_unit`) and whose measured
