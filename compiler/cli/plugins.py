@@ -87,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{ort_library.ORT_LIBRARY}: {ort_path if ort_path is not None else 'not built: ' + str(ort_error)}")
     if report is not None and report.error is not None:
         raise LayerZeroError(report.error.splitlines()[0])
-    if ort_error is not None and (args.only == "ort" or "failed" in ort_error):
+    # A compile failure is an error; a missing prerequisite (cmake, the headers) only with --only ort.
+    if ort_error is not None and (args.only == "ort" or ort_error.startswith(f"building {ort_library.ORT_LIBRARY}")):
         raise LayerZeroError(ort_error)
     if report is not None and not report.kernels_built and ort_path is None:
         why = report.not_built.get(loader.LIBRARIES["kernels"], "unknown")
