@@ -296,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         help="ORT intra-op threads, one run each (default: 1 and all cores)",
     )
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--experts", type=int, nargs="+", default=None, help="only the shapes with these expert counts")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     random.seed(0)
@@ -318,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
             MoEConfig(hidden=512, ffn=256, experts=128, top_k=8),
             MoEConfig(hidden=512, ffn=256, experts=256, top_k=8),
         ]
+    if args.experts:
+        shapes = [c for c in shapes if c.experts in args.experts]
     copy = _Copy()
     rows = []
     for config in shapes:
