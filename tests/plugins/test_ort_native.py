@@ -3,7 +3,8 @@ every routing variant, threshold, dtype, T = 0 / 1 / many and experts no token u
 kernels and under AddressSanitizer; session-creation refusals; the native lowering, bundle, runtime and Triton
 export; auto's choice.
 
-The library is built once per session into ``build/ort-test`` (incremental; never ~/.cache). Without the ONNX
+The library is built once per session into ``build/ort-test`` (incremental; never ~/.cache;
+``LAYERZERO_ORT_TEST_BUILD`` names another directory). Without the ONNX
 Runtime headers (``scripts/fetch_ort_headers.sh``) or cmake the tests skip with the reason, except under
 ``LAYERZERO_REQUIRE_NATIVE=1`` (CI), where the headers are fetched and any absence fails.
 
@@ -32,7 +33,7 @@ from layerzero.plugins.loader import PluginError
 from layerzero.plugins.reference import moe_reference
 
 REPO = Path(__file__).resolve().parents[2]
-BUILD_DIR = REPO / "build" / "ort-test"
+BUILD_DIR = Path(os.environ.get("LAYERZERO_ORT_TEST_BUILD") or REPO / "build" / "ort-test")
 REQUIRE = os.environ.get("LAYERZERO_REQUIRE_NATIVE") == "1"
 THRESHOLD = "layerzero::threshold"
 
@@ -221,6 +222,22 @@ def test_ties_go_to_the_lower_expert(ort_lib):
     y, mask = session(ort_lib, model).run(None, {"hidden": x, "logits": logits})
     assert mask[:, :2].all() and not mask[:, 2:].any()
     assert _relative_error(y, moe_reference(x, logits, *w, top_k=2, normalize=1)[0]) < 1e-5
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_nan_logits_run_no_expert_of_that_token(ort_lib, scoring):
+    # A NaN logit ranks last (the reference's argsort) and a NaN weight keeps the token's experts from running;
+    # the other tokens are untouched. (Ordering NaN as is would make the top-k sort undefined.)
+    model, w = moe_model(8, 40, 36, top_k=8, normalize=0, scoring=scoring)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((3, 36)).astype(np.float32)
+    logits = rng.standard_normal((3, 8)).astype(np.float32)
+    logits[1, 5] = np.nan
+    y, mask = session(ort_lib, model).run(None, {"hidden": x, "logits": logits})
+    with np.errstate(invalid="ignore"):
+        ref, ref_mask = moe_reference(x, logits, *w, top_k=8, normalize=0, scoring=scoring)
+    assert np.array_equal(mask, ref_mask) and not mask[1].any() and mask[[0, 2]].all()
+    assert _relative_error(y[[0, 2]], ref[[0, 2]]) < 1e-5 and not y[1].any()
 
 
 def test_threshold_input_overrides_the_attribute(ort_lib):
