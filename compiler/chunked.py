@@ -200,6 +200,9 @@ def _run_chunk(
     proto = onnx.helper.make_model(graph, opset_imports=opsets, ir_version=model.ir_version)
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    from layerzero.plugins import ort_library
+
+    ort_library.register_if_built(options)  # a chunk may hold ai.layerzero::MoE (the native MoE lowering)
     if external_names:
         options.add_external_initializers(external_names, external_values)
     session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])

@@ -15,7 +15,7 @@ __all__ = ["MOE_LOWERINGS", "STABILITY_UNITS", "CompileOptions"]
 
 #: ``moe_lowering``: "auto" | "if" (per-expert If subgraphs) | "ort-moe" (com.microsoft.MoE); the onnxruntime
 #: target's choices (``passes/lower_moe.py`` ``LOWERINGS``; a test keeps the two equal).
-MOE_LOWERINGS = ("auto", "if", "ort-moe")
+MOE_LOWERINGS = ("auto", "if", "ort-moe", "native")
 #: ``stability_unit``: what ``stability_window`` counts.
 STABILITY_UNITS = ("requests", "tokens")
 
@@ -47,6 +47,10 @@ class CompileOptions:
     dynamic: bool = True
     zeroing_threshold: float = 0.0  # skip a routed expert / gated branch below threshold × the token's largest weight
     max_deviation: float | None = None  # with a threshold > 0: fail verification above this max abs deviation
+    # "auto" | "if" (per-expert If subgraphs) | "ort-moe" (com.microsoft.MoE) | "native" (ai.layerzero::MoE kept
+    # for liblayerzero_ort.so, `layerzero plugins build`; the bundle then lists it and needs it at run time).
+    # auto: native when the library is built, else If below 32 experts and, above, If or ort-moe by a measured cost
+    # model (passes/lower_moe_native.py). A block a lowering cannot run falls back to If.
     moe_lowering: str = "auto"  # one of MOE_LOWERINGS
     groups: Path | None = None  # group-mask spec (YAML or JSON)
     # Solidify (layerzero.solidify_plan): remove for good the dynamic paths a profile (`layerzero profile`) found

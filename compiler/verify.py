@@ -280,15 +280,19 @@ def merge_comparisons(per_set: list[list[OutputComparison]]) -> list[OutputCompa
 
 def run_model(model: str | Path | bytes, feeds: Mapping[str, np.ndarray]) -> tuple[list[str], list[np.ndarray]]:
     """Run a model (path or serialized bytes) once on ORT's CPU provider."""
+    from layerzero.plugins import ort_library
+
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    ort_library.register_if_built(options)  # the native MoE lowering keeps ai.layerzero::MoE for it
     try:
         session = ort.InferenceSession(
             str(model) if isinstance(model, Path) else model, options, providers=["CPUExecutionProvider"]
         )
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UnsupportedModelError(f"onnxruntime cannot load the model: {first}") from None
+        hint = ort_library.missing_library_hint(first)
+        raise UnsupportedModelError(f"onnxruntime cannot load the model: {hint or first}") from None
     names = [o.name for o in session.get_outputs()]
     wanted = {i.name for i in session.get_inputs()}
     try:

@@ -9,6 +9,7 @@ import numpy as np
 import onnx_ir as ir
 
 from layerzero.errors import InvalidInputError, UnsupportedModelError
+from layerzero.passes import lower_moe_native
 from layerzero.passes._dynamic import (
     MOE_DOMAIN,
     MOE_OP,
@@ -23,7 +24,7 @@ __all__ = ["AUTO_CHOICE", "LOWERINGS", "LowerMoE", "choose_lowering", "ort_moe_s
 
 logger = logging.getLogger(__name__)
 
-LOWERINGS = ("auto", "if", "ort-moe")
+LOWERINGS = ("auto", "if", "ort-moe", "native")
 
 
 def ort_moe_supports(scoring: str, activation: str, zeroing_threshold: float) -> str | None:
@@ -37,11 +38,16 @@ def ort_moe_supports(scoring: str, activation: str, zeroing_threshold: float) ->
     return None
 
 
-def choose_lowering(requested: str, scoring: str, activation: str, zeroing_threshold: float) -> str:
-    """``"if"`` or ``"ort-moe"`` for one block; ``auto`` is ``AUTO_CHOICE`` (see there)."""
+def choose_lowering(
+    requested: str, scoring: str, activation: str, zeroing_threshold: float, node: ir.Node | None = None
+) -> str:
+    """``"if"``, ``"ort-moe"`` or ``"native"`` for one block; ``auto`` with the node: ``lower_moe_native.choose_auto``
+    (native when liblayerzero_ort.so is built, else a cost model), without it ``AUTO_CHOICE``."""
     if requested not in LOWERINGS:
         raise InvalidInputError(f"moe_lowering={requested!r}; expected one of {LOWERINGS}")
     why_not = ort_moe_supports(scoring, activation, zeroing_threshold)
+    if requested == "native" or (requested == "auto" and node is not None):
+        return lower_moe_native.choose_lowering(requested, node, why_not)
     if requested == "ort-moe":
         if why_not is not None:
             logger.warning("com.microsoft.MoE cannot run this block (%s): lowering it with If subgraphs", why_not)
@@ -78,7 +84,9 @@ class LowerMoE(ir.passes.InPlacePass):
        NOTE: the op breaks exact ties of routing probabilities towards the higher expert index (ONNX TopK,
        the reference and ``if``: the lower), so on exactly equal logits its output differs; it also ignores
        the run-time threshold input.
-    ``auto`` chooses ``AUTO_CHOICE`` (measured, see there); a block ``ort-moe`` cannot run falls back to ``if``.
+    3. ``native``: the node stays for ``liblayerzero_ort.so`` (``lower_moe_native``).
+    ``auto`` chooses native when the library is built, else by a cost model (``lower_moe_native.choose_auto``);
+    a block ``ort-moe`` / ``native`` cannot run falls back (``if``).
     The node's mask output keeps its graph output name (``layerzero::mask::<path>``). Only the
     ``onnxruntime`` target is lowered; other targets keep the node (a TensorRT plugin implements it).
     """
@@ -112,7 +120,12 @@ class LowerMoE(ir.passes.InPlacePass):
         opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
         for node in nodes:
             spec = _MoESpec.of(node)
-            lowering = choose_lowering(self.requested, spec.scoring, spec.activation, spec.threshold)
+            lowering = choose_lowering(self.requested, spec.scoring, spec.activation, spec.threshold, node)
+            if lowering == "native":  # the node stays, for liblayerzero_ort.so
+                lower_moe_native.lower_native(model, node, spec.threshold)
+                self.lowered.append((spec.path, lowering))
+                _note_lowering(model, spec.path, lowering)
+                continue
             dtype = node.inputs[0].dtype.numpy() if node.inputs[0].dtype is not None else spec.w_gate.dtype
             b = _Builder(graph, names, opset, spec.path, np.dtype(dtype))
             if lowering == "ort-moe":

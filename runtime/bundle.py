@@ -140,6 +140,9 @@ def write_bundle(
         _check_replaceable(out)
 
     full_manifest = _complete_manifest(manifest)
+    libraries = _custom_op_libraries(model)
+    if libraries:  # the runtime registers these with the session (runtime/backends/onnxruntime.py)
+        full_manifest.setdefault("libraries", libraries)
     model_file = full_manifest["model_file"]
     try:
         manifest_text = json.dumps(full_manifest, indent=2) + "\n"
@@ -188,6 +191,19 @@ def _complete_manifest(manifest: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(model_file, str) or not _is_plain_file_name(model_file):
         raise InvalidInputError(f"manifest model_file must be a plain file name, got {model_file!r}")
     return full
+
+
+def _custom_op_libraries(model: onnx.ModelProto | onnx_ir.Model) -> list[str]:
+    """File names of the custom-op libraries the model's nodes need (``ai.layerzero::MoE``: liblayerzero_ort.so)."""
+    import onnx
+
+    from layerzero.plugins.ort_library import libraries_for_ops
+
+    if isinstance(model, onnx.ModelProto):
+        ops = {(n.domain, n.op_type) for g in _proto_graphs(model.graph) for n in g.node}
+    else:
+        ops = {(n.domain, n.op_type) for n in model.graph.all_nodes()}
+    return libraries_for_ops(ops)
 
 
 def _is_plain_file_name(name: str) -> bool:

@@ -11,8 +11,10 @@ writes two models::
             1/model.lz/             #   a copy of the bundle
             1/reference/<name>.onnx #   the reference model, when there is one (guard fallback, kill switch)
         layerzero_onnx/             # onnxruntime backend: the compiled graph alone, as is
-            config.pbtxt            #   platform "onnxruntime_onnx"; every graph output, masks included
+            config.pbtxt            #   platform "onnxruntime_onnx"; every graph output, masks included;
+                                    #   model_operations { op_library_filename } for the manifest's libraries
             1/model.onnx (+ .data)
+            1/liblayerzero_ort.so   #   when the bundle needs it (the native MoE lowering)
 
 Both configs say ``max_batch_size: 0`` and list dims as the model declares them, -1 for a dynamic dim; a
 scalar is ``dims: [ 1 ]`` with ``reshape: { shape: [ ] }``. ``layerzero::threshold`` is an initializer, not an
@@ -146,8 +148,10 @@ def render_config(
     instances: int = 1,
     kind: str = "KIND_CPU",
     parameters: Mapping[str, str] | None = None,
+    op_libraries: Sequence[str] = (),
 ) -> str:
-    """A ``config.pbtxt`` (protobuf text format of Triton's ``ModelConfig``)."""
+    """A ``config.pbtxt`` (protobuf text format of Triton's ``ModelConfig``); ``op_libraries``: custom-op
+    libraries the onnxruntime backend loads (``model_operations { op_library_filename }``)."""
     lines = [f"name: {_quote(name)}"]
     if backend is not None:
         lines.append(f"backend: {_quote(backend)}")
@@ -169,6 +173,8 @@ def render_config(
             lines.append("  }" + ("," if i < len(specs) - 1 else ""))
         lines.append("]")
     lines += ["instance_group [", "  {", f"    count: {int(instances)}", f"    kind: {kind}", "  }", "]"]
+    if op_libraries:
+        lines += ["model_operations {", *(f"  op_library_filename: {_quote(str(p))}" for p in op_libraries), "}"]
     for key, value in (parameters or {}).items():
         lines += ["parameters {", f"  key: {_quote(key)}", f"  value: {{ string_value: {_quote(value)} }}", "}"]
     return "\n".join(lines) + "\n"
@@ -278,7 +284,10 @@ def _write_models(
         version = stage / "1"
         version.mkdir()
         _copy_model(bundle_info.model_path, version, MODEL_NAME)
-        config = render_config(onnx_name, inputs, outputs, platform="onnxruntime_onnx", kind=onnx_kind)
+        op_libraries = _copy_op_libraries(bundle_info.manifest, version, repo.resolve() / onnx_name / "1")
+        config = render_config(
+            onnx_name, inputs, outputs, platform="onnxruntime_onnx", kind=onnx_kind, op_libraries=op_libraries
+        )
         (stage / "config.pbtxt").write_text(EXPORT_MARKER + config, encoding="utf-8")
 
 
@@ -295,6 +304,23 @@ def _is_exported(target: Path) -> bool:
             return f.readline() == EXPORT_MARKER
     except (OSError, UnicodeDecodeError):
         return False
+
+
+def _copy_op_libraries(manifest: Mapping[str, Any], version: Path, final: Path) -> list[str]:
+    """Copy the custom-op libraries the bundle needs (manifest ``libraries``) into the version directory; their
+    absolute paths once the stage is in place (Triton resolves ``op_library_filename`` on the server: move the
+    repository and the path must follow)."""
+    from layerzero.plugins import ort_library
+
+    paths = []
+    for lib in manifest.get("libraries") or []:
+        try:
+            source = ort_library.ort_library_path(name=str(lib))
+        except ort_library.PluginError as e:
+            raise InvalidInputError(f"the bundle needs {lib}: {e}") from e
+        shutil.copy2(source, version / source.name)
+        paths.append(str(final / source.name))
+    return paths
 
 
 def default_reference(manifest: Mapping[str, Any]) -> Path | None:

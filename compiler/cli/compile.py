@@ -81,9 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--moe-lowering",
-        choices=("auto", "if", "ort-moe"),
+        choices=("auto", "if", "ort-moe", "native"),
         default="auto",
-        help="MoE blocks on onnxruntime: per-expert If subgraphs, com.microsoft.MoE, or auto (default)",
+        help="MoE blocks on onnxruntime: per-expert If subgraphs, com.microsoft.MoE, the liblayerzero_ort.so "
+        "custom op (layerzero plugins build), or auto (default: native when built, else measured)",
     )
     solid = p.add_argument_group("solidify (--profile)")
     solid.add_argument("--profile", type=Path, metavar="JSON", help="a profile of a bundle of this model")

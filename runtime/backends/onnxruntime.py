@@ -9,6 +9,10 @@ Options (``Engine.load(path, backend="onnxruntime", **options)``):
 - ``intra_op_num_threads``, ``inter_op_num_threads``: thread pool sizes (default: ONNX Runtime's choice).
 - ``enable_profiling``: write an ONNX Runtime profile; ``end_profiling()`` returns its path.
 - ``profile_file_prefix``: the profile's file name prefix.
+
+Custom-op libraries: a bundle whose manifest lists ``libraries`` (``liblayerzero_ort.so`` for the native MoE
+lowering) has them registered with the session; a missing one is an ``UnsupportedModelError`` naming it. A plain
+``.onnx`` file gets ``liblayerzero_ort.so`` registered when it is built.
 """
 
 from __future__ import annotations
@@ -107,11 +111,15 @@ class OrtBackend:
                 options.profile_file_prefix = profile_file_prefix
         if providers is None:
             providers = _providers_for(ort, device)
+        _register_libraries(options, Path(model_path))
 
         try:
             session = ort.InferenceSession(str(model_path), sess_options=options, providers=providers)
         except Exception as e:  # onnxruntime raises its pybind exception types (Fail, InvalidGraph, ...)
-            raise UnsupportedModelError(f"onnxruntime cannot load {model_path}: {_first_line(e)}") from e
+            from layerzero.plugins.ort_library import missing_library_hint
+
+            why = missing_library_hint(_first_line(e)) or _first_line(e)
+            raise UnsupportedModelError(f"onnxruntime cannot load {model_path}: {why}") from e
         self._session = session
         # run() re-raises failures with their message; keep ORT from also logging them to stderr.
         self._run_options = ort.RunOptions()
@@ -161,6 +169,25 @@ class OrtBackend:
         if self._session is None:
             raise LayerZeroError("the onnxruntime backend has no model; call load() first")
         return self._session
+
+
+def _register_libraries(options: Any, model_path: Path) -> None:
+    """Register the custom-op libraries the bundle's manifest lists (a plain model: ours, when built)."""
+    import json
+
+    from layerzero.plugins import ort_library
+
+    manifest_path = model_path.parent / "manifest.json"
+    try:
+        if manifest_path.is_file():
+            libraries = json.loads(manifest_path.read_text(encoding="utf-8")).get("libraries") or []
+            ort_library.register(options, libraries)
+        else:
+            ort_library.register_if_built(options)
+    except ort_library.PluginError as e:
+        raise UnsupportedModelError(f"{model_path}: {e}") from e
+    except (OSError, ValueError) as e:
+        raise UnsupportedModelError(f"{manifest_path}: cannot read the custom-op libraries it lists: {e}") from e
 
 
 def _first_line(error: BaseException) -> str:

@@ -152,6 +152,7 @@ struct MoEKernel {
     const std::vector<int64_t> gs = wg.GetTensorTypeAndShapeInfo().GetShape();
     const std::vector<int64_t> us = wu.GetTensorTypeAndShapeInfo().GetShape();
     const std::vector<int64_t> ds = wd.GetTensorTypeAndShapeInfo().GetShape();
+    if (gs.size() != 3) fail("w_gate must be [E, F, H]");
     const int64_t E = gs[0], F = gs[1], H = gs[2];
     if (us != gs || ds != std::vector<int64_t>{E, H, F})
       fail("expert weights [E, F, H], [E, F, H], [E, H, F] expected");

@@ -89,7 +89,7 @@ void route(const float* logits, int64_t tokens, int64_t experts, const MoEConfig
            std::vector<float>* weights, uint8_t* mask) {
   weights->assign(static_cast<size_t>(tokens * experts), 0.0f);
   std::memset(mask, 0, static_cast<size_t>(tokens * experts));
-  std::vector<double> probs(static_cast<size_t>(experts));
+  std::vector<double> probs(static_cast<size_t>(experts)), key(static_cast<size_t>(experts));
   std::vector<int64_t> index(static_cast<size_t>(experts));
   std::vector<double> top(static_cast<size_t>(cfg.top_k));
   for (int64_t t = 0; t < tokens; ++t) {
@@ -105,15 +105,19 @@ void route(const float* logits, int64_t tokens, int64_t experts, const MoEConfig
       for (int64_t e = 0; e < experts; ++e) probs[e] = 1.0 / (1.0 + std::exp(-static_cast<double>(l[e])));
     }
     std::iota(index.begin(), index.end(), 0);
+    // The sort key: NaN ranks last (as the reference's argsort), which also keeps the comparison a strict weak
+    // order (a NaN compared as is would make std::partial_sort undefined).
+    for (int64_t e = 0; e < experts; ++e) key[e] = std::isnan(probs[e]) ? -HUGE_VAL : probs[e];
     // Ties towards the lower expert index (ONNX TopK, the reference's stable sort).
     std::partial_sort(index.begin(), index.begin() + cfg.top_k, index.end(), [&](int64_t a, int64_t b) {
-      return probs[a] > probs[b] || (probs[a] == probs[b] && a < b);
+      return key[a] > key[b] || (key[a] == key[b] && a < b);
     });
     double sum = 0.0, largest = 0.0;
     for (int64_t j = 0; j < cfg.top_k; ++j) sum += top[j] = probs[index[j]];
     for (int64_t j = 0; j < cfg.top_k; ++j) {
       if (cfg.normalize) top[j] /= sum;
-      largest = std::max(largest, top[j]);
+      // A NaN weight makes the largest NaN, so no expert of the token passes the threshold (the reference's max).
+      largest = (std::isnan(top[j]) || std::isnan(largest)) ? NAN : std::max(largest, top[j]);
     }
     double bound = static_cast<double>(threshold) * largest;
     for (int64_t j = 0; j < cfg.top_k; ++j) {

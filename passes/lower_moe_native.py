@@ -1,0 +1,183 @@
+"""The ``native`` MoE lowering: keep ``ai.layerzero::MoE`` for ``liblayerzero_ort.so``; and ``auto``'s cost model.
+
+``native`` leaves the skipping form in the graph for ONNX Runtime to run with the custom-op library
+(``plugins/ort``): routing and the routed experts in one kernel, weights read in place from the initializers in
+the form's own ``[out, in]`` layout, which is the kernel's access order (rows streamed), so nothing is re-laid
+out. The node gains the run-time threshold ``layerzero::threshold`` as its 6th input.
+
+``auto`` (``choose_auto``): ``native`` when the library is present and implements the block; otherwise the
+faster of ``if`` and ``ort-moe`` by ``estimate_ms``, a cost model fitted to ``bench/moe.py`` measurements.
+
+This module knows no file system: whether the library is present is asked through ``native_library_present``,
+which the compiler side answers (see there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import onnx_ir as ir
+
+from layerzero.passes._dynamic import MOE_DOMAIN, THRESHOLD_INPUT, threshold_input
+
+__all__ = [
+    "NATIVE_ACTIVATIONS",
+    "NATIVE_ATTRIBUTES",
+    "NATIVE_SCORINGS",
+    "BlockShape",
+    "choose_auto",
+    "estimate_ms",
+    "lower_native",
+    "native_library_present",
+    "native_supports",
+]
+
+logger = logging.getLogger(__name__)
+
+#: What liblayerzero_ort.so implements today (plugins/ort/src/custom_op.cpp); anything else stays with If.
+NATIVE_ATTRIBUTES = frozenset({"top_k", "normalize", "scoring", "activation", "zeroing_threshold", "path"})
+NATIVE_SCORINGS = ("softmax", "sigmoid")
+NATIVE_ACTIVATIONS = ("silu", "gelu", "relu")
+_NATIVE_WEIGHTS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+_NATIVE_HIDDEN = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
+
+
+def native_library_present() -> bool:
+    """Whether ``liblayerzero_ort.so`` is built (``layerzero plugins build``) where the runtime looks for it.
+
+    NOTE: the one place a pass asks outside the graph; ``layerzero.plugins`` is a leaf that touches no pass,
+    and the lookup is import-time free (the library is found, never loaded, here).
+    """
+    try:
+        from layerzero.plugins.ort_library import find_ort_library
+    except ImportError:  # a pass used without the plugins package
+        return False
+    return find_ort_library() is not None
+
+
+def native_supports(node: ir.Node) -> str | None:
+    """Why liblayerzero_ort.so cannot run this ``ai.layerzero::MoE`` node (None when it can)."""
+    unknown = sorted(set(node.attributes) - NATIVE_ATTRIBUTES)
+    if unknown:
+        known = ", ".join(sorted(NATIVE_ATTRIBUTES))
+        return f"attributes {', '.join(unknown)} (liblayerzero_ort.so implements {known})"
+    if len(node.inputs) not in (5, 6) or (
+        len(node.inputs) == 6 and node.inputs[5] is not None and node.inputs[5].name != THRESHOLD_INPUT
+    ):
+        return f"{len(node.inputs)} inputs (liblayerzero_ort.so implements 5 + the threshold)"
+    for name, allowed, default in (("scoring", NATIVE_SCORINGS, "softmax"), ("activation", NATIVE_ACTIVATIONS, "silu")):
+        attr = node.attributes.get(name)
+        value = default if attr is None else str(attr.value)
+        if value not in allowed:
+            return f"{name} {value!r} (liblayerzero_ort.so implements {', '.join(allowed)})"
+    hidden = node.inputs[0]
+    if hidden is None or hidden.dtype not in _NATIVE_HIDDEN:
+        return f"hidden dtype {hidden and hidden.dtype} (float32 or float16)"
+    dtypes = set()
+    for value in node.inputs[2:5]:
+        if value is None or value.const_value is None:
+            return f"expert weight {value and value.name} is not a constant"
+        dtypes.add(value.const_value.dtype)
+    if len(dtypes) != 1 or next(iter(dtypes)) not in _NATIVE_WEIGHTS:
+        return f"expert weight dtypes {sorted(str(d) for d in dtypes)} (one of float32, float16, bfloat16)"
+    return None
+
+
+def lower_native(model: ir.Model, node: ir.Node, default_threshold: float) -> None:
+    """Keep ``node`` for the custom op; append the run-time threshold input (the kernel's 6th input)."""
+    # MoE(x, logits, w_gate, w_up, w_down)   ->   MoE(x, logits, w_gate, w_up, w_down, layerzero::threshold)
+    if len(node.inputs) == 6:  # lowered before: nothing to do
+        return
+    threshold = threshold_input(model, default_threshold)
+    node.resize_inputs(6)
+    node.replace_input_with(5, threshold)
+    model.opset_imports.setdefault(MOE_DOMAIN, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockShape:
+    """What the cost model knows of a block: experts, top-k, hidden, ffn, tokens per run, weight bytes."""
+
+    experts: int
+    top_k: int
+    hidden: int
+    ffn: int
+    tokens: int = 1
+    itemsize: int = 4
+
+    @classmethod
+    def of(cls, node: ir.Node) -> BlockShape:
+        gate = node.inputs[2].const_value  # [E, F, H]
+        experts, ffn, hidden = (int(d) for d in gate.shape)
+        top_k = node.attributes.get("top_k")
+        dim = node.inputs[0].shape[0] if node.inputs[0].shape is not None and len(node.inputs[0].shape) else None
+        # A dynamic token count is priced as decode (1 token): the case the skipping is for.
+        tokens = dim if isinstance(dim, int) and dim > 0 else 1
+        return cls(experts, 1 if top_k is None else int(top_k.value), hidden, ffn, tokens, gate.dtype.itemsize)
+
+    @property
+    def used_experts(self) -> float:
+        """Expected experts with at least one token (uniform routing)."""
+        return self.experts * (1.0 - (1.0 - self.top_k / self.experts) ** self.tokens)
+
+    @property
+    def bytes_used(self) -> float:
+        return self.used_experts * 3 * self.hidden * self.ffn * self.itemsize
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.tokens * self.top_k * 3 * self.hidden * self.ffn
+
+
+# Cost model  t = max(a · bytes / BW, flops / P) + c · E  (ms), fitted to bench/moe.py p50s (ORT 1.32 CPU, fp32,
+# 1 thread), issue 11 and passes/lower_moe.py's AUTO_CHOICE table:
+#   E64 k8 H1024 F512 1 token: if 3.1, ort-moe 3.3 ms; E128 k8 H512 F256 1 token: if 1.87, ort-moe 1.23 ms
+#   (bound 1.9 / 0.48 ms: BW = 26 GB/s, a numpy copy's read + write); E8 k2 H1024 F4096 64 tokens: 37.4 / 50.8 ms.
+# a: bytes streamed per bound byte; c: per-expert cost of the lowering whether it runs (If: ~20 small nodes and a
+# subgraph call per expert; ort-moe: its per-expert routing loop); P: achieved GEMM rate.
+_BW = 26e9
+MANY_EXPERTS = 32
+ORT_MOE_MARGIN = 0.85
+_COST = {
+    "if": {"a": 1.305, "c": 9.7e-3, "p": 86e9},
+    "ort-moe": {"a": 1.62, "c": 3.5e-3, "p": 63e9},
+}
+
+
+def estimate_ms(lowering: str, shape: BlockShape) -> float:
+    """Estimated ms of one block run with ``lowering`` (``if`` or ``ort-moe``)."""
+    k = _COST[lowering]
+    memory = k["a"] * shape.bytes_used / _BW * 1e3
+    compute = shape.flops / k["p"] * 1e3
+    return max(memory, compute) + k["c"] * shape.experts
+
+
+def choose_auto(node: ir.Node, ort_moe_why_not: str | None, native_present: bool) -> str:
+    """``auto``'s choice for one block: native, else the cheaper of ``if`` / ``ort-moe`` (when it can run)."""
+    if native_present and native_supports(node) is None:
+        return "native"
+    if ort_moe_why_not is not None:
+        return "if"
+    shape = BlockShape.of(node)
+    if shape.experts < MANY_EXPERTS:
+        # Measured at E8 (lower_moe.AUTO_CHOICE): If wins or is within 15 %, and only If follows the run-time
+        # threshold input and ONNX TopK's tie order; the model was fitted on many experts.
+        return "if"
+    costs = {name: estimate_ms(name, shape) for name in ("if", "ort-moe")}
+    # ort-moe only on a clear win (it ignores the run-time threshold).
+    choice = "ort-moe" if costs["ort-moe"] < ORT_MOE_MARGIN * costs["if"] else "if"
+    logger.debug("auto MoE lowering %s: %s (%s)", shape, choice, ", ".join(f"{k} {v:.3f} ms" for k, v in costs.items()))
+    return choice
+
+
+def choose_lowering(requested: str, node: ir.Node | None, ort_moe_why_not: str | None) -> str:
+    """The hook of ``lower_moe.choose_lowering`` for ``native`` and ``auto``; a block the library cannot run
+    falls back to ``auto``'s choice without it (warned)."""
+    if requested == "native":
+        why_not = "no node" if node is None else native_supports(node)
+        if why_not is None:
+            return "native"
+        logger.warning("liblayerzero_ort.so cannot run this MoE block (%s): lowering it without it", why_not)
+        return "if" if node is None else choose_auto(node, ort_moe_why_not, native_present=False)
+    return choose_auto(node, ort_moe_why_not, native_present=native_library_present())

@@ -1,0 +1,203 @@
+"""Find, build and register ``liblayerzero_ort.so``, the ONNX Runtime CPU custom-op library (``ai.layerzero::MoE``).
+
+    from layerzero.plugins import ort_library
+
+    path = ort_library.build_ort_library()              # headers (fetched once) + cmake -> the .so
+    path = ort_library.find_ort_library()               # None when not built
+    options = onnxruntime.SessionOptions()
+    ort_library.register(options, ["liblayerzero_ort.so"])   # what a bundle's manifest lists
+
+The library needs the ONNX Runtime C/C++ API headers, not the runtime library: ``scripts/fetch_ort_headers.sh``
+fetches Debian trixie's ``libonnxruntime-dev`` (1.21, API 21) into ``~/.cache/layerzero/ort-headers``;
+``LAYERZERO_ORT_INCLUDE`` names another directory holding ``onnxruntime_cxx_api.h``.
+
+Where the library is looked for, in order (as ``loader.plugin_library_path``): ``LAYERZERO_PLUGIN_DIR``, the
+build directory passed in, the default build directory ``~/.cache/layerzero/plugins`` (beside the CUDA
+libraries). ``LAYERZERO_ORT_ISA=generic`` makes a loaded library use its portable kernels.
+
+This module imports nothing of ours outside ``plugins`` (a leaf); its errors are ``PluginError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from layerzero.plugins.loader import PluginError, default_build_dir
+
+__all__ = [
+    "CUSTOM_OP_LIBRARIES",
+    "ORT_LIBRARY",
+    "build_ort_library",
+    "find_ort_headers",
+    "find_ort_library",
+    "libraries_for_ops",
+    "missing_library_hint",
+    "ort_library_path",
+    "register",
+    "register_if_built",
+]
+
+logger = logging.getLogger(__name__)
+
+ORT_LIBRARY = "liblayerzero_ort.so"
+
+#: (domain, op_type) -> the custom-op library that implements it for ONNX Runtime's CPU provider.
+CUSTOM_OP_LIBRARIES: dict[tuple[str, str], str] = {("ai.layerzero", "MoE"): ORT_LIBRARY}
+
+_HEADER = "onnxruntime_cxx_api.h"
+
+
+def source_dir() -> Path:
+    """The CMake project of the library (``plugins/ort``)."""
+    return Path(__file__).resolve().parent / "ort"
+
+
+def _fetch_script() -> Path:
+    return Path(__file__).resolve().parents[1] / "scripts" / "fetch_ort_headers.sh"
+
+
+def find_ort_headers() -> Path | None:
+    """The directory holding the ONNX Runtime C/C++ API headers, if present (never downloads)."""
+    env = os.environ.get("LAYERZERO_ORT_INCLUDE")
+    candidates = [Path(env)] if env else []
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "layerzero" / "ort-headers"
+    if cache.is_dir():
+        candidates += sorted(cache.glob("*/usr/include/onnxruntime"), reverse=True)
+    return next((c for c in candidates if (c / _HEADER).is_file()), None)
+
+
+def fetch_ort_headers(timeout_s: float = 600) -> Path:
+    """The header directory, fetched with ``scripts/fetch_ort_headers.sh`` when absent."""
+    found = find_ort_headers()
+    if found is not None:
+        return found
+    script = _fetch_script()
+    if not script.is_file():
+        raise PluginError(f"{script} not found: set LAYERZERO_ORT_INCLUDE to a directory holding {_HEADER}")
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=timeout_s, check=False)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise PluginError(f"fetching the ONNX Runtime headers failed ({script}): {tail}")
+    path = Path(proc.stdout.strip().splitlines()[-1])
+    if not (path / _HEADER).is_file():
+        raise PluginError(f"{script} printed {path}, which has no {_HEADER}")
+    return path
+
+
+def _search_dirs(build_dir: str | os.PathLike[str] | None) -> list[Path]:
+    dirs = []
+    if os.environ.get("LAYERZERO_PLUGIN_DIR"):
+        dirs.append(Path(os.environ["LAYERZERO_PLUGIN_DIR"]))
+    if build_dir is not None:
+        dirs.append(Path(build_dir))
+    dirs.append(default_build_dir())
+    return dirs
+
+
+def find_ort_library(build_dir: str | os.PathLike[str] | None = None, name: str = ORT_LIBRARY) -> Path | None:
+    """The built library, or None."""
+    return next((d / name for d in _search_dirs(build_dir) if (d / name).is_file()), None)
+
+
+def ort_library_path(build_dir: str | os.PathLike[str] | None = None, name: str = ORT_LIBRARY) -> Path:
+    """The built library; ``PluginError`` (one line: where it looked, how to build it) when absent."""
+    found = find_ort_library(build_dir, name)
+    if found is None:
+        searched = ", ".join(str(d) for d in _search_dirs(build_dir))
+        raise PluginError(
+            f"{name} not found (searched {searched}); build it with `layerzero plugins build` "
+            "or point LAYERZERO_PLUGIN_DIR at the directory that holds it"
+        )
+    return found
+
+
+def build_ort_library(
+    build_dir: str | os.PathLike[str] | None = None,
+    *,
+    asan: bool = False,
+    jobs: int = 2,
+    fetch_headers: bool = True,
+    timeout_s: float = 900,
+) -> Path:
+    """Configure and build ``plugins/ort`` into ``build_dir`` (default ``~/.cache/layerzero/plugins``); the path.
+
+    ``asan``: an AddressSanitizer build (tests load it with ``LD_PRELOAD`` of libasan). The CMake tree is
+    ``build_dir/ort-build`` (``ort-asan-build``); the library lands in ``build_dir``.
+    """
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        raise PluginError(f"cmake not found: {ORT_LIBRARY} cannot be built (apt-get install cmake g++)")
+    include = fetch_ort_headers() if fetch_headers else find_ort_headers()
+    if include is None:
+        raise PluginError(f"ONNX Runtime headers not found: run {_fetch_script()} or set LAYERZERO_ORT_INCLUDE")
+    out = Path(build_dir) if build_dir is not None else default_build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    tree = out / ("ort-asan-build" if asan else "ort-build")
+    lib_dir = (out / "asan" if asan else out).resolve()  # an ASan build never shadows the optimised one
+    configure = [
+        cmake,
+        "-S",
+        str(source_dir()),
+        "-B",
+        str(tree),
+        f"-DORT_INCLUDE_DIR={include}",
+        f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={lib_dir}",
+        f"-DLAYERZERO_ASAN={'ON' if asan else 'OFF'}",
+    ]
+    for cmd in (configure, [cmake, "--build", str(tree), "-j", str(jobs)]):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+        if proc.returncode != 0:
+            lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "error" in ln.lower()]
+            raise PluginError(f"building {ORT_LIBRARY} failed: {(lines or ['see ' + str(tree)])[0].strip()}")
+    built = lib_dir / ORT_LIBRARY
+    if not built.is_file():
+        raise PluginError(f"the build of {ORT_LIBRARY} finished but {built} is missing")
+    logger.info("built %s", built)
+    return built
+
+
+def libraries_for_ops(ops: Iterable[tuple[str, str]]) -> list[str]:
+    """The custom-op libraries (file names) that the ``(domain, op_type)`` pairs of a model need, sorted."""
+    return sorted({CUSTOM_OP_LIBRARIES[op] for op in ops if op in CUSTOM_OP_LIBRARIES})
+
+
+def register(options: Any, libraries: Iterable[str], build_dir: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Register each library (a file name from a manifest, or a path) with ``onnxruntime.SessionOptions``.
+
+    Raises ``PluginError`` (one line) when one is not found or ONNX Runtime refuses it.
+    """
+    paths = []
+    for lib in libraries:
+        path = Path(lib) if os.sep in str(lib) else ort_library_path(build_dir, str(lib))
+        if not path.is_file():
+            raise PluginError(f"custom-op library {path} not found")
+        try:
+            options.register_custom_ops_library(str(path))
+        except Exception as e:  # onnxruntime's pybind error types
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise PluginError(f"onnxruntime refused the custom-op library {path}: {first}") from e
+        paths.append(path)
+    return paths
+
+
+def register_if_built(options: Any, build_dir: str | os.PathLike[str] | None = None) -> Path | None:
+    """Register ``liblayerzero_ort.so`` with ``options`` when it is built (for models that may need it); the path."""
+    path = find_ort_library(build_dir)
+    if path is not None:
+        register(options, [str(path)])
+    return path
+
+
+def missing_library_hint(error: BaseException | str) -> str | None:
+    """For an ONNX Runtime load error about an op this library implements: what to do (one line), else None."""
+    text = str(error)
+    for (domain, op), lib in CUSTOM_OP_LIBRARIES.items():
+        if domain in text and op in text:
+            return f"the model needs {lib} ({domain}::{op}): build it with `layerzero plugins build`"
+    return None

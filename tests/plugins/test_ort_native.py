@@ -1,0 +1,513 @@
+"""liblayerzero_ort.so, the ONNX Runtime CPU custom op ``ai.layerzero::MoE``: against ``plugins/reference.py`` for
+every routing variant, threshold, dtype, T = 0 / 1 / many and experts no token uses, on the AVX2 and the portable
+kernels and under AddressSanitizer; session-creation refusals; the native lowering, bundle, runtime and Triton
+export; auto's choice.
+
+The library is built once per session into ``build/ort-test`` (incremental; never ~/.cache;
+``LAYERZERO_ORT_TEST_BUILD`` names another directory). Without the ONNX
+Runtime headers (``scripts/fetch_ort_headers.sh``) or cmake the tests skip with the reason, except under
+``LAYERZERO_REQUIRE_NATIVE=1`` (CI), where the headers are fetched and any absence fails.
+
+Run as a script (``python tests/plugins/test_ort_native.py LIB``) it checks the matrix against ``LIB`` and exits
+non-zero on a mismatch: the subprocess tests use that for the portable kernels and the ASan build.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from layerzero.plugins import ort_library
+from layerzero.plugins.loader import PluginError
+from layerzero.plugins.reference import moe_reference
+
+REPO = Path(__file__).resolve().parents[2]
+BUILD_DIR = Path(os.environ.get("LAYERZERO_ORT_TEST_BUILD") or REPO / "build" / "ort-test")
+REQUIRE = os.environ.get("LAYERZERO_REQUIRE_NATIVE") == "1"
+THRESHOLD = "layerzero::threshold"
+
+
+def _absent(reason: str):
+    if REQUIRE:
+        pytest.fail(f"LAYERZERO_REQUIRE_NATIVE=1: {reason}")
+    pytest.skip(reason)
+
+
+def _build(asan: bool) -> Path:
+    if shutil.which("cmake") is None or shutil.which("g++") is None:
+        _absent("cmake / g++ not found: liblayerzero_ort.so cannot be built")
+    if ort_library.find_ort_headers() is None and not REQUIRE:
+        _absent("ONNX Runtime headers not found: run scripts/fetch_ort_headers.sh (or set LAYERZERO_ORT_INCLUDE)")
+    try:
+        return ort_library.build_ort_library(BUILD_DIR, asan=asan, fetch_headers=REQUIRE)
+    except PluginError as e:
+        _absent(str(e))
+        raise
+
+
+@pytest.fixture(scope="session")
+def ort_lib() -> Path:
+    return _build(asan=False)
+
+
+@pytest.fixture(scope="session")
+def ort_lib_asan() -> Path:
+    return _build(asan=True)
+
+
+# ------------------------------------------------------------------------------------------------ the model
+
+
+def _weights(experts: int, ffn: int, hidden: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    scale = 1.0 / np.sqrt(hidden)
+    return (
+        (rng.standard_normal((experts, ffn, hidden)) * scale).astype(np.float32),
+        (rng.standard_normal((experts, ffn, hidden)) * scale).astype(np.float32),
+        (rng.standard_normal((experts, hidden, ffn)) / np.sqrt(ffn)).astype(np.float32),
+    )
+
+
+def _weight_tensor(name: str, array: np.ndarray, wtype: str) -> tuple[onnx.TensorProto, np.ndarray]:
+    """The initializer and the float32 values the kernel reads (exactly: fp16 / bf16 widen without rounding)."""
+    if wtype == "bfloat16":
+        bits = (array.view(np.uint32) >> 16).astype(np.uint16)  # truncation: any bf16 value will do
+        tensor = helper.make_tensor(name, TensorProto.BFLOAT16, array.shape, bits.tobytes(), raw=True)
+        return tensor, (bits.astype(np.uint32) << 16).view(np.float32)
+    converted = array.astype(wtype)
+    return numpy_helper.from_array(converted, name), converted.astype(np.float32)
+
+
+def moe_model(
+    experts: int = 8,
+    ffn: int = 40,
+    hidden: int = 36,
+    *,
+    wtype: str = "float32",
+    htype: str = "float32",
+    threshold_input: bool = False,
+    seed: int = 0,
+    extra_inputs: int = 0,
+    weight_types: tuple[str, str, str] | None = None,
+    **attrs: object,
+) -> tuple[onnx.ModelProto, list[np.ndarray]]:
+    """One ``ai.layerzero::MoE`` node over initializer weights; the weights as the kernel reads them."""
+    inits, widened = [], []
+    for name, array, wt in zip(
+        ("w_gate", "w_up", "w_down"), _weights(experts, ffn, hidden, seed), weight_types or (wtype,) * 3, strict=True
+    ):
+        if wt in ("int8", "float64"):
+            tensor, values = numpy_helper.from_array(array.astype(wt), name), array
+        else:
+            tensor, values = _weight_tensor(name, array, wt)
+        inits.append(tensor)
+        widened.append(values)
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(htype))
+    inputs = [
+        helper.make_tensor_value_info("hidden", elem, ["T", hidden]),
+        helper.make_tensor_value_info("logits", elem, ["T", experts]),
+    ]
+    names = ["hidden", "logits", "w_gate", "w_up", "w_down"]
+    if threshold_input:
+        inputs.append(helper.make_tensor_value_info(THRESHOLD, TensorProto.FLOAT, []))
+        names.append(THRESHOLD)
+    for i in range(extra_inputs):
+        inputs.append(helper.make_tensor_value_info(f"extra{i}", TensorProto.FLOAT, [experts]))
+        names.append(f"extra{i}")
+    node = helper.make_node("MoE", names, ["y", "mask"], domain="ai.layerzero", name="layers.0.moe/MoE", **attrs)
+    graph = helper.make_graph(
+        [node],
+        "moe",
+        inputs,
+        [
+            helper.make_tensor_value_info("y", elem, ["T", hidden]),
+            helper.make_tensor_value_info("mask", TensorProto.BOOL, ["T", experts]),
+        ],
+        inits,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ai.layerzero", 1)], ir_version=10
+    )
+    return model, widened
+
+
+def session(lib: Path, model: onnx.ModelProto, threads: int = 1) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.log_severity_level = 4
+    options.register_custom_ops_library(str(lib))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _relative_error(y: np.ndarray, ref: np.ndarray) -> float:
+    if y.size == 0:
+        return 0.0
+    return float(np.abs(y.astype(np.float64) - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+# The matrix: every routing variant x threshold x weight dtype x T, on shapes with tails (H, F not multiples of 8,
+# F not a multiple of the 4-row block) and experts no token uses (16 experts, top-2, a few tokens).
+SHAPES = [(8, 40, 36), (16, 43, 64)]
+VARIANTS = [
+    dict(scoring=s, activation=a, normalize=n, top_k=k)
+    for s in ("softmax", "sigmoid")
+    for a in ("silu", "gelu", "relu")
+    for n in (0, 1)
+    for k in (1, 2)
+]
+
+
+def check_matrix(lib: Path, quick: bool = False) -> list[str]:
+    """Mismatches (empty when the library agrees with the reference everywhere)."""
+    failures = []
+    rng = np.random.default_rng(1)
+    variants = VARIANTS[::5] if quick else VARIANTS
+    for experts, ffn, hidden in SHAPES:
+        for wtype in ("float32", "float16", "bfloat16"):
+            for variant in variants:
+                for threshold in (0.0, 0.4):
+                    model, w = moe_model(experts, ffn, hidden, wtype=wtype, zeroing_threshold=threshold, **variant)
+                    sess = session(lib, model)
+                    for tokens in (0, 1, 3, 37):
+                        x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+                        logits = rng.standard_normal((tokens, experts)).astype(np.float32) * 2
+                        y, mask = sess.run(None, {"hidden": x, "logits": logits})
+                        ref, ref_mask = moe_reference(x, logits, *w, zeroing_threshold=threshold, **variant)
+                        where = f"E{experts} F{ffn} H{hidden} {wtype} {variant} thr={threshold} T={tokens}"
+                        if y.shape != (tokens, hidden) or mask.shape != (tokens, experts):
+                            failures.append(f"{where}: shapes {y.shape} {mask.shape}")
+                        elif not np.array_equal(mask, ref_mask):
+                            failures.append(f"{where}: mask differs")
+                        elif (err := _relative_error(y, ref.astype(np.float64))) > 1e-5:
+                            failures.append(f"{where}: relative error {err:.2e}")
+    return failures
+
+
+# -------------------------------------------------------------------------------------------- kernel tests
+
+
+def test_matches_reference_every_variant(ort_lib):
+    failures = check_matrix(ort_lib)
+    assert not failures, "\n".join(failures[:20])
+
+
+def test_unused_experts_and_mask(ort_lib):
+    # 16 experts, top-2, 2 tokens: at most 4 run; the mask says which, and only those (checked per entry).
+    model, w = moe_model(16, 40, 36, top_k=2, normalize=1)
+    logits = np.full((2, 16), -5.0, np.float32)
+    logits[0, [3, 9]] = [2.0, 1.0]
+    logits[1, [3, 12]] = [1.5, 2.5]
+    x = np.random.default_rng(2).standard_normal((2, 36)).astype(np.float32)
+    y, mask = session(ort_lib, model).run(None, {"hidden": x, "logits": logits})
+    assert sorted(map(tuple, np.argwhere(mask))) == [(0, 3), (0, 9), (1, 3), (1, 12)]
+    ref, _ = moe_reference(x, logits, *w, top_k=2, normalize=1)
+    assert _relative_error(y, ref) < 1e-5
+
+
+def test_ties_go_to_the_lower_expert(ort_lib):
+    model, w = moe_model(8, 40, 36, top_k=2, normalize=1)
+    logits = np.zeros((3, 8), np.float32)  # all equal: experts 0 and 1, as ONNX TopK
+    x = np.random.default_rng(3).standard_normal((3, 36)).astype(np.float32)
+    y, mask = session(ort_lib, model).run(None, {"hidden": x, "logits": logits})
+    assert mask[:, :2].all() and not mask[:, 2:].any()
+    assert _relative_error(y, moe_reference(x, logits, *w, top_k=2, normalize=1)[0]) < 1e-5
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_nan_logits_run_no_expert_of_that_token(ort_lib, scoring):
+    # A NaN logit ranks last (the reference's argsort) and a NaN weight keeps the token's experts from running;
+    # the other tokens are untouched. (Ordering NaN as is would make the top-k sort undefined.)
+    model, w = moe_model(8, 40, 36, top_k=8, normalize=0, scoring=scoring)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((3, 36)).astype(np.float32)
+    logits = rng.standard_normal((3, 8)).astype(np.float32)
+    logits[1, 5] = np.nan
+    y, mask = session(ort_lib, model).run(None, {"hidden": x, "logits": logits})
+    with np.errstate(invalid="ignore"):
+        ref, ref_mask = moe_reference(x, logits, *w, top_k=8, normalize=0, scoring=scoring)
+    assert np.array_equal(mask, ref_mask) and not mask[1].any() and mask[[0, 2]].all()
+    assert _relative_error(y[[0, 2]], ref[[0, 2]]) < 1e-5 and not y[1].any()
+
+
+def test_threshold_input_overrides_the_attribute(ort_lib):
+    model, w = moe_model(8, 40, 36, top_k=4, normalize=1, zeroing_threshold=0.0, threshold_input=True)
+    sess = session(ort_lib, model)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((9, 36)).astype(np.float32)
+    logits = rng.standard_normal((9, 8)).astype(np.float32) * 2
+    counts = []
+    for threshold in (0.0, 0.3, 0.9):
+        y, mask = sess.run(None, {"hidden": x, "logits": logits, THRESHOLD: np.array(threshold, np.float32)})
+        ref, ref_mask = moe_reference(x, logits, *w, top_k=4, normalize=1, zeroing_threshold=threshold)
+        assert np.array_equal(mask, ref_mask)
+        assert _relative_error(y, ref) < 1e-5
+        counts.append(int(mask.sum()))
+    assert counts[0] == 36 and counts[0] > counts[1] > counts[2] >= 9  # the threshold really skips
+
+
+def test_float16_hidden(ort_lib):
+    model, w = moe_model(8, 40, 36, wtype="float16", htype="float16", top_k=2, normalize=1)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((5, 36)).astype(np.float16)
+    logits = rng.standard_normal((5, 8)).astype(np.float16)
+    y, mask = session(ort_lib, model).run(None, {"hidden": x, "logits": logits})
+    assert y.dtype == np.float16
+    ref, ref_mask = moe_reference(x.astype(np.float32), logits.astype(np.float32), *w, top_k=2, normalize=1)
+    assert np.array_equal(mask, ref_mask)
+    assert _relative_error(y, ref) < 2e-3  # the output's own fp16 rounding
+
+
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_threads_do_not_change_the_result(ort_lib, tokens):
+    # Phase 2 adds experts in the same order whatever the threads: bitwise equal.
+    model, _ = moe_model(16, 200, 136, top_k=4, normalize=1)
+    rng = np.random.default_rng(6)
+    feeds = {
+        "hidden": rng.standard_normal((tokens, 136)).astype(np.float32),
+        "logits": rng.standard_normal((tokens, 16)).astype(np.float32),
+    }
+    one = session(ort_lib, model, threads=1).run(None, feeds)
+    two = session(ort_lib, model, threads=2).run(None, feeds)
+    assert np.array_equal(one[0], two[0]) and np.array_equal(one[1], two[1])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(activation="tanh"), "activation='tanh' is not implemented"),
+        (dict(scoring="sparsemax"), "scoring='sparsemax' is not implemented"),
+        (dict(normalize=2), "normalize=2"),
+        (dict(top_k=9), "top_k=9 > 8 experts"),
+        (dict(top_k=0), "top_k=0"),
+        (dict(zeroing_threshold=-0.5), "zeroing_threshold"),
+        (dict(weight_types=("float32", "float16", "float32")), "different element types"),
+        (dict(weight_types=("float64",) * 3), "float32, float16 or bfloat16"),
+        (dict(extra_inputs=1, threshold_input=True), "input size 7"),  # the schema: at most 6
+    ],
+)
+def test_session_creation_refuses(ort_lib, kwargs, message):
+    model, _ = moe_model(8, 40, 36, **kwargs)
+    with pytest.raises(Exception) as info:
+        session(ort_lib, model)
+    text = str(info.value)
+    assert message in text and "layers.0.moe/MoE" in text
+
+
+def test_weights_are_not_copied(ort_lib, tmp_path):
+    # A 96 MB model from a file with external data: the session's peak RSS stays within weights + 10 %.
+    model, _ = moe_model(32, 512, 512, top_k=2, normalize=1)
+    onnx.save(model, tmp_path / "m.onnx", save_as_external_data=True, location="m.onnx.data")
+    weights = (tmp_path / "m.onnx.data").stat().st_size
+    script = textwrap.dedent(
+        f"""
+        import resource, numpy as np, onnxruntime as ort
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        o = ort.SessionOptions(); o.intra_op_num_threads = 1; o.register_custom_ops_library({str(ort_lib)!r})
+        s = ort.InferenceSession({str(tmp_path / "m.onnx")!r}, o, providers=["CPUExecutionProvider"])
+        for t in (1, 64):
+            s.run(None, {{"hidden": np.ones((t, 512), np.float32), "logits": np.random.rand(t, 32).astype(np.float32)}})
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300)
+    grown = int(out.stdout.strip().splitlines()[-1])
+    assert grown <= 1.1 * weights, f"peak RSS grew {grown / 1e6:.1f} MB for {weights / 1e6:.1f} MB of weights"
+
+
+def _script_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    env.update(extra)
+    return env
+
+
+def test_portable_kernels_match_reference(ort_lib):
+    # LAYERZERO_ORT_ISA=generic: the baseline build of the row-dot kernels (machines without AVX2).
+    proc = subprocess.run(
+        [sys.executable, __file__, str(ort_lib), "--quick", "--expect-isa", "generic"],
+        capture_output=True,
+        text=True,
+        env=_script_env(LAYERZERO_ORT_ISA="generic"),
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_address_sanitizer(ort_lib_asan):
+    # The ASan build under the whole matrix (the Python process preloads libasan; its own leaks are not ours).
+    libasan = subprocess.run(["g++", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    if not libasan or not Path(libasan).exists():
+        _absent("libasan.so not found (g++ -print-file-name=libasan.so)")
+    env = _script_env(LD_PRELOAD=str(Path(libasan).resolve()), ASAN_OPTIONS="detect_leaks=0:abort_on_error=1")
+    proc = subprocess.run(
+        [sys.executable, __file__, str(ort_lib_asan)], capture_output=True, text=True, env=env, timeout=1800
+    )
+    assert "AddressSanitizer" not in proc.stderr, proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_missing_library_is_one_clear_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("LAYERZERO_PLUGIN_DIR", str(tmp_path / "none"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.raises(PluginError) as info:
+        ort_library.register(ort.SessionOptions(), [ort_library.ORT_LIBRARY])
+    text = str(info.value)
+    assert "\n" not in text and "liblayerzero_ort.so not found" in text and "layerzero plugins build" in text
+
+
+# ------------------------------------------------------------------------------ lowering, bundle, runtime
+
+
+def _compile(tmp_path, lowering: str, **config):
+    from layerzero.compile import compile_model
+    from layerzero.models.moe import MoEConfig, build_moe
+    from layerzero.options import CompileOptions
+
+    cfg = MoEConfig(**config)
+    return cfg, compile_model(build_moe(cfg), CompileOptions(moe_lowering=lowering, atol=1e-5, rtol=1e-5))
+
+
+@pytest.fixture
+def native_dir(ort_lib, monkeypatch):
+    monkeypatch.setenv("LAYERZERO_PLUGIN_DIR", str(ort_lib.parent))
+    return ort_lib.parent
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(experts=8, top_k=2, scoring="softmax", activation="silu"),
+        dict(experts=8, top_k=2, scoring="sigmoid", activation="gelu", normalize=False),
+    ],
+)
+def test_native_lowering_compiles_verifies_and_runs(native_dir, tmp_path, config):
+    from layerzero.models.moe import moe_feeds
+    from layerzero.runtime.bundle import write_bundle
+    from layerzero.runtime.engine import Engine
+
+    cfg, result = _compile(tmp_path, "native", **config)
+    assert result.verification.passed
+    moe = [n for n in result.model.graph if n.domain == "ai.layerzero"]
+    assert len(moe) == 1 and len(moe[0].inputs) == 6 and moe[0].inputs[5].name == THRESHOLD
+    assert not any(n.op_type == "If" for n in result.model.graph)
+    bundle = write_bundle(tmp_path / "m.lz", result.model, {"target": "onnxruntime"})
+    assert json.loads((bundle / "manifest.json").read_text())["libraries"] == ["liblayerzero_ort.so"]
+    _, reference = _compile(tmp_path, "if", **config)
+    ref_bundle = write_bundle(tmp_path / "r.lz", reference.model, {"target": "onnxruntime"})
+    assert "libraries" not in json.loads((ref_bundle / "manifest.json").read_text())
+    feeds = moe_feeds(cfg, 7, seed=3)
+    native, via_if = Engine.load(bundle).run(feeds), Engine.load(ref_bundle).run(feeds)
+    for name, value in via_if.outputs.items():
+        np.testing.assert_allclose(native.outputs[name], value, rtol=1e-5, atol=1e-6)
+    assert native.report.skipped_paths == via_if.report.skipped_paths
+
+
+def test_bundle_without_the_library_fails_to_load_with_one_line(native_dir, tmp_path, monkeypatch):
+    from layerzero.errors import UnsupportedModelError
+    from layerzero.runtime.bundle import write_bundle
+    from layerzero.runtime.engine import Engine
+
+    _, result = _compile(tmp_path, "native", experts=4, top_k=2)
+    bundle = write_bundle(tmp_path / "m.lz", result.model, {"target": "onnxruntime"})
+    monkeypatch.setenv("LAYERZERO_PLUGIN_DIR", str(tmp_path / "none"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.raises(UnsupportedModelError) as info:
+        Engine.load(bundle)
+    assert "\n" not in str(info.value) and "liblayerzero_ort.so not found" in str(info.value)
+
+
+def test_triton_export_lists_the_op_library(native_dir, tmp_path):
+    from layerzero.runtime.bundle import write_bundle
+    from layerzero.runtime.triton_repo import export_triton_repository
+
+    _, result = _compile(tmp_path, "native", experts=4, top_k=2)
+    bundle = write_bundle(tmp_path / "m.lz", result.model, {"target": "onnxruntime"})
+    export_triton_repository(bundle, tmp_path / "repo", no_reference=True)
+    config = (tmp_path / "repo" / "layerzero_onnx" / "config.pbtxt").read_text()
+    copied = (tmp_path / "repo" / "layerzero_onnx" / "1" / "liblayerzero_ort.so").resolve()
+    assert copied.is_file()
+    assert f'model_operations {{\n  op_library_filename: "{copied}"\n}}' in config
+
+
+def test_auto_picks_native_only_when_built(native_dir, tmp_path, monkeypatch):
+    from layerzero.passes import lower_moe_native
+
+    _, result = _compile(tmp_path, "auto", experts=4, top_k=2)
+    assert any(n.domain == "ai.layerzero" for n in result.model.graph)
+    monkeypatch.setattr(lower_moe_native, "native_library_present", lambda: False)
+    _, result = _compile(tmp_path, "auto", experts=4, top_k=2)
+    assert not any(n.domain == "ai.layerzero" for n in result.model.graph)
+    assert any(n.op_type == "If" for n in result.model.graph)
+
+
+def test_native_refuses_what_the_library_does_not_implement():
+    import onnx_ir as ir
+
+    from layerzero.passes import lower_moe_native
+    from layerzero.passes.lower_moe import choose_lowering
+
+    model, _ = moe_model(8, 40, 36, top_k=2, normalize=1)
+    graph = ir.serde.deserialize_model(model).graph
+    node = next(iter(graph))
+    assert lower_moe_native.native_supports(node) is None
+    node.attributes["expert_bias"] = ir.AttrFloat32s("expert_bias", [0.0] * 8)  # a variant of tomorrow
+    assert "expert_bias" in lower_moe_native.native_supports(node)
+    assert choose_lowering("native", "softmax", "silu", 0.0, node) in ("if", "ort-moe")
+    del node.attributes["expert_bias"]
+    node.attributes["activation"] = ir.AttrString("activation", "swish_beta")
+    assert "swish_beta" in lower_moe_native.native_supports(node)
+
+
+@pytest.mark.parametrize(
+    ("shape", "expected"),
+    [
+        ((8, 2, 1024, 4096, 1), "if"),  # few experts: If (measured, AUTO_CHOICE)
+        ((64, 8, 1024, 512, 1), "if"),  # issue 11: If 3.1 ms, ort-moe 3.3 ms
+        ((128, 8, 512, 256, 1), "ort-moe"),  # issue 11: If 1.87 ms (slower than the export), ort-moe 1.23 ms
+        ((256, 8, 512, 256, 1), "ort-moe"),
+    ],
+)
+def test_auto_cost_model_without_the_library(shape, expected, monkeypatch):
+    import onnx_ir as ir
+
+    from layerzero.passes import lower_moe_native
+
+    experts, top_k, hidden, ffn, tokens = shape
+    model, _ = moe_model(experts, 1, 1, top_k=top_k, normalize=1)  # real weights are not needed to price it
+    node = next(iter(ir.serde.deserialize_model(model).graph))
+    monkeypatch.setattr(
+        lower_moe_native.BlockShape, "of", classmethod(lambda cls, n: cls(experts, top_k, hidden, ffn, tokens))
+    )
+    assert lower_moe_native.choose_auto(node, None, native_present=False) == expected
+    assert lower_moe_native.choose_auto(node, "scoring 'sigmoid'", native_present=False) == "if"
+    assert lower_moe_native.choose_auto(node, None, native_present=True) == "native"
+
+
+def _main(argv: list[str]) -> int:
+    lib = Path(argv[0])
+    if "--expect-isa" in argv:
+        import ctypes
+
+        isa = ctypes.CDLL(str(lib)).LayerZeroOrtIsa
+        isa.restype = ctypes.c_char_p
+        want = argv[argv.index("--expect-isa") + 1]
+        if isa().decode() != want:
+            print(f"kernels in use: {isa().decode()}, expected {want}")
+            return 1
+    failures = check_matrix(lib, quick="--quick" in argv)
+    print("\n".join(failures[:50]) or "ok")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))
