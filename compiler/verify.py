@@ -175,7 +175,25 @@ def make_inputs(
         else:
             raise UnsupportedModelError(f"input {inp.name!r}: cannot generate values of type {dtype}")
         feeds[inp.name] = np.asarray(value, dtype=dtype)  # issue 14 cause 7: a rank-0 input is a 0-d array
+    _continue_cache(feeds, shapes)
     return feeds
+
+
+def _continue_cache(feeds: dict[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """A cache-carrying export (``layerzero export``): the mask covers past + new tokens, positions follow the past.
+
+    Without this the defaults (every dim 8) give a mask shorter than past + seq, which the model cannot run.
+    """
+    past = feeds.get("past_key_values.0.key")
+    ids, mask = feeds.get("input_ids"), feeds.get("attention_mask")
+    if past is None or ids is None or mask is None or past.ndim != 4 or ids.ndim != 2 or "attention_mask" in shapes:
+        return
+    batch, seq, offset = ids.shape[0], ids.shape[1], past.shape[2]
+    feeds["attention_mask"] = np.ones((batch, offset + seq), dtype=mask.dtype)
+    positions = feeds.get("position_ids")
+    if positions is not None and positions.shape == (batch, seq) and "position_ids" not in shapes:
+        row = np.arange(offset, offset + seq, dtype=positions.dtype)
+        feeds["position_ids"] = np.broadcast_to(row, (batch, seq)).copy()
 
 
 _COMPARISONS = frozenset({"Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual"})

@@ -22,9 +22,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,6 +33,9 @@ from layerzero.errors import InvalidInputError
 from layerzero.runtime.backends.base import Backend, TensorSpec, get_backend
 from layerzero.runtime.bundle import check_external_data, read_bundle
 from layerzero.runtime.report import Report, index_dynamic
+
+if TYPE_CHECKING:
+    from layerzero.runtime.generate import Generation
 
 __all__ = ["MASK_PREFIX", "ROUTER_PREFIX", "THRESHOLD_INPUT", "Engine", "Result"]
 
@@ -185,6 +188,14 @@ class Engine:
             keep_masks=masks,
         )
         return Result(outputs=outputs, report=report)
+
+    def generate(self, prompt_ids: Sequence[int], **options: Any) -> Generation:
+        """Generate tokens after ``prompt_ids`` with a KV cache (``layerzero.runtime.generate.generate``:
+        ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop_tokens``, ``on_token``,
+        ``masks``); returns the new ids and a report with tokens/s and the per-step skipped paths."""
+        from layerzero.runtime.generate import generate
+
+        return generate(self, prompt_ids, **options)
 
     def validate_feeds(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Check ``feeds`` against the inputs; return arrays of the inputs' dtypes (see the module doc)."""

@@ -20,7 +20,10 @@ from layerzero.errors import LayerZeroError
 
 __all__ = ["VERBS", "build_parser", "main"]
 
-VERBS = ("inspect", "compile", "run", "profile", "report", "demo", "serve", "triton-export", "plugins")
+VERBS = (
+    "inspect", "compile", "run", "profile", "report", "demo", "serve", "triton-export", "plugins",
+    "export", "flag", "generate",
+)
 
 
 def _module_name(verb: str) -> str:

@@ -1,0 +1,142 @@
+"""Generate tokens with a bundle compiled from a `layerzero export` model: KV cache, greedy or sampled.
+
+The prompt is token ids (--prompt-ids 1,2,3) or text (--prompt "...", through the tokenizers package and the
+tokenizer.json found beside the bundle, beside its source model, or given with --tokenizer). New tokens stream
+to stdout as they come (text when there is a tokenizer, else ids); then a report: tokens/s, time to first token,
+layers zeroed, paths skipped. --json prints one JSON object instead: "ids", "text" (with a tokenizer), "report".
+Generation stops at --max-new-tokens or a stop token (--stop-ids, default the eos ids recorded at export).
+--temperature 0 (the default) is greedy; above 0 it samples, with --top-k, --top-p and --seed.
+
+examples:
+  layerzero generate model.lz --prompt-ids 1,2,3 --max-new-tokens 16
+  layerzero generate model.lz --prompt "Once upon a time" --temperature 0.8 --top-p 0.9 --seed 0
+  layerzero generate model.lz --prompt-ids 1,2,3 --json --masks
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from layerzero.cli._common import console, fraction, integer, number, one_line_errors, stderr
+from layerzero.errors import InvalidInputError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    one_line_errors(p)
+    p.add_argument("bundle", type=Path, help="a compiled bundle (or an exported .onnx, run uncompiled)")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (needs tokenizer.json)")
+    prompt.add_argument("--prompt-ids", help="prompt token ids, comma separated (e.g. 1,2,3)")
+    p.add_argument("--max-new-tokens", type=integer(1, 1_000_000), default=32, help="at most this many new tokens")
+    p.add_argument("--temperature", type=number(0), default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-k", type=integer(0), default=0, help="sample among the k most likely (0 = off)")
+    p.add_argument("--top-p", type=number(0, 1, lo_open=True), default=1.0, help="nucleus sampling (1 = off)")
+    p.add_argument("--seed", type=integer(0, 2**63 - 1), default=None, help="random seed for sampling")
+    p.add_argument("--stop-ids", default=None, help="token ids that end generation (default: the model's eos)")
+    p.add_argument("--tokenizer", type=Path, default=None, help="a tokenizer.json (or a folder holding one)")
+    p.add_argument("--masks", action="store_true", help="per-token masks of every dynamic path in the report")
+    p.add_argument("--json", action="store_true", help="print one JSON object: ids, text, report")
+    p.add_argument("--backend", default="onnxruntime", help="runtime backend (default onnxruntime)")
+    _ = fraction  # (shared parsers; fraction is for options that are probabilities)
+
+
+def _ids(text: str, option: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise InvalidInputError(f"{option} {text!r}: expected comma-separated integers (e.g. 1,2,3)") from None
+    if any(i < 0 for i in ids):
+        raise InvalidInputError(f"{option} {text!r}: token ids are >= 0")
+    return ids
+
+
+def _find_tokenizer(args: argparse.Namespace, engine: Any) -> Path | None:
+    if args.tokenizer is not None:
+        path = args.tokenizer / "tokenizer.json" if args.tokenizer.is_dir() else args.tokenizer
+        if not path.is_file():
+            raise InvalidInputError(f"--tokenizer {args.tokenizer}: no tokenizer.json there")
+        return path
+    places = [Path(engine.path) if Path(engine.path).is_dir() else Path(engine.path).parent]
+    source = (engine.manifest.get("source") or {}).get("path")
+    if source:
+        places.append(Path(source).parent)
+    for place in places:
+        if (place / "tokenizer.json").is_file():
+            return place / "tokenizer.json"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from layerzero.runtime import Engine
+
+    engine = Engine.load(args.bundle, backend=args.backend)
+    tokenizer_path = _find_tokenizer(args, engine)
+    tokenizer = None
+    if tokenizer_path is not None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise InvalidInputError("text in/out needs the tokenizers package (pip install tokenizers)") from None
+        tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise InvalidInputError(
+                f"--prompt needs a tokenizer.json (none beside {args.bundle} or its source model); "
+                "give --tokenizer PATH or --prompt-ids"
+            )
+        prompt = tokenizer.encode(args.prompt).ids
+    else:
+        prompt = _ids(args.prompt_ids, "--prompt-ids")
+    stops = None if args.stop_ids is None else _ids(args.stop_ids, "--stop-ids")
+
+    stream = not args.json
+    generated: list[int] = []
+    printed = ""
+
+    def on_token(token: int) -> None:
+        nonlocal printed
+        generated.append(token)
+        if not stream:
+            return
+        if tokenizer is None:
+            sys.stdout.write(("" if len(generated) == 1 else ",") + str(token))
+        else:  # decode the whole tail: a token may complete a multi-byte character
+            text = tokenizer.decode(generated)
+            sys.stdout.write(text[len(printed) :] if text.startswith(printed) else text)
+            printed = text
+        sys.stdout.flush()
+
+    out = engine.generate(
+        prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_tokens=stops,
+        on_token=on_token,
+        masks=args.masks,
+    )
+    text = tokenizer.decode(out.ids) if tokenizer is not None else None
+    if args.json:
+        doc: dict[str, Any] = {"prompt_ids": out.prompt_ids, "ids": out.ids}
+        if text is not None:
+            doc["text"] = text
+        doc["report"] = out.report.to_dict()
+        sys.stdout.write(json.dumps(doc) + os.linesep)
+        return 0
+    sys.stdout.write(os.linesep)
+    report = out.report
+    stderr.print(f"report: {report.summary()}")
+    if report.skipped_paths:
+        stderr.print("  skipped on every step: " + ", ".join(report.skipped_paths))
+    if args.masks:
+        for i, step in enumerate(report.steps):
+            stderr.print(f"  step {i} ({step.tokens} tokens) -> {step.token_id}: skipped {step.skipped_paths}")
+    _ = console
+    return 0

@@ -1,0 +1,309 @@
+"""Export a local Hugging Face causal LM to ONNX the way the compiler and ``Engine.generate`` expect.
+
+    export_hf("llama_dir", "model.onnx")                    # cache-carrying, torch.onnx dynamo exporter
+    export_hf("llama_dir", "model.onnx", cache=False)       # one pass: logits only
+
+The graph's inputs are ``input_ids`` [batch, seq], ``attention_mask`` [batch, past + seq] and
+``position_ids`` [batch, seq], then (with the cache) ``past_key_values.N.key`` / ``.value``
+[batch, kv_heads, past, head_dim] per layer; its outputs are ``logits`` [batch, seq, vocab] and
+``present.N.key`` / ``.value`` [batch, kv_heads, past + seq, head_dim].
+
+The settings that make these exports work (each learnt from a failure):
+
+- the model is exported as itself, its class swapped for a subclass whose ``forward`` takes flat tensors,
+  so that module paths (and so flag scopes) read ``model.layers.3`` as in the checkpoint, not
+  ``wrapper.model.model.layers.3``;
+- the cache travels as flat tensors and is rebuilt into a ``DynamicCache`` inside: the exporters cannot
+  return a ``DynamicCache``;
+- MoE models use ``set_experts_implementation("batched_mm")``: the default per-expert loop is data
+  dependent and does not export;
+- the TorchScript exporter traces, so attention is ``eager`` (SDPA's mask handling specialises there);
+- the example batch is 2 and the example past 4 tokens: a dim of 1 would be specialised to 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from layerzero.errors import InvalidInputError, UnsupportedModelError
+
+__all__ = ["EXPORTERS", "TOKENIZER_FILES", "ExportResult", "export_hf"]
+
+logger = logging.getLogger(__name__)
+
+EXPORTERS = ("dynamo", "torchscript")
+
+#: Files copied beside the exported model when the model folder has them (tokenizer and generation config).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+)
+
+#: Model metadata key holding what ``Engine.generate`` needs to know about the export (JSON).
+GENERATE_META_KEY = "layerzero.generate"
+
+_EXAMPLE_BATCH, _EXAMPLE_SEQ, _EXAMPLE_PAST = 2, 3, 4
+
+
+@dataclasses.dataclass
+class ExportResult:
+    """What ``export_hf`` wrote."""
+
+    path: Path
+    model_type: str
+    layers: int
+    cache: bool
+    exporter: str
+    input_names: list[str]
+    output_names: list[str]
+    copied: list[str]
+
+
+def export_hf(
+    model_dir: str | Path,
+    out: str | Path,
+    *,
+    cache: bool = True,
+    exporter: str = "dynamo",
+    opset: int | None = None,
+) -> ExportResult:
+    """Export the causal LM saved (``save_pretrained``) in ``model_dir`` to ``out``.
+
+    Raises:
+        InvalidInputError: ``model_dir`` is not a Hugging Face model folder, or a bad option.
+        UnsupportedModelError: transformers cannot load it as a causal LM, or the exporter failed
+            (the message carries the exporter's reason, on one line).
+    """
+    model_dir, out = Path(model_dir), Path(out)
+    if exporter not in EXPORTERS:
+        raise InvalidInputError(f"exporter {exporter!r}: choose one of {', '.join(EXPORTERS)}")
+    if not (model_dir / "config.json").is_file():
+        raise InvalidInputError(f"{model_dir}: no config.json (a folder written by save_pretrained expected)")
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        raise InvalidInputError(f"layerzero export needs torch and transformers (.[export] extra): {e}") from None
+
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as e:  # transformers raises many kinds; the user needs its reason, on one line
+        raise UnsupportedModelError(f"{model_dir}: not loadable as a causal LM: {_one_line(e)}") from None
+    model.eval()
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if hasattr(model, "set_experts_implementation"):
+        try:
+            model.set_experts_implementation("batched_mm")
+        except (ValueError, AttributeError, NotImplementedError) as e:
+            logger.info("%s: no batched_mm experts implementation (%s)", model_dir, _one_line(e))
+    if exporter == "torchscript":
+        _set_attention(model, "eager")
+
+    layers = int(text.num_hidden_layers)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    vocab = int(text.vocab_size)
+
+    input_names = ["input_ids", "attention_mask", "position_ids"]
+    output_names = ["logits"]
+    if cache:
+        input_names += [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+        output_names += [f"present.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+
+    _make_flat(model, layers, cache, transformers)
+    past = _EXAMPLE_PAST if cache else 0
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (_EXAMPLE_BATCH, _EXAMPLE_SEQ), generator=gen)
+    mask = torch.ones(_EXAMPLE_BATCH, past + _EXAMPLE_SEQ, dtype=torch.int64)
+    positions = torch.arange(past, past + _EXAMPLE_SEQ).expand(_EXAMPLE_BATCH, -1).contiguous()
+    dtype = next(model.parameters()).dtype
+    pasts = [
+        torch.randn(_EXAMPLE_BATCH, kv_heads, past, head_dim, generator=gen).to(dtype)
+        for _ in range(2 * layers if cache else 0)
+    ]
+    args = (ids, mask, positions, *pasts)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with torch.no_grad():
+            if exporter == "dynamo":
+                _export_dynamo(torch, model, args, out, input_names, output_names, cache, opset)
+            else:
+                _export_torchscript(torch, model, args, out, input_names, output_names, cache, opset)
+    except Exception as e:
+        raise UnsupportedModelError(
+            f"{model_dir}: torch.onnx {exporter} export of {type(model).__name__} failed: {_one_line(e)}"
+        ) from e
+
+    meta = {
+        "model_type": getattr(config, "model_type", ""),
+        "layers": layers,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "cache": cache,
+        "exporter": exporter,
+        "eos_token_id": _eos(model),
+    }
+    _set_metadata(out, meta)
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (model_dir / name).is_file() and (model_dir / name).resolve() != (out.parent / name).resolve():
+            shutil.copyfile(model_dir / name, out.parent / name)
+            copied.append(name)
+    return ExportResult(out, meta["model_type"], layers, cache, exporter, input_names, output_names, copied)
+
+
+def _one_line(e: BaseException) -> str:
+    # The exporters' messages run to pages (advice, links, stack summaries): keep the first informative line.
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    for ln in lines:
+        if "Exception summary" not in ln and not ln.startswith(("-", "#")):
+            first = ln
+            break
+    else:
+        first = type(e).__name__
+    # torch.onnx puts the real cause in an "<class ...>: reason" line after a summary header.
+    for ln in lines:
+        if ln.startswith("<class "):
+            first = ln
+            break
+    return first[:400]
+
+
+def _set_attention(model: Any, implementation: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        try:
+            model.set_attn_implementation(implementation)
+            return
+        except (ValueError, AttributeError, NotImplementedError):
+            pass
+    model.config._attn_implementation = implementation
+
+
+def _make_flat(model: Any, layers: int, cache: bool, transformers: Any) -> None:
+    """Swap the model's class for a subclass whose ``forward`` takes and returns flat tensors."""
+    base = type(model)
+
+    def forward(self: Any, input_ids: Any, attention_mask: Any, position_ids: Any, *past: Any) -> Any:
+        kwargs: dict[str, Any] = {}
+        if cache:
+            dynamic = transformers.DynamicCache(config=self.config)
+            for i in range(layers):
+                dynamic.update(past[2 * i], past[2 * i + 1], i)
+            kwargs["past_key_values"] = dynamic
+        out = base.forward(
+            self,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=cache,
+            **kwargs,
+        )
+        if not cache:
+            return out.logits
+        flat = []
+        for layer in out.past_key_values.layers[:layers]:
+            flat += [layer.keys, layer.values]
+        return (out.logits, *flat)
+
+    model.__class__ = type(base.__name__, (base,), {"forward": forward})
+
+
+def _export_dynamo(
+    torch: Any,
+    model: Any,
+    args: tuple,
+    out: Path,
+    inputs: list[str],
+    outputs: list[str],
+    cache: bool,
+    opset: int | None,
+) -> None:
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
+    total, past = torch.export.Dim("total"), torch.export.Dim("past")
+    shapes: tuple = ({0: batch, 1: seq}, {0: batch, 1: total}, {0: batch, 1: seq})
+    if cache:
+        shapes += (tuple({0: batch, 2: past} for _ in args[3:]),)
+    else:
+        shapes += ((),)
+    program = torch.onnx.export(
+        model,
+        args,
+        dynamo=True,
+        input_names=inputs,
+        output_names=outputs,
+        dynamic_shapes=shapes,
+        opset_version=opset,
+        verbose=False,
+    )
+    if program is None:
+        raise RuntimeError("torch.onnx.export returned no program")
+    program.save(str(out))
+
+
+def _export_torchscript(
+    torch: Any,
+    model: Any,
+    args: tuple,
+    out: Path,
+    inputs: list[str],
+    outputs: list[str],
+    cache: bool,
+    opset: int | None,
+) -> None:
+    axes = {
+        "input_ids": {0: "batch", 1: "seq"},
+        "attention_mask": {0: "batch", 1: "total"},
+        "position_ids": {0: "batch", 1: "seq"},
+        "logits": {0: "batch", 1: "seq"},
+    }
+    for name in inputs[3:]:
+        axes[name] = {0: "batch", 2: "past"}
+    for name in outputs[1:]:
+        axes[name] = {0: "batch", 2: "total"}
+    torch.onnx.export(
+        model,
+        args,
+        str(out),
+        dynamo=False,
+        input_names=inputs,
+        output_names=outputs,
+        dynamic_axes=axes,
+        opset_version=opset or 17,
+    )
+
+
+def _eos(model: Any) -> list[int]:
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ids is None:
+        ids = getattr(model.config, "eos_token_id", None)
+    if ids is None:
+        return []
+    return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
+
+
+def _set_metadata(path: Path, meta: dict[str, Any]) -> None:
+    """Record what generation needs in the model's metadata (the weights stay where the exporter put them)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    entries = {p.key: p.value for p in model.metadata_props}
+    entries[GENERATE_META_KEY] = json.dumps(meta)
+    del model.metadata_props[:]
+    for key, value in entries.items():
+        model.metadata_props.add(key=key, value=value)
+    tmp = path.with_name(f".{path.name}.tmp")
+    onnx.save(model, str(tmp))
+    tmp.replace(path)
