@@ -161,8 +161,16 @@ class SymbolicShapes:
         if dims is None:
             dims = inferred
         elif inferred is not None and len(inferred) == len(dims):
-            # What the rule proved and what inference named are the same sizes.
-            dims = [self._union(d, i) for d, i in zip(dims, inferred)]
+            # What the rule proved and what inference named are the same sizes. A static size on
+            # either side stays this value's own: it never pins a whole class of symbolic dims.
+            dims = [
+                self._union(d, i)
+                if not isinstance(d, int) and not isinstance(i, int)
+                else i
+                if isinstance(i, int)
+                else d
+                for d, i in zip(dims, inferred)
+            ]
         elif inferred is not None:
             logger.debug("rank of %s: inference says %d, the operands %d", value.name, len(inferred), len(dims))
             dims = inferred

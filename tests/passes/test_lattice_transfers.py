@@ -269,3 +269,77 @@ def test_cast_transfer_equal_ort():
                 ran += _check("Cast", [np.asarray(c, src)], attrs={"to": _tensor_type(to)}) == "agree"
     assert ran > 40
     assert math.isfinite(ran)
+
+
+# ------------------------------------------------------------------------------------ row constants
+
+ROW_CASES = [
+    ("Add", {}, [("const", (4,))]),
+    ("Mul", {}, [("const", (3, 1))]),
+    ("Div", {}, [("const", (4,))]),
+    ("Gelu", {}, []),
+    ("Tanh", {}, []),
+    ("Sigmoid", {}, []),
+    ("LeakyRelu", {"alpha": 0.3}, []),
+    ("MatMul", {}, [("const", (4, 5))]),
+    ("LayerNormalization", {"axis": -1}, [("const", (4,)), ("const", (4,))]),
+    ("ReduceMean", {"keepdims": 1}, [("axes", [-1])]),
+    ("ReduceMax", {"keepdims": 0}, [("axes", [0, 2])]),
+    ("Softmax", {"axis": -1}, []),
+    ("Transpose", {"perm": [2, 0, 1]}, []),
+    ("Unsqueeze", {}, [("axes", [0, -1])]),
+    ("Slice", {}, [("ints", [1]), ("ints", [3]), ("ints", [-1])]),
+    ("Gather", {"axis": 2}, [("ints", [3, 0])]),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(("op", "attrs", "extra"), ROW_CASES, ids=[c[0] + str(i) for i, c in enumerate(ROW_CASES)])
+def test_row_transfers_equal_ort(op, attrs, extra, dtype):
+    """A row R broadcast to [2, 3, 4] through ``op``: the transfer's row, broadcast, is what ORT computes."""
+    from layerzero.passes._rows import transfer_row
+    from layerzero.passes._shapes import SymbolicShapes
+
+    rng = np.random.default_rng(7)
+    ran = kernels = 0
+    for row_shape in [(4,), (3, 4), (1, 4), (3, 1)]:
+        row = rng.uniform(-2, 2, row_shape).astype(dtype)
+        if op in ("LayerNormalization", "Softmax", "MatMul") and row_shape[-1] == 1:
+            continue  # the row must span the normalised / contracted axis
+        inits, names = [], ["x"]
+        for k, (kind, spec) in enumerate(extra):
+            value = rng.uniform(-1, 1, spec).astype(dtype) if kind == "const" else np.asarray(spec, dtype=np.int64)
+            inits.append(oh.make_tensor(f"c{k}", _tensor_type(value.dtype), value.shape, value.reshape(-1).tolist()))
+            names.append(f"c{k}")
+        node = oh.make_node(op, names, ["y"], **attrs)
+        x_info = oh.make_tensor_value_info("x", _tensor_type(np.dtype(dtype)), ["B", 3, 4])
+        graph = oh.make_graph([node], "g", [x_info], [oh.make_tensor_value_info("y", 0, None)], inits)
+        proto = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 20)])
+        proto.ir_version = 10
+        proto = onnx.shape_inference.infer_shapes(proto)
+        sess = _session(proto)
+        if sess is None:
+            continue
+        kernels += 1
+        (expected,) = sess.run(None, {"x": np.ascontiguousarray(np.broadcast_to(row, (2, 3, 4)))})
+        model = ir.from_proto(proto)
+        ShapeInferencePass()(model)
+        shapes = SymbolicShapes(model.graph)
+        ir_node = next(iter(model.graph))
+        ins = [row] + [v.const_value.numpy() for v in ir_node.inputs[1:]]
+
+        def rank_of(value, shapes=shapes):
+            dims = shapes.dims(value)
+            return None if dims is None else len(dims)
+
+        (got,) = transfer_row(ir_node, ins, rank_of, shapes.dims, assume_finite=True)[:1]
+        if got is None:
+            continue
+        assert got.dtype == expected.dtype
+        np.testing.assert_allclose(
+            np.broadcast_to(got, expected.shape), expected, rtol=1e-5, atol=1e-6, err_msg=f"{op} {row_shape}"
+        )
+        ran += 1
+    if kernels == 0:
+        pytest.skip(f"onnxruntime has no CPU kernel for {op} on {np.dtype(dtype).name}")
+    assert ran > 0, f"{op}: the row transfer never answered"
