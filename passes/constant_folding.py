@@ -8,7 +8,6 @@ import logging
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 
 from layerzero.passes._graph import (
     NameFactory,
@@ -266,6 +265,8 @@ def _run_ort(nodes: list[ir.Node], known: dict[int, np.ndarray], opsets: dict[st
         protos, "fold", [], [onnx.ValueInfoProto(name=local[id(v)]) for v in outputs], initializers
     )
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", version)], ir_version=10)
+    import onnxruntime as ort  # lazily: `layerzero inspect` imports the passes and must start fast
+
     options = ort.SessionOptions()
     options.log_severity_level = 4
     options.intra_op_num_threads = 1

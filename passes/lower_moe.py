@@ -39,7 +39,12 @@ def ort_moe_supports(scoring: str, activation: str, zeroing_threshold: float) ->
 
 
 def choose_lowering(
-    requested: str, scoring: str, activation: str, zeroing_threshold: float, node: ir.Node | None = None
+    requested: str,
+    scoring: str,
+    activation: str,
+    zeroing_threshold: float,
+    node: ir.Node | None = None,
+    native_present: bool = False,
 ) -> str:
     """``"if"``, ``"ort-moe"`` or ``"native"`` for one block; ``auto`` with the node: ``lower_moe_native.choose_auto``
     (native when liblayerzero_ort.so is built, else a cost model), without it ``AUTO_CHOICE``."""
@@ -47,7 +52,7 @@ def choose_lowering(
         raise InvalidInputError(f"moe_lowering={requested!r}; expected one of {LOWERINGS}")
     why_not = ort_moe_supports(scoring, activation, zeroing_threshold)
     if requested == "native" or (requested == "auto" and node is not None):
-        return lower_moe_native.choose_lowering(requested, node, why_not)
+        return lower_moe_native.choose_lowering(requested, node, why_not, native_present)
     if requested == "ort-moe":
         if why_not is not None:
             logger.warning("com.microsoft.MoE cannot run this block (%s): lowering it with If subgraphs", why_not)
@@ -92,7 +97,12 @@ class LowerMoE(ir.passes.InPlacePass):
     """
 
     def __init__(
-        self, options: object | None = None, *, lowering: str | None = None, enabled: bool | None = None
+        self,
+        options: object | None = None,
+        *,
+        lowering: str | None = None,
+        enabled: bool | None = None,
+        native_present: bool = False,
     ) -> None:
         """``lowering``: one of ``LOWERINGS`` (default ``"auto"``). ``enabled``: False keeps the nodes (a target
         whose backend implements the op). ``options`` (a ``CompileOptions``) is the pipeline's old way in: its
@@ -106,6 +116,7 @@ class LowerMoE(ir.passes.InPlacePass):
         if self.requested not in LOWERINGS:
             raise InvalidInputError(f"moe_lowering={self.requested!r}; expected one of {LOWERINGS}")
         self.enabled = True if enabled is None else bool(enabled)
+        self.native_present = native_present  # liblayerzero_ort.so is built (the target looks; a pass cannot)
         self.lowered: list[tuple[str, str]] = []  # (path, lowering)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -120,7 +131,9 @@ class LowerMoE(ir.passes.InPlacePass):
         opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
         for node in nodes:
             spec = _MoESpec.of(node)
-            lowering = choose_lowering(self.requested, spec.scoring, spec.activation, spec.threshold, node)
+            lowering = choose_lowering(
+                self.requested, spec.scoring, spec.activation, spec.threshold, node, self.native_present
+            )
             if lowering == "native":  # the node stays, for liblayerzero_ort.so
                 lower_moe_native.lower_native(model, node, spec.threshold)
                 self.lowered.append((spec.path, lowering))

@@ -8,8 +8,8 @@ out. The node gains the run-time threshold ``layerzero::threshold`` as its 6th i
 ``auto`` (``choose_auto``): ``native`` when the library is present and implements the block; otherwise the
 faster of ``if`` and ``ort-moe`` by ``estimate_ms``, a cost model fitted to ``bench/moe.py`` measurements.
 
-This module knows no file system: whether the library is present is asked through ``native_library_present``,
-which the compiler side answers (see there).
+This module knows no file system: whether the library is present is the caller's argument (``native_present``:
+the onnxruntime target looks for the library, ``compiler/targets/onnxruntime.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ __all__ = [
     "choose_auto",
     "estimate_ms",
     "lower_native",
-    "native_library_present",
     "native_supports",
 ]
 
@@ -41,19 +40,6 @@ NATIVE_SCORINGS = ("softmax", "sigmoid")
 NATIVE_ACTIVATIONS = ("silu", "gelu", "relu")
 _NATIVE_WEIGHTS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 _NATIVE_HIDDEN = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
-
-
-def native_library_present() -> bool:
-    """Whether ``liblayerzero_ort.so`` is built (``layerzero plugins build``) where the runtime looks for it.
-
-    NOTE: the one place a pass asks outside the graph; ``layerzero.plugins`` is a leaf that touches no pass,
-    and the lookup is import-time free (the library is found, never loaded, here).
-    """
-    try:
-        from layerzero.plugins.ort_library import find_ort_library
-    except ImportError:  # a pass used without the plugins package
-        return False
-    return find_ort_library() is not None
 
 
 def native_supports(node: ir.Node) -> str | None:
@@ -171,7 +157,9 @@ def choose_auto(node: ir.Node, ort_moe_why_not: str | None, native_present: bool
     return choice
 
 
-def choose_lowering(requested: str, node: ir.Node | None, ort_moe_why_not: str | None) -> str:
+def choose_lowering(
+    requested: str, node: ir.Node | None, ort_moe_why_not: str | None, native_present: bool = False
+) -> str:
     """The hook of ``lower_moe.choose_lowering`` for ``native`` and ``auto``; a block the library cannot run
     falls back to ``auto``'s choice without it (warned)."""
     if requested == "native":
@@ -180,4 +168,4 @@ def choose_lowering(requested: str, node: ir.Node | None, ort_moe_why_not: str |
             return "native"
         logger.warning("liblayerzero_ort.so cannot run this MoE block (%s): lowering it without it", why_not)
         return "if" if node is None else choose_auto(node, ort_moe_why_not, native_present=False)
-    return choose_auto(node, ort_moe_why_not, native_present=native_library_present())
+    return choose_auto(node, ort_moe_why_not, native_present=native_present)

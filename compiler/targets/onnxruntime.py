@@ -31,8 +31,10 @@ class OnnxRuntimeTarget(Target):
 
     def lower(self, model: ir.Model, options: CompileOptions) -> bool:
         from layerzero.passes.lower_moe import LowerMoE
+        from layerzero.plugins.ort_library import find_ort_library
 
-        return LowerMoE(options)(model).modified
+        # auto picks the native op when liblayerzero_ort.so is built (`layerzero plugins build`).
+        return LowerMoE(options, native_present=find_ort_library() is not None)(model).modified
 
     def write_bundle(
         self,

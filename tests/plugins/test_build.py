@@ -121,7 +121,7 @@ def test_cli_plugins_build_without_nvcc_exits_2(tmp_path, monkeypatch, capsys, t
     if not tools["cmake"].found:
         pytest.skip("cmake not found")
     monkeypatch.setattr(loader, "_find_nvcc", lambda: loader.Tool("nvcc", None, note="not on PATH"))
-    assert main(["plugins", "build", "--build-dir", str(tmp_path)]) == 2
+    assert main(["plugins", "build", "--only", "cuda", "--build-dir", str(tmp_path)]) == 2
     captured = capsys.readouterr()
     assert "nothing was built" in captured.err and "nvcc" in captured.err
 

@@ -440,11 +440,10 @@ def test_triton_export_lists_the_op_library(native_dir, tmp_path):
 
 
 def test_auto_picks_native_only_when_built(native_dir, tmp_path, monkeypatch):
-    from layerzero.passes import lower_moe_native
 
     _, result = _compile(tmp_path, "auto", experts=4, top_k=2)
     assert any(n.domain == "ai.layerzero" for n in result.model.graph)
-    monkeypatch.setattr(lower_moe_native, "native_library_present", lambda: False)
+    monkeypatch.setattr("layerzero.plugins.ort_library.find_ort_library", lambda *_a, **_k: None)
     _, result = _compile(tmp_path, "auto", experts=4, top_k=2)
     assert not any(n.domain == "ai.layerzero" for n in result.model.graph)
     assert any(n.op_type == "If" for n in result.model.graph)
