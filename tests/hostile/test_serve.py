@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from layerzero.errors import LayerZeroError
 from layerzero.models import example_feeds
 from layerzero.runtime import Engine
 from layerzero.runtime.server import pytriton_available
@@ -39,9 +40,19 @@ def served(tiny: SimpleNamespace, helpers: SimpleNamespace):
     config = ServerConfig(http_port=http_port, grpc_port=grpc_port, control_port=control_port,
                           max_request_bytes=MAX_BYTES, client_timeout_s=TIMEOUT_S, restart_wait_s=240)  # fmt: skip
     server = LayerZeroServer(guard, config)
-    with server:
+    try:
+        server.start()
+    except LayerZeroError as e:
+        # PyTriton's stub handshake has a fixed 1 s timeout; on an overloaded machine it can miss all five tries.
+        # That is the environment, not this server: skip (with the reason), never pass. Anything else fails.
+        if "waiting for config file" in str(e) or "handshake" in str(e):
+            pytest.skip(f"PyTriton could not start its Python-backend stubs on this loaded machine: {e}"[:300])
+        raise
+    try:
         yield SimpleNamespace(server=server, http=http_port, grpc=grpc_port, control=control_port, engine=engine,
                               config=tiny.config)  # fmt: skip
+    finally:
+        server.stop()
 
 
 def raw(port: int, data: bytes, timeout: float = 30.0, wait_s: float = 0.0) -> tuple[int, bytes]:
