@@ -7,7 +7,7 @@ The compiled model must have every MoE block in the skipping form (one ``If`` pe
 weights left) and equal the export at 1 and 16 tokens within 1e-5.
 
 Families and router variants:
-- GraniteMoE: ``TopK`` of the raw logits, then ``Softmax`` of the k values.
+- GraniteMoE, GraniteMoeShared: ``TopK`` of the raw logits, then ``Softmax`` of the k values.
 """
 
 from __future__ import annotations
@@ -51,7 +51,28 @@ def _granite_moe() -> torch.nn.Module:
     return transformers.GraniteMoeForCausalLM(config)
 
 
-FAMILIES = {"granitemoe": (_granite_moe, 2, "model.layers.{}.block_sparse_moe")}
+def _granite_moe_shared() -> torch.nn.Module:
+    config = transformers.GraniteMoeSharedConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        shared_intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
+    return transformers.GraniteMoeSharedForCausalLM(config)
+
+
+FAMILIES = {
+    "granitemoe": (_granite_moe, 2, "model.layers.{}.block_sparse_moe"),
+    # The shared MLP next to the routed experts stays as exported.
+    "granitemoeshared": (_granite_moe_shared, 1, "model.layers.{}.block_sparse_moe"),
+}
 
 
 def _export(family: str, dynamo: bool, path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:

@@ -80,12 +80,20 @@ def _topk_then_softmax(topk: ir.Node) -> tuple[ir.Node, ir.Value, ir.Value, bool
 ROUTER_VARIANTS = {"scores-topk": _scores_then_topk, "topk-softmax": _topk_then_softmax}
 
 
-def router_candidate(topk: ir.Node) -> bool:
-    """Whether a TopK looks like a router at all (its scores or its values feed a Softmax / Sigmoid)."""
-    producer = topk.inputs[0].producer() if topk.inputs and topk.inputs[0] is not None else None
-    if producer is not None and producer.op_type in ("Softmax", "Sigmoid") and producer.domain in STD:
+def router_candidate(topk: ir.Node, hops: int = 6) -> bool:
+    """Whether a TopK looks like a router: its values feed a Softmax, or a Softmax / Sigmoid lies within
+    ``hops`` producers above it (scores with a correction bias and group masks, DeepSeek-V3 / GLM4-MoE style).
+    A candidate no variant matches is reported with the reason, not passed over in silence."""
+    if any(u.op_type == "Softmax" and u.domain in STD for u, _ in topk.outputs[0].uses()):
         return True
-    return any(u.op_type == "Softmax" and u.domain in STD for u, _ in topk.outputs[0].uses())
+    frontier = [topk.inputs[0]] if topk.inputs and topk.inputs[0] is not None else []
+    for _ in range(hops):
+        producers = [v.producer() for v in frontier if v is not None]
+        producers = [p for p in producers if p is not None and p.domain in STD]
+        if any(p.op_type in ("Softmax", "Sigmoid") for p in producers):
+            return True
+        frontier = [v for p in producers for v in p.inputs]
+    return False
 
 
 def match_router(topk: ir.Node) -> Router:

@@ -241,3 +241,27 @@ def test_builders_agree_with_each_other() -> None:
     ]
     for out in outs[1:]:
         np.testing.assert_allclose(out, outs[0], atol=ATOL)
+
+
+def test_a_router_no_variant_matches_is_reported_not_skipped() -> None:
+    # Sigmoid scores + a correction bias before TopK (DeepSeek-V3 / GLM4-MoE): no router variant yet, so the
+    # candidate is refused with the check that failed and the TopK named, instead of passed over silently.
+    model = ir.from_proto(
+        onnx.parser.parse_model(
+            """<ir_version: 10, opset_import: ["" : 18]>
+            g (float[T, 8] x) => (float[T, 2] v, int64[T, 2] i) <float[8, 4] w = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+                0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+                0.0, 0.0, 0.0, 0.0, 0.0, 0.0}, float[4] b = {0.0, 0.1, 0.2, 0.3}, int64[1] k = {2}> {
+                l = MatMul(x, w)
+                s = Sigmoid(l)
+                c = Add(s, b)
+                v, i = TopK <axis = -1> (c, k)
+            }"""
+        )
+    )
+    _infer(model)
+    skip = SkipExperts()
+    assert skip(model).modified is False
+    [rejection] = skip.rejected
+    assert rejection.node.startswith("TopK")
+    assert "TopK does not read Softmax or Sigmoid scores" in rejection.reason
