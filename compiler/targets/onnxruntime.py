@@ -34,7 +34,8 @@ class OnnxRuntimeTarget(Target):
         from layerzero.plugins.ort_library import find_ort_library
 
         # auto picks the native op when liblayerzero_ort.so is built (`layerzero plugins build`).
-        return LowerMoE(options, native_present=find_ort_library() is not None)(model).modified
+        lower = LowerMoE(lowering=options.moe_lowering, enabled=True, native_present=find_ort_library() is not None)
+        return lower(model).modified
 
     def write_bundle(
         self,
