@@ -57,7 +57,14 @@ class Export:
 
     @property
     def error(self) -> str | None:
-        return self.meta.get("error")
+        error, trace = self.meta.get("error"), self.meta.get("traceback") or ""
+        if error and "## Exception summary" in trace:
+            # The dynamo exporter's first line says only "Failed to convert"; its summary names the op.
+            summary = [line for line in trace.split("## Exception summary", 1)[1].splitlines() if line.strip()]
+            if summary:
+                cause = summary[0].replace("<class ", "").replace("torch.onnx._internal.exporter._errors.", "")
+                error = f"{error.split(':')[0]}: {cause.strip()}"[:300]
+        return error
 
     @property
     def path(self) -> Path:

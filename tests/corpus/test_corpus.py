@@ -66,6 +66,8 @@ def test_case(family: str, exporter: str, variant: str) -> None:
     expected = EXPECTATIONS.get(key, {})
     if result.export_error:
         pytest.skip(f"{exporter} cannot export {family} ({variant}): {result.export_error}")
+    if expected.get("export_error"):
+        _better(key, f"exports now (was: {expected['export_error']})")
     if result.compile_error:
         if expected.get("compile_error"):
             pytest.xfail(f"known refusal/crash, to be fixed: {result.compile_error}")
