@@ -26,6 +26,17 @@ logger = logging.getLogger(__name__)
 _NON_DETERMINISTIC = frozenset(
     {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
 )
+# Element types whose folding would not round the way ORT's own run of the original does (Case 1).
+_LOW_PRECISION = frozenset(
+    {
+        ir.DataType.FLOAT16,
+        ir.DataType.BFLOAT16,
+        ir.DataType.FLOAT8E4M3FN,
+        ir.DataType.FLOAT8E4M3FNUZ,
+        ir.DataType.FLOAT8E5M2,
+        ir.DataType.FLOAT8E5M2FNUZ,
+    }
+)
 # Ops we never fold, because their output would be large or their folding gains nothing.
 _NEVER_FOLD = frozenset({"Constant", "ConstantOfShape", "Loop", "Scan", "SequenceConstruct", "Optional"})
 
@@ -40,6 +51,8 @@ class FoldConstants(ir.passes.InPlacePass):
        differs from it on some ops, e.g. ``LpNormalization`` p=1), and replaced by initializers. All the
        foldable nodes of one graph are evaluated in one ORT session per pass run; when that session
        cannot be made (an op or type ORT lacks), each node is tried alone and those ORT refuses stay.
+       Nodes that read or make float16 / bfloat16 / float8 values are left to ORT (it rounds such chains its
+       own way at load time).
     2. ``Shape`` / ``Size`` of a value whose shape is fully static: replaced by the constant.
     3. ``If`` whose condition is a constant: the taken branch's nodes move into the enclosing graph
        and its outputs replace the ``If``'s outputs (nested Ifs fold on the same run).
@@ -89,6 +102,10 @@ class FoldConstants(ir.passes.InPlacePass):
             return False  # sequences and optionals have no initializer form
         if not any(out.uses() or out.is_graph_output() for out in node.outputs):
             return False  # dead: DCE's job
+        if any(v is not None and v.dtype in _LOW_PRECISION for v in (*node.inputs, *node.outputs)):
+            # NOTE: ORT computes low-precision chains with its own up-casts and fusions (InsertCastTransformer):
+            # a value folded op by op rounds differently (1-2 fp16 ulps, the backend attention tests). Left to it.
+            return False
         # Already folded: Identity(constant) is how a graph output keeps its name (replace_value).
         return not (node.op_type == "Identity" and node.outputs[0].is_graph_output())
 
@@ -271,7 +288,8 @@ def _run_ort(nodes: list[ir.Node], known: dict[int, np.ndarray], opsets: dict[st
     options.log_severity_level = 4
     options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1
-    # The kernels themselves, not a graph rewrite of them: what the compiled model computes at run time.
+    # The kernels themselves: graph optimisations of a fold model gave values of another shape (a [1] where
+    # Range needs a scalar: the backend affine_grid tests).
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     arrays = session.run(None, {})
