@@ -93,6 +93,7 @@ class GenerateReport:
             f"{self.new_tokens} new tokens ({self.stop_reason}) in {self.total_s * 1e3:.1f} ms: "
             f"{self.tokens_per_s:.1f} tok/s{decode}, first token {self.time_to_first_token_s * 1e3:.1f} ms; "
             f"{self.zeroed_layers}/{self.total_layers} layers zeroed, "
+            f"{self.zeroed_params_ratio:.1%} of parameters removed, "
             f"{len(self.skipped_paths)} paths skipped on every step"
         )
 
