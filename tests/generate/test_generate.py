@@ -249,3 +249,15 @@ def test_export_and_generate_refuse_with_reason(tmp: Path, capsys: pytest.Captur
                                       "{ y = Relu(x) }"), str(plain))
     with pytest.raises(UnsupportedModelError, match="input_ids"):
         Engine.load(plain).generate([1, 2])
+
+
+def test_torchscript_export_flag_and_generate(llama_dir: Path, tmp: Path) -> None:
+    """The TorchScript exporter (eager attention, no intermediate shapes): same tokens, flags found after
+    shape inference."""
+    exported, flagged, lz = tmp / "ts" / "model.onnx", tmp / "ts" / "flagged.onnx", tmp / "ts.lz"
+    assert main(["export", str(llama_dir), "-o", str(exported), "--exporter", "torchscript"]) == 0
+    assert Engine.load(exported).generate(PROMPT, max_new_tokens=NEW).ids == _hf_greedy(llama_dir, PROMPT)
+    assert main(["flag", str(exported), "model.layers.1.mlp", "-o", str(flagged)]) == 0
+    assert main(["compile", str(flagged), "-o", str(lz)]) == 0
+    out = Engine.load(lz).generate(PROMPT, max_new_tokens=NEW)
+    assert out.ids == _hf_greedy(llama_dir, PROMPT, zero_mlp=1)
