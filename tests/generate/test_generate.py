@@ -153,6 +153,8 @@ def test_stop_tokens_and_sampling(llama_dir: Path, bundle: Path) -> None:
         engine.generate(PROMPT, top_p=0)
     with pytest.raises(InvalidInputError, match="empty"):
         engine.generate([])
+    with pytest.raises(InvalidInputError, match="outside the vocabulary"):
+        engine.generate([1, VOCAB])
 
 
 def test_choose_top_k_top_p() -> None:
