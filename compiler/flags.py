@@ -13,6 +13,7 @@ also writes ``present.N.key/value``, so the whole layer is not bypassable there;
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 import onnx_ir as ir
@@ -25,6 +26,8 @@ from layerzero.passes.zero_flags import declared_flags
 __all__ = ["FLAG_SUFFIX", "FlagCandidate", "add_flags", "flaggable_scopes"]
 
 FLAG_SUFFIX = ".flag"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,17 @@ def _all_scopes(model: ir.Model) -> dict[ir.Node, str]:
     return {node: scope_of(node) for node in model.graph}
 
 
+def _infer_shapes(model: ir.Model) -> None:
+    # A layer is matched by the dtype and shape of the values at its border; TorchScript exports carry
+    # almost no intermediate shapes, so infer them first (in place: the written model keeps them, harmless).
+    from onnx_ir.passes.common import ShapeInferencePass
+
+    try:
+        ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
+    except Exception as exc:  # inference is a help, never a requirement
+        logger.info("shape inference failed, shapes left as they are: %s", exc)
+
+
 def _prefixes(scope: str) -> list[str]:
     parts = scope.split(".")
     return [".".join(parts[: i + 1]) for i in range(len(parts))]
@@ -47,6 +61,7 @@ def _prefixes(scope: str) -> list[str]:
 
 def flaggable_scopes(model: ir.Model) -> list[FlagCandidate]:
     """Every scope (and enclosing scope) of the main graph that ``FoldZeroFlags`` could bypass, in graph order."""
+    _infer_shapes(model)
     scopes = _all_scopes(model)
     seen: dict[str, None] = {}
     for scope in scopes.values():
@@ -72,6 +87,7 @@ def add_flags(model: ir.Model, scopes: list[str], *, value: float = 0.0, metadat
     """
     if not scopes:
         raise InvalidInputError("give at least one scope (layerzero flag MODEL --list shows them)")
+    _infer_shapes(model)
     node_scopes = _all_scopes(model)
     known = {p for s in node_scopes.values() if s for p in _prefixes(s)}
     existing = {f.name for f in declared_flags(model)}

@@ -37,7 +37,15 @@ from layerzero.errors import InvalidInputError, UnsupportedModelError
 if TYPE_CHECKING:
     from layerzero.runtime.engine import Engine
 
-__all__ = ["GENERATE_META_KEY", "GenerateReport", "Generation", "StepReport", "generate", "stop_tokens_of"]
+__all__ = [
+    "GENERATE_META_KEY",
+    "GenerateReport",
+    "Generation",
+    "StepReport",
+    "export_metadata",
+    "generate",
+    "stop_tokens_of",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +101,7 @@ class GenerateReport:
             f"{self.new_tokens} new tokens ({self.stop_reason}) in {self.total_s * 1e3:.1f} ms: "
             f"{self.tokens_per_s:.1f} tok/s{decode}, first token {self.time_to_first_token_s * 1e3:.1f} ms; "
             f"{self.zeroed_layers}/{self.total_layers} layers zeroed, "
+            f"{self.zeroed_params_ratio:.1%} of parameters removed, "
             f"{len(self.skipped_paths)} paths skipped on every step"
         )
 
@@ -144,18 +153,27 @@ def _cache_layout(engine: Engine) -> _CacheLayout | None:
     return _CacheLayout(names, spec.dtype, (shape[1], shape[3]))
 
 
-def stop_tokens_of(engine: Engine) -> list[int]:
-    """The eos ids ``layerzero export`` recorded in the model's metadata (empty when none)."""
+def export_metadata(engine: Engine) -> dict[str, Any]:
+    """What ``layerzero export`` recorded in the model's metadata (eos ids, vocab size, ...); {} when none."""
     import onnx
 
     model = onnx.load(str(engine.model_path), load_external_data=False)
     for prop in model.metadata_props:
         if prop.key == GENERATE_META_KEY:
             try:
-                return [int(i) for i in json.loads(prop.value).get("eos_token_id") or []]
-            except (ValueError, TypeError, AttributeError):
-                logger.warning("%s: malformed %s metadata", engine.model_path, GENERATE_META_KEY)
-    return []
+                meta = json.loads(prop.value)
+            except ValueError:
+                meta = None
+            if isinstance(meta, dict):
+                return meta
+            logger.warning("%s: malformed %s metadata", engine.model_path, GENERATE_META_KEY)
+    return {}
+
+
+def stop_tokens_of(engine: Engine) -> list[int]:
+    """The eos ids ``layerzero export`` recorded in the model's metadata (empty when none)."""
+    ids = export_metadata(engine).get("eos_token_id") or []
+    return [int(i) for i in ids] if isinstance(ids, list) else []
 
 
 def generate(
@@ -195,7 +213,13 @@ def generate(
     if not 0 < top_p <= 1:
         raise InvalidInputError(f"top_p={top_p}: must be in (0, 1] (1 = off)")
     layout = _cache_layout(engine)
-    stops = set(stop_tokens_of(engine) if stop_tokens is None else (int(t) for t in stop_tokens))
+    meta = export_metadata(engine)
+    vocab = meta.get("vocab_size")
+    if isinstance(vocab, int) and any(not 0 <= i < vocab for i in prompt):
+        bad = next(i for i in prompt if not 0 <= i < vocab)
+        raise InvalidInputError(f"prompt token id {bad} is outside the vocabulary [0, {vocab}) of {engine.model_path}")
+    eos = meta.get("eos_token_id") or []
+    stops = set((int(t) for t in eos) if stop_tokens is None else (int(t) for t in stop_tokens))
     rng = np.random.default_rng(seed)
 
     template = engine.report_template()

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from layerzero.cli._common import console, fraction, integer, number, one_line_errors, stderr
+from layerzero.cli._common import integer, number, one_line_errors, stderr
 from layerzero.errors import InvalidInputError
 
 
@@ -42,7 +42,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--masks", action="store_true", help="per-token masks of every dynamic path in the report")
     p.add_argument("--json", action="store_true", help="print one JSON object: ids, text, report")
     p.add_argument("--backend", default="onnxruntime", help="runtime backend (default onnxruntime)")
-    _ = fraction  # (shared parsers; fraction is for options that are probabilities)
 
 
 def _ids(text: str, option: str) -> list[int]:
@@ -138,5 +137,4 @@ def run(args: argparse.Namespace) -> int:
     if args.masks:
         for i, step in enumerate(report.steps):
             stderr.print(f"  step {i} ({step.tokens} tokens) -> {step.token_id}: skipped {step.skipped_paths}")
-    _ = console
     return 0
