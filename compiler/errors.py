@@ -2,12 +2,13 @@
 
 This module is a leaf (it imports nothing of ours), so passes, the runtime and the
 compiler can all raise the same types. The CLI maps them to exit codes:
-``UnsupportedModelError`` / ``InvalidInputError`` -> 2, ``VerificationError`` -> 1.
+``UnsupportedModelError`` / ``InvalidInputError`` -> 2, ``VerificationError`` / ``CompilerError`` -> 1.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "CompilerError",
     "InvalidInputError",
     "LayerZeroError",
     "UnsupportedModelError",
@@ -27,6 +28,13 @@ class UnsupportedModelError(LayerZeroError):
 
 class InvalidInputError(LayerZeroError):
     """A user-supplied input (feed, shape, file, option) is wrong; the message names it."""
+
+
+class CompilerError(LayerZeroError):
+    """A pass failed on a model it should have handled: a LayerZero bug. The message names the pass; nothing is
+    written. Exit 1, like a verification failure (the model is fine, the compiler is not)."""
+
+    exit_code = 1
 
 
 class VerificationError(LayerZeroError):

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import onnx_ir as ir
 
-from layerzero.errors import LayerZeroError
+from layerzero.errors import CompilerError, LayerZeroError
 from layerzero.groups import GroupMasksFromFile
 from layerzero.options import CompileOptions
 from layerzero.passes import (
@@ -75,7 +75,7 @@ class _Iteration(ir.passes.InPlacePass):
         InferShapes()(model)
         changed = False
         for p in self.passes:
-            if p(model).modified:
+            if run_pass(p, model).modified:
                 self.modified_by[type(p).__name__] += 1
                 changed = True
                 if self.after_pass is not None:
@@ -119,6 +119,25 @@ def run_static_passes(
     if not converged:
         logger.warning("static passes did not reach a fixpoint in %d iterations", options.max_iterations)
     return PipelineResult(iteration.count, converged, iteration.modified_by, list(flags.bypassed))
+
+
+def run_pass(p: ir.passes.PassBase, model: ir.Model) -> ir.passes.PassResult:
+    """Run one pass; an exception that is not one of ours is a compiler bug, reported as ``CompilerError``
+    naming the pass (one line, exit 1), never a traceback blamed on the model."""
+    try:
+        return p(model)
+    except Exception as exc:
+        ours = _our_error(exc)
+        if ours is not None:
+            raise ours from None
+        cause = exc
+        while isinstance(cause, ir.passes.PassError) and cause.__cause__ is not None:
+            cause = cause.__cause__
+        first = (str(cause).strip().splitlines() or [""])[0]
+        raise CompilerError(
+            f"internal error in pass {type(p).__name__}: {type(cause).__name__}: {first} "
+            "(a LayerZero bug: please report it with the model; nothing was written)"
+        ) from exc
 
 
 def _our_error(exc: BaseException) -> LayerZeroError | None:
@@ -183,7 +202,7 @@ def run_dynamic_passes(
     for cls in DYNAMIC_PASSES:
         if stale:  # shapes are current until a pass changes the model (inference is most of a small compile)
             InferShapes()(model)
-        changed = cls(options)(model).modified
+        changed = run_pass(cls(options), model).modified
         stale = changed
         modified |= changed
         if changed and after_pass is not None:

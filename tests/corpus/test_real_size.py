@@ -49,17 +49,7 @@ def _export(kind: str) -> Path:
 
 @pytest.mark.parametrize(
     "kind",
-    [
-        "dense",
-        pytest.param(
-            "moe",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="chunked verification of the MoE lowering: 'Buffer containing the initializer must be "
-                "owned by the user' (issue 8 item 5, being fixed)",
-            ),
-        ),
-    ],
+    ["dense", "moe"],
 )
 def test_real_size_compiles_verified(kind: str, tmp_path: Path) -> None:
     path = _export(kind)

@@ -1,8 +1,7 @@
 """Minimised failures of the differential fuzzer (and issue 14's causes), kept in ONNX text.
 
 Each case must compile (``verify=False``) to a model with the same interface whose ORT outputs equal the
-original's on two input-size sets. Causes owned by the lattice (passes/_lattice.py,
-passes/uniform_propagation.py) are strict xfails until that fix merges.
+original's on two input-size sets. ``LATTICE_CASES``: issue 14 causes 1, 4 and 5, fixed in passes/_lattice.py.
 """
 
 from __future__ import annotations
@@ -161,10 +160,8 @@ def test_regression(name: str) -> None:
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=LATTICE + reason))
-        for name, (reason, _) in sorted(LATTICE_CASES.items())
+        name for name in sorted(LATTICE_CASES)
     ],
 )
 def test_lattice_regression(name: str) -> None:
-    # strict xfail: when the lattice fix merges these pass, and the marker must go.
     _check(LATTICE_CASES[name][1])
