@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{'run':<12} {'model size':>11} {'peak RSS':>10} {'target':>10} {'met':>4} {'time s':>7}  exit",
         ]
         stage_lines: list[str] = []
+        missed = False
         for label, verify in rows:
             out = tmp / f"out-{label.strip('-')}.lz"
             cli = shutil.which("layerzero")
@@ -186,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                 cmd.append("--no-verify")
             print(f"running layerzero {' '.join(cmd[-4:])}", file=sys.stderr)
             code, peak, wall, output = _run(cmd)
+            missed |= code != 0 or peak > target
             table.append(
                 f"{label:<12} {size / MB:>8,.0f} MB {peak / MB:>7,.0f} MB {target / MB:>7,.0f} MB "
                 f"{'yes' if peak <= target else 'NO':>4} {wall:>7.1f}  {code}"
@@ -206,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return 0
+    if missed:
+        print("a target was missed (or a compile failed): exit 1", file=sys.stderr)
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":

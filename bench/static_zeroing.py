@@ -168,6 +168,16 @@ def _measure(variants: list[Variant], feeds: dict[str, np.ndarray], reps: int, w
             v.times.append(time.perf_counter() - start)
 
 
+def _missed(variants: list) -> bool:
+    """A LayerZero/oracle ratio above the target, or a variant that could not be measured or compared."""
+    for k in sorted({v.k for v in variants}):
+        lz = next(v for v in variants if v.k == k and v.name == "LayerZero")
+        oracle = next(v for v in variants if v.k == k and v.name == "oracle")
+        if lz.error is not None or oracle.error is not None or not lz.p50 / oracle.p50 <= TARGET:
+            return True
+    return False
+
+
 def _table(variants: list[Variant], config: TransformerConfig, args: argparse.Namespace) -> str:
     head = (
         f"{'k/N':>5}  {'variant':<10} {'nodes':>6} {'parameters':>12} {'p50 ms':>8} {'/ oracle':>8}"
@@ -249,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         for v in variants:
             v.session = None
     print(_table(variants, config, args))
+    if _missed(variants):
+        print("a target was missed (or LayerZero / the oracle failed): exit 1", file=sys.stderr)
+        return 1
     return 0
 
 
