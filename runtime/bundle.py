@@ -50,6 +50,7 @@ __all__ = [
     "check_integrity",
     "clean_stale_temp_dirs",
     "fingerprint_files",
+    "publish_staged",
     "read_bundle",
     "sampled_sha256",
     "sha256_file",
@@ -220,6 +221,18 @@ def _check_protect(out: Path, protect: Sequence[str | os.PathLike[str]]) -> None
             raise InvalidInputError(
                 f"refusing to write the bundle to {out}: it contains the input {p}; choose another output path"
             )
+
+
+def publish_staged(staging: Path, out: Path, *, overwrite: bool) -> None:
+    """Move a bundle staged in ``staging`` (a sibling temp dir of ``out``) into place atomically.
+
+    For targets that add files (a TensorRT plan) to what ``write_bundle`` staged: synced to disk, ``out`` checked
+    to be replaceable, then swapped in so that a reader never sees a half bundle.
+    """
+    _fsync_tree(staging)
+    if out.exists():
+        _check_replaceable(out)
+    _move_into_place(staging, out, overwrite=overwrite)
 
 
 def _check_replaceable(out: Path) -> None:

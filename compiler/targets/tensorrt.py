@@ -25,6 +25,7 @@ TensorRT is imported only here and only when building; without it every entry po
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -345,6 +346,8 @@ def write_tensorrt_bundle(
             "verification": None,
         }
         bundle_io.write_bundle(staging, lowered, manifest, protect=[] if source is None else [source])
+        # What write_bundle completed (format, integrity fingerprint, libraries): kept when verification rewrites it.
+        manifest = json.loads((staging / bundle_io.MANIFEST_NAME).read_text(encoding="utf-8"))
         say("building the TensorRT engine")
         plan = build_engine(staging / bundle_io.MODEL_NAME, trt_options, shapes)
         (staging / PLAN_NAME).write_bytes(plan)
@@ -352,11 +355,7 @@ def write_tensorrt_bundle(
             say("verifying the TensorRT engine")
             manifest["tensorrt"]["verification"] = _verify_plan(staging, result, options, trt_options, shapes)
             (staging / bundle_io.MANIFEST_NAME).write_text(_json(manifest), encoding="utf-8")
-        bundle_io._fsync_tree(staging)
-        if out.exists():
-            bundle_io._check_replaceable(out)
-        # NOTE: reuses bundle.py's swap (old -> aside, new -> out) so a reader never sees a half bundle.
-        bundle_io._move_into_place(staging, out, overwrite=overwrite)
+        bundle_io.publish_staged(staging, out, overwrite=overwrite)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
