@@ -204,7 +204,9 @@ def comparison_points(model: onnx.ModelProto, limit: int = 8) -> list[float]:
     consts: dict[str, np.ndarray] = {}
     graph_inputs = {i.name for i in model.graph.input}
     for t in model.graph.initializer:
-        if t.name not in graph_inputs and np.prod(t.dims, dtype=np.int64) <= 16:
+        # The header is loaded without external data: a small tensor stored outside is not read here.
+        external = t.data_location == onnx.TensorProto.EXTERNAL
+        if t.name not in graph_inputs and not external and np.prod(t.dims, dtype=np.int64) <= 16:
             consts[t.name] = onnx.numpy_helper.to_array(t)
     for node in model.graph.node:
         if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":

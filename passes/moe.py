@@ -153,7 +153,7 @@ class SkipExperts(ir.passes.InPlacePass):
                 "",
                 "ReduceMax",
                 [scores.outputs[0]],
-                attributes=[ir.AttrInts("axes", [-1]), ir.AttrInt64("keepdims", 0)],
+                attributes=[ir.AttrInt64s("axes", [-1]), ir.AttrInt64("keepdims", 0)],
             )
         top1.name = names(f"/{path}/router/ReduceMax")
         confidence = top1.outputs[0]
