@@ -237,14 +237,24 @@ def publish_staged(staging: Path, out: Path, *, overwrite: bool) -> None:
 
 def _check_replaceable(out: Path) -> None:
     # overwrite=True deletes what is there: make sure it is a bundle (or nothing), never e.g. a home dir.
+    # NOTE: the first check runs outside the swap lock, where a concurrent writer's swap (out -> aside, new -> out)
+    # can make `out` vanish for a moment: what is gone needs no protecting; the check under the lock decides.
+    if not os.path.lexists(out):
+        return
     if out.is_symlink() or not out.is_dir():
         raise InvalidInputError(f"refusing to overwrite {out}: it is not a directory, so not a LayerZero bundle")
-    if not any(out.iterdir()):
-        return
-    try:
-        manifest = json.loads((out / MANIFEST_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        manifest = None
+    manifest = None
+    for _attempt in range(5):  # a concurrent swap may replace `out` between our reads: read again
+        try:
+            if not any(out.iterdir()):
+                return
+            manifest = json.loads((out / MANIFEST_NAME).read_text(encoding="utf-8"))
+            break
+        except FileNotFoundError:
+            if not os.path.lexists(out):
+                return
+        except (OSError, ValueError):
+            break
     if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
         raise InvalidInputError(
             f"refusing to overwrite {out}: it is not a LayerZero bundle (no valid {MANIFEST_NAME}); "
