@@ -2,7 +2,7 @@
 
 The graph's top-level nodes are cut, in order, into chunks whose weights fit ``budget_bytes``. Each
 chunk becomes a small model whose inputs are the activations earlier chunks produced; its weights are
-handed to onnxruntime as memory-mapped arrays (``SessionOptions.add_external_initializers``), read
+lent to onnxruntime as memory-mapped arrays (``ort_runner.create_session(external_initializers=...)``), read
 straight from the source's external-data file, and released with the chunk's session. Peak memory is
 then one chunk's weights (plus what ORT prepacks from them) and the live activations, not the model.
 """
@@ -16,9 +16,9 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 
 from layerzero.errors import InvalidInputError, UnsupportedModelError
+from layerzero.ort_runner import create_session
 from layerzero.passes._graph import iter_graphs, node_subgraphs
 
 __all__ = ["run_in_chunks", "weight_bytes"]
@@ -161,8 +161,8 @@ def _run_chunk(
             continue
         if v.is_graph_output() or any(position.get(owner.get(user)) != index for user, _ in v.uses()):
             wanted.append(v)
-    proto_inputs, initializers, external_names, external_values = [], [], [], []
-    borrowed: list[np.ndarray] = []  # the arrays ORT reads from, alive until the session is gone
+    proto_inputs, initializers = [], []
+    lent: dict[str, np.ndarray] = {}  # the arrays ORT reads from; the session keeps them alive
     for v in reads:
         if v in inits:
             tensor = v.const_value
@@ -181,9 +181,7 @@ def _run_chunk(
                 placeholder.data_location = onnx.TensorProto.EXTERNAL
                 placeholder.external_data.add(key="location", value="layerzero-chunk-placeholder")
                 initializers.append(placeholder)
-                external_names.append(v.name)
-                borrowed.append(array)
-                external_values.append(ort.OrtValue.ortvalue_from_numpy(array))
+                lent[v.name] = array
         else:
             if v.name not in env:
                 raise InvalidInputError(f"missing input {v.name!r} for chunk {index}")
@@ -198,14 +196,8 @@ def _run_chunk(
         [ir.serde.serialize_node(n) for n in chunk], f"chunk{index}", proto_inputs, proto_outputs, initializers
     )
     proto = onnx.helper.make_model(graph, opset_imports=opsets, ir_version=model.ir_version)
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    from layerzero.plugins import ort_library
-
-    ort_library.register_if_built(options)  # a chunk may hold ai.layerzero::MoE (the native MoE lowering)
-    if external_names:
-        options.add_external_initializers(external_names, external_values)
-    session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    # Our custom-op library when built: a chunk may hold ai.layerzero::MoE (the native MoE lowering).
+    session = create_session(proto.SerializeToString(), external_initializers=lent, label=f"chunk {index}")
     results = session.run([v.name for v in wanted], {v.name: env[v.name] for v in reads if v not in inits})
     env.update({v.name: r for v, r in zip(wanted, results)})
-    del session, options, external_values, borrowed
+    del session, lent

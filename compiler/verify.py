@@ -9,9 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 
-from layerzero.errors import InvalidInputError, UnsupportedModelError
+from layerzero.errors import InvalidInputError, LayerZeroError, UnsupportedModelError
 
 __all__ = [
     "InputSet",
@@ -299,25 +298,22 @@ def merge_comparisons(per_set: list[list[OutputComparison]]) -> list[OutputCompa
 
 
 def run_model(model: str | Path | bytes, feeds: Mapping[str, np.ndarray]) -> tuple[list[str], list[np.ndarray]]:
-    """Run a model (path or serialized bytes) once on ORT's CPU provider."""
-    from layerzero.plugins import ort_library
+    """Run a model (path or serialized bytes) once on ORT's CPU provider, through the runtime's own backend.
 
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    ort_library.register_if_built(options)  # the native MoE lowering keeps ai.layerzero::MoE for it
+    ``OrtBackend`` (session options, our custom-op library when built) is what ``Engine`` runs a bundle with,
+    so verification sees what the runtime will. Feeds the model does not take are dropped.
+    """
+    from layerzero.runtime.backends.onnxruntime import OrtBackend
+
+    backend = OrtBackend()
+    backend.load(model if isinstance(model, bytes) else Path(model), device="cpu")
+    names = backend.output_names
+    wanted = {spec.name for spec in backend.input_specs}
     try:
-        session = ort.InferenceSession(
-            str(model) if isinstance(model, Path) else model, options, providers=["CPUExecutionProvider"]
-        )
-    except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        hint = ort_library.missing_library_hint(first)
-        raise UnsupportedModelError(f"onnxruntime cannot load the model: {hint or first}") from None
-    names = [o.name for o in session.get_outputs()]
-    wanted = {i.name for i in session.get_inputs()}
-    try:
-        outputs = session.run(names, {k: v for k, v in feeds.items() if k in wanted})
-    except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InvalidInputError(f"onnxruntime failed to run the model on the sample inputs: {first}") from None
+        outputs = backend.run({k: v for k, v in feeds.items() if k in wanted})
+    except LayerZeroError as exc:
+        first = str(exc.__cause__ or exc).strip().splitlines()
+        raise InvalidInputError(
+            f"onnxruntime failed to run the model on the sample inputs: {first[0] if first else exc}"
+        ) from None
     return names, outputs

@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from layerzero.ort_runner import create_session
 from layerzero.passes._graph import (
     NameFactory,
     const_array,
@@ -282,16 +283,17 @@ def _run_ort(nodes: list[ir.Node], known: dict[int, np.ndarray], opsets: dict[st
         protos, "fold", [], [onnx.ValueInfoProto(name=local[id(v)]) for v in outputs], initializers
     )
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", version)], ir_version=10)
-    import onnxruntime as ort  # lazily: `layerzero inspect` imports the passes and must start fast
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 4
-    options.intra_op_num_threads = 1
-    options.inter_op_num_threads = 1
     # The kernels themselves: graph optimisations of a fold model gave values of another shape (a [1] where
-    # Range needs a scalar: the backend affine_grid tests).
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    # Range needs a scalar: the backend affine_grid tests). Default-domain ops only: no custom-op library.
+    session = create_session(
+        model.SerializeToString(),
+        libraries=(),
+        graph_optimization_level="disable",
+        intra_op_num_threads=1,
+        inter_op_num_threads=1,
+        log_severity_level=4,
+        label="the constant-folding batch",
+    )
     arrays = session.run(None, {})
     result = {}
     for value, array in zip(outputs, arrays):

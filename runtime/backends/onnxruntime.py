@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from layerzero.errors import InvalidInputError, LayerZeroError, UnsupportedModelError
+from layerzero.ort_runner import create_session, first_line
 from layerzero.runtime.backends.base import TensorSpec, reject_unknown_options
 
 __all__ = ["OrtBackend"]
@@ -44,14 +45,6 @@ _ORT_DTYPES: dict[str, np.dtype] = {
     "tensor(uint64)": np.dtype(np.uint64),
     "tensor(bool)": np.dtype(np.bool_),
     "tensor(string)": np.dtype(object),
-}
-
-_OPT_LEVELS = {
-    "disable": "ORT_DISABLE_ALL",
-    "basic": "ORT_ENABLE_BASIC",
-    "extended": "ORT_ENABLE_EXTENDED",
-    "layout": "ORT_ENABLE_LAYOUT",
-    "all": "ORT_ENABLE_ALL",
 }
 
 _OPTIONS = (
@@ -78,13 +71,14 @@ class OrtBackend:
         self._session: Any = None
         self._run_options: Any = None
         self._model_path: Path | None = None
+        self._label = "the model"
         self._input_specs: list[TensorSpec] = []
         self._output_names: list[str] = []
         self._profiling = False
 
     def load(
         self,
-        model_path: Path,
+        model_path: Path | bytes,
         *,
         device: str = "cpu",
         providers: list[Any] | None = None,
@@ -98,37 +92,28 @@ class OrtBackend:
         reject_unknown_options(self.name, unknown, _OPTIONS)
         import onnxruntime as ort
 
-        options = ort.SessionOptions()
-        options.log_severity_level = 3  # errors only: a bundle's unused-initializer warnings are noise
-        options.graph_optimization_level = _optimization_level(ort, graph_optimization_level)
-        if intra_op_num_threads is not None:
-            options.intra_op_num_threads = int(intra_op_num_threads)
-        if inter_op_num_threads is not None:
-            options.inter_op_num_threads = int(inter_op_num_threads)
-        if enable_profiling:
-            options.enable_profiling = True
-            if profile_file_prefix:
-                options.profile_file_prefix = profile_file_prefix
-        if providers is None:
-            providers = _providers_for(ort, device)
-        _register_libraries(options, Path(model_path))
-
-        try:
-            session = ort.InferenceSession(str(model_path), sess_options=options, providers=providers)
-        except Exception as e:  # onnxruntime raises its pybind exception types (Fail, InvalidGraph, ...)
-            from layerzero.plugins.ort_library import missing_library_hint
-
-            why = missing_library_hint(_first_line(e)) or _first_line(e)
-            raise UnsupportedModelError(f"onnxruntime cannot load {model_path}: {why}") from e
+        session = create_session(
+            model_path,
+            device=device,
+            providers=providers,
+            libraries=_libraries(model_path),
+            graph_optimization_level=graph_optimization_level,
+            intra_op_num_threads=intra_op_num_threads,
+            inter_op_num_threads=inter_op_num_threads,
+            enable_profiling=enable_profiling,
+            profile_file_prefix=profile_file_prefix,
+        )
         self._session = session
         # run() re-raises failures with their message; keep ORT from also logging them to stderr.
         self._run_options = ort.RunOptions()
         self._run_options.log_severity_level = 4
-        self._model_path = Path(model_path)
+        # Serialised bytes (verification's in-memory original) run the same way as a file.
+        self._model_path = None if isinstance(model_path, bytes) else Path(model_path)
+        self._label = str(self._model_path) if self._model_path is not None else "the model"
         self._profiling = bool(enable_profiling)
-        self._input_specs = _input_specs(session, self._model_path)
+        self._input_specs = _input_specs(session, model_path)
         self._output_names = [o.name for o in session.get_outputs()]
-        logger.debug("loaded %s with providers %s", model_path, session.get_providers())
+        logger.debug("loaded %s with providers %s", self._label, session.get_providers())
 
     @property
     def input_specs(self) -> list[TensorSpec]:
@@ -156,7 +141,7 @@ class OrtBackend:
             # INVALID_ARGUMENT is about the feeds (shape/dtype the checks upstream could not see); the rest is
             # a failure inside the model (e.g. a Reshape that does not fit these dims).
             kind = InvalidInputError if type(e).__name__ == "InvalidArgument" else LayerZeroError
-            raise kind(f"onnxruntime failed to run {self._model_path}: {_first_line(e)}") from e
+            raise kind(f"onnxruntime failed to run {self._label}: {first_line(e)}") from e
 
     def end_profiling(self) -> str:
         """Stop profiling and return the path of the written JSON profile."""
@@ -171,64 +156,24 @@ class OrtBackend:
         return self._session
 
 
-def _register_libraries(options: Any, model_path: Path) -> None:
-    """Register the custom-op libraries the bundle's manifest lists (a plain model: ours, when built)."""
+def _libraries(model: Path | bytes) -> list[str] | None:
+    """The custom-op libraries the bundle's manifest lists; None (ours, when built) for a plain model."""
     import json
 
-    from layerzero.plugins import ort_library
-
-    manifest_path = model_path.parent / "manifest.json"
+    if isinstance(model, bytes):
+        return None
+    manifest_path = Path(model).parent / "manifest.json"
+    if not manifest_path.is_file():
+        return None
     try:
-        if manifest_path.is_file():
-            libraries = json.loads(manifest_path.read_text(encoding="utf-8")).get("libraries") or []
-            ort_library.register(options, libraries)
-        else:
-            ort_library.register_if_built(options)
-    except ort_library.PluginError as e:
-        raise UnsupportedModelError(f"{model_path}: {e}") from e
+        return list(json.loads(manifest_path.read_text(encoding="utf-8")).get("libraries") or [])
     except (OSError, ValueError) as e:
         raise UnsupportedModelError(f"{manifest_path}: cannot read the custom-op libraries it lists: {e}") from e
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
-def _optimization_level(ort: Any, level: Any) -> Any:
-    if level is None:
-        return ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if isinstance(level, ort.GraphOptimizationLevel):
-        return level
-    if isinstance(level, str):
-        key = _OPT_LEVELS.get(level.lower(), level.upper())
-        member = ort.GraphOptimizationLevel.__members__.get(key)
-        if member is not None:
-            return member
-    raise InvalidInputError(
-        f"graph_optimization_level {level!r} is not one of {', '.join(_OPT_LEVELS)} "
-        "or an onnxruntime.GraphOptimizationLevel"
-    )
-
-
-def _providers_for(ort: Any, device: str) -> list[Any]:
-    kind, _, index = str(device).lower().partition(":")
-    if kind == "cpu" and not index:
-        return ["CPUExecutionProvider"]
-    if kind == "cuda" and (not index or index.isdigit()):
-        available = ort.get_available_providers()
-        if "CUDAExecutionProvider" not in available:
-            raise InvalidInputError(
-                f"device {device!r} needs the onnxruntime-gpu package (pip install onnxruntime-gpu); "
-                f"this onnxruntime offers {', '.join(available)}"
-            )
-        cuda: Any = ("CUDAExecutionProvider", {"device_id": int(index)}) if index else "CUDAExecutionProvider"
-        return [cuda, "CPUExecutionProvider"]
-    raise InvalidInputError(f"device {device!r} is not one of 'cpu', 'cuda', 'cuda:N'")
-
-
-def _input_specs(session: Any, model_path: Path) -> list[TensorSpec]:
+def _input_specs(session: Any, model_path: Path | bytes) -> list[TensorSpec]:
     args = session.get_inputs()
+    label = "the model" if isinstance(model_path, bytes) else model_path
     # ONNX Runtime reports a scalar and an input of undeclared rank both as shape []; the graph knows which.
     unknown_rank = _undeclared_rank_inputs(model_path) if any(not a.shape for a in args) else set()
     specs = []
@@ -236,7 +181,7 @@ def _input_specs(session: Any, model_path: Path) -> list[TensorSpec]:
         dtype = _ORT_DTYPES.get(arg.type)
         if dtype is None:
             raise UnsupportedModelError(
-                f"input {arg.name!r} of {model_path} has type {arg.type}, which the LayerZero runtime cannot "
+                f"input {arg.name!r} of {label} has type {arg.type}, which the LayerZero runtime cannot "
                 f"feed from numpy; supported: {', '.join(sorted(_ORT_DTYPES))}"
             )
         shape = None if arg.name in unknown_rank else tuple(d if isinstance(d, (int, str)) else None for d in arg.shape)
@@ -244,8 +189,11 @@ def _input_specs(session: Any, model_path: Path) -> list[TensorSpec]:
     return specs
 
 
-def _undeclared_rank_inputs(model_path: Path) -> set[str]:
+def _undeclared_rank_inputs(model_path: Path | bytes) -> set[str]:
     import onnx
 
-    graph = onnx.load(str(model_path), load_external_data=False).graph
+    if isinstance(model_path, bytes):
+        graph = onnx.load_from_string(model_path).graph
+    else:
+        graph = onnx.load(str(model_path), load_external_data=False).graph
     return {i.name for i in graph.input if i.type.HasField("tensor_type") and not i.type.tensor_type.HasField("shape")}

@@ -84,7 +84,7 @@ def test_runtime_imports_no_pass_and_no_target(path: Path) -> None:
 
 @pytest.mark.parametrize("path", _sources("passes"), ids=lambda p: p.name)
 def test_passes_import_no_target_backend_or_compiler(path: Path) -> None:
-    allowed = ("layerzero.passes", "layerzero.contract", "layerzero.errors")
+    allowed = ("layerzero.passes", "layerzero.contract", "layerzero.errors", "layerzero.ort_runner")
     bad = sorted(n for n in _imports(path) if n.startswith("layerzero") and not n.startswith(allowed))
     assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
@@ -92,3 +92,21 @@ def test_passes_import_no_target_backend_or_compiler(path: Path) -> None:
 def test_contract_is_a_leaf() -> None:
     ours = {n for n in _imports(ROOT / "compiler" / "contract.py") if n.startswith("layerzero")}
     assert not ours
+
+
+def test_ort_runner_is_a_leaf() -> None:
+    # Passes and the runtime both create their sessions with it: it may lean on errors and plugins only.
+    ours = {n for n in _imports(ROOT / "compiler" / "ort_runner.py") if n.startswith("layerzero")}
+    assert ours <= {"layerzero.errors", "layerzero.plugins", "layerzero.plugins.ort_library"}, ours
+
+
+@pytest.mark.parametrize("folder", ["compiler", "passes", "runtime"])
+def test_sessions_are_created_by_the_runner_only(folder: str) -> None:
+    # One ORT runner: no other module builds an InferenceSession or its options.
+    owners = [
+        str(p.relative_to(ROOT))
+        for p in _sources(folder)
+        if p.name != "ort_runner.py"
+        and any(w in p.read_text(encoding="utf-8") for w in ("InferenceSession(", "SessionOptions("))
+    ]
+    assert not owners, f"sessions are created outside layerzero.ort_runner in {owners}"
