@@ -46,10 +46,10 @@ def _all_scopes(model: ir.Model) -> dict[ir.Node, str]:
 def _infer_shapes(model: ir.Model) -> None:
     # A layer is matched by the dtype and shape of the values at its border; TorchScript exports carry
     # almost no intermediate shapes, so infer them first (in place: the written model keeps them, harmless).
-    from onnx_ir.passes.common import ShapeInferencePass
+    from layerzero.passes.shape_inference import InferShapes
 
     try:
-        ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
+        InferShapes()(model)
     except Exception as exc:  # inference is a help, never a requirement
         logger.info("shape inference failed, shapes left as they are: %s", exc)
 

@@ -7,23 +7,52 @@ through ``tests/passes/conftest.py``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import onnx
 import onnx_ir as ir
-
-# NOTE: onnx-ir's own route to the onnx C API (initializers above a size limit are left out while onnx serialises
-# the model, so a large model neither copies its weights nor hits protobuf's 2 GB limit). onnx-ir 1.1 exposes it
-# only as this module; re-implementing it here would duplicate it.
-from onnx_ir.passes.common import _c_api_utils
 
 __all__ = ["InferShapes", "infer_shapes"]
 
 logger = logging.getLogger(__name__)
 
+# Initializers above this size are serialised as references, not data: shape inference reads their type and shape
+# only (data propagation needs small shape-like constants, which stay inline).
+_INLINE_LIMIT = 1024
+_PLACEHOLDER = "layerzero-shape-inference-placeholder"
+
+
+@contextlib.contextmanager
+def _weights_by_reference(model: ir.Model) -> Iterator[None]:
+    """While inside, big initializers of every graph hold an external-data reference instead of their tensor.
+
+    So the proto onnx's shape inference reads is a header: a large model neither copies its weights nor hits
+    protobuf's 2 GB limit. Every tensor is put back on exit, whatever happened.
+    """
+    saved: list[tuple[ir.Value, ir.TensorProtocol]] = []
+    try:
+        for graph in model.graphs():
+            for value in graph.initializers.values():
+                tensor = value.const_value
+                if tensor is None or tensor.nbytes <= _INLINE_LIMIT:
+                    continue
+                saved.append((value, tensor))
+                value.const_value = ir.ExternalTensor(
+                    _PLACEHOLDER, 0, tensor.nbytes, tensor.dtype, shape=tensor.shape, name=value.name
+                )
+        yield
+    finally:
+        for value, tensor in saved:
+            value.const_value = tensor
+
 
 class InferShapes(ir.passes.InPlacePass):
-    """Run ``onnx.shape_inference`` (no type check, not strict, data propagation) and merge what it found.
+    """Run onnx's ``infer_shapes`` (no type check, not strict, data propagation) and merge what it found.
+
+    The model is serialised with its big initializers as references (``_weights_by_reference``): onnx's public
+    API on a header-sized proto, with no private onnx-ir helper.
 
     Cases:
     1. A value whose inferred type differs (a sequence or an optional, not only a tensor's dtype) takes the whole
@@ -35,11 +64,11 @@ class InferShapes(ir.passes.InPlacePass):
     """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        def infer(proto: onnx.ModelProto) -> onnx.ModelProto:
-            return onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
-
         try:
-            inferred = ir.serde.deserialize_model(_c_api_utils.call_onnx_api(infer, model))
+            with _weights_by_reference(model):
+                proto = ir.serde.serialize_model(model)
+            proto = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
+            inferred = ir.serde.deserialize_model(proto)
         except Exception as exc:  # Case 3
             logger.info("shape inference failed, shapes left as they are: %s", exc)
             return ir.passes.PassResult(model, modified=False)

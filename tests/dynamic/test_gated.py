@@ -11,7 +11,6 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from onnx_ir.passes.common import ShapeInferencePass
 
 from layerzero.compile import compile_file, compile_model
 from layerzero.errors import VerificationError
@@ -19,6 +18,7 @@ from layerzero.models import build_gated_model, gated_feeds
 from layerzero.options import CompileOptions
 from layerzero.passes._dynamic import MASK_PREFIX, THRESHOLD_INPUT, read_dynamic_paths
 from layerzero.passes.gated_branches import SkipGatedBranches, read_refused_branches
+from layerzero.passes.shape_inference import InferShapes
 from layerzero.runtime import Engine
 
 RNG = np.random.default_rng(0)
@@ -42,7 +42,7 @@ BRANCH = ["/block/mlp/up/MatMul", "/block/mlp/act/Relu", "/block/mlp/down/MatMul
 
 
 def _infer(model: ir.Model) -> None:
-    ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
+    InferShapes()(model)
 
 
 def _apply(model: ir.Model, threshold: float = 0.0) -> tuple[SkipGatedBranches, ir.passes.PassResult]:

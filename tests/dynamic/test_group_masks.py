@@ -12,7 +12,6 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 import yaml
-from onnx_ir.passes.common import ShapeInferencePass
 
 from layerzero.cli import main as cli_main
 from layerzero.compile import compile_file, compile_model
@@ -23,6 +22,7 @@ from layerzero.models.routed_groups import ROUTED_CONFIG, bypassed_blocks, embed
 from layerzero.options import CompileOptions
 from layerzero.passes._dynamic import MASK_PREFIX, read_dynamic_paths
 from layerzero.passes.group_masks import ApplyGroupMasks
+from layerzero.passes.shape_inference import InferShapes
 from layerzero.runtime import Engine
 
 COMBOS = [(False, False), (False, True), (True, False), (True, True)]
@@ -65,7 +65,7 @@ def _spec(example: Path, **changes: object) -> dict:
 
 def _apply(example: Path, spec: dict, model: onnx.ModelProto | None = None) -> ir.Model:
     ir_model = ir.from_proto(model if model is not None else onnx.load(example / "model.onnx"))
-    ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(ir_model)
+    InferShapes()(ir_model)
     ApplyGroupMasks(parse_group_spec(spec, base_dir=example, source="spec.yaml"))(ir_model)
     return ir_model
 
@@ -270,7 +270,7 @@ def test_side_values_of_a_grouped_layer_keep_running(on: bool) -> None:
 
     text = SIDE_TEXT.replace("{W0}", values(w0)).replace("{W1}", values(w1)).replace("{C}", values(c))
     model = ir.from_onnx_text(text)
-    ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
+    InferShapes()(model)
     spec = parse_group_spec({"router": {"output": "r"}, "groups": [{"name": "first", "scopes": ["layers.0"]}]})
     assert ApplyGroupMasks(spec)(model).modified
     onnx.checker.check_model(ir.to_proto(model), full_check=True)

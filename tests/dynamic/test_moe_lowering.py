@@ -14,13 +14,13 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from onnx_ir.passes.common import ShapeInferencePass
 
 from layerzero.errors import InvalidInputError
 from layerzero.models.moe import MoEConfig, build_moe, moe_feeds, moe_layer_weights
 from layerzero.options import CompileOptions
 from layerzero.passes._dynamic import THRESHOLD_INPUT
 from layerzero.passes.lower_moe import LowerMoE
+from layerzero.passes.shape_inference import InferShapes
 from layerzero.plugins.reference import moe_reference, moe_routing
 
 ATOL = 1e-5
@@ -48,7 +48,7 @@ def _session(model: ir.Model | onnx.ModelProto) -> ort.InferenceSession:
 @functools.cache
 def _lowered(config: MoEConfig, lowering: str) -> tuple[onnx.ModelProto, ir.passes.PassResult, LowerMoE]:
     model = ir.from_proto(build_moe(config))
-    ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
+    InferShapes()(model)
     lower = LowerMoE(CompileOptions(moe_lowering=lowering))
     result = lower(model)
     return ir.to_proto(model), result, lower

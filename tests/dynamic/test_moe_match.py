@@ -14,7 +14,6 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
-from onnx_ir.passes.common import ShapeInferencePass
 
 from layerzero.cli import main
 from layerzero.compile import compile_model
@@ -23,6 +22,7 @@ from layerzero.options import CompileOptions
 from layerzero.passes import RemoveDeadCode
 from layerzero.passes._dynamic import read_dynamic_paths
 from layerzero.passes.moe import SkipExperts
+from layerzero.passes.shape_inference import InferShapes
 
 ATOL = 1e-5
 
@@ -50,7 +50,7 @@ def _session(model: ir.Model | onnx.ModelProto) -> ort.InferenceSession:
 
 
 def _infer(model: ir.Model) -> None:
-    ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
+    InferShapes()(model)
 
 
 def _ops(model: ir.Model) -> Counter[str]:

@@ -362,7 +362,7 @@ def test_if_with_a_sequence_output_at_opset_13(helpers):
         FoldConstants,
         modified=True,
         delta=-2,
-        infer=False,  # onnx-ir's ShapeInferencePass turns sequence-typed values into tensors (see report)
+        infer=False,  # onnx-ir's ShapeInferencePass turned sequence-typed values into tensors (InferShapes does not)
         run=False,
     )
     assert check.ops() == {"Neg": 1, "SequenceConstruct": 1}

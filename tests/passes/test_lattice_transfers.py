@@ -16,9 +16,9 @@ import onnx.helper as oh
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from onnx_ir.passes.common import ShapeInferencePass
 
 from layerzero.passes._lattice import transfer
+from layerzero.passes.shape_inference import InferShapes
 
 SHAPE = (2, 3)
 FLOATS = [np.float16, np.float32, np.float64]
@@ -75,7 +75,7 @@ def _check(
     feeds = {n: np.full(shape, s, dtype=np.asarray(s).dtype) for n, s, shape in zip(names, scalars, shapes) if n}
     (expected,) = sess.run(None, feeds)
     model = ir.from_proto(proto)
-    ShapeInferencePass()(model)
+    InferShapes()(model)
     ir_node = next(iter(model.graph))
     known = [None if (k in runtime or s is None) else np.asarray(s) for k, s in enumerate(scalars)]
     (got,) = transfer(ir_node, known, assume_finite=True)
@@ -323,7 +323,7 @@ def test_row_transfers_equal_ort(op, attrs, extra, dtype):
         kernels += 1
         (expected,) = sess.run(None, {"x": np.ascontiguousarray(np.broadcast_to(row, (2, 3, 4)))})
         model = ir.from_proto(proto)
-        ShapeInferencePass()(model)
+        InferShapes()(model)
         shapes = SymbolicShapes(model.graph)
         ir_node = next(iter(model.graph))
         ins = [row] + [v.const_value.numpy() for v in ir_node.inputs[1:]]

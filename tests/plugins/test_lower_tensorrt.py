@@ -10,7 +10,6 @@ import onnx
 import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
-from onnx_ir.passes.common import ShapeInferencePass
 
 from layerzero.errors import UnsupportedModelError
 from layerzero.passes.lower_tensorrt import (
@@ -21,13 +20,14 @@ from layerzero.passes.lower_tensorrt import (
     PLUGIN_VERSION,
     LowerMoEToTensorRT,
 )
+from layerzero.passes.shape_inference import InferShapes
 
 MASK = "layerzero::mask::layers.0.moe"
 
 
 def infer_shapes(model: ir.Model) -> None:
     """What the compile pipeline runs before every pass (the lowering reads dtypes and shapes)."""
-    ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
+    InferShapes()(model)
 
 
 def lower(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, bool]:

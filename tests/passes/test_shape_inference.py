@@ -1,0 +1,94 @@
+"""``InferShapes``: onnx's public shape inference on a header-sized proto, merged back with whole types."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from layerzero.passes import InferShapes
+
+HEADER = '<ir_version: 10, opset_import: ["" : 18]>'
+
+
+def _matmul_model(helpers) -> ir.Model:
+    model = helpers.parse(
+        HEADER
+        + """
+        g (float[N, 64] x, float[64, 32] w) => (y) <int64[2] s = {-1, 16}> {
+            t = MatMul(x, w)
+            y = Reshape(t, s)
+        }
+        """
+    )
+    weight = model.graph.inputs.pop(1)  # an 8 KB weight: too big to write in ONNX text
+    weight.const_value = ir.tensor(np.arange(64 * 32, dtype=np.float32).reshape(64, 32) / 1000, name="w")
+    model.graph.register_initializer(weight)
+    return model
+
+
+def test_shapes_are_inferred_and_merged(helpers) -> None:
+    model = _matmul_model(helpers)
+    (y,) = model.graph.outputs
+    assert y.shape is None
+    assert InferShapes()(model).modified
+    assert y.dtype == ir.DataType.FLOAT and y.shape is not None and y.shape[1] == 16  # data propagation read s
+    t = model.graph.node(0).outputs[0]
+    assert t.shape is not None and t.shape[1] == 32
+    assert not InferShapes()(model).modified  # idempotent
+
+
+def test_big_weights_are_not_serialised_and_come_back(helpers, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _matmul_model(helpers)
+    weight = model.graph.initializers["w"]
+    tensor = weight.const_value
+    seen: list[onnx.ModelProto] = []
+    real = onnx.shape_inference.infer_shapes
+
+    def spying(proto, *args, **kwargs):
+        seen.append(proto)
+        return real(proto, *args, **kwargs)
+
+    monkeypatch.setattr(onnx.shape_inference, "infer_shapes", spying)
+    InferShapes()(model)
+    (proto,) = seen
+    by_name = {t.name: t for t in proto.graph.initializer}
+    assert by_name["w"].data_location == onnx.TensorProto.EXTERNAL and not by_name["w"].raw_data
+    assert by_name["s"].data_location == onnx.TensorProto.DEFAULT  # small shape constants stay inline
+    assert weight.const_value is tensor  # the model's own tensor is back
+    x = np.ones((2, 64), np.float32)
+    (y,) = helpers.run_ort(model, {"x": x}).values()
+    np.testing.assert_allclose(y, (x @ tensor.numpy()).reshape(-1, 16), rtol=1e-6)
+
+
+def test_weights_come_back_when_inference_fails(helpers, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _matmul_model(helpers)
+    tensor = model.graph.initializers["w"].const_value
+
+    def failing(*_args, **_kwargs):
+        raise onnx.shape_inference.InferenceError("boom")
+
+    monkeypatch.setattr(onnx.shape_inference, "infer_shapes", failing)
+    assert not InferShapes()(model).modified  # Case 3
+    assert model.graph.initializers["w"].const_value is tensor
+
+
+def test_sequence_types_are_taken_whole(helpers) -> None:
+    # Case 1: a sequence stays a sequence (onnx-ir's ShapeInferencePass would make it a tensor, which ORT refuses).
+    model = helpers.parse(
+        HEADER
+        + """
+        g (float[2, 3] x) => (float[2, 3] y) {
+            zero = Constant<value = int64 {0}>()
+            seq = SequenceConstruct(x, x)
+            y = SequenceAt(seq, zero)
+        }
+        """
+    )
+    InferShapes()(model)
+    seq = next(n for n in model.graph if n.op_type == "SequenceConstruct").outputs[0]
+    assert isinstance(seq.type, ir.SequenceType)
+    np.testing.assert_array_equal(
+        helpers.run_ort(model, {"x": np.ones((2, 3), np.float32)})["y"], np.ones((2, 3), np.float32)
+    )
