@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -280,11 +280,7 @@ class SkipGatedBranches(ir.passes.InPlacePass):
             moved = [*match.branch, mul, add]
         mask.name = names(MASK_PREFIX + match.path)
         mask.dtype, mask.shape = ir.DataType.BOOL, ir.Shape(list(g.shape or [])[:-1] if match.kind == "token" else [])
-        if_node = build.node(
-            "If",
-            [cond],
-            attributes=[ir.AttrGraph("then_branch", then_branch), ir.AttrGraph("else_branch", else_branch)],
-        )
+        if_node = build.node("If", [cond], {"then_branch": then_branch, "else_branch": else_branch})
         new = if_node.outputs[0]
         new.type, new.shape = y_type, y_shape
         graph.insert_before(add, if_node)
@@ -302,24 +298,34 @@ class SkipGatedBranches(ir.passes.InPlacePass):
 
 
 class _Builder:
-    """New nodes named after the Add they replace (same scope path, same name-scope metadata)."""
+    """New nodes, built on an ``ir.tape.Tape``, named after the Add they replace (same scope path and metadata)."""
 
     def __init__(self, root: ir.Graph, names: NameFactory, anchor: ir.Node) -> None:
         self.root = root
         self.names = names
         self.anchor = anchor
+        self.tape = ir.tape.Tape()
         name = anchor.name or ""
         self.prefix = name.rsplit("/", 1)[0] + "/" if "/" in name else ""
         self.scopes = anchor.metadata_props.get(NAME_SCOPES_KEY)
 
     def node(
-        self, op: str, inputs: Sequence[ir.Value | None], attributes: Sequence[ir.Attr] = (), **kwargs: object
+        self,
+        op: str,
+        inputs: Sequence[ir.Value | None],
+        attributes: Mapping[str, object] | None = None,
+        *,
+        graph: ir.Graph | None = None,
     ) -> ir.Node:
-        node = ir.Node("", op, inputs, attributes=attributes, name=self.names(f"{self.prefix}LzGate{op}"))
-        for out in node.outputs:
-            out.name = self.names(f"{node.name}_output")
-        if self.scopes is not None:
-            node.metadata_props[NAME_SCOPES_KEY] = self.scopes
+        """One node (appended to ``graph`` when given, else not yet placed)."""
+        metadata = {NAME_SCOPES_KEY: self.scopes} if self.scopes is not None else None
+        name = self.names(f"{self.prefix}LzGate{op}")
+        out = self.tape.op(op, inputs, attributes, name=name, metadata_props=metadata)
+        out.name = self.names(f"{name}_output")
+        node = out.producer()
+        assert node is not None
+        if graph is not None:
+            graph.append(node)  # NOTE: the tape's graph= only records the owner; it does not append
         return node
 
     def op(
@@ -335,21 +341,19 @@ class _Builder:
     ) -> ir.Value:
         """One node, placed before the anchor (main graph) or appended to ``graph``; its output."""
         inputs = list(inputs)
-        attributes: list[ir.Attr] = []
+        attributes: dict[str, object] = {}
         if axes is not None:
             if opset >= 13:
                 inputs.append(self.int64s(f"{self.prefix}axes", axes))
             else:
-                attributes.append(ir.AttrInt64s("axes", axes))
+                attributes["axes"] = ir.AttrInt64s("axes", axes)  # typed: an empty list has no element type
         if perm is not None:
-            attributes.append(ir.AttrInt64s("perm", perm))
+            attributes["perm"] = ir.AttrInt64s("perm", perm)
         if to is not None:
-            attributes.append(ir.AttrInt64("to", to))
-        node = self.node(op, inputs, attributes)
+            attributes["to"] = ir.AttrInt64("to", to)
+        node = self.node(op, inputs, attributes, graph=graph)
         if graph is None:
             self.root.insert_before(self.anchor, node)
-        else:
-            graph.append(node)
         return node.outputs[0]
 
     def int64s(self, hint: str, values: list[int] | int) -> ir.Value:

@@ -262,14 +262,13 @@ class ApplyGroupMasks(ir.passes.InPlacePass):
         index = make_constant(graph, names, f"{group.name}.router_index", np.array(group.index, dtype=np.int64))
         threshold = make_constant(graph, names, f"{group.name}.threshold", np.array(self.spec.threshold, dtype=dtype))
         prefix = f"/lz_groups/{group.name}/"
-        nodes: list[ir.Node] = []
+        tape = ir.tape.Tape()  # records the nodes; they go in after the router, in order
 
         def op(op_type: str, inputs: list[ir.Value], **attrs: int) -> ir.Value:
-            attributes = [ir.AttrInt64(k, v) for k, v in attrs.items()]
-            node = ir.Node("", op_type, inputs, attributes=attributes, name=names(prefix + op_type))
-            node.outputs[0].name = names(node.name + "_output")
-            nodes.append(node)
-            return node.outputs[0]
+            name = names(prefix + op_type)
+            out = tape.op(op_type, inputs, attributes=attrs, name=name)
+            out.name = names(name + "_output")
+            return out
 
         value = op("Gather", [router, index], axis=-1)
         if router.shape is None or len(router.shape) > 1:
@@ -277,7 +276,7 @@ class ApplyGroupMasks(ir.passes.InPlacePass):
         mask = op("Greater", [value, threshold])
         mask.name = names(MASK_PREFIX + group.name) if not self.select else names(f"{group.name}__on")
         mask.dtype, mask.shape = ir.DataType.BOOL, ir.Shape([])
-        insert_after_producer(graph, router, nodes)
+        insert_after_producer(graph, router, list(tape.nodes))
         return mask
 
 
@@ -302,34 +301,29 @@ def _run_if(
     base = f"/{layer.scope}/LzGroup"
     then_branch = ir.Graph([], [], nodes=[], name=names(f"{group.name}.{layer.scope}.on"))
     else_branch = ir.Graph([], [], nodes=[], name=names(f"{group.name}.{layer.scope}.off"))
-    keep = ir.Node("", "Identity", [source], name=names(f"{base}Identity"))
-    keep.outputs[0].name = names(f"{keep.name}_output")
-    keep.outputs[0].type, keep.outputs[0].shape = source.type, source.shape
-    else_branch.append(keep)
-    else_branch.outputs.append(keep.outputs[0])
-    node = ir.Node(
-        "",
-        "If",
-        [mask],
-        attributes=[ir.AttrGraph("then_branch", then_branch), ir.AttrGraph("else_branch", else_branch)],
-        name=names(f"{base}If"),
-    )
-    node.outputs[0].name = names(f"{node.name}_output")
-    graph.insert_after(layer.members[-1], node)
-    _take_over(layer.output, node.outputs[0], graph, names, set(layer.members))
+    tape = ir.tape.Tape()
+    keep = tape.op("Identity", [source], name=names(f"{base}Identity"))
+    keep.name = names(f"{keep.producer().name}_output")
+    else_branch.append(keep.producer())
+    keep.type, keep.shape = source.type, source.shape
+    else_branch.outputs.append(keep)
+    out = tape.op("If", [mask], {"then_branch": then_branch, "else_branch": else_branch}, name=names(f"{base}If"))
+    out.name = names(f"{out.producer().name}_output")
+    graph.insert_after(layer.members[-1], out.producer())
+    _take_over(layer.output, out, graph, names, set(layer.members))
     graph.remove(list(layer.members))
     then_branch.extend(layer.members)
     then_branch.outputs.append(layer.output)
-    return node.outputs[0]
+    return out
 
 
 def _select(graph: ir.Graph, names: NameFactory, layer: Layer, source: ir.Value, mask: ir.Value) -> ir.Value:
     # before: x -> [layer] -> out -> readers;  after: Where(mask, out, x) -> readers
-    node = ir.Node("", "Where", [mask, layer.output, source], name=names(f"/{layer.scope}/LzGroupWhere"))
-    node.outputs[0].name = names(f"{node.name}_output")
-    graph.insert_after(layer.members[-1], node)
-    _take_over(layer.output, node.outputs[0], graph, names, {*layer.members, node})
-    return node.outputs[0]
+    out = ir.tape.Tape().op("Where", [mask, layer.output, source], name=names(f"/{layer.scope}/LzGroupWhere"))
+    out.name = names(f"{out.producer().name}_output")
+    graph.insert_after(layer.members[-1], out.producer())
+    _take_over(layer.output, out, graph, names, {*layer.members, out.producer()})
+    return out
 
 
 def _merge_router(model: ir.Model, router: ir.Model, output: ir.Value, names: NameFactory) -> ir.Value:
