@@ -11,7 +11,10 @@ from typing import Any
 
 from layerzero.errors import InvalidInputError
 
-__all__ = ["MOE_LOWERINGS", "STABILITY_UNITS", "CompileOptions"]
+__all__ = ["DEVICES", "MOE_LOWERINGS", "STABILITY_UNITS", "CompileOptions"]
+
+#: ``device``: where the bundle runs (the onnxruntime target lowers for it; the manifest records it).
+DEVICES = ("cpu", "cuda")
 
 #: ``moe_lowering``: "auto" | "if" (per-expert If subgraphs) | "ort-moe" (com.microsoft.MoE); the onnxruntime
 #: target's choices (``passes/lower_moe.py`` ``LOWERINGS``; a test keeps the two equal).
@@ -41,6 +44,9 @@ class CompileOptions:
     shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     sample_inputs: Path | None = None
     target: str = "onnxruntime"
+    # "cpu" | "cuda": where an onnxruntime bundle runs. cuda lowers MoE to com.microsoft.MoE only (ONNX Runtime's
+    # CUDA If needs its condition on the host: a copy and a sync per expert) and Engine.load picks the CUDA provider.
+    device: str = "cpu"  # one of DEVICES
     # Verification of models whose weights exceed this runs layer chunks of half this size at a time.
     chunked_verify_bytes: int = 256 << 20
     # Dynamic zeroing (run-time skipping driven by routers and gates).
@@ -85,6 +91,13 @@ class CompileOptions:
 
         _check_choice("target", self.target, TARGETS)
         _check_choice("moe_lowering", self.moe_lowering, MOE_LOWERINGS)
+        _check_choice("device", self.device, DEVICES)
+        if self.device == "cuda" and self.moe_lowering in ("if", "native"):
+            # Case 4: if = per-expert If (a host copy and a sync each on CUDA); native = a CPU custom-op library.
+            raise InvalidInputError(
+                f"option moe_lowering: {self.moe_lowering!r} cannot run on device 'cuda' "
+                "(use auto or ort-moe: com.microsoft.MoE)"
+            )
         _check_choice("stability_unit", self.stability_unit, STABILITY_UNITS)
         for name in ("sample_inputs", "groups", "profile"):
             setattr(self, name, _path(name, getattr(self, name)))

@@ -81,7 +81,8 @@ class Engine:
             backend: A registered backend name (``"onnxruntime"``/``"ort"``, ``"tensorrt"``); None: the one the
                 bundle's manifest names (``backend``, written by its compile target), ONNX Runtime for a plain
                 ``.onnx`` file.
-            **backend_options: Passed to the backend's ``load`` (e.g. ``device="cuda"``).
+            **backend_options: Passed to the backend's ``load`` (e.g. ``device="cuda"``). Without ``device`` (or
+                ``providers``), a bundle runs on the device its manifest records (``layerzero compile --device``).
 
         Raises:
             InvalidInputError: a bad path, bundle, backend name or option, or a bundle compiled for a target
@@ -100,6 +101,7 @@ class Engine:
             manifest, model_path = bundle.manifest, bundle.model_path
             backend_cls = get_backend(backend or _manifest_backend(manifest))
             _check_target(manifest, backend_cls, root)
+        _use_manifest_device(manifest, backend_cls, backend_options, root)
         instance = backend_cls()
         instance.load(model_path, **backend_options)
         return cls(instance, manifest, path=root, model_path=model_path)
@@ -229,6 +231,30 @@ def _manifest_backend(manifest: Mapping[str, Any]) -> str:
     whose name was the backend's."""
     named = manifest.get("backend") or manifest.get("target") or DEFAULT_BACKEND
     return str(named)
+
+
+def _use_manifest_device(
+    manifest: Mapping[str, Any], backend_cls: type, backend_options: dict[str, Any], root: Path
+) -> None:
+    """A bundle compiled for a device (``manifest["device"]``, e.g. cuda) runs there unless the caller says otherwise.
+
+    Only for a backend that takes a ``device`` option (``takes_device``); ``device=`` or ``providers=`` passed to
+    ``Engine.load`` win. cuda without onnxruntime-gpu is one ``InvalidInputError`` line naming the bundle.
+    """
+    device = manifest.get("device") or "cpu"
+    if device == "cpu" or not getattr(backend_cls, "takes_device", False):
+        return
+    if "device" in backend_options or "providers" in backend_options:
+        return
+    from layerzero.ort_runner import providers_for
+
+    try:
+        providers_for(device)
+    except InvalidInputError as e:
+        raise InvalidInputError(
+            f"bundle {root} was compiled for device {device!r}: {e}; or load it with device='cpu'"
+        ) from None
+    backend_options["device"] = device
 
 
 def _check_target(manifest: Mapping[str, Any], backend_cls: type, root: Path) -> None:

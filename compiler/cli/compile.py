@@ -13,6 +13,7 @@ examples:
   layerzero compile model.onnx -o model.lz --inputs calib.npz
   layerzero compile model.onnx -o model.lz --groups spec.yaml
   layerzero compile moe.onnx -o moe.lz --threshold 0.3 --max-deviation 0.05
+  layerzero compile moe.onnx -o moe.lz --device cuda
   layerzero compile model.onnx -o model.lz --target tensorrt --precision fp16 --shape hidden:1,64/32,64/256,64
   layerzero compile moe.onnx -o solid.lz --profile profile.json --stability-window 100 --impact-tolerance 0.01
 
@@ -117,6 +118,13 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
     from layerzero.targets.tensorrt import PRECISIONS
 
     p.add_argument("--target", choices=TARGETS, default="onnxruntime", help="what the bundle runs on")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where an onnxruntime bundle runs: cuda lowers MoE to com.microsoft.MoE only (never per-expert If) "
+        "and the runtime picks the CUDA provider (pip install 'layerzero[gpu]')",
+    )
     trt = p.add_argument_group("--target tensorrt")
     trt.add_argument("--precision", choices=PRECISIONS, default="fp32", help="engine precision (default fp32)")
     trt.add_argument("--workspace-mb", type=integer(1, 2**40), metavar="MB", help="TensorRT builder workspace limit")
@@ -161,6 +169,7 @@ def options_from(args: argparse.Namespace) -> CompileOptions:
         shapes=_shapes(args),
         sample_inputs=args.inputs,
         target=getattr(args, "target", "onnxruntime"),
+        device=getattr(args, "device", "cpu"),
         zeroing_threshold=getattr(args, "threshold", 0.0),
         max_deviation=getattr(args, "max_deviation", None),
         moe_lowering=getattr(args, "moe_lowering", "auto"),

@@ -1,8 +1,10 @@
 """The ONNX Runtime target (the default): standard and ``com.microsoft`` ops, run by the ``onnxruntime`` backend.
 
 Lowering: every ``ai.layerzero::MoE`` node becomes ONNX Runtime ops (``passes/lower_moe.py``: per-expert ``If``
-subgraphs or ``com.microsoft.MoE``, ``CompileOptions.moe_lowering``). Verification compares the compiled graph
-itself. The bundle is ``model.onnx`` (+ external data) and ``manifest.json`` (``runtime/bundle.py``).
+subgraphs or ``com.microsoft.MoE``, ``CompileOptions.moe_lowering``), for the device the bundle runs on
+(``CompileOptions.device``: on cuda only ``com.microsoft.MoE``, never ``If``). Verification compares the compiled
+graph itself (on the CPU). The bundle is ``model.onnx`` (+ external data) and ``manifest.json``
+(``runtime/bundle.py``), which records the device.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from layerzero.errors import InvalidInputError
+from layerzero.contract import MOE_DOMAIN, MOE_OP
+from layerzero.errors import InvalidInputError, UnsupportedModelError
 from layerzero.targets.base import Progress, Target
 
 if TYPE_CHECKING:
@@ -30,10 +33,21 @@ class OnnxRuntimeTarget(Target):
     backend = "onnxruntime"
 
     def lower(self, model: ir.Model, options: CompileOptions) -> bool:
+        """Lower every ``ai.layerzero::MoE`` node for ``options.device``.
+
+        Cases:
+        1. cpu: ``LowerMoE`` with ``options.moe_lowering``; auto picks the native op when liblayerzero_ort.so is
+           built (``layerzero plugins build``), else by the cost model.
+        2. cuda: ``com.microsoft.MoE`` for every block, never per-expert ``If`` (ONNX Runtime's CUDA ``If``
+           reads its condition on the host: a copy and a sync per expert would serialise them). A block the op
+           cannot compute is refused (``UnsupportedModelError`` naming it and why), before anything changes.
+        """
         from layerzero.passes.lower_moe import LowerMoE
+
+        if options.device == "cuda":
+            return _lower_for_cuda(model)
         from layerzero.plugins.ort_library import find_ort_library
 
-        # auto picks the native op when liblayerzero_ort.so is built (`layerzero plugins build`).
         lower = LowerMoE(lowering=options.moe_lowering, enabled=True, native_present=find_ort_library() is not None)
         return lower(model).modified
 
@@ -59,6 +73,7 @@ class OnnxRuntimeTarget(Target):
         if progress is not None:
             progress("writing bundle")
         manifest = result.manifest(source, sha256)
+        manifest["device"] = result.options.device  # Engine.load picks the execution provider from it
         # Weights that came memory-mapped from external data stay external: they are copied file to file. Saved
         # into one protobuf they would be read into memory and serialised, several times their size at peak.
         mapped = any(isinstance(v.const_value, ir.ExternalTensor) for v in result.model.graph.initializers.values())
@@ -71,3 +86,31 @@ class OnnxRuntimeTarget(Target):
             **({"external_threshold_bytes": 0} if mapped else {}),
         )
         return manifest
+
+
+def _lower_for_cuda(model: ir.Model) -> bool:
+    """Case 2 of ``OnnxRuntimeTarget.lower``."""
+    from layerzero.passes.lower_moe import LowerMoE, ort_moe_supports
+
+    for node in model.graph:
+        if node.domain != MOE_DOMAIN or node.op_type != MOE_OP:
+            continue
+
+        def attr(name: str, default: object, node: ir.Node = node) -> object:
+            found = node.attributes.get(name)
+            return default if found is None else found.value
+
+        why = ort_moe_supports(
+            str(attr("scoring", "softmax")), str(attr("activation", "silu")), float(attr("zeroing_threshold", 0.0))
+        )
+        if why is not None:
+            raise UnsupportedModelError(
+                f"MoE block {attr('path', node.name)!r}: device 'cuda' lowers MoE to com.microsoft.MoE only, "
+                f"which cannot run it: {why}; compile it with --device cpu"
+            )
+    lower = LowerMoE(lowering="ort-moe", enabled=True, native_present=False)
+    modified = lower(model).modified
+    other = [path for path, lowering in lower.lowered if lowering != "ort-moe"]
+    if other:  # ort_moe_supports said yes above: LowerMoE and it disagree
+        raise UnsupportedModelError(f"MoE blocks {other}: not lowered to com.microsoft.MoE for device 'cuda'")
+    return modified

@@ -66,6 +66,8 @@ class OrtBackend:
     targets = ("onnxruntime",)
     #: ``load`` takes any ONNX file.
     loads_onnx = True
+    #: ``load`` takes ``device``: ``Engine.load`` passes the manifest's device (a bundle compiled for cuda).
+    takes_device = True
 
     def __init__(self) -> None:
         self._session: Any = None
