@@ -42,8 +42,23 @@ _NATIVE_WEIGHTS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 _NATIVE_HIDDEN = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
 
 
+# v2 optional inputs the kernel does not read yet (position -> name); a node that has one stays with If.
+_V2_EXPERT_INPUTS = {5: "b_gate", 6: "b_up", 7: "b_down"}
+
+
 def native_supports(node: ir.Node) -> str | None:
-    """Why liblayerzero_ort.so cannot run this ``ai.layerzero::MoE`` node (None when it can)."""
+    """Why liblayerzero_ort.so cannot run this ``ai.layerzero::MoE`` node (None when it can).
+
+    Refused: v2 features the kernel does not implement (expert biases, ``swiglu_oai`` and its attributes,
+    any attribute it does not know), other dtypes, and weights that are not constants no feed can override.
+    """
+    biases = [
+        name
+        for i, name in _V2_EXPERT_INPUTS.items()
+        if len(node.inputs) > i and node.inputs[i] is not None and node.inputs[i].name != THRESHOLD_INPUT
+    ]
+    if biases:
+        return f"expert biases {', '.join(biases)} (liblayerzero_ort.so implements experts without biases)"
     unknown = sorted(set(node.attributes) - NATIVE_ATTRIBUTES)
     if unknown:
         known = ", ".join(sorted(NATIVE_ATTRIBUTES))
@@ -64,6 +79,8 @@ def native_supports(node: ir.Node) -> str | None:
     for value in node.inputs[2:5]:
         if value is None or value.const_value is None:
             return f"expert weight {value and value.name} is not a constant"
+        if value.is_graph_input():
+            return f"expert weight {value.name} is also a graph input (a feed may override it)"
         dtypes.add(value.const_value.dtype)
     if len(dtypes) != 1 or next(iter(dtypes)) not in _NATIVE_WEIGHTS:
         return f"expert weight dtypes {sorted(str(d) for d in dtypes)} (one of float32, float16, bfloat16)"

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import onnx_ir as ir
 
 from layerzero.passes._graph import const_array
 from layerzero.passes._moe.experts import (
-    act_times_up,
     batched_projection,
-    gate_up,
+    expert_ffn,
     linear_projection,
+    stack_experts,
     stacked_projection,
 )
 from layerzero.passes._moe.router import Router, routing_matrix, routing_weights
@@ -101,13 +100,13 @@ def match_batched_mm(w: Walk, end: ir.Node, router: Router) -> dict:
         down_value = other
         break
     need(down_value is not None, reason)
-    projection = batched_projection(w, router)
-    w_down, h = projection(down_value, "down projection")
-    need(w_down.shape[1] == hidden_size, f"batched_mm: down weights {list(w_down.shape)} do not give H={hidden_size}")
-    act, gate, up = act_times_up(w, h)
-    w_gate, w_up, xr = gate_up(w, gate, up, projection)
-    x = _repeated_tokens(w, xr, router.top_k, hidden_size)
-    return {"hidden": x, "normalize": normalize, "activation": act, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+    ffn = expert_ffn(w, down_value, batched_projection(w, router))
+    need(
+        ffn.w_down.shape[1] == hidden_size,
+        f"batched_mm: down weights {list(ffn.w_down.shape)} do not give H={hidden_size}",
+    )
+    x = _repeated_tokens(w, ffn.x, router.top_k, hidden_size)
+    return {"hidden": x, "normalize": normalize, **ffn.fields()}
 
 
 def _flat_weights(w: Walk, value: ir.Value, router: Router) -> int:
@@ -149,12 +148,9 @@ def match_dense(w: Walk, end: ir.Node, router: Router) -> dict:
             break
         need(r_value is not None, "dense: no factor is the transposed routing matrix [E, T, 1]")
     normalize = routing_matrix(w, r_value, router)
-    projection = stacked_projection(w)
-    w_down, h = projection(y_value, "down projection")
-    act, gate, up = act_times_up(w, h)
-    w_gate, w_up, x = gate_up(w, gate, up, projection)
-    need(rank_of(x) == 2, "dense: the experts' input is not the hidden state [T, H]")
-    return {"hidden": x, "normalize": normalize, "activation": act, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+    ffn = expert_ffn(w, y_value, stacked_projection(w))
+    need(rank_of(ffn.x) == 2, "dense: the experts' input is not the hidden state [T, H]")
+    return {"hidden": ffn.x, "normalize": normalize, **ffn.fields()}
 
 
 def _column(w: Walk, value: ir.Value) -> tuple[ir.Value, int]:
@@ -234,28 +230,13 @@ def match_unrolled(w: Walk, end: ir.Node, router: Router) -> dict:
         per_expert[e] = y
     normalize = routing_matrix(w, matrix, router)
     projection = linear_projection(w)
-    gates, ups, downs, acts, x = [], [], [], set(), None
+    ffns = []
     for e in range(router.experts):
-        w_down, h = projection(per_expert[e], f"expert {e} down projection")
-        act, gate, up = act_times_up(w, h)
-        w_gate, w_up, x_e = gate_up(w, gate, up, projection)
-        need(x is None or x_e is x, f"unrolled: expert {e} reads another input than expert 0")
-        x = x_e
-        gates.append(w_gate)
-        ups.append(w_up)
-        downs.append(w_down)
-        acts.add(act)
-    need(len(acts) == 1, f"unrolled: experts use different activations {sorted(acts)}")
-    shapes = {(g.shape, u.shape, d.shape) for g, u, d in zip(gates, ups, downs)}
-    need(len(shapes) == 1, "unrolled: experts have different weight shapes")
-    return {
-        "hidden": x,
-        "normalize": normalize,
-        "activation": acts.pop(),
-        "w_gate": np.concatenate(gates),
-        "w_up": np.concatenate(ups),
-        "w_down": np.concatenate(downs),
-    }
+        ffn = expert_ffn(w, per_expert[e], projection)
+        need(not ffns or ffn.x is ffns[0].x, f"unrolled: expert {e} reads another input than expert 0")
+        ffns.append(ffn)
+    ffn = stack_experts(ffns)
+    return {"hidden": ffn.x, "normalize": normalize, **ffn.fields()}
 
 
 # The op that ends a block -> the block shapes it may end, tried in order.
