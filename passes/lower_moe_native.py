@@ -52,6 +52,9 @@ def native_supports(node: ir.Node) -> str | None:
     Refused: v2 features the kernel does not implement (expert biases, ``swiglu_oai`` and its attributes,
     any attribute it does not know), other dtypes, and weights that are not constants no feed can override.
     """
+    for value in node.inputs[2:5]:
+        if value is not None and value.is_graph_input():
+            return f"expert weight {value.name} is also a graph input (a feed may override it)"
     biases = [
         name
         for i, name in _V2_EXPERT_INPUTS.items()
@@ -79,8 +82,6 @@ def native_supports(node: ir.Node) -> str | None:
     for value in node.inputs[2:5]:
         if value is None or value.const_value is None:
             return f"expert weight {value and value.name} is not a constant"
-        if value.is_graph_input():
-            return f"expert weight {value.name} is also a graph input (a feed may override it)"
         dtypes.add(value.const_value.dtype)
     if len(dtypes) != 1 or next(iter(dtypes)) not in _NATIVE_WEIGHTS:
         return f"expert weight dtypes {sorted(str(d) for d in dtypes)} (one of float32, float16, bfloat16)"

@@ -276,9 +276,10 @@ def _swiglu_clamps(w: Walk, g: ir.Value, up_c: ir.Value) -> tuple[ir.Value, ir.V
 
 
 # Gated units (rules as data): name -> part matching ``glu(gate, up)`` from its output. Tried in order.
+# swiglu_oai first: with alpha 1 its g · Sigmoid(g) is a silu, and act × up would take (up + 1) for the up.
 GATED_UNITS: dict[str, Callable[[Walk, ir.Value], Gating]] = {
-    "act-times-up": _act_times_up,
     "swiglu_oai": _swiglu_oai,
+    "act-times-up": _act_times_up,
 }
 
 
