@@ -361,3 +361,19 @@ def test_lowering_refuses_an_moe_node_with_an_overridable_weight() -> None:
         UnsupportedModelError, match=r"MoE node .*: expert weight .* initializer that is also a graph input"
     ):
         LowerMoE(lowering="if")(model)
+
+
+def test_solidify_drops_the_dropped_experts_biases_too() -> None:
+    from types import SimpleNamespace
+
+    from layerzero.passes.solidify_paths import DropExperts
+
+    model, _, _ = _skip(gpt_oss_block("dynamo"))
+    node = _moe_node(model)
+    before = [v.const_value.numpy() for v in node.inputs[2:8]]
+    path = node.attributes["path"].value
+    assert DropExperts(SimpleNamespace(solidify=[f"{path}.experts.1"]))(model).modified
+    node = _moe_node(model)
+    after = [v.const_value.numpy() for v in node.inputs[2:8]]
+    for old, new in zip(before, after, strict=True):
+        np.testing.assert_array_equal(new, old[[0, 2, 3]])
