@@ -77,7 +77,7 @@ def combination_ends(router: Router, depth: int = 12) -> list[ir.Node]:
                 nxt.extend(user.outputs)
                 if user.op_type == "ReduceSum" and router.values in user.inputs:
                     continue  # the renormalisation's sum
-                if user.op_type in ("ReduceSum", "Einsum"):
+                if user.op_type in ("ReduceSum", "Einsum", "ScatterND"):
                     ends.append(user)
                 elif user.op_type in ("Add", "Sum"):
                     # Every Add of the chain, outermost first: the last one may be a residual connection.

@@ -14,7 +14,9 @@ Variants:
 - projection (which block shape reads the weights): ``batched_projection`` (``GatherND`` / ``Gather`` of
   stacked weights per (token, slot), batched ``MatMul``, ``Squeeze``: ``[E, out, in]`` times the tokens as
   columns, or, transposed (GPT-OSS), the tokens as rows times ``[E, in, out]``), ``stacked_projection``
-  (``MatMul`` by stacked ``[E, in, out]``), ``linear_projection`` (one expert's ``MatMul`` / ``Gemm``);
+  (``MatMul`` by stacked ``[E, in, out]``), ``linear_projection`` (one expert's ``MatMul`` / ``Gemm``),
+  ``sorted_projection`` (JetMoE: rows sorted by expert, ``Split`` by the experts' counts, one ``Gemm`` per
+  expert, ``Concat``);
 - bias (each projection's own form, optional): ``Add`` of the per-slot bias rows (``GatherND`` / ``Gather`` of
   ``[E, out]`` by the same expert index), of a stacked ``[E, 1, out]``, or of one expert's ``[out]`` (or the
   ``Gemm``'s C);
@@ -62,6 +64,7 @@ __all__ = [
     "gate_up",
     "gated_unit",
     "linear_projection",
+    "sorted_projection",
     "stack_experts",
     "stacked_projection",
 ]
@@ -556,5 +559,48 @@ def linear_projection(w: Walk) -> Projection:
         need(rank_of(node.inputs[0]) == 2, f"{what}: input is not [T, in]")
         need(bias is None or bias.shape[1] == weight.shape[0], f"{what}: bias width differs from the weights'")
         return np.ascontiguousarray(weight)[None], bias, node.inputs[0]
+
+    return projection
+
+
+def sorted_projection(w: Walk, experts: int, sizes: list[ir.Value]) -> Projection:
+    """Rows sorted by expert (JetMoE's ``ParallelExperts``): ``Concat_e(Gemm(Split(x, sizes, axis 0)[e], W_e))``,
+    one linear projection per expert reading its part. Every ``Split`` of the block must cut at the same
+    ``sizes`` (appended here; the combine part checks they are the experts' token counts)."""
+    linear = linear_projection(w)
+
+    def projection(value: ir.Value, what: str) -> tuple[np.ndarray, np.ndarray | None, ir.Value]:
+        concat = w.node(value, "Concat", f"{what}: the experts' rows")
+        need(
+            rank_of(value) == 2 and sorted_axes([int(attr_of(concat, "axis", 0))], 2) == [0],
+            f"{what}: Concat is not along the rows",
+        )
+        need(len(concat.inputs) == experts, f"{what}: {len(concat.inputs)} parts for {experts} experts")
+        weights, biases, split = [], [], None
+        for e, part in enumerate(concat.inputs):
+            weight, bias, x_e = linear(part, f"{what} of expert {e}")
+            node = x_e.producer()
+            need(
+                node is not None and node.op_type == "Split" and node.domain in STD and len(node.outputs) == experts,
+                f"{what} of expert {e}: does not read a Split of the rows into {experts} parts",
+            )
+            need(split is None or node is split, f"{what}: the experts read different Splits")
+            need(node.outputs[e] is x_e, f"{what}: expert {e} reads part {list(node.outputs).index(x_e)}")
+            split = node
+            weights.append(weight)
+            biases.append(bias)
+        need(
+            sorted_axes([int(attr_of(split, "axis", 0))], 2) == [0] and len(split.inputs) > 1,
+            f"{what}: Split is not of the rows by sizes",
+        )
+        if split not in w.nodes:
+            w.nodes.append(split)
+        sizes.append(split.inputs[1])
+        need(len({wt.shape for wt in weights}) == 1, f"{what}: the experts' weights differ in shape")
+        bias = None
+        if any(b is not None for b in biases):
+            width = weights[0].shape[1]
+            bias = np.concatenate([np.zeros((1, width), weights[0].dtype) if b is None else b for b in biases])
+        return np.concatenate(weights), bias, split.inputs[0]
 
     return projection

@@ -15,7 +15,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from onnx_ir.passes.common import ShapeInferencePass
+from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass
 
 from layerzero.errors import UnsupportedModelError
 from layerzero.passes._dynamic import MOE_DOMAIN, MOE_OP
@@ -377,3 +377,137 @@ def test_solidify_drops_the_dropped_experts_biases_too() -> None:
     after = [v.const_value.numpy() for v in node.inputs[2:8]]
     for old, new in zip(before, after, strict=True):
         np.testing.assert_array_equal(new, old[[0, 2, 3]])
+
+
+# --- JetMoE (dynamo): rows sorted by expert, Split by the experts' counts, ScatterND add -----------------------
+
+
+def jetmoe_block(*, sizes_from: str = "counts", seed: int = 1) -> onnx.ModelProto:
+    """JetMoE's ``JetMoeMoE`` (without its layer bias) the way the dynamo exporter writes it."""
+    rng = np.random.default_rng(seed)
+    f32, i64 = np.float32, np.int64
+    w_router = rng.normal(0, 1, (E, H)).astype(f32)
+    w_in = rng.normal(0, 0.3, (E, 2 * F, H)).astype(f32)  # [E, out, in], gate | up concatenated
+    w_out = rng.normal(0, 0.3, (E, H, F)).astype(f32)
+    nodes, inits = [], []
+
+    def node(op: str, inputs: list[str], outs: list[str] | str, **attrs) -> str:
+        outs = [outs] if isinstance(outs, str) else outs
+        nodes.append(helper.make_node(op, inputs, outs, name=f"/model/layers.0/mlp/{outs[0]}", **attrs))
+        return outs[0]
+
+    def const(name: str, array) -> str:
+        inits.append(_c(name, array))
+        return name
+
+    zero, one, minus = (
+        const("ax0", np.array([0], i64)),
+        const("ax1", np.array([1], i64)),
+        const("m1", np.array([-1], i64)),
+    )
+    logits = node("Gemm", ["x", const("router.layer.weight", w_router)], "logits", transB=1)
+    node("TopK", [logits, const("k", np.array([K], i64))], ["vals", "idx"], axis=1)
+    probs = node("Softmax", ["vals"], "probs", axis=1)
+    zeros_te = node(
+        "ConstantOfShape", [node("Shape", [logits], "logits_shape")], "zeros_te", value=_c("z", np.array([0.0], f32))
+    )
+    ones = node("ConstantOfShape", [node("Shape", ["idx"], "idx_shape")], "ones", value=_c("o", np.array([1.0], f32)))
+    hot = node("ScatterElements", [zeros_te, "idx", ones], "hot", axis=1)
+    counts = node("ReduceSum", [node("Cast", [hot], "hot_i", to=TensorProto.INT64), zero], "counts", keepdims=0)
+    if sizes_from == "counts":
+        parts = []
+        for e in range(E):
+            bounds = [const(f"s{e}", np.array([e], i64)), const(f"e{e}", np.array([e + 1], i64)), zero]
+            count = node("Squeeze", [node("Slice", [counts, *bounds], f"count{e}"), zero], f"count{e}_s")
+            parts.append(node("Reshape", [count, minus], f"count{e}_r"))
+        sizes = node("Concat", parts, "sizes", axis=0)
+    else:  # a Split at sizes that are not the counts: no block
+        sizes = node("Cast", [node("Reshape", [counts, minus], "counts_flat")], "sizes", to=TensorProto.INT64)
+    flat = node("Reshape", ["idx", minus], "flat")
+    length = node(
+        "Reshape",
+        [node("Gather", [node("Shape", [flat], "flat_shape"), const("i0", np.array(0, i64))], "flat_len", axis=0), one],
+        "n",
+    )
+    node("TopK", [flat, length], ["sorted_ids", "order"], axis=0, largest=0)
+    d = node(
+        "Div", [node("Cast", ["order"], "order_f", to=TensorProto.FLOAT), const("kf", np.array(float(K), f32))], "d"
+    )
+    token = node(
+        "Cast",
+        [node("Mul", [node("Floor", [node("Abs", [d], "d_abs")], "d_floor"), node("Sign", [d], "d_sign")], "d_trunc")],
+        "token",
+        to=TensorProto.INT64,
+    )
+    rows = node("Unsqueeze", [token, minus], "rows")
+    xs = node("GatherND", ["x", rows], "xs")
+
+    def per_expert(x: str, weights: np.ndarray, tag: str) -> str:
+        outs = [f"{tag}_part{e}" for e in range(E)]
+        node("Split", [x, sizes], outs, axis=0)
+        return node(
+            "Concat",
+            [node("Gemm", [outs[e], const(f"{tag}.w{e}", weights[e])], f"{tag}_y{e}", transB=1) for e in range(E)],
+            f"{tag}_cat",
+            axis=0,
+        )
+
+    fused = per_expert(xs, w_in, "in")
+    node("Split", [fused], ["gate", "up"], axis=1, num_outputs=2)
+    h = node("Mul", [node("Mul", ["gate", node("Sigmoid", ["gate"], "sig")], "silu"), "up"], "h")
+    out = per_expert(h, w_out, "out")
+    weights = node(
+        "GatherND",
+        [node("Reshape", [probs, minus], "probs_flat"), node("Unsqueeze", ["order", minus], "order_rows")],
+        "w_sorted",
+    )
+    weighted = node("Mul", [out, node("Unsqueeze", [weights, one], "w_col")], "weighted")
+    upd = node(
+        "Expand",
+        [
+            weighted,
+            node(
+                "Concat",
+                [node("Shape", [token], "token_shape"), const("width", np.array([H], i64))],
+                "upd_shape",
+                axis=0,
+            ),
+        ],
+        "upd",
+    )
+    acc = node("ConstantOfShape", [node("Shape", ["x"], "x_shape")], "acc", value=_c("z2", np.array([0.0], f32)))
+    node("ScatterND", [acc, rows, upd], "y", reduction="add")
+    graph = helper.make_graph(
+        nodes, "jetmoe_block", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", H])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", H])], inits,
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    onnx.checker.check_model(model)
+    return model
+
+
+def test_jetmoe_sorted_block_is_rewritten() -> None:
+    proto = jetmoe_block()
+    model, skip, result = _skip(proto)
+    assert result.modified and skip.rewritten and [f for _, f in skip.rewritten] == ["sorted"], skip.rejected
+    node = _moe_node(model)
+    attrs = {k: a.value for k, a in node.attributes.items()}
+    assert (attrs["activation"], attrs["normalize"], attrs["top_k"]) == ("silu", 1, K) and len(node.inputs) == 5
+    # The shape arithmetic left dead (Shape / Gather / Reshape of sizes) goes in the pipeline's dead-code removal.
+    RemoveUnusedNodesPass()(model)
+    assert sorted(n.op_type for n in model.graph) == sorted(["Gemm", "MoE", "Softmax", "ReduceMax", "Constant"])
+    assert not SkipExperts()(model).modified
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("lowering", ["if", "ort-moe"])
+def test_jetmoe_sorted_block_lowerings_equal_the_export(lowering: str, tokens: int) -> None:
+    proto = jetmoe_block()
+    _assert_same(proto, _lowered(proto, lowering)[0], tokens, seed=tokens)
+
+
+def test_jetmoe_split_at_other_sizes_is_refused() -> None:
+    _, skip, result = _skip(jetmoe_block(sizes_from="other"))
+    assert not result.modified
+    assert any("split sizes" in r.reason for r in skip.rejected), skip.rejected
