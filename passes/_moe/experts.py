@@ -288,6 +288,14 @@ GATED_UNITS: dict[str, Callable[[Walk, ir.Value], Gating]] = {
 
 def gated_unit(w: Walk, value: ir.Value) -> Gating:
     """The first of ``GATED_UNITS`` that matches ``value``; else NoMatch with each variant's reason."""
+    producer = value.producer()
+    if producer is None or producer.op_type != "Mul" or producer.domain not in STD:
+        found = "a graph input or constant" if producer is None else f"{producer.op_type} ({producer.name})"
+        # Every gated unit ends in a Mul; say so once instead of each variant's first failed check.
+        raise NoMatch(
+            f"expert FFN: the down projection reads {found}, not a gated unit (act(gate) × up or swiglu_oai); "
+            "experts with one projection (JetMoE's attention experts) are no MoE FFN"
+        )
     reasons = []
     for part in GATED_UNITS.values():
         try:

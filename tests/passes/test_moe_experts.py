@@ -382,8 +382,9 @@ def test_solidify_drops_the_dropped_experts_biases_too() -> None:
 # --- JetMoE (dynamo): rows sorted by expert, Split by the experts' counts, ScatterND add -----------------------
 
 
-def jetmoe_block(*, sizes_from: str = "counts", seed: int = 1) -> onnx.ModelProto:
-    """JetMoE's ``JetMoeMoE`` (without its layer bias) the way the dynamo exporter writes it."""
+def jetmoe_block(*, sizes_from: str = "counts", one_projection: bool = False, seed: int = 1) -> onnx.ModelProto:
+    """JetMoE's ``JetMoeMoE`` (without its layer bias) the way the dynamo exporter writes it; ``one_projection``:
+    experts of one projection each (the shape of its attention experts' output projection)."""
     rng = np.random.default_rng(seed)
     f32, i64 = np.float32, np.int64
     w_router = rng.normal(0, 1, (E, H)).astype(f32)
@@ -452,10 +453,13 @@ def jetmoe_block(*, sizes_from: str = "counts", seed: int = 1) -> onnx.ModelProt
             axis=0,
         )
 
-    fused = per_expert(xs, w_in, "in")
-    node("Split", [fused], ["gate", "up"], axis=1, num_outputs=2)
-    h = node("Mul", [node("Mul", ["gate", node("Sigmoid", ["gate"], "sig")], "silu"), "up"], "h")
-    out = per_expert(h, w_out, "out")
+    if one_projection:
+        out = per_expert(xs, rng.normal(0, 0.3, (E, H, H)).astype(f32), "out")
+    else:
+        fused = per_expert(xs, w_in, "in")
+        node("Split", [fused], ["gate", "up"], axis=1, num_outputs=2)
+        h = node("Mul", [node("Mul", ["gate", node("Sigmoid", ["gate"], "sig")], "silu"), "up"], "h")
+        out = per_expert(h, w_out, "out")
     weights = node(
         "GatherND",
         [node("Reshape", [probs, minus], "probs_flat"), node("Unsqueeze", ["order", minus], "order_rows")],
@@ -511,3 +515,9 @@ def test_jetmoe_split_at_other_sizes_is_refused() -> None:
     _, skip, result = _skip(jetmoe_block(sizes_from="other"))
     assert not result.modified
     assert any("split sizes" in r.reason for r in skip.rejected), skip.rejected
+
+
+def test_experts_of_one_projection_are_refused_with_the_reason() -> None:
+    _, skip, result = _skip(jetmoe_block(one_projection=True))
+    assert not result.modified and len(skip.rejected) == 1
+    assert "not a gated unit" in skip.rejected[0].reason and "GatherND" in skip.rejected[0].reason, skip.rejected
