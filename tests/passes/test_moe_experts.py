@@ -521,3 +521,51 @@ def test_experts_of_one_projection_are_refused_with_the_reason() -> None:
     _, skip, result = _skip(jetmoe_block(one_projection=True))
     assert not result.modified and len(skip.rejected) == 1
     assert "not a gated unit" in skip.rejected[0].reason and "GatherND" in skip.rejected[0].reason, skip.rejected
+
+
+# --- biases in the other block shapes: unrolled (one MatMul + bias per expert) and dense ([E, 1, out] bias) -----
+
+
+def _with_biases(proto: onnx.ModelProto, seed: int = 3) -> onnx.ModelProto:
+    """Every expert projection ``MatMul(x, W)`` of a ``layerzero.models.moe`` block followed by ``+ b``: ``[out]``
+    for one expert's ``[in, out]`` weight, ``[E, 1, out]`` for stacked ``[E, in, out]`` weights."""
+    rng = np.random.default_rng(seed)
+    inits = {t.name: t for t in proto.graph.initializer}
+    nodes = []
+    for node in proto.graph.node:
+        nodes.append(node)
+        weight = inits.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) > 1 else None
+        if weight is None or "_proj" not in node.input[1]:
+            continue
+        dims = list(weight.dims)
+        shape = [dims[1]] if len(dims) == 2 else [dims[0], 1, dims[2]]
+        bias = f"{node.input[1]}.bias"
+        proto.graph.initializer.append(_c(bias, rng.normal(0, 0.5, shape).astype(np.float32)))
+        out = node.output[0]
+        node.output[0] = f"{out}.no_bias"
+        nodes.append(helper.make_node("Add", [node.output[0], bias], [out], name=f"{node.name}/bias"))
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    onnx.checker.check_model(proto)
+    return proto
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("form, fused", [("unrolled", False), ("unrolled", True), ("dense", False), ("dense", True)])
+def test_biases_in_every_block_shape(form: str, fused: bool, tokens: int) -> None:
+    from layerzero.models.moe import MoEConfig, build_moe
+
+    config = MoEConfig(form=form, fused_gate_up=fused, layers=1, hidden=H, ffn=F)
+    proto = _with_biases(build_moe(config))
+    x_name = proto.graph.input[0].name
+    model, skip, result = _skip(proto)
+    assert result.modified, skip.rejected
+    node = _moe_node(model)
+    assert len(node.inputs) == 8 and all(v is not None for v in node.inputs[5:])
+    y_name = proto.graph.output[0].name
+    feeds = {x_name: np.random.default_rng(tokens).normal(0, 1, (tokens, H)).astype(np.float32)}
+    (expected,) = _session(proto).run([y_name], feeds)
+    for lowering in ("if", "ort-moe"):
+        compiled, _ = _lowered(proto, lowering)
+        (got,) = _session(compiled).run([y_name], feeds)
+        np.testing.assert_allclose(got, expected, atol=ATOL, rtol=RTOL)
