@@ -36,6 +36,8 @@ class SkipExperts(ir.passes.InPlacePass):
        ``Flatten``, shapes computed from ``Shape``).
     2. Dense blocks: every expert on every token, combined with a ``[T, E]`` routing matrix.
     3. Unrolled blocks: one FFN per expert scaled by its routing column and summed.
+    4. Sorted blocks (JetMoE, dynamo): the slots sorted by expert, split by the experts' token counts, one
+       projection per expert, added back into the tokens' rows (``ScatterND`` add).
     Expert variants (``passes/_moe/experts.py``): biases (inputs 5-7, only when the block has them), GPT-OSS's
     clamped SwiGLU (``activation="swiglu_oai"``), fused gate/up concatenated or interleaved (de-interleaved here).
     A block is rewritten only on an exact match (structure, attributes, constants, weight shapes, no
