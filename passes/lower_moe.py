@@ -18,21 +18,30 @@ from layerzero.passes._dynamic import (
     record_dynamic_path,
     threshold_input,
 )
-from layerzero.passes._graph import NAME_SCOPES_KEY, NameFactory, make_constant, replace_value
+from layerzero.passes._graph import NAME_SCOPES_KEY, NameFactory, const_array, make_constant, replace_value
 
-__all__ = ["AUTO_CHOICE", "LOWERINGS", "LowerMoE", "choose_lowering", "ort_moe_supports"]
+__all__ = ["AUTO_CHOICE", "LOWERINGS", "ORT_MOE_ACTIVATIONS", "LowerMoE", "choose_lowering", "ort_moe_supports"]
 
 logger = logging.getLogger(__name__)
 
 LOWERINGS = ("auto", "if", "ort-moe", "native")
 
 
+# Gated units com.microsoft.MoE computes exactly (activation_type "swiglu", fc1 rows interleaved): silu(gate) * up
+# (alpha 1, beta 0, no limit), and GPT-OSS's swiglu_oai: min(gate, l) * sigmoid(alpha * min(gate, l)) *
+# (clip(up, -l, l) + 1) (activation_alpha, activation_beta 1, swiglu_limit l); fc1 / fc2 biases are its inputs 3 / 5.
+ORT_MOE_ACTIVATIONS = ("silu", "swiglu_oai")
+
+
 def ort_moe_supports(scoring: str, activation: str, zeroing_threshold: float) -> str | None:
     """Why ``com.microsoft.MoE`` cannot compute this block (None when it can)."""
     if scoring != "softmax":
         return f"scoring {scoring!r} (com.microsoft.MoE applies softmax to the logits)"
-    if activation != "silu":
-        return f"activation {activation!r} (only swiglu = silu(gate) * up is lowered to com.microsoft.MoE)"
+    if activation not in ORT_MOE_ACTIVATIONS:
+        return (
+            f"activation {activation!r} (com.microsoft.MoE's swiglu computes silu(gate) * up and GPT-OSS's "
+            "swiglu_oai only)"
+        )
     if zeroing_threshold > 0:
         return f"zeroing_threshold {zeroing_threshold:g} (com.microsoft.MoE runs all top-k experts)"
     return None
@@ -83,9 +92,10 @@ class LowerMoE(ir.passes.InPlacePass):
        ``[T, E]`` weight matrix and mask); per expert an ``If`` on "some token is routed to it" whose then-branch
        gathers its tokens only (``NonZero`` / ``Gather``), runs the FFN, scales by the routing weight and adds
        into the accumulator with ``ScatterND(reduction="add")``; the else-branch passes the accumulator on.
-       Every scoring, activation and threshold.
-    2. ``ort-moe``: ``com.microsoft.MoE`` (fc1 rows interleaved gate/up, ``swiglu_fusion=1``), for softmax
-       scoring, silu and threshold 0; the mask is computed by the same standard routing ops.
+       Every scoring, activation (``swiglu_oai`` too), expert bias and threshold.
+    2. ``ort-moe``: ``com.microsoft.MoE`` (fc1 rows interleaved gate/up, ``swiglu_fusion=1``; expert biases as
+       its fc1 / fc2 biases), for softmax scoring, silu or swiglu_oai and threshold 0; the mask is computed by
+       the same standard routing ops.
        NOTE: the op breaks exact ties of routing probabilities towards the higher expert index (ONNX TopK,
        the reference and ``if``: the lower), so on exactly equal logits its output differs; it also ignores
        the run-time threshold input.
@@ -177,6 +187,12 @@ class _MoESpec:
     w_gate: np.ndarray
     w_up: np.ndarray
     w_down: np.ndarray
+    # v2 expert variants: biases [E, F] / [E, F] / [E, H] (None: absent) and swiglu_oai's parameters.
+    b_gate: np.ndarray | None = None
+    b_up: np.ndarray | None = None
+    b_down: np.ndarray | None = None
+    alpha: float = 1.702
+    limit: float = 7.0
 
     @classmethod
     def of(cls, node: ir.Node) -> _MoESpec:
@@ -184,14 +200,20 @@ class _MoESpec:
             a = node.attributes.get(name)
             return default if a is None else a.value
 
-        arrays = []
-        for value in node.inputs[2:5]:
-            tensor = None if value is None else value.const_value
-            if tensor is None:
+        arrays = [_expert_constant(node, value, "expert weight") for value in node.inputs[2:5]]
+        experts, ffn, hidden = arrays[0].shape
+        biases = []
+        for i, (name, shape) in enumerate(
+            (("b_gate", (experts, ffn)), ("b_up", (experts, ffn)), ("b_down", (experts, hidden)))
+        ):
+            value = node.inputs[5 + i] if len(node.inputs) > 5 + i else None
+            bias = None if value is None else _expert_constant(node, value, f"expert bias {name}")
+            if bias is not None and bias.shape != shape:
                 raise UnsupportedModelError(
-                    f"MoE node {node.name}: expert weight {value and value.name} is not a constant"
+                    f"MoE node {node.name}: expert bias {name} {value.name} has shape {list(bias.shape)}, "
+                    f"expected {list(shape)}"
                 )
-            arrays.append(tensor.numpy())
+            biases.append(bias)
         return cls(
             path=str(attr("path", node.name)),
             top_k=int(attr("top_k", 1)),
@@ -202,6 +224,11 @@ class _MoESpec:
             w_gate=arrays[0],
             w_up=arrays[1],
             w_down=arrays[2],
+            b_gate=biases[0],
+            b_up=biases[1],
+            b_down=biases[2],
+            alpha=float(attr("activation_alpha", 1.702)),
+            limit=float(attr("activation_limit", 7.0)),
         )
 
     @property
@@ -211,6 +238,21 @@ class _MoESpec:
     @property
     def ffn(self) -> int:
         return int(self.w_gate.shape[1])
+
+
+def _expert_constant(node: ir.Node, value: ir.Value | None, what: str) -> np.ndarray:
+    """An expert weight / bias the lowering lays out at compile time: a constant that no feed can override."""
+    array = const_array(value)
+    if array is None:
+        why = (
+            "is an initializer that is also a graph input (a feed may override it)"
+            if value is not None and value.is_graph_input()
+            else "is not a constant"
+        )
+        raise UnsupportedModelError(
+            f"MoE node {node.name}: {what} {value and value.name} {why}; the MoE lowering needs constant weights"
+        )
+    return array
 
 
 class _Builder:
@@ -295,6 +337,22 @@ def _activation(b: _Builder, x: ir.Value, activation: str) -> ir.Value:
     raise UnsupportedModelError(f"MoE block {b.scope}: activation {activation!r} is not lowered")
 
 
+def _gated(b: _Builder, gate: ir.Value, up: ir.Value, spec: _MoESpec) -> ir.Value:
+    """``glu(gate, up)`` of the node's activation (plugins/reference.py ``glu``)."""
+    if spec.activation != "swiglu_oai":
+        return b.op("Mul", [_activation(b, gate, spec.activation), up])
+    # (Clip(up, -l, l) + 1) * g * Sigmoid(alpha * g),  g = Min(gate, l); no clamp when l is inf
+    dtype = b.dtype
+    if np.isfinite(spec.limit):
+        gate = b.op("Clip", [gate, None, b.const("limit", np.array(spec.limit, dtype))])
+        up = b.op(
+            "Clip",
+            [up, b.const("neg_limit", np.array(-spec.limit, dtype)), b.const("limit", np.array(spec.limit, dtype))],
+        )
+    glu = b.op("Mul", [gate, b.op("Sigmoid", [b.op("Mul", [gate, b.const("alpha", np.array(spec.alpha, dtype))])])])
+    return b.op("Mul", [b.op("Add", [up, b.const("one", np.array(1.0, dtype))]), glu])
+
+
 def _routing(
     b: _Builder, logits: ir.Value, spec: _MoESpec, dense: bool, threshold: ir.Value | None = None
 ) -> tuple[ir.Value | None, ir.Value]:
@@ -348,6 +406,13 @@ def _lower_if(b: _Builder, node: ir.Node, spec: _MoESpec, threshold: ir.Value) -
             "gate_up_proj", np.ascontiguousarray(np.concatenate([spec.w_gate[e].T, spec.w_up[e].T], axis=1))
         )
         w_down = sub.weight("down_proj", np.ascontiguousarray(spec.w_down[e].T))
+        b_gate_up = b_down = None
+        if spec.b_gate is not None or spec.b_up is not None:
+            zeros = np.zeros(ffn, spec.w_gate.dtype)
+            parts = [zeros if bias is None else bias[e] for bias in (spec.b_gate, spec.b_up)]
+            b_gate_up = sub.weight("gate_up_bias", np.ascontiguousarray(np.concatenate(parts)))
+        if spec.b_down is not None:
+            b_down = sub.weight("down_bias", np.ascontiguousarray(spec.b_down[e]))
         run = sub.op("Gather", [runs, index], axis=0)
         then = sub.sub(sub.scope)
         column = then.op("Gather", [mask_t, index], axis=0)  # [T] bool
@@ -355,9 +420,14 @@ def _lower_if(b: _Builder, node: ir.Node, spec: _MoESpec, threshold: ir.Value) -
         tokens = then.op("Squeeze", [nonzero, then.ints(0)])  # [n]
         positions = then.op("Transpose", [nonzero], perm=[1, 0])  # [n, 1]
         x = then.op("Gather", [hidden, tokens], axis=0)  # [n, H]
-        gate, up = then.op("Split", [then.op("MatMul", [x, w_gate_up]), then.ints(ffn, ffn)], outputs=2, axis=-1)
-        h = then.op("Mul", [_activation(then, gate, spec.activation), up])
+        fused = then.op("MatMul", [x, w_gate_up])
+        if b_gate_up is not None:
+            fused = then.op("Add", [fused, b_gate_up])
+        gate, up = then.op("Split", [fused, then.ints(ffn, ffn)], outputs=2, axis=-1)
+        h = _gated(then, gate, up, spec)
         y = then.op("MatMul", [h, w_down])  # [n, H]
+        if b_down is not None:
+            y = then.op("Add", [y, b_down])
         scale = then.op("Gather", [then.op("Gather", [weights_t, index], axis=0), tokens], axis=0)
         y = then.op("Mul", [y, then.op("Unsqueeze", [scale, then.ints(1)])])
         out = then.op("ScatterND", [acc, positions, y], reduction="add")
@@ -384,14 +454,36 @@ def _lower_ort_moe(b: _Builder, node: ir.Node, spec: _MoESpec) -> tuple[ir.Value
     fc1[:, 0::2] = spec.w_gate
     fc1[:, 1::2] = spec.w_up
     experts_scope = b.sub(f"{spec.path}.experts")  # the weights stay in the experts' scope
+    fc1_bias = fc2_bias = None
+    if spec.b_gate is not None or spec.b_up is not None:
+        bias = np.zeros((experts, 2 * ffn), dtype=spec.w_gate.dtype)
+        bias[:, 0::2] = 0 if spec.b_gate is None else spec.b_gate
+        bias[:, 1::2] = 0 if spec.b_up is None else spec.b_up
+        fc1_bias = experts_scope.weight("fc1_bias", bias)
+    if spec.b_down is not None:
+        fc2_bias = experts_scope.weight("fc2_bias", np.ascontiguousarray(spec.b_down))
+    swiglu: dict[str, float] = {}
+    if spec.activation == "swiglu_oai":
+        # min(g, l) * sigmoid(alpha * min(g, l)) * (clip(u, -l, l) + beta), beta 1; no swiglu_limit: no clamp
+        swiglu = {"activation_alpha": spec.alpha, "activation_beta": 1.0}
+        if np.isfinite(spec.limit):
+            swiglu["swiglu_limit"] = spec.limit
     y = experts_scope.op(
         "MoE",
-        [hidden, logits, experts_scope.weight("fc1", fc1), None, experts_scope.weight("fc2", spec.w_down)],
+        [
+            hidden,
+            logits,
+            experts_scope.weight("fc1", fc1),
+            fc1_bias,
+            experts_scope.weight("fc2", spec.w_down),
+            fc2_bias,
+        ],
         domain="com.microsoft",
         k=spec.top_k,
         activation_type="swiglu",
         swiglu_fusion=1,
         normalize_routing_weights=int(spec.normalize),
+        **swiglu,
     )
     y.dtype, y.shape = hidden.dtype, hidden.shape
     b.nodes.extend(experts_scope.nodes)

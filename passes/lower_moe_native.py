@@ -42,8 +42,26 @@ _NATIVE_WEIGHTS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 _NATIVE_HIDDEN = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
 
 
+# v2 optional inputs the kernel does not read yet (position -> name); a node that has one stays with If.
+_V2_EXPERT_INPUTS = {5: "b_gate", 6: "b_up", 7: "b_down"}
+
+
 def native_supports(node: ir.Node) -> str | None:
-    """Why liblayerzero_ort.so cannot run this ``ai.layerzero::MoE`` node (None when it can)."""
+    """Why liblayerzero_ort.so cannot run this ``ai.layerzero::MoE`` node (None when it can).
+
+    Refused: v2 features the kernel does not implement (expert biases, ``swiglu_oai`` and its attributes,
+    any attribute it does not know), other dtypes, and weights that are not constants no feed can override.
+    """
+    for value in node.inputs[2:5]:
+        if value is not None and value.is_graph_input():
+            return f"expert weight {value.name} is also a graph input (a feed may override it)"
+    biases = [
+        name
+        for i, name in _V2_EXPERT_INPUTS.items()
+        if len(node.inputs) > i and node.inputs[i] is not None and node.inputs[i].name != THRESHOLD_INPUT
+    ]
+    if biases:
+        return f"expert biases {', '.join(biases)} (liblayerzero_ort.so implements experts without biases)"
     unknown = sorted(set(node.attributes) - NATIVE_ATTRIBUTES)
     if unknown:
         known = ", ".join(sorted(NATIVE_ATTRIBUTES))

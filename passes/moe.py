@@ -24,9 +24,10 @@ _MIN_OPSET = 16
 class SkipExperts(ir.passes.InPlacePass):
     """Rewrite each mixture-of-experts block into one ``ai.layerzero::MoE`` node, the skipping form.
 
-    ``y, mask = MoE(hidden [T, H], router_logits [T, E], w_gate [E, F, H], w_up [E, F, H], w_down [E, H, F])``
-    with attributes ``top_k``, ``normalize``, ``scoring``, ``activation``, ``zeroing_threshold`` and ``path``;
-    semantics in ``layerzero.plugins.reference``. Only the experts a token is routed to run for it.
+    ``y, mask = MoE(hidden [T, H], router_logits [T, E], w_gate [E, F, H], w_up [E, F, H], w_down [E, H, F]
+    [, b_gate [E, F], b_up [E, F], b_down [E, H]])`` with attributes ``top_k``, ``normalize``, ``scoring``,
+    ``activation``, ``zeroing_threshold`` and ``path`` (and ``activation_alpha`` / ``activation_limit`` for
+    ``swiglu_oai``); semantics in ``layerzero.plugins.reference``. Only the experts a token is routed to run for it.
 
     Cases (the block shapes of ``passes/_moe``; routers ``TopK(Softmax | Sigmoid(logits))`` or
     ``Softmax(TopK(logits).values)``, the latter as ``scoring="softmax", normalize=1``):
@@ -35,6 +36,10 @@ class SkipExperts(ir.passes.InPlacePass):
        ``Flatten``, shapes computed from ``Shape``).
     2. Dense blocks: every expert on every token, combined with a ``[T, E]`` routing matrix.
     3. Unrolled blocks: one FFN per expert scaled by its routing column and summed.
+    4. Sorted blocks (JetMoE, dynamo): the slots sorted by expert, split by the experts' token counts, one
+       projection per expert, added back into the tokens' rows (``ScatterND`` add).
+    Expert variants (``passes/_moe/experts.py``): biases (inputs 5-7, only when the block has them), GPT-OSS's
+    clamped SwiGLU (``activation="swiglu_oai"``), fused gate/up concatenated or interleaved (de-interleaved here).
     A block is rewritten only on an exact match (structure, attributes, constants, weight shapes, no
     intermediate read outside the block); every other router is listed in ``rejected`` with the reason.
 
@@ -112,7 +117,7 @@ class SkipExperts(ir.passes.InPlacePass):
         node = ir.Node(
             MOE_DOMAIN,
             MOE_OP,
-            [m.hidden, router.logits, *weights],
+            [m.hidden, router.logits, *weights, *_expert_biases(graph, names, path, m)],
             attributes=[
                 ir.AttrInt64("top_k", router.top_k),
                 ir.AttrInt64("normalize", m.normalize),
@@ -120,6 +125,7 @@ class SkipExperts(ir.passes.InPlacePass):
                 ir.AttrString("activation", m.activation),
                 ir.AttrFloat32("zeroing_threshold", self.zeroing_threshold),
                 ir.AttrString("path", path),
+                *_activation_attributes(m),
             ],
             num_outputs=2,
             name=names(f"/{path}/experts/MoE"),
@@ -180,6 +186,7 @@ class SkipExperts(ir.passes.InPlacePass):
                     "normalize": m.normalize,
                     "scoring": router.scoring,
                     "activation": m.activation,
+                    **({"expert_biases": True} if _has_biases(m) else {}),
                     "hidden": int(m.w_gate.shape[2]),
                     "ffn": int(m.w_gate.shape[1]),
                     "zeroing_threshold": self.zeroing_threshold,
@@ -187,6 +194,31 @@ class SkipExperts(ir.passes.InPlacePass):
             ),
         )
         return y
+
+
+def _has_biases(m: MoEMatch) -> bool:
+    return any(b is not None for b in (m.b_gate, m.b_up, m.b_down))
+
+
+def _expert_biases(graph: ir.Graph, names: NameFactory, path: str, m: MoEMatch) -> list[ir.Value | None]:
+    """Inputs 5-7 of the node (``b_gate``, ``b_up``, ``b_down``; None = absent); none at all without biases, so
+    a block without them is the v1 node exactly."""
+    if not _has_biases(m):
+        return []
+    return [
+        None if array is None else make_constant(graph, names, f"{path}.experts.{part}", array)
+        for part, array in (("b_gate", m.b_gate), ("b_up", m.b_up), ("b_down", m.b_down))
+    ]
+
+
+def _activation_attributes(m: MoEMatch) -> list[ir.Attr]:
+    """``activation_alpha`` / ``activation_limit``: only for the activation that reads them (swiglu_oai)."""
+    if m.activation != "swiglu_oai":
+        return []
+    return [
+        ir.AttrFloat32("activation_alpha", m.activation_alpha),
+        ir.AttrFloat32("activation_limit", m.activation_limit),
+    ]
 
 
 def _follow(rewired: dict[ir.Value, ir.Value], value: ir.Value) -> ir.Value:

@@ -48,8 +48,8 @@ class DropExperts(ir.passes.InPlacePass):
 
     For each ``ai.layerzero::MoE`` node (path ``P``) with subpaths ``P.experts.<e>`` in ``options.solidify``:
 
-    1. Weights: ``w_gate``, ``w_up``, ``w_down`` keep the other experts only (the old initializers die in
-       dead-code removal).
+    1. Weights: ``w_gate``, ``w_up``, ``w_down`` (and the v2 expert biases / score bias when present) keep the
+       other experts only (the old initializers die in dead-code removal).
     2. Router: the logits lose the dropped experts' columns. A ``Gemm`` / ``MatMul`` (optionally ``+ bias``)
        router with constant weights, read by nothing else, loses those rows / columns of its weight and
        bias; any other router gets ``Gather(logits, kept, axis=-1)``.
@@ -97,7 +97,10 @@ class DropExperts(ir.passes.InPlacePass):
                 f"solidify: removing {len(drop)} of the {experts} experts of {entry.path} would leave fewer than "
                 f"its top_k={top_k}; keep at least {top_k}"
             )
-        for i in (2, 3, 4):  # Case 1
+        # Case 1; 5-8: the v2 per-expert inputs (expert biases, score bias), when present.
+        for i in (2, 3, 4, 5, 6, 7, 8):
+            if i > 4 and (i >= len(node.inputs) or node.inputs[i] is None):
+                continue
             weight = node.inputs[i]
             array = const_array(weight)
             if array is None:

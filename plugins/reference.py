@@ -3,26 +3,37 @@
 ``ai.layerzero::MoE`` (opset 1), the skipping form of a mixture-of-experts block::
 
     y, mask = MoE(hidden[T, H], router_logits[T, E], w_gate[E, F, H], w_up[E, F, H], w_down[E, H, F],
-                  top_k, normalize, scoring, activation, zeroing_threshold, path)
+                  [b_gate[E, F], b_up[E, F], b_down[E, H]],
+                  top_k, normalize, scoring, activation, zeroing_threshold, path,
+                  [activation_alpha, activation_limit])
 
-Expert weights are stored ``[out, in]``. Per token ``t``:
+Expert weights are stored ``[out, in]``; the expert biases (v2, optional inputs 5-7, absent = 0) add to each
+projection's output. Per token ``t``:
 
 1. ``probs = scoring(logits[t])`` (``softmax`` over experts, or elementwise ``sigmoid``);
 2. the ``top_k`` largest probs, ties broken towards the lower expert index (as ONNX Runtime's TopK);
 3. ``w`` = those probs, divided by their sum when ``normalize``;
 4. an expert whose ``w`` is below ``zeroing_threshold × max(w)`` is dropped (the rest is not renormalised);
-5. ``y[t] = Σ_kept w_e · w_down[e] @ (act(w_gate[e] @ x_t) ⊙ (w_up[e] @ x_t))``;
+5. ``y[t] = Σ_kept w_e · (w_down[e] @ glu(w_gate[e] @ x_t + b_gate[e], w_up[e] @ x_t + b_up[e]) + b_down[e])``;
    ``mask[t, e]`` is True exactly for the kept experts (the ones that run).
+
+``glu(g, u)`` by ``activation``: ``act(g) ⊙ u`` for ``silu``, ``gelu`` (exact, erf) and ``relu``; for
+``swiglu_oai`` (GPT-OSS) ``g' = min(g, limit)``, ``u' = clip(u, -limit, limit)``,
+``(u' + 1) ⊙ g' ⊙ sigmoid(alpha · g')`` with ``alpha = activation_alpha`` (default 1.702) and
+``limit = activation_limit`` (default 7.0; ``inf``: no clamp).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["ACTIVATIONS", "SCORINGS", "moe_reference", "moe_routing"]
+__all__ = ["ACTIVATIONS", "SCORINGS", "SWIGLU_ALPHA", "SWIGLU_LIMIT", "glu", "moe_reference", "moe_routing"]
 
 SCORINGS = ("softmax", "sigmoid")
-ACTIVATIONS = ("silu", "gelu", "relu")
+ACTIVATIONS = ("silu", "gelu", "relu", "swiglu_oai")
+# swiglu_oai's defaults (GPT-OSS: config.swiglu_alpha, config.swiglu_limit); the node's attributes override them.
+SWIGLU_ALPHA = 1.702
+SWIGLU_LIMIT = 7.0
 
 
 def _scores(logits: np.ndarray, scoring: str) -> np.ndarray:
@@ -45,6 +56,21 @@ def _activation(x: np.ndarray, activation: str) -> np.ndarray:
     if activation == "relu":
         return np.maximum(x, 0.0)
     raise ValueError(f"activation={activation!r}; expected one of {ACTIVATIONS}")
+
+
+def glu(
+    gate: np.ndarray,
+    up: np.ndarray,
+    activation: str,
+    alpha: float = SWIGLU_ALPHA,
+    limit: float = SWIGLU_LIMIT,
+) -> np.ndarray:
+    """The gated unit of an expert: ``act(gate) ⊙ up``, or GPT-OSS's clamped ``swiglu_oai`` (module docstring)."""
+    if activation == "swiglu_oai":
+        g = np.minimum(gate, limit)
+        u = np.clip(up, -limit, limit)
+        return (u + 1.0) * g / (1.0 + np.exp(-alpha * g))
+    return _activation(gate, activation) * up
 
 
 def moe_routing(
@@ -87,9 +113,15 @@ def moe_reference(
     scoring: str = "softmax",
     activation: str = "silu",
     zeroing_threshold: float = 0.0,
+    b_gate: np.ndarray | None = None,
+    b_up: np.ndarray | None = None,
+    b_down: np.ndarray | None = None,
+    activation_alpha: float = SWIGLU_ALPHA,
+    activation_limit: float = SWIGLU_LIMIT,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(y [T, H], mask [T, E] bool)`` of ``ai.layerzero::MoE``; computed in float64, ``y`` returned in
-    ``hidden``'s dtype. Only the experts in the mask are evaluated, on their tokens only."""
+    ``hidden``'s dtype. Only the experts in the mask are evaluated, on their tokens only. A bias that is None
+    is zero."""
     hidden = np.asarray(hidden)
     experts, ffn, size = np.shape(w_gate)
     if np.shape(w_up) != (experts, ffn, size) or np.shape(w_down) != (experts, size, ffn):
@@ -99,6 +131,16 @@ def moe_reference(
         )
     if hidden.ndim != 2 or hidden.shape[1] != size or np.shape(logits) != (hidden.shape[0], experts):
         raise ValueError(f"hidden {hidden.shape} / logits {np.shape(logits)}: expected [T, {size}] / [T, {experts}]")
+    biases = []
+    for name, bias, shape in (
+        ("b_gate", b_gate, (experts, ffn)),
+        ("b_up", b_up, (experts, ffn)),
+        ("b_down", b_down, (experts, size)),
+    ):
+        if bias is not None and np.shape(bias) != shape:
+            raise ValueError(f"expert bias {name}: shape {np.shape(bias)}, expected {list(shape)}")
+        biases.append(np.zeros(shape) if bias is None else np.asarray(bias, np.float64))
+    b_g, b_u, b_d = biases
     dense, mask = moe_routing(
         logits, top_k=top_k, normalize=normalize, scoring=scoring, zeroing_threshold=zeroing_threshold
     )
@@ -109,6 +151,8 @@ def moe_reference(
         if tokens.size == 0:
             continue
         xe = x[tokens]
-        h = _activation(xe @ w_gate[e].astype(np.float64).T, activation) * (xe @ w_up[e].astype(np.float64).T)
-        y[tokens] += dense[tokens, e, None] * (h @ w_down[e].astype(np.float64).T)
+        gate = xe @ w_gate[e].astype(np.float64).T + b_g[e]
+        up = xe @ w_up[e].astype(np.float64).T + b_u[e]
+        h = glu(gate, up, activation, activation_alpha, activation_limit)
+        y[tokens] += dense[tokens, e, None] * (h @ w_down[e].astype(np.float64).T + b_d[e])
     return y.astype(hidden.dtype), mask

@@ -35,6 +35,13 @@ class MoEMatch:
     w_up: np.ndarray  # [E, F, H]
     w_down: np.ndarray  # [E, H, F]
     nodes: list[ir.Node]  # the experts' nodes (router excluded), dead once ``output`` is replaced
+    # The expert part's variants (experts.ExpertFFN): biases [E, F] / [E, F] / [E, H] (None: none) and
+    # swiglu_oai's parameters.
+    b_gate: np.ndarray | None = None
+    b_up: np.ndarray | None = None
+    b_down: np.ndarray | None = None
+    activation_alpha: float = 1.702
+    activation_limit: float = 7.0
 
     @property
     def experts(self) -> int:
@@ -42,7 +49,8 @@ class MoEMatch:
 
     @property
     def params_per_expert(self) -> list[int]:
-        return [int(self.w_gate[e].size + self.w_up[e].size + self.w_down[e].size) for e in range(self.experts)]
+        arrays = (self.w_gate, self.w_up, self.w_down, self.b_gate, self.b_up, self.b_down)
+        return [int(sum(a[e].size for a in arrays if a is not None)) for e in range(self.experts)]
 
 
 @dataclasses.dataclass
@@ -69,7 +77,7 @@ def combination_ends(router: Router, depth: int = 12) -> list[ir.Node]:
                 nxt.extend(user.outputs)
                 if user.op_type == "ReduceSum" and router.values in user.inputs:
                     continue  # the renormalisation's sum
-                if user.op_type in ("ReduceSum", "Einsum"):
+                if user.op_type in ("ReduceSum", "Einsum", "ScatterND"):
                     ends.append(user)
                 elif user.op_type in ("Add", "Sum"):
                     # Every Add of the chain, outermost first: the last one may be a residual connection.

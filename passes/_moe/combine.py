@@ -9,6 +9,11 @@
    ``Einsum("te,eth->th")`` or ``ReduceSum(Unsqueeze(Transpose(R)) * Y, axis 0)``.
 3. ``unrolled``: one FFN per expert, each scaled by its column of the routing matrix (``Slice`` or
    ``Gather``) and summed (``Add`` chain or ``Sum``).
+4. ``sorted`` (JetMoE, dynamo): the (token, slot) pairs sorted by expert (``TopK(largest=0)`` of the
+   flattened indices), each slot's token ``order // k``, its row gathered (``GatherND``), the rows ``Split`` by
+   the experts' token counts (``ReduceSum`` of a ``ScatterElements`` one-hot of the indices), one ``Gemm``
+   per expert (``experts.sorted_projection``), scaled by the sorted routing weights and added back into the
+   tokens' rows with ``ScatterND(reduction="add")``.
 
 ``FORMS`` (rules as data) says which shapes a combining node may end: each is tried in order.
 """
@@ -20,12 +25,13 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
-from layerzero.passes._graph import const_array
+from layerzero.passes._graph import const_array, same_shape
 from layerzero.passes._moe.experts import (
-    act_times_up,
     batched_projection,
-    gate_up,
+    expert_ffn,
     linear_projection,
+    sorted_projection,
+    stack_experts,
     stacked_projection,
 )
 from layerzero.passes._moe.router import Router, routing_matrix, routing_weights
@@ -44,7 +50,7 @@ from layerzero.passes._moe.walk import (
     static_ints,
 )
 
-__all__ = ["FORMS", "match_batched_mm", "match_dense", "match_unrolled"]
+__all__ = ["FORMS", "match_batched_mm", "match_dense", "match_sorted", "match_unrolled"]
 
 
 def _repeated_tokens(w: Walk, value: ir.Value, top_k: int, hidden_size: int) -> ir.Value:
@@ -101,13 +107,13 @@ def match_batched_mm(w: Walk, end: ir.Node, router: Router) -> dict:
         down_value = other
         break
     need(down_value is not None, reason)
-    projection = batched_projection(w, router)
-    w_down, h = projection(down_value, "down projection")
-    need(w_down.shape[1] == hidden_size, f"batched_mm: down weights {list(w_down.shape)} do not give H={hidden_size}")
-    act, gate, up = act_times_up(w, h)
-    w_gate, w_up, xr = gate_up(w, gate, up, projection)
-    x = _repeated_tokens(w, xr, router.top_k, hidden_size)
-    return {"hidden": x, "normalize": normalize, "activation": act, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+    ffn = expert_ffn(w, down_value, batched_projection(w, router))
+    need(
+        ffn.w_down.shape[1] == hidden_size,
+        f"batched_mm: down weights {list(ffn.w_down.shape)} do not give H={hidden_size}",
+    )
+    x = _repeated_tokens(w, ffn.x, router.top_k, hidden_size)
+    return {"hidden": x, "normalize": normalize, **ffn.fields()}
 
 
 def _flat_weights(w: Walk, value: ir.Value, router: Router) -> int:
@@ -149,12 +155,9 @@ def match_dense(w: Walk, end: ir.Node, router: Router) -> dict:
             break
         need(r_value is not None, "dense: no factor is the transposed routing matrix [E, T, 1]")
     normalize = routing_matrix(w, r_value, router)
-    projection = stacked_projection(w)
-    w_down, h = projection(y_value, "down projection")
-    act, gate, up = act_times_up(w, h)
-    w_gate, w_up, x = gate_up(w, gate, up, projection)
-    need(rank_of(x) == 2, "dense: the experts' input is not the hidden state [T, H]")
-    return {"hidden": x, "normalize": normalize, "activation": act, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+    ffn = expert_ffn(w, y_value, stacked_projection(w))
+    need(rank_of(ffn.x) == 2, "dense: the experts' input is not the hidden state [T, H]")
+    return {"hidden": ffn.x, "normalize": normalize, **ffn.fields()}
 
 
 def _column(w: Walk, value: ir.Value) -> tuple[ir.Value, int]:
@@ -234,28 +237,243 @@ def match_unrolled(w: Walk, end: ir.Node, router: Router) -> dict:
         per_expert[e] = y
     normalize = routing_matrix(w, matrix, router)
     projection = linear_projection(w)
-    gates, ups, downs, acts, x = [], [], [], set(), None
+    ffns = []
     for e in range(router.experts):
-        w_down, h = projection(per_expert[e], f"expert {e} down projection")
-        act, gate, up = act_times_up(w, h)
-        w_gate, w_up, x_e = gate_up(w, gate, up, projection)
-        need(x is None or x_e is x, f"unrolled: expert {e} reads another input than expert 0")
-        x = x_e
-        gates.append(w_gate)
-        ups.append(w_up)
-        downs.append(w_down)
-        acts.add(act)
-    need(len(acts) == 1, f"unrolled: experts use different activations {sorted(acts)}")
-    shapes = {(g.shape, u.shape, d.shape) for g, u, d in zip(gates, ups, downs)}
-    need(len(shapes) == 1, "unrolled: experts have different weight shapes")
-    return {
-        "hidden": x,
-        "normalize": normalize,
-        "activation": acts.pop(),
-        "w_gate": np.concatenate(gates),
-        "w_up": np.concatenate(ups),
-        "w_down": np.concatenate(downs),
-    }
+        ffn = expert_ffn(w, per_expert[e], projection)
+        need(not ffns or ffn.x is ffns[0].x, f"unrolled: expert {e} reads another input than expert 0")
+        ffns.append(ffn)
+    ffn = stack_experts(ffns)
+    return {"hidden": ffn.x, "normalize": normalize, **ffn.fields()}
+
+
+def _zeros(w: Walk, value: ir.Value, what: str) -> ir.Node:
+    """``value`` is all zeros: ``ConstantOfShape(0)`` or ``Expand(0, shape)`` (torch's ``zeros``)."""
+    node = w.node(value, ("ConstantOfShape", "Expand"), what)
+    if node.op_type == "ConstantOfShape":
+        fill = node.attributes.get("value")
+        zero = fill is None or not np.any(fill.value.numpy())
+    else:
+        fill = const_array(node.inputs[0])
+        zero = fill is not None and fill.size == 1 and not np.any(fill)
+    need(zero, f"{what} is not 0")
+    w.shareable.add(node)
+    return node
+
+
+def _through_scalars(w: Walk, value: ir.Value) -> ir.Value:
+    """Through the ops that keep a one-element value's element (``Reshape``, ``Squeeze``, ``Unsqueeze``,
+    ``Cast`` to an integer, ``Gather`` of index 0)."""
+    while True:
+        node = value.producer()
+        if node is None or node.domain not in STD:
+            return value
+        if node.op_type == "Gather":
+            index = const_array(node.inputs[1])
+            if index is None or index.size != 1 or int(index.reshape(-1)[0]) != 0:
+                return value
+        elif node.op_type == "Cast":
+            if attr_of(node, "to") not in (ir.DataType.INT64, ir.DataType.INT32, 6, 7):
+                return value
+        elif node.op_type not in ("Reshape", "Squeeze", "Unsqueeze"):
+            return value
+        if node not in w.nodes:
+            w.nodes.append(node)
+        w.shareable.add(node)
+        value = node.inputs[0]
+
+
+def _expert_counts(w: Walk, sizes: ir.Value, router: Router) -> None:
+    """``sizes`` = each expert's number of (token, slot) pairs, in expert order: ``Concat_e(counts[e:e+1])`` (through
+    one-element reshapes), ``counts = ReduceSum(Cast(ScatterElements(zeros, indices, ones, axis=1)), axis 0)``."""
+    what = "sorted: split sizes"
+    concat = w.node(sizes, "Concat", what)
+    w.shareable.add(concat)
+    need(len(concat.inputs) == router.experts, f"{what}: {len(concat.inputs)} sizes for {router.experts} experts")
+    counts = None
+    for e, part in enumerate(concat.inputs):
+        sl = w.node(_through_scalars(w, part), "Slice", f"{what}: expert {e}'s count")
+        w.shareable.add(sl)
+        bounds = [const_ints(v) if v is not None else None for v in sl.inputs[1:]]
+        starts, ends = bounds[0], bounds[1]
+        axes = bounds[2] if len(bounds) > 2 else [0]
+        steps = bounds[3] if len(bounds) > 3 and bounds[3] is not None else [1]
+        need(
+            starts == [e] and ends == [e + 1] and axes in ([0], [-1]) and steps == [1],
+            f"{what}: part {e} is not the count of expert {e}",
+        )
+        need(counts is None or sl.inputs[0] is counts, f"{what}: the sizes read different counts")
+        counts = sl.inputs[0]
+    total = w.node(counts, "ReduceSum", f"{what}: the counts")
+    w.shareable.add(total)
+    need(
+        sorted_axes(axes_of(total), 2) == [0] and attr_of(total, "keepdims", 1) == 0,
+        f"{what}: the counts do not sum the one-hot over the tokens",
+    )
+    hot = total.inputs[0]
+    cast = hot.producer()
+    if cast is not None and cast.op_type == "Cast" and cast.domain in STD:  # the one-hot counted as int64
+        w.node(hot, "Cast", what)
+        w.shareable.add(cast)
+        hot = cast.inputs[0]
+    scatter = w.node(hot, "ScatterElements", f"{what}: the one-hot of the indices")
+    w.shareable.add(scatter)
+    need(
+        attr_of(scatter, "axis", 0) in (1, -1) and attr_of(scatter, "reduction", "none") == "none",
+        f"{what}: ScatterElements is not along the experts axis",
+    )
+    need(scatter.inputs[1] is router.indices, f"{what}: the one-hot is not of the router's indices")
+    _zeros(w, scatter.inputs[0], f"{what}: the one-hot's zeros")
+    ones = scatter.inputs[2].producer()
+    if ones is not None and ones.op_type == "ConstantOfShape":
+        fill = ones.attributes.get("value")
+        one = fill is not None and fill.value.numpy().reshape(-1).tolist() == [1]
+        w.nodes.append(ones)
+        w.shareable.add(ones)
+    else:
+        array = const_array(scatter.inputs[2])
+        one = array is not None and bool(np.all(array == 1))
+    need(one, f"{what}: the one-hot does not scatter ones")
+
+
+def _length_of(w: Walk, value: ir.Value, of: ir.Value) -> bool:
+    """``value`` is ``[len(of)]`` (of a 1-D value): ``Shape(of)`` (start 0), through one-element reshapes."""
+    node = _through_scalars(w, value).producer()
+    if node is not None and node.op_type == "Gather":
+        index = const_array(node.inputs[1])
+        if index is None or index.size != 1 or int(index.reshape(-1)[0]) != 0:
+            return False
+        w.nodes.append(node)
+        w.shareable.add(node)
+        node = node.inputs[0].producer()
+    if node is None or node.op_type != "Shape" or node.inputs[0] is not of or attr_of(node, "start", 0) != 0:
+        return False
+    w.nodes.append(node)
+    w.shareable.add(node)
+    return rank_of(of) == 1
+
+
+def _sort_by_expert(w: Walk, value: ir.Value, router: Router) -> ir.Value:
+    """``value`` is the slot order sorted by expert: ``TopK(Reshape(indices, [-1]), len, axis 0, largest=0)``'s
+    indices; returns it."""
+    sort = w.node(value, "TopK", "sorted: the slots sorted by expert")
+    need(value is sort.outputs[1], "sorted: not the sort's order")
+    need(
+        attr_of(sort, "largest", 1) == 0 and attr_of(sort, "axis", -1) in (0, -1),
+        "sorted: the sort is not ascending along the slots",
+    )
+    flat = w.node(sort.inputs[0], "Reshape", "sorted: the flattened indices")
+    need(reshape_dims(flat) == [-1] and flat.inputs[0] is router.indices, "sorted: not the router's indices flattened")
+    need(_length_of(w, sort.inputs[1], sort.inputs[0]), "sorted: the sort does not take every slot")
+    return value
+
+
+def _token_of_slot(w: Walk, value: ir.Value, router: Router) -> tuple[ir.Value, ir.Value]:
+    """``value = Unsqueeze(order // k, -1)`` (torch's ``div(k, rounding_mode="trunc")``: ``Cast(Sign(d) ·
+    Floor(Abs(d)))``, ``d = Cast(order) / k``, or an integer ``Div``) → ``(value, order)``."""
+    what = "sorted: each slot's token"
+    unsq = w.node(value, "Unsqueeze", what)
+    need(sorted_axes(axes_of(unsq), 2) == [1], f"{what}: not unsqueezed to rows [S, 1]")
+    w.shareable.add(unsq)
+    node = w.node(unsq.inputs[0], ("Cast", "Div"), what)
+    w.shareable.add(node)
+    if node.op_type == "Cast":
+        mul = w.node(node.inputs[0], "Mul", what)
+        w.shareable.add(mul)
+        found = None
+        for floor_v, sign_v in commuted(mul):
+            floor, sign = floor_v.producer(), sign_v.producer()
+            if floor is None or sign is None or floor.op_type != "Floor" or sign.op_type != "Sign":
+                continue
+            absolute = floor.inputs[0].producer()
+            if absolute is None or absolute.op_type != "Abs" or absolute.inputs[0] is not sign.inputs[0]:
+                continue
+            found = (floor, sign, absolute)
+            break
+        need(found is not None, f"{what}: not a truncating division")
+        for n in found:
+            w.nodes.append(n)
+            w.shareable.add(n)
+        div = w.node(found[1].inputs[0], "Div", what)
+        w.shareable.add(div)
+        cast = w.node(div.inputs[0], "Cast", what)
+        w.shareable.add(cast)
+        order = cast.inputs[0]
+    else:
+        div, order = node, node.inputs[0]
+    k = const_array(div.inputs[1])
+    need(k is not None and k.size == 1 and float(k.reshape(-1)[0]) == router.top_k, f"{what}: not divided by k")
+    return value, _sort_by_expert(w, order, router)
+
+
+def match_sorted(w: Walk, end: ir.Node, router: Router) -> dict:
+    # ScatterND(zeros [T, H], Unsqueeze(order // k), Expand(experts(GatherND(x, ...)) * weights[order]), add)
+    need(end.op_type == "ScatterND", "sorted: the combination is not a ScatterND")
+    need(attr_of(end, "reduction", "none") == "add", "sorted: ScatterND does not add")
+    rows, order = _token_of_slot(w, end.inputs[1], router)
+    _zeros(w, end.inputs[0], "sorted: the accumulator")
+    updates = end.inputs[2]
+    producer = updates.producer()
+    if producer is not None and producer.op_type == "Expand":
+        # Expand(y [S, H], Concat(Shape(order // k), [H])): y already has that shape (S rows, H columns).
+        expand = w.node(updates, "Expand", "sorted: the weighted rows")
+        shape = w.node(expand.inputs[1], "Concat", "sorted: the weighted rows' shape")
+        w.shareable.add(shape)
+        parts = shape.inputs
+        need(len(parts) == 2, "sorted: the weighted rows are expanded to another shape")
+        shape_of = w.node(parts[0], "Shape", "sorted: the weighted rows' shape")
+        w.shareable.add(shape_of)
+        src = shape_of.inputs[0]
+        need(src in (order, rows.producer().inputs[0]), "sorted: the weighted rows are expanded to another shape")
+        hidden_dims = const_ints(parts[1])
+        need(hidden_dims is not None and len(hidden_dims) == 1, "sorted: the weighted rows' width is not a constant")
+        updates = expand.inputs[0]
+    else:
+        hidden_dims = None
+    mul = w.node(updates, "Mul", "sorted: expert output × routing weight")
+    reason, found = "sorted: no factor is the sorted routing weights", None
+    for y, weight in commuted(mul):
+        try:
+            normalize = w.attempt(lambda v=weight: _sorted_weights(w, v, router, order))
+        except NoMatch as exc:
+            reason = str(exc)
+            continue
+        found = (y, normalize)
+        break
+    need(found is not None, reason)
+    y, normalize = found
+    sizes: list[ir.Value] = []
+    ffn = expert_ffn(w, y, sorted_projection(w, router.experts, sizes))
+    need(all(s is sizes[0] for s in sizes), "sorted: the projections split the rows at different sizes")
+    _expert_counts(w, sizes[0], router)
+    gather = w.node(ffn.x, "GatherND", "sorted: the slots' token rows")
+    need(attr_of(gather, "batch_dims", 0) == 0, "sorted: GatherND with batch_dims")
+    index = gather.inputs[1]
+    if index is not rows:
+        _token_of_slot(w, index, router)
+    x = gather.inputs[0]
+    need(rank_of(x) == 2, "sorted: the hidden state is not [T, H]")
+    hidden_size = ffn.w_down.shape[1]
+    need(hidden_dims in (None, [hidden_size]), f"sorted: the weighted rows are not [S, {hidden_size}]")
+    need(same_shape(end.inputs[0], x), "sorted: the accumulator does not have the hidden state's shape")
+    return {"hidden": x, "normalize": normalize, **ffn.fields()}
+
+
+def _sorted_weights(w: Walk, value: ir.Value, router: Router, order: ir.Value) -> int:
+    """``Unsqueeze(GatherND(Reshape(weights, [-1]), Unsqueeze(order, -1)), 1)``: each sorted slot's weight."""
+    unsq = w.node(value, "Unsqueeze", "sorted: routing weight per row")
+    need(sorted_axes(axes_of(unsq), 2) == [1], "sorted: routing weight per row is not unsqueezed to [S, 1]")
+    gather = w.node(unsq.inputs[0], ("GatherND", "Gather"), "sorted: the sorted routing weights")
+    if gather.op_type == "GatherND":
+        pos = w.node(gather.inputs[1], "Unsqueeze", "sorted: the sorted routing weights")
+        need(sorted_axes(axes_of(pos), 2) == [1], "sorted: the sorted routing weights' index is not [S, 1]")
+        index = pos.inputs[0]
+    else:
+        need(attr_of(gather, "axis", 0) == 0, "sorted: the routing weights are not gathered along the slots")
+        index = gather.inputs[1]
+    need(index is order, "sorted: the routing weights are not taken in the experts' order")
+    flat = w.node(gather.inputs[0], "Reshape", "sorted: the flattened routing weights")
+    need(reshape_dims(flat) == [-1], "sorted: routing weights not flattened with Reshape [-1]")
+    return routing_weights(w, flat.inputs[0], router)
 
 
 # The op that ends a block -> the block shapes it may end, tried in order.
@@ -264,4 +482,5 @@ FORMS: dict[str, tuple[tuple[str, Callable[[Walk, ir.Node, Router], dict]], ...]
     "ReduceSum": (("batched_mm", match_batched_mm), ("dense", match_dense)),
     "Add": (("unrolled", match_unrolled),),
     "Sum": (("unrolled", match_unrolled),),
+    "ScatterND": (("sorted", match_sorted),),
 }
