@@ -163,6 +163,7 @@ def _attributes(fields: dict[str, int | float | str]) -> list[ir.Attr]:
 
 def _lower(node: ir.Node, names: NameFactory) -> None:
     graph = node.graph
+    _plugin_fields(node)  # the attributes' refusals (v2 routing included) say more than the input count
     if len(node.inputs) != 5 or any(v is None for v in node.inputs):
         raise UnsupportedModelError(
             f"{_describe(node)}: expects 5 inputs (hidden, router_logits, w_gate, w_up, w_down), got {len(node.inputs)}"

@@ -111,7 +111,8 @@ def _biased_select(topk: ir.Node) -> tuple[ir.Node, ir.Value, ir.Value, bool, di
     need(len(gathers) == 1, "router: the top-k indices do not gather the routing weights (GatherElements)")
     gather = gathers[0]
     scores_value = gather.inputs[0]
-    scores = scores_value.producer()
+    extra: dict = {"nodes": [gather]}
+    scores = _past_same_type_cast(scores_value, extra["nodes"]).producer()
     need(
         scores is not None and scores.op_type in ("Softmax", "Sigmoid") and scores.domain in STD,
         f"router: GatherElements {gather.name} does not gather Softmax or Sigmoid scores",
@@ -120,7 +121,6 @@ def _biased_select(topk: ir.Node) -> tuple[ir.Node, ir.Value, ir.Value, bool, di
         need(attr_of(scores, "axis", -1) in (-1, 1), "router: Softmax is not over the experts axis")
     experts = static_dim(scores.inputs[0], 1)
     need(experts is not None, f"router: the number of experts (dim 1 of {scores.inputs[0].name}) is not static")
-    extra: dict = {"nodes": [gather]}
     select = topk.inputs[0]
     where = select.producer()
     if where is not None and where.op_type == "Where" and where.domain in STD:
@@ -151,6 +151,23 @@ def _biased_select(topk: ir.Node) -> tuple[ir.Node, ir.Value, ir.Value, bool, di
     extra["nodes"].extend(weight_nodes)
     extra["routed_scaling_factor"] = scaling
     return scores, scores.inputs[0], values, normalized, extra
+
+
+def _same_type_cast(node: ir.Node) -> bool:
+    """A ``Cast`` to the type its input already has (TorchScript's ``.float()`` of a float32 tensor)."""
+    if node.op_type != "Cast" or node.domain not in STD or node.inputs[0] is None:
+        return False
+    to = attr_of(node, "to")
+    return to is not None and node.inputs[0].dtype is not None and ir.DataType(to) == node.inputs[0].dtype
+
+
+def _past_same_type_cast(value: ir.Value, nodes: list[ir.Node]) -> ir.Value:
+    """``value``, or the input of the same-type ``Cast`` producing it (appended to ``nodes``)."""
+    producer = value.producer()
+    if producer is not None and _same_type_cast(producer):
+        nodes.append(producer)
+        return producer.inputs[0]
+    return value
 
 
 def _through_identity(value: ir.Value | None) -> np.ndarray | None:
@@ -325,6 +342,10 @@ def _gathered_weights(
         nodes.extend([total, div])
         value, normalized = div.outputs[0], True
     users = [u for u, _ in value.uses()]
+    if len(users) == 1 and _same_type_cast(users[0]):  # TorchScript's .to(hidden dtype) of float32 weights
+        nodes.append(users[0])
+        value = users[0].outputs[0]
+        users = [u for u, _ in value.uses()]
     if len(users) == 1 and users[0].op_type == "Mul" and users[0].domain in STD:
         mul = users[0]
         for operand, factor_value in commuted(mul):
