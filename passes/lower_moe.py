@@ -20,7 +20,19 @@ from layerzero.passes._dynamic import (
 )
 from layerzero.passes._graph import NAME_SCOPES_KEY, NameFactory, const_array, make_constant, replace_value
 
-__all__ = ["AUTO_CHOICE", "LOWERINGS", "ORT_MOE_ACTIVATIONS", "LowerMoE", "choose_lowering", "ort_moe_supports"]
+# The normalisation's ``sum + 1e-20`` of ``ai.layerzero::MoE`` (plugins/reference.py NORMALIZE_EPS; a pass
+# imports no plugin module).
+NORMALIZE_EPS = 1e-20
+
+__all__ = [
+    "AUTO_CHOICE",
+    "LOWERINGS",
+    "ORT_MOE_ACTIVATIONS",
+    "LowerMoE",
+    "choose_lowering",
+    "ort_moe_routing_supports",
+    "ort_moe_supports",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +59,21 @@ def ort_moe_supports(scoring: str, activation: str, zeroing_threshold: float) ->
     return None
 
 
+def ort_moe_routing_supports(node: ir.Node) -> str | None:
+    """Why ``com.microsoft.MoE`` cannot route like this node's v2 routing (moe_op_v2; None when it can): it
+    chooses the top-k of the logits' softmax, with no selection bias, no group limits and no scaling."""
+    if len(node.inputs) > 8 and node.inputs[8] is not None:
+        return "score_bias (com.microsoft.MoE chooses by the softmax of the logits, without a selection bias)"
+    spec = _MoESpec.routing_of(node)
+    if spec["n_group"] != 1:
+        return f"n_group {spec['n_group']} (com.microsoft.MoE has no group-limited top-k)"
+    if spec["routed_scaling_factor"] != 1.0:
+        return f"routed_scaling_factor {spec['routed_scaling_factor']:g} (com.microsoft.MoE does not scale the weights)"
+    if spec["routing"] != "topk":
+        return f"routing {spec['routing']!r} (only top-k routing is lowered to com.microsoft.MoE)"
+    return None
+
+
 def choose_lowering(
     requested: str,
     scoring: str,
@@ -60,6 +87,8 @@ def choose_lowering(
     if requested not in LOWERINGS:
         raise InvalidInputError(f"moe_lowering={requested!r}; expected one of {LOWERINGS}")
     why_not = ort_moe_supports(scoring, activation, zeroing_threshold)
+    if why_not is None and node is not None:
+        why_not = ort_moe_routing_supports(node)
     if requested == "native" or (requested == "auto" and node is not None):
         return lower_moe_native.choose_lowering(requested, node, why_not, native_present)
     if requested == "ort-moe":
@@ -193,6 +222,32 @@ class _MoESpec:
     b_down: np.ndarray | None = None
     alpha: float = 1.702
     limit: float = 7.0
+    # v2 routing (moe_op_v2; defaults = v1): the selection bias input (8), group limits, scaling.
+    score_bias: ir.Value | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    routing: str = "topk"
+
+    @staticmethod
+    def routing_of(node: ir.Node) -> dict:
+        """The node's v2 routing attributes, defaults filled in."""
+
+        def attr(name: str, default: object) -> object:
+            a = node.attributes.get(name)
+            return default if a is None else a.value
+
+        return {
+            "n_group": int(attr("n_group", 1)),
+            "topk_group": int(attr("topk_group", 1)),
+            "routed_scaling_factor": float(attr("routed_scaling_factor", 1.0)),
+            "routing": str(attr("routing", "topk")),
+        }
+
+    @property
+    def routing_v2(self) -> bool:
+        """Chosen by other scores than the weights (a bias or group limits): the weights are gathered."""
+        return self.score_bias is not None or self.n_group != 1
 
     @classmethod
     def of(cls, node: ir.Node) -> _MoESpec:
@@ -229,6 +284,8 @@ class _MoESpec:
             b_down=biases[2],
             alpha=float(attr("activation_alpha", 1.702)),
             limit=float(attr("activation_limit", 7.0)),
+            score_bias=node.inputs[8] if len(node.inputs) > 8 else None,
+            **cls.routing_of(node),
         )
 
     @property
@@ -359,19 +416,35 @@ def _routing(
     """``(weights [T, E] or None, selected [T, E] 0/1)``, in the logits' dtype: the top-k weights and which
     experts run."""
     dtype = b.dtype
+    if spec.routing != "topk":
+        raise UnsupportedModelError(f"MoE block {spec.path}: routing {spec.routing!r} is not lowered")
     if spec.scoring == "softmax":
         probs = b.op("Softmax", [logits], axis=-1)
     else:
         probs = b.op("Sigmoid", [logits])
-    values, indices = b.op("TopK", [probs, b.ints(spec.top_k)], outputs=2, axis=-1, largest=1, sorted=1)
+    select = _selection_scores(b, probs, spec) if spec.routing_v2 else probs
+    values, indices = b.op("TopK", [select, b.ints(spec.top_k)], outputs=2, axis=-1, largest=1, sorted=1)
+    if spec.routing_v2:
+        # Chosen by the biased / group-limited scores, weighed by the unbiased ones (moe_op_v2).
+        values = b.op("GatherElements", [probs, indices], axis=-1)
     if spec.normalize:
-        values = b.op("Div", [values, b.reduce("ReduceSum", values, [-1], 1)])
+        total = b.reduce("ReduceSum", values, [-1], 1)
+        if spec.scoring == "sigmoid":
+            # The reference's sum + 1e-20 (DeepSeek-V3's formula). A softmax's top-k sum is at least k / E,
+            # where the 1e-20 changes no float32 (and no float16: it underflows) result, so it is left out.
+            total = b.op("Add", [total, b.const("eps", np.array(NORMALIZE_EPS, dtype))])
+        values = b.op("Div", [values, total])
+    if spec.routed_scaling_factor != 1.0:
+        values = b.op("Mul", [values, b.const("scaling", np.array(spec.routed_scaling_factor, dtype))])
     if threshold is not None:
-        # values are sorted: the first is the token's largest weight. At threshold 0 every weight (≥ 0) is
-        # kept, exactly; the threshold is a graph input so that the runtime can raise it per request.
+        # At threshold 0 every weight (≥ 0) is kept, exactly; the threshold is a graph input so that the
+        # runtime can raise it per request.
         if dtype != np.float32:
             threshold = b.op("Cast", [threshold], to=ir.DataType.from_numpy(dtype))
-        top = b.op("Slice", [values, b.ints(0), b.ints(1), b.ints(1)])
+        if spec.routing_v2:  # gathered weights are in the order of the selection scores, not their own
+            top = b.reduce("ReduceMax", values, [-1], 1)
+        else:  # values are sorted: the first is the token's largest weight
+            top = b.op("Slice", [values, b.ints(0), b.ints(1), b.ints(1)])
         bound = b.op("Mul", [top, threshold])
         keep = b.op("Not", [b.op("Less", [values, bound])])
         values = b.op("Where", [keep, values, b.const("zero", np.array(0.0, dtype))])
@@ -382,6 +455,31 @@ def _routing(
     selected = b.op("ScatterElements", [zeros, indices, ones], axis=-1)
     weights = b.op("ScatterElements", [zeros, indices, values], axis=-1) if dense else None
     return weights, selected
+
+
+def _selection_scores(b: _Builder, probs: ir.Value, spec: _MoESpec) -> ir.Value:
+    """``probs + score_bias`` with the groups outside the ``topk_group`` best at -inf (moe_op_v2)."""
+    # probs [T, E] -> s = probs + bias; groups = Reshape(s, [T, G, E/G]); score = ReduceSum(TopK(groups, 2));
+    # keep = ScatterElements(0, TopK(score, topk_group).indices, 1) repeated E/G times; Where(keep, s, -inf)
+    select = probs
+    if spec.score_bias is not None:
+        bias = spec.score_bias
+        if bias.dtype is not None and bias.dtype.numpy() != b.dtype:
+            bias = b.op("Cast", [bias], to=ir.DataType.from_numpy(b.dtype))
+        select = b.op("Add", [probs, bias])
+    if spec.n_group == 1:
+        return select
+    size = spec.experts // spec.n_group
+    groups = b.op("Reshape", [select, b.ints(0, spec.n_group, size)])
+    top2, _ = b.op("TopK", [groups, b.ints(2)], outputs=2, axis=-1, largest=1, sorted=1)
+    group_scores = b.reduce("ReduceSum", top2, [-1], 0)  # [T, G]
+    _, best = b.op("TopK", [group_scores, b.ints(spec.topk_group)], outputs=2, axis=-1, largest=1, sorted=1)
+    zeros = b.op("ConstantOfShape", [b.op("Shape", [group_scores])], value=ir.tensor(np.array([0], np.int64)))
+    ones = b.op("ConstantOfShape", [b.op("Shape", [best])], value=ir.tensor(np.array([1], np.int64)))
+    kept = b.op("ScatterElements", [zeros, best, ones], axis=-1)  # [T, G] 0/1
+    kept = b.op("Expand", [b.op("Unsqueeze", [kept, b.ints(-1)]), b.ints(1, 1, size)])  # [T, G, E/G]
+    kept = b.op("Cast", [b.op("Reshape", [kept, b.ints(0, spec.experts)])], to=ir.DataType.BOOL)
+    return b.op("Where", [kept, select, b.const("minus_inf", np.array(-np.inf, b.dtype))])
 
 
 def _lower_if(b: _Builder, node: ir.Node, spec: _MoESpec, threshold: ir.Value) -> tuple[ir.Value, ir.Value]:

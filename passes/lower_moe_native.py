@@ -62,6 +62,10 @@ def native_supports(node: ir.Node) -> str | None:
     ]
     if biases:
         return f"expert biases {', '.join(biases)} (liblayerzero_ort.so implements experts without biases)"
+
+    routing = _native_routing_supports(node)
+    if routing is not None:
+        return routing
     unknown = sorted(set(node.attributes) - NATIVE_ATTRIBUTES)
     if unknown:
         known = ", ".join(sorted(NATIVE_ATTRIBUTES))
@@ -85,6 +89,22 @@ def native_supports(node: ir.Node) -> str | None:
         dtypes.add(value.const_value.dtype)
     if len(dtypes) != 1 or next(iter(dtypes)) not in _NATIVE_WEIGHTS:
         return f"expert weight dtypes {sorted(str(d) for d in dtypes)} (one of float32, float16, bfloat16)"
+    return None
+
+
+#: v2 routing (moe_op_v2) the kernel implements: none yet (plugins/ort/src/custom_op.cpp routes top-k of the
+#: scores). Attribute -> the only value it implements.
+_NATIVE_ROUTING_DEFAULTS = {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "routing": "topk"}
+
+
+def _native_routing_supports(node: ir.Node) -> str | None:
+    """Why the kernel cannot route like this node: a selection bias, group limits, scaling, another routing."""
+    if len(node.inputs) > 8 and node.inputs[8] is not None:
+        return "score_bias (liblayerzero_ort.so chooses by the unbiased scores)"
+    for name, default in _NATIVE_ROUTING_DEFAULTS.items():
+        attr = node.attributes.get(name)
+        if attr is not None and attr.value != default:
+            return f"{name} {attr.value!r} (liblayerzero_ort.so implements {name} = {default!r} only)"
     return None
 
 

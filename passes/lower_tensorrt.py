@@ -93,6 +93,14 @@ def _plugin_fields(node: ir.Node) -> dict[str, int | float | str]:
         attr = node.attributes.get(name)
         return default if attr is None else attr.value
 
+    # v2 routing (moe_op_v2) is not in the plugin (plugins/src/moe_plugin.cpp routes top-k of the scores).
+    if len(node.inputs) > 8 and node.inputs[8] is not None:
+        raise UnsupportedModelError(f"{_describe(node)}: score_bias is not implemented by the TensorRT plugin")
+    for name, default in (("n_group", 1), ("topk_group", 1), ("routed_scaling_factor", 1.0), ("routing", "topk")):
+        if get(name, default) != default:
+            raise UnsupportedModelError(
+                f"{_describe(node)}: {name} = {get(name, default)!r} is not implemented by the TensorRT plugin"
+            )
     top_k = get("top_k", None)
     if not isinstance(top_k, int) or not 1 <= top_k <= _MAX_TOP_K:
         raise UnsupportedModelError(
@@ -155,6 +163,7 @@ def _attributes(fields: dict[str, int | float | str]) -> list[ir.Attr]:
 
 def _lower(node: ir.Node, names: NameFactory) -> None:
     graph = node.graph
+    _plugin_fields(node)  # the attributes' refusals (v2 routing included) say more than the input count
     if len(node.inputs) != 5 or any(v is None for v in node.inputs):
         raise UnsupportedModelError(
             f"{_describe(node)}: expects 5 inputs (hidden, router_logits, w_gate, w_up, w_down), got {len(node.inputs)}"

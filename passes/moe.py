@@ -11,7 +11,7 @@ import onnx_ir as ir
 from layerzero.errors import InvalidInputError
 from layerzero.passes._dynamic import MASK_PREFIX, MOE_DOMAIN, MOE_OP, ROUTER_PREFIX, DynamicPath, record_dynamic_path
 from layerzero.passes._graph import NAME_SCOPES_KEY, NameFactory, make_constant, replace_value
-from layerzero.passes._moe import MoEMatch, Rejection, find_moe_blocks
+from layerzero.passes._moe import MoEMatch, Rejection, Router, find_moe_blocks
 
 __all__ = ["MOE_DOMAIN", "MOE_OP", "SkipExperts"]
 
@@ -30,7 +30,9 @@ class SkipExperts(ir.passes.InPlacePass):
     ``swiglu_oai``); semantics in ``layerzero.plugins.reference``. Only the experts a token is routed to run for it.
 
     Cases (the block shapes of ``passes/_moe``; routers ``TopK(Softmax | Sigmoid(logits))`` or
-    ``Softmax(TopK(logits).values)``, the latter as ``scoring="softmax", normalize=1``):
+    ``Softmax(TopK(logits).values)``, the latter as ``scoring="softmax", normalize=1``; routers choosing by
+    biased, group-limited scores (DeepSeek-V3, GLM4-MoE, dots1, Ernie-4.5-MoE) with the v2 input ``score_bias``
+    and attributes ``n_group``, ``topk_group``, ``routed_scaling_factor``, emitted only where not default):
     1. Hugging Face ``batched_mm`` exports (Mixtral, Qwen2-MoE, GraniteMoE, ...; shared experts stay as they
        are), by ``torch.onnx`` with ``dynamo=True`` (``GatherND``) or TorchScript (``Gather``, ``Tile``,
        ``Flatten``, shapes computed from ``Shape``).
@@ -114,10 +116,11 @@ class SkipExperts(ir.passes.InPlacePass):
             make_constant(graph, names, f"{path}.experts.{part}", array)
             for part, array in (("w_gate", m.w_gate), ("w_up", m.w_up), ("w_down", m.w_down))
         ]
+        inputs, routing_attributes = _routing_v2(graph, names, path, router)
         node = ir.Node(
             MOE_DOMAIN,
             MOE_OP,
-            [m.hidden, router.logits, *weights, *_expert_biases(graph, names, path, m)],
+            [m.hidden, router.logits, *weights, *_v2_inputs(_expert_biases(graph, names, path, m), inputs)],
             attributes=[
                 ir.AttrInt64("top_k", router.top_k),
                 ir.AttrInt64("normalize", m.normalize),
@@ -126,6 +129,7 @@ class SkipExperts(ir.passes.InPlacePass):
                 ir.AttrFloat32("zeroing_threshold", self.zeroing_threshold),
                 ir.AttrString("path", path),
                 *_activation_attributes(m),
+                *routing_attributes,
             ],
             num_outputs=2,
             name=names(f"/{path}/experts/MoE"),
@@ -169,7 +173,7 @@ class SkipExperts(ir.passes.InPlacePass):
         graph.insert_after(end, [node, scores, *([axes_node] if opset >= 18 else []), top1])
         replace_value(m.output, y, names)
         graph.outputs.extend([mask, confidence])
-        _remove_dead(graph, [*m.nodes, end, router.topk, router.scores])
+        _remove_dead(graph, [*m.nodes, end, router.topk, router.scores, *router.nodes])
         record_dynamic_path(
             model,
             DynamicPath(
@@ -190,6 +194,8 @@ class SkipExperts(ir.passes.InPlacePass):
                     "hidden": int(m.w_gate.shape[2]),
                     "ffn": int(m.w_gate.shape[1]),
                     "zeroing_threshold": self.zeroing_threshold,
+                    **{a.name: a.value for a in routing_attributes},
+                    **({"score_bias": True} if router.score_bias is not None else {}),
                 },
             ),
         )
@@ -219,6 +225,30 @@ def _activation_attributes(m: MoEMatch) -> list[ir.Attr]:
         ir.AttrFloat32("activation_alpha", m.activation_alpha),
         ir.AttrFloat32("activation_limit", m.activation_limit),
     ]
+
+
+def _routing_v2(
+    graph: ir.Graph, names: NameFactory, path: str, router: Router
+) -> tuple[list[ir.Value | None], list[ir.Attr]]:
+    """The v2 routing of the node (moe_op_v2): ``score_bias`` as input 8 (inputs 5-7, the expert biases, absent
+    unless given), and ``n_group`` / ``topk_group`` / ``routed_scaling_factor`` only where they differ from their
+    defaults, so a v1 block stays a v1 node every lowering runs."""
+    attributes: list[ir.Attr] = []
+    if router.n_group != 1:
+        attributes += [ir.AttrInt64("n_group", router.n_group), ir.AttrInt64("topk_group", router.topk_group)]
+    if router.routed_scaling_factor != 1.0:
+        attributes.append(ir.AttrFloat32("routed_scaling_factor", router.routed_scaling_factor))
+    if router.score_bias is None:
+        return [], attributes
+    bias = make_constant(graph, names, f"{path}.router.score_bias", router.score_bias)
+    return [None, None, None, bias], attributes
+
+
+def _v2_inputs(biases: list[ir.Value | None], routing: list[ir.Value | None]) -> list[ir.Value | None]:
+    """Inputs 5-8 of the node: the expert biases (5-7) and ``score_bias`` (8); trailing absent ones dropped."""
+    if not routing:
+        return biases
+    return [*(biases or [None, None, None]), *routing[3:]]
 
 
 def _follow(rewired: dict[ir.Value, ir.Value], value: ir.Value) -> ir.Value:

@@ -3,18 +3,24 @@
 ``ai.layerzero::MoE`` (opset 1), the skipping form of a mixture-of-experts block::
 
     y, mask = MoE(hidden[T, H], router_logits[T, E], w_gate[E, F, H], w_up[E, F, H], w_down[E, H, F],
-                  [b_gate[E, F], b_up[E, F], b_down[E, H]],
+                  [b_gate[E, F], b_up[E, F], b_down[E, H], score_bias[E]],
                   top_k, normalize, scoring, activation, zeroing_threshold, path,
-                  [activation_alpha, activation_limit])
+                  [activation_alpha, activation_limit, n_group, topk_group, routed_scaling_factor, routing])
 
 Expert weights are stored ``[out, in]``; the expert biases (v2, optional inputs 5-7, absent = 0) add to each
-projection's output. Per token ``t``:
+projection's output. Every v2 attribute and input is optional and its default reproduces v1 exactly. Per token ``t``:
 
 1. ``probs = scoring(logits[t])`` (``softmax`` over experts, or elementwise ``sigmoid``);
-2. the ``top_k`` largest probs, ties broken towards the lower expert index (as ONNX Runtime's TopK);
-3. ``w`` = those probs, divided by their sum when ``normalize``;
-4. an expert whose ``w`` is below ``zeroing_threshold × max(w)`` is dropped (the rest is not renormalised);
-5. ``y[t] = Σ_kept w_e · (w_down[e] @ glu(w_gate[e] @ x_t + b_gate[e], w_up[e] @ x_t + b_up[e]) + b_down[e])``;
+2. selection scores ``s = probs + score_bias`` (the bias only chooses: DeepSeek-V3's ``e_score_correction_bias``);
+   with ``n_group`` > 1 the experts form ``n_group`` equal consecutive groups, a group's score is the sum of its
+   two largest ``s``, and only the ``topk_group`` best groups (ties: lower group) stay selectable (the others'
+   ``s`` = -inf: DeepSeek-V3, GLM4-MoE, dots1);
+3. the ``top_k`` largest ``s``, ties broken towards the lower expert index (as ONNX Runtime's TopK);
+4. ``w`` = the UNBIASED ``probs`` of those experts, divided by ``sum(w) + 1e-20`` when ``normalize``
+   (DeepSeek-V3's exact formula; for softmax scores the sum is at least top_k / E, so the 1e-20 changes no
+   float32 result and v1 semantics are kept), then × ``routed_scaling_factor``;
+5. an expert whose ``w`` is below ``zeroing_threshold × max(w)`` is dropped (the rest is not renormalised);
+6. ``y[t] = Σ_kept w_e · (w_down[e] @ glu(w_gate[e] @ x_t + b_gate[e], w_up[e] @ x_t + b_up[e]) + b_down[e])``;
    ``mask[t, e]`` is True exactly for the kept experts (the ones that run).
 
 ``glu(g, u)`` by ``activation``: ``act(g) ⊙ u`` for ``silu``, ``gelu`` (exact, erf) and ``relu``; for
@@ -27,9 +33,20 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["ACTIVATIONS", "SCORINGS", "SWIGLU_ALPHA", "SWIGLU_LIMIT", "glu", "moe_reference", "moe_routing"]
+__all__ = [
+    "ACTIVATIONS",
+    "NORMALIZE_EPS",
+    "SCORINGS",
+    "SWIGLU_ALPHA",
+    "SWIGLU_LIMIT",
+    "glu",
+    "moe_reference",
+    "moe_routing",
+]
 
 SCORINGS = ("softmax", "sigmoid")
+#: Added to the sum of the chosen weights before dividing (``normalize``), as DeepSeek-V3 / GLM4-MoE / dots1 do.
+NORMALIZE_EPS = 1e-20
 ACTIVATIONS = ("silu", "gelu", "relu", "swiglu_oai")
 # swiglu_oai's defaults (GPT-OSS: config.swiglu_alpha, config.swiglu_limit); the node's attributes override them.
 SWIGLU_ALPHA = 1.702
@@ -80,6 +97,10 @@ def moe_routing(
     normalize: bool | int,
     scoring: str = "softmax",
     zeroing_threshold: float = 0.0,
+    score_bias: np.ndarray | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Routing weights ``[T, E]`` (0 where an expert does not run) and the mask ``[T, E]`` bool."""
     logits = np.asarray(logits)
@@ -87,11 +108,13 @@ def moe_routing(
     if not 1 <= top_k <= experts:
         raise ValueError(f"top_k={top_k} must be in 1..{experts}")
     probs = _scores(logits, scoring)
-    # A stable sort of -probs keeps the lower index first among equal probs (ORT TopK's tie order).
-    index = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
+    select = _selection_scores(probs, score_bias, n_group, topk_group, top_k)
+    # A stable sort of -select keeps the lower index first among equal scores (ORT TopK's tie order).
+    index = np.argsort(-select, axis=-1, kind="stable")[:, :top_k]
     weights = np.take_along_axis(probs, index, axis=-1)
     if normalize:
-        weights = weights / weights.sum(axis=-1, keepdims=True)
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + NORMALIZE_EPS)
+    weights = weights * float(routed_scaling_factor)
     keep = weights >= zeroing_threshold * weights.max(axis=-1, keepdims=True, initial=0.0)
     dense = np.zeros((tokens, experts), np.float64)
     mask = np.zeros((tokens, experts), np.bool_)
@@ -99,6 +122,36 @@ def moe_routing(
     dense[rows, index] = np.where(keep, weights, 0.0)
     mask[rows, index] = keep
     return dense, mask
+
+
+def _selection_scores(
+    probs: np.ndarray, score_bias: np.ndarray | None, n_group: int, topk_group: int, top_k: int
+) -> np.ndarray:
+    """The scores experts are chosen by (step 2): ``probs + score_bias``, groups outside the best
+    ``topk_group`` at -inf. With a bias or groups computed in float32, as the models compute it (which of two
+    nearly equal sums is larger decides the choice); v1 routing keeps the float64 probs."""
+    experts = probs.shape[1]
+    if score_bias is None and n_group == 1:
+        return probs
+    select = probs.astype(np.float32)
+    if score_bias is not None:
+        bias = np.asarray(score_bias, np.float32).reshape(-1)
+        if bias.shape != (experts,):
+            raise ValueError(f"score_bias {np.shape(score_bias)}: expected [{experts}]")
+        select = select + bias
+    if n_group == 1:
+        return select
+    if n_group < 1 or experts % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"n_group={n_group}, topk_group={topk_group}: expected n_group | {experts}, 1..n_group")
+    size = experts // n_group
+    if size < 2 or top_k > topk_group * size:
+        raise ValueError(f"n_group={n_group}, topk_group={topk_group}, top_k={top_k}: groups of {size} experts")
+    grouped = select.reshape(-1, n_group, size)
+    group_scores = -np.sort(-grouped, axis=-1)[:, :, :2].sum(axis=-1)
+    best = np.argsort(-group_scores, axis=-1, kind="stable")[:, :topk_group]
+    keep = np.zeros(group_scores.shape, np.bool_)
+    np.put_along_axis(keep, best, True, axis=-1)
+    return np.where(np.repeat(keep, size, axis=-1), select, -np.inf)
 
 
 def moe_reference(
@@ -118,6 +171,10 @@ def moe_reference(
     b_down: np.ndarray | None = None,
     activation_alpha: float = SWIGLU_ALPHA,
     activation_limit: float = SWIGLU_LIMIT,
+    score_bias: np.ndarray | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(y [T, H], mask [T, E] bool)`` of ``ai.layerzero::MoE``; computed in float64, ``y`` returned in
     ``hidden``'s dtype. Only the experts in the mask are evaluated, on their tokens only. A bias that is None
@@ -142,7 +199,15 @@ def moe_reference(
         biases.append(np.zeros(shape) if bias is None else np.asarray(bias, np.float64))
     b_g, b_u, b_d = biases
     dense, mask = moe_routing(
-        logits, top_k=top_k, normalize=normalize, scoring=scoring, zeroing_threshold=zeroing_threshold
+        logits,
+        top_k=top_k,
+        normalize=normalize,
+        scoring=scoring,
+        zeroing_threshold=zeroing_threshold,
+        score_bias=score_bias,
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=routed_scaling_factor,
     )
     x = hidden.astype(np.float64)
     y = np.zeros_like(x)

@@ -147,7 +147,8 @@ def find_moe_blocks(graph: ir.Graph) -> tuple[list[MoEMatch], list[Rejection]]:
                     parts = matcher(w, end, router)
                     if end not in w.nodes:
                         w.nodes.append(end)
-                    block = [n for n in w.nodes if n not in (router.topk, router.scores)]
+                    router_nodes = {router.topk, router.scores, *router.nodes}
+                    block = [n for n in w.nodes if n not in router_nodes]
                     found = MoEMatch(
                         path=block_scope([topk, end]),
                         form=form,
@@ -181,4 +182,38 @@ def find_moe_blocks(graph: ir.Graph) -> tuple[list[MoEMatch], list[Rejection]]:
             continue
         claimed.update(found.nodes)
         matches.append(found)
+    # The group-limit TopKs of a matched router (DeepSeek-V3 style) are parts of it, not routers of their own.
+    parts = {f"TopK {n.name}" for m in matches for n in m.router.nodes if n.op_type == "TopK"}
+    rejections = [r for r in rejections if r.node not in parts]
+    rejections.extend(_sparsemixer_rejections(graph))
     return matches, rejections
+
+
+def _sparsemixer_rejections(graph: ir.Graph) -> list[Rejection]:
+    """PhiMoE's sparsemixer router has no TopK: ``ArgMax`` of the logits, a softmax of the logits masked to
+    the ones near the maximum, the same again with the first choice at -inf, ``Concat`` of the two. It is
+    recognised (by an ``ArgMax`` over the logits whose index gathers from a ``Softmax``) so that the refusal
+    is said rather than silent."""
+    found = []
+    for node in graph:
+        if node.op_type != "ArgMax" or node.domain not in STD or _producer_op(node.inputs[0]) == "ScatterElements":
+            continue  # the second choice (ArgMax of the scores with the first at -inf) is the same block
+        gathers = [u for u, i in node.outputs[0].uses() if i == 1 and u.op_type == "GatherElements"]
+        softmax = [g for g in gathers if g.inputs[0] is not None and _producer_op(g.inputs[0]) == "Softmax"]
+        if softmax:
+            found.append(
+                Rejection(
+                    block_scope([node]) or node.name or "",
+                    "router: PhiMoE sparsemixer (ArgMax + a softmax masked to the scores within 2·jitter_eps of the "
+                    "maximum, twice; no TopK) is not rewritten: the skipping form's routing is top-k of one score "
+                    "vector, and the sparsemixer's second weight comes from a second, differently masked softmax "
+                    "(ai.layerzero::MoE routing='sparsemixer' is not implemented)",
+                    f"ArgMax {node.name}",
+                )
+            )
+    return found
+
+
+def _producer_op(value: ir.Value) -> str | None:
+    producer = value.producer()
+    return None if producer is None else producer.op_type

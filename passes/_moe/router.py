@@ -4,6 +4,18 @@ Variants:
 - scores (``ROUTER_VARIANTS``): ``TopK(Softmax(logits, -1) | Sigmoid(logits), k)`` (Mixtral, Qwen-MoE, OLMoE),
   or ``Softmax(TopK(logits, k).values)`` (GraniteMoE, JetMoE, GPT-OSS: the same weights as the first with
   ``normalize``), ``TopK`` over the last axis, ``largest=1``, logits ``[T, E]``;
+- chosen by biased, group-limited scores, weighed by the unbiased ones (``biased-select``: DeepSeek-V3,
+  GLM4-MoE, dots1 with sigmoid scores, Ernie-4.5-MoE with softmax scores)::
+
+      s = scores + score_bias                                  (bias correction; absent once a zero bias folds)
+      s = Where(group_mask, s, -inf)                           (group limits, optional; ``group_mask`` below)
+      indices = TopK(s, k).indices;  w = GatherElements(scores, indices, axis=-1)
+      w = w / ReduceSum(w) | w / (ReduceSum(w) + eps) | w / Clip(ReduceSum(w), min)     (optional)
+      w = w * routed_scaling_factor                                                   (optional)
+
+  ``group_mask``: ``Reshape(Expand(Unsqueeze(ScatterElements(zeros, TopK(ReduceSum(TopK(Reshape(s, [T, G,
+  E/G]), 2).values, -1), topk_group).indices, ones), -1)), [T, E])`` through ``Cast`` / ``Not`` (either
+  polarity of the ``Where``), as both exporters write it; ``n_group`` = G;
 - routing weights: the top-k values (``normalize`` 0) or the values divided by their sum (1);
 - routing matrix ``[T, E]`` (dense and unrolled blocks): ``ScatterElements(zeros, indices, weights, axis=1)``
   (zeros: ``ConstantOfShape(Shape(logits))`` or ``Expand(0, shape)``) or
@@ -26,13 +38,19 @@ from layerzero.passes._moe.walk import (
     axes_of,
     commuted,
     const_ints,
+    const_scalar,
     need,
     rank_of,
+    reshape_dims,
     sorted_axes,
     static_dim,
 )
 
 __all__ = ["ROUTER_VARIANTS", "Router", "match_router", "router_candidate", "routing_matrix", "routing_weights"]
+
+# ``+ eps`` before a normalisation's division that the skipping form's own ``+ 1e-20`` stands for
+# (plugins/reference.py, NORMALIZE_EPS): DeepSeek-V3 / GLM4-MoE / dots1 write exactly 1e-20.
+_NORMALIZE_EPS = 1e-20
 
 
 @dataclasses.dataclass
@@ -49,6 +67,13 @@ class Router:
     # ``values`` are already the top-k probabilities renormalised to sum 1 (a softmax of the k logits is the
     # softmax over all experts restricted to the top k and renormalised: ``normalize`` 1 of the skipping form).
     normalized: bool = False
+    # v2 routing (``biased-select``): the selection bias [E], group limits, the routed scaling factor, and the
+    # router's other nodes (selection, gather, normalisation, scaling), removed with the block once dead.
+    score_bias: np.ndarray | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    nodes: list[ir.Node] = dataclasses.field(default_factory=list)
 
 
 def _scores_then_topk(topk: ir.Node) -> tuple[ir.Node, ir.Value, ir.Value, bool]:
@@ -75,9 +100,291 @@ def _topk_then_softmax(topk: ir.Node) -> tuple[ir.Node, ir.Value, ir.Value, bool
     return scores, topk.inputs[0], scores.outputs[0], True
 
 
+def _biased_select(topk: ir.Node) -> tuple[ir.Node, ir.Value, ir.Value, bool, dict]:
+    """``TopK(scores + bias, masked to the best groups)`` choosing, ``GatherElements(scores)`` weighing
+    (DeepSeek-V3, GLM4-MoE, dots1, Ernie-4.5-MoE; the module docstring's ``biased-select``)."""
+    gathers = [
+        u
+        for u, i in topk.outputs[1].uses()
+        if i == 1 and u.op_type == "GatherElements" and u.domain in STD and attr_of(u, "axis", 0) in (-1, 1)
+    ]
+    need(len(gathers) == 1, "router: the top-k indices do not gather the routing weights (GatherElements)")
+    gather = gathers[0]
+    scores_value = gather.inputs[0]
+    extra: dict = {"nodes": [gather]}
+    scores = _past_same_type_cast(scores_value, extra["nodes"]).producer()
+    need(
+        scores is not None and scores.op_type in ("Softmax", "Sigmoid") and scores.domain in STD,
+        f"router: GatherElements {gather.name} does not gather Softmax or Sigmoid scores",
+    )
+    if scores.op_type == "Softmax":
+        need(attr_of(scores, "axis", -1) in (-1, 1), "router: Softmax is not over the experts axis")
+    experts = static_dim(scores.inputs[0], 1)
+    need(experts is not None, f"router: the number of experts (dim 1 of {scores.inputs[0].name}) is not static")
+    select = topk.inputs[0]
+    where = select.producer()
+    if where is not None and where.op_type == "Where" and where.domain in STD:
+        select, extra["n_group"], extra["topk_group"], group_nodes = _group_mask(where, experts)
+        extra["nodes"].extend([where, *group_nodes])
+    if select is not scores_value:
+        add = select.producer()
+        need(
+            add is not None and add.op_type == "Add" and add.domain in STD,
+            f"router: TopK {topk.name} chooses by neither the gathered scores nor scores + a bias",
+        )
+        for operand, bias_value in commuted(add):
+            bias = _through_identity(bias_value)
+            if operand is scores_value and bias is not None and bias.size == experts:
+                break
+        else:
+            raise NoMatch(f"router: Add {add.name} is not the scores plus a constant bias of {experts} values")
+        need(bias.dtype.kind == "f", f"router: the score bias {bias_value.name} is not a float tensor")
+        extra["score_bias"] = bias.reshape(-1).astype(np.float32)
+        extra["nodes"].append(add)
+    k = const_ints(topk.inputs[1]) if len(topk.inputs) > 1 else None
+    size = experts // extra.get("n_group", 1)
+    need(
+        k is None or k[0] <= extra.get("topk_group", 1) * size,
+        f"router: top-{k and k[0]} of {extra.get('topk_group', 1)} groups of {size} experts chooses -inf scores",
+    )
+    values, normalized, scaling, weight_nodes = _gathered_weights(gather.outputs[0], scores.op_type, k, experts)
+    extra["nodes"].extend(weight_nodes)
+    extra["routed_scaling_factor"] = scaling
+    return scores, scores.inputs[0], values, normalized, extra
+
+
+def _same_type_cast(node: ir.Node) -> bool:
+    """A ``Cast`` to the type its input already has (TorchScript's ``.float()`` of a float32 tensor)."""
+    if node.op_type != "Cast" or node.domain not in STD or node.inputs[0] is None:
+        return False
+    to = attr_of(node, "to")
+    return to is not None and node.inputs[0].dtype is not None and ir.DataType(to) == node.inputs[0].dtype
+
+
+def _past_same_type_cast(value: ir.Value, nodes: list[ir.Node]) -> ir.Value:
+    """``value``, or the input of the same-type ``Cast`` producing it (appended to ``nodes``)."""
+    producer = value.producer()
+    if producer is not None and _same_type_cast(producer):
+        nodes.append(producer)
+        return producer.inputs[0]
+    return value
+
+
+def _through_identity(value: ir.Value | None) -> np.ndarray | None:
+    """A constant, also behind ``Identity`` (TorchScript shares an equal initializer between layers so)."""
+    producer = None if value is None else value.producer()
+    while producer is not None and producer.op_type == "Identity" and producer.domain in STD:
+        value = producer.inputs[0]
+        producer = value.producer()
+    return const_array(value)
+
+
+def _group_mask(where: ir.Node, experts: int) -> tuple[ir.Value, int, int, list[ir.Node]]:
+    """``Where`` keeping the scores of the ``topk_group`` best groups: ``(scores, n_group, topk_group, nodes)``."""
+    what = f"router group limit (Where {where.name})"
+    condition, a, b = where.inputs
+    inf_a, inf_b = const_scalar(a), const_scalar(b)
+    need(
+        (inf_a is not None and inf_a == -np.inf) != (inf_b is not None and inf_b == -np.inf),
+        f"{what}: neither branch is -inf",
+    )
+    select, inf_when = (b, True) if inf_a == -np.inf else (a, False)
+    # Backwards from the condition: Cast / Not / Identity anywhere, then Reshape, Expand, Unsqueeze in order.
+    nodes: list[ir.Node] = []
+    negations, shaping, value = 0, [], condition
+    while True:
+        node = value.producer()
+        need(node is not None and node.domain in STD, f"{what}: the condition is not computed from a group mask")
+        if node.op_type == "ScatterElements":
+            break
+        need(
+            node.op_type in ("Not", "Cast", "Identity", "Reshape", "Expand", "Unsqueeze") and len(nodes) < 12,
+            f"{what}: {node.op_type} {node.name} in the group mask",
+        )
+        nodes.append(node)
+        if node.op_type == "Not":
+            negations += 1
+        elif node.op_type == "Cast":
+            to = attr_of(node, "to")
+            need(to is not None and ir.DataType(to) in _MASK_TYPES, f"{what}: Cast {node.name} to {to}")
+        elif node.op_type in ("Reshape", "Expand", "Unsqueeze"):
+            shaping.append(node)
+        value = node.inputs[0]
+    # -inf where the condition holds: the condition says "not kept" (an odd number of Not).
+    need(negations % 2 == int(inf_when), f"{what}: the -inf goes to the kept groups")
+    need(
+        [n.op_type for n in shaping] == ["Reshape", "Expand", "Unsqueeze"],
+        f"{what}: the group mask is not Reshape(Expand(Unsqueeze(groups, -1)))",
+    )
+    reshape, _, unsqueeze = shaping
+    dims = reshape_dims(reshape)
+    need(dims is not None and dims[-1] == experts, f"{what}: the group mask is not reshaped to [T, {experts}]")
+    need(sorted_axes(axes_of(unsqueeze), 3) == [2], f"{what}: the groups are not unsqueezed on the last axis")
+    scatter = node
+    nodes.append(scatter)
+    need(
+        attr_of(scatter, "axis", 0) in (-1, 1) and attr_of(scatter, "reduction", "none") == "none",
+        f"{what}: ScatterElements {scatter.name} is not along the groups axis",
+    )
+    need(_filled(scatter.inputs[0], nodes) == 0, f"{what}: the group mask is not scattered into zeros")
+    ones = _filled(scatter.inputs[2], nodes)
+    need(ones is not None and ones != 0, f"{what}: the scattered group mask values are not a nonzero constant")
+    group_topk = scatter.inputs[1].producer()
+    need(
+        group_topk is not None and group_topk.op_type == "TopK" and scatter.inputs[1] is group_topk.outputs[1],
+        f"{what}: the groups kept are not TopK indices",
+    )
+    topk_group = const_ints(group_topk.inputs[1])
+    need(
+        topk_group is not None
+        and attr_of(group_topk, "largest", 1) == 1
+        and attr_of(group_topk, "axis", -1) in (-1, 1),
+        f"{what}: TopK {group_topk.name} does not keep the best groups (constant k, largest, last axis)",
+    )
+    group_sum = group_topk.inputs[0].producer()
+    need(
+        group_sum is not None
+        and group_sum.op_type == "ReduceSum"
+        and sorted_axes(axes_of(group_sum), 3) == [2]
+        and attr_of(group_sum, "keepdims", 1) == 0,
+        f"{what}: the group scores are not a ReduceSum over each group's last axis",
+    )
+    top2 = group_sum.inputs[0].producer()
+    need(
+        top2 is not None
+        and top2.op_type == "TopK"
+        and group_sum.inputs[0] is top2.outputs[0]
+        and const_ints(top2.inputs[1]) == [2]
+        and attr_of(top2, "largest", 1) == 1
+        and attr_of(top2, "axis", -1) in (-1, 2),
+        f"{what}: a group's score is not the sum of its top-2 scores",
+    )
+    grouping = top2.inputs[0].producer()
+    need(grouping is not None and grouping.op_type == "Reshape", f"{what}: the scores are not reshaped into groups")
+    dims = reshape_dims(grouping)
+    need(
+        dims is not None and len(dims) == 3 and dims[1] > 0 and dims[2] >= 2 and dims[1] * dims[2] == experts,
+        f"{what}: the scores are not reshaped to [T, groups, {experts} / groups]",
+    )
+    need(grouping.inputs[0] is select, f"{what}: the groups are scored from other values than the masked ones")
+    n_group = dims[1]
+    need(1 <= topk_group[0] <= n_group, f"{what}: topk_group {topk_group[0]} is outside 1..{n_group}")
+    nodes.extend([group_topk, group_sum, top2, grouping])
+    return select, n_group, topk_group[0], nodes
+
+
+_MASK_TYPES = (ir.DataType.BOOL, ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.INT64, ir.DataType.INT32)
+
+
+def _filled(value: ir.Value, nodes: list[ir.Node]) -> float | None:
+    """The one value a constant-filled tensor holds: a scalar constant, ``ConstantOfShape(value)`` or
+    ``Expand(scalar, shape)`` (torch's ``zeros_like`` / ``expand``); None otherwise."""
+    scalar = const_scalar(value)
+    if scalar is not None:
+        return scalar
+    node = value.producer()
+    if node is None or node.domain not in STD:
+        return None
+    if node.op_type == "ConstantOfShape":
+        fill = node.attributes.get("value")
+        found = 0.0 if fill is None else float(fill.value.numpy().reshape(-1)[0])
+    elif node.op_type == "Expand":
+        found = const_scalar(node.inputs[0])
+    else:
+        return None
+    if found is not None:
+        nodes.append(node)
+    return found
+
+
+def _gathered_weights(
+    gathered: ir.Value, scoring: str, k: list[int] | None, experts: int
+) -> tuple[ir.Value, bool, float, list[ir.Node]]:
+    """Forwards from the gathered scores: the optional normalisation, then the optional scaling.
+    ``(weights, normalized, routed_scaling_factor, nodes)``.
+
+    The denominator: ``ReduceSum(w, -1, keepdims=1)``, ``+ eps`` (eps ≤ 1e-20, the form's own; with softmax
+    scores any eps ≤ 1e-9 · k / E, as the sum is at least k / E), or ``Clip`` / ``Max`` at ``min`` (with softmax
+    scores only, for min ≤ k / E: Ernie-4.5-MoE's ``clamp(min=norm_min)`` never acts there)."""
+    value, normalized, scaling, nodes = gathered, False, 1.0, []
+    users = [u for u, _ in value.uses()]
+    divs = [u for u in users if u.op_type == "Div" and u.domain in STD and u.inputs[0] is value]
+    if len(divs) == 1 and len(users) == 2:
+        div = divs[0]
+        denominator = div.inputs[1].producer()
+        if denominator is not None and denominator.op_type in ("Add", "Clip", "Max") and denominator.domain in STD:
+            bound = _bound(denominator)
+            floor = 0.0 if k is None else k[0] / experts  # the smallest sum of the k largest softmax scores
+            if denominator.op_type == "Add":
+                need(
+                    (bound is not None and 0 <= bound <= _NORMALIZE_EPS * (1 + 1e-6))
+                    or (scoring == "Softmax" and bound is not None and 0 <= bound <= 1e-9 * floor),
+                    f"routing weights: {denominator.name} adds {bound} to the sum (the form adds 1e-20)",
+                )
+            else:
+                need(
+                    scoring == "Softmax" and bound is not None and bound <= floor,
+                    f"routing weights: {denominator.op_type} {denominator.name} bounds the sum below by {bound}, "
+                    "which changes the weights",
+                )
+            nodes.append(denominator)
+            total = denominator.inputs[0].producer() if denominator.op_type != "Add" else _other_sum(denominator)
+        else:
+            total = denominator
+        need(
+            total is not None
+            and total.op_type == "ReduceSum"
+            and total.inputs[0] is value
+            and sorted_axes(axes_of(total), 2) == [1]
+            and attr_of(total, "keepdims", 1) == 1,
+            f"routing weights: Div {div.name} does not divide by the sum of the gathered weights",
+        )
+        nodes.extend([total, div])
+        value, normalized = div.outputs[0], True
+    users = [u for u, _ in value.uses()]
+    if len(users) == 1 and _same_type_cast(users[0]):  # TorchScript's .to(hidden dtype) of float32 weights
+        nodes.append(users[0])
+        value = users[0].outputs[0]
+        users = [u for u, _ in value.uses()]
+    if len(users) == 1 and users[0].op_type == "Mul" and users[0].domain in STD:
+        mul = users[0]
+        for operand, factor_value in commuted(mul):
+            factor = const_scalar(factor_value)
+            if operand is value and factor is not None:
+                need(factor > 0 and np.isfinite(factor), f"routing weights: scaled by {factor} ({mul.name})")
+                nodes.append(mul)
+                value, scaling = mul.outputs[0], factor
+                break
+    return value, normalized, scaling, nodes
+
+
+def _bound(node: ir.Node) -> float | None:
+    """The constant operand of ``Add`` / ``Max`` (either order) or ``Clip``'s ``min`` (no ``max``)."""
+    if node.op_type == "Clip":
+        if len(node.inputs) > 2 and node.inputs[2] is not None:
+            return None
+        return const_scalar(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
+    for _, other in commuted(node):
+        found = const_scalar(other)
+        if found is not None:
+            return found
+    return None
+
+
+def _other_sum(add: ir.Node) -> ir.Node | None:
+    for operand, other in commuted(add):
+        if const_scalar(other) is not None:
+            return operand.producer()
+    return None
+
+
 # Router variants (rules as data): name -> part returning (scores node, logits [T, E], weights [T, k],
-# normalized). Tried in order; the first that accepts the TopK wins.
-ROUTER_VARIANTS = {"scores-topk": _scores_then_topk, "topk-softmax": _topk_then_softmax}
+# normalized[, Router fields of the v2 routing]). Tried in order; the first that accepts the TopK wins.
+ROUTER_VARIANTS = {
+    "biased-select": _biased_select,
+    "scores-topk": _scores_then_topk,
+    "topk-softmax": _topk_then_softmax,
+}
 
 
 def router_candidate(topk: ir.Node, hops: int = 6) -> bool:
@@ -107,7 +414,8 @@ def match_router(topk: ir.Node) -> Router:
         except NoMatch as exc:
             reasons.append(str(exc))
     need(found is not None, "; ".join(reasons))
-    variant, scores, logits, values, normalized = found
+    variant, scores, logits, values, normalized, *more = found
+    extra = more[0] if more else {}
     rank = rank_of(logits)
     need(rank == 2, f"router: logits {logits.name} have rank {rank}, expected [tokens, experts]")
     experts = static_dim(logits, 1)
@@ -130,6 +438,7 @@ def match_router(topk: ir.Node) -> Router:
         scoring=scores.op_type.lower(),
         variant=variant,
         normalized=normalized,
+        **extra,
     )
 
 
