@@ -694,6 +694,14 @@ class RemoveStructuredZeros(ir.passes.InPlacePass):
                 consumer = _consumer(node)
                 if consumer is not None:
                     removed += self._narrow_chain(consumer, rewriter)
+            # Cases 3 and 4: what Case 1 could not narrow keeps its width at the boundary.
+            for node in list(graph):
+                if node.graph is None:
+                    continue
+                removed += self._pad_output(node, rewriter)
+                consumer = _consumer(node)
+                if consumer is not None:
+                    removed += self._slice_input(consumer, rewriter)
         if removed:
             self.removed_params += removed
             previous = int(model.metadata_props.get(PARAMS_REMOVED_KEY, "0") or 0)
@@ -787,3 +795,111 @@ class RemoveStructuredZeros(ir.passes.InPlacePass):
         if out.is_graph_output():
             rename_output(node.graph, out, new_out, rewriter.names, "lz_before_row")
         return removed
+
+    # Case 3
+    def _pad_output(self, node: ir.Node, rewriter: _Rewriter) -> int:
+        if not _std(node, "MatMul", "Gemm") or not node.outputs or not node.outputs[0].uses():
+            return 0
+        out = node.outputs[0]
+        leaf = None
+        uses = out.uses()
+        if len(uses) == 1 and _std(uses[0][0], "Add") and not out.is_graph_output():
+            leaf = _linear(uses[0][0].outputs[0])  # x @ W + b, the bias Add included
+        if leaf is None:
+            leaf = _linear_node(out)
+        if leaf is None or _weight(node.inputs[0]) is not None:
+            return 0
+        if not leaf.out.uses() or leaf.out.is_graph_output():
+            return 0
+        zero = leaf.zero_columns() & (leaf.column_values() == 0)
+        lead, trail = _run_lengths(zero)
+        width = leaf.width
+        if lead + trail < max(1, width // 64) or lead + trail >= width:
+            return 0  # nothing worth a Pad, or an all-zero weight (the lattice's)
+        rank = len(leaf.out.shape) if leaf.out.shape is not None else None
+        if rank is None or rank < 1:
+            return 0
+        target = leaf.out
+        original_shape, original_type = target.shape, target.type
+        removed = rewriter.narrow_linear(leaf, np.arange(lead, width - trail))
+        pads = np.array([0] * (rank - 1) + [lead] + [0] * (rank - 1) + [trail], np.int64)
+        # before: y = x @ W + b     after: y = Pad(x @ W[:, lead:-trail] + b[lead:-trail], zeros)
+        if _opset(rewriter.root, node) >= 11:
+            pad = ir.Node("", "Pad", [target, rewriter.constant(f"{node.name}_pads", pads)])
+        else:
+            pad = ir.Node("", "Pad", [target], attributes=[ir.AttrInt64s("pads", [int(p) for p in pads])])
+        pad.name = rewriter.names(f"{node.name}_lz_pad")
+        new = pad.outputs[0]
+        new.name = rewriter.names(f"{target.name}_lz_padded")
+        new.shape, new.type = original_shape, original_type
+        producer = target.producer()
+        assert producer is not None and producer.graph is not None
+        producer.graph.insert_after(producer, pad)
+        for user, index in list(target.uses()):
+            if user is not pad:
+                user.replace_input_with(index, new)
+        logger.debug(
+            "structured zeros at %s: %d zero output columns padded back, %d parameters removed",
+            node.name,
+            lead + trail,
+            removed,
+        )
+        return removed
+
+    # Case 4
+    def _slice_input(self, consumer: _Consumer, rewriter: _Rewriter) -> int:
+        weight = consumer.weight
+        width = weight.shape[0]
+        zero = ~np.any(weight != 0, axis=1)
+        lead, trail = _run_lengths(zero)
+        if lead + trail < max(1, width // 64) or lead + trail >= width:
+            return 0
+        node = consumer.node
+        a = consumer.input
+        rank = len(a.shape) if a.shape is not None else None
+        if rank is None or rank < 1 or _last_dim(a) not in (None, width):
+            return 0
+        # before: y = A @ W     after: y = Slice(A, lead:K-trail, last axis) @ W[lead:K-trail]
+        bounds = [
+            rewriter.constant(f"{node.name}_starts", np.array([lead], np.int64)),
+            rewriter.constant(f"{node.name}_ends", np.array([width - trail], np.int64)),
+            rewriter.constant(f"{node.name}_axes", np.array([rank - 1], np.int64)),
+        ]
+        if _opset(rewriter.root, node) >= 10:
+            cut = ir.Node("", "Slice", [a, *bounds])
+        else:
+            cut = ir.Node(
+                "",
+                "Slice",
+                [a],
+                attributes=[
+                    ir.AttrInt64s("starts", [lead]),
+                    ir.AttrInt64s("ends", [width - trail]),
+                    ir.AttrInt64s("axes", [rank - 1]),
+                ],
+            )
+        cut.name = rewriter.names(f"{node.name}_lz_slice")
+        sliced = cut.outputs[0]
+        sliced.name = rewriter.names(f"{a.name}_lz_live")
+        sliced.dtype = a.dtype
+        if a.shape is not None:
+            sliced.shape = a.shape
+            _set_last_dim(sliced, width - trail - lead)
+        node.graph.insert_before(node, cut)
+        node.replace_input_with(0, sliced)
+        raw = const_array(node.inputs[1])
+        assert raw is not None
+        transposed = node.op_type == "Gemm" and node.attributes.get_int("transB", 0)
+        new = np.take(raw, np.arange(lead, width - trail), axis=1 if transposed else 0)
+        node.replace_input_with(1, rewriter.constant(node.inputs[1].name or "lz_weight", new))
+        logger.debug("structured zeros at %s: %d zero contraction rows sliced off its input", node.name, lead + trail)
+        return raw.size - new.size
+
+
+def _run_lengths(zero: np.ndarray) -> tuple[int, int]:
+    """Lengths of the leading and trailing runs of True."""
+    if zero.all():
+        return len(zero), 0
+    lead = int(np.argmin(zero))
+    trail = int(np.argmin(zero[::-1]))
+    return lead, trail
