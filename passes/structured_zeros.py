@@ -87,6 +87,59 @@ def _weight(value: ir.Value | None) -> np.ndarray | None:
     return array
 
 
+_LINES_META_KEY = "layerzero.zero_lines"
+
+
+def _zero_lines(value: ir.Value, array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(zero rows, zero columns) of a constant 2-D weight, cached on the value.
+
+    A zero row starts with a zero and a zero column is zero in row 0: only those candidates are read whole, so
+    a dense weight costs one row and one column (memory-mapped pages stay cold), and the fixpoint's later
+    iterations read nothing.
+    """
+    cached = value.meta.get(_LINES_META_KEY)
+    if cached is not None and cached[0].shape[0] == array.shape[0] and cached[1].shape[0] == array.shape[1]:
+        return cached
+    rows = np.zeros(array.shape[0], bool)
+    cols = np.zeros(array.shape[1], bool)
+    for k in np.flatnonzero(array[:, 0] == 0):
+        rows[k] = not np.any(array[k])
+    candidates = np.flatnonzero(array[0] == 0)
+    for start in range(0, candidates.size, 256):  # a bounded temporary per block of columns
+        block = candidates[start : start + 256]
+        cols[block] = ~np.any(array[:, block] != 0, axis=0)
+    value.meta[_LINES_META_KEY] = (rows, cols)
+    return rows, cols
+
+
+@dataclasses.dataclass
+class _Matrix:
+    """A constant weight in its math form ``[in, out]``: the stored array (``transposed`` for Gemm's
+    ``transB``) times ``alpha``, read lazily."""
+
+    value: ir.Value
+    array: np.ndarray
+    transposed: bool = False
+    alpha: float = 1.0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, cols = self.array.shape
+        return (cols, rows) if self.transposed else (rows, cols)
+
+    def zero_rows(self) -> np.ndarray:
+        lines = _zero_lines(self.value, self.array)
+        return lines[1] if self.transposed else lines[0]
+
+    def zero_cols(self) -> np.ndarray:
+        lines = _zero_lines(self.value, self.array)
+        return lines[0] if self.transposed else lines[1]
+
+    def rows(self, index: np.ndarray) -> np.ndarray:
+        picked = self.array[:, index].T if self.transposed else self.array[index]
+        return self.alpha * picked.astype(np.float64)
+
+
 def _set_last_dim(value: ir.Value, size: int) -> None:
     if value.shape is not None and len(value.shape) > 0:
         dims = list(value.shape)
@@ -103,7 +156,7 @@ class _Linear:
     constant bias. ``weight`` is the math form ``[in, N]`` (Gemm's ``alpha`` and ``transB`` applied)."""
 
     node: ir.Node
-    weight: np.ndarray
+    weight: _Matrix
     bias: np.ndarray | None  # [N], what the output column equals when the weight column is zero
     add: ir.Node | None  # a separate bias Add (its constant operand's index in ``add_index``)
     add_index: int
@@ -114,7 +167,7 @@ class _Linear:
         return self.weight.shape[1]
 
     def zero_columns(self) -> np.ndarray:
-        return ~np.any(self.weight != 0, axis=0)
+        return self.weight.zero_cols()
 
     def column_values(self) -> np.ndarray:
         return np.zeros(self.width) if self.bias is None else self.bias.astype(np.float64)
@@ -165,12 +218,12 @@ def _linear_node(value: ir.Value) -> _Linear | None:
         x = node.inputs[0]
         if weight is None or x is None or x.shape is None or len(x.shape) < 1:
             return None
-        return _Linear(node, weight, None, None, 0, value)
+        return _Linear(node, _Matrix(node.inputs[1], weight), None, None, 0, value)
     if _std(node, "Gemm") and not node.attributes.get_int("transA", 0):
         raw = _weight(node.inputs[1])
         if raw is None:
             return None
-        weight = raw.T if node.attributes.get_int("transB", 0) else raw
+        weight = _Matrix(node.inputs[1], raw, bool(node.attributes.get_int("transB", 0)))
         alpha, beta = node.attributes.get_float("alpha", 1.0), node.attributes.get_float("beta", 1.0)
         bias = None
         if len(node.inputs) > 2 and node.inputs[2] is not None:
@@ -181,7 +234,8 @@ def _linear_node(value: ir.Value) -> _Linear | None:
             if bias is None:
                 return None
             bias = beta * bias
-        return _Linear(node, alpha * weight.astype(np.float64), bias, None, 0, value)
+        weight.alpha = alpha
+        return _Linear(node, weight, bias, None, 0, value)
     return None
 
 
@@ -647,7 +701,7 @@ class _Consumer:
     """``MatMul(A, W)`` / ``Gemm(A, W, C)`` reading ``A`` along the contraction axis."""
 
     node: ir.Node
-    weight: np.ndarray  # math form [K, N] (alpha applied for Gemm)
+    weight: _Matrix  # math form [K, N]
 
     @property
     def input(self) -> ir.Value:
@@ -662,13 +716,13 @@ def _consumer(node: ir.Node) -> _Consumer | None:
         a = node.inputs[0]
         if weight is None or a.shape is None or len(a.shape) < 2 or _weight(a) is not None:
             return None
-        return _Consumer(node, weight.astype(np.float64))
+        return _Consumer(node, _Matrix(node.inputs[1], weight))
     if _std(node, "Gemm") and not node.attributes.get_int("transA", 0) and node.inputs[0] is not None:
         raw = _weight(node.inputs[1])
         if raw is None or _weight(node.inputs[0]) is not None:
             return None
-        weight = raw.T if node.attributes.get_int("transB", 0) else raw
-        return _Consumer(node, node.attributes.get_float("alpha", 1.0) * weight.astype(np.float64))
+        transposed = bool(node.attributes.get_int("transB", 0))
+        return _Consumer(node, _Matrix(node.inputs[1], raw, transposed, node.attributes.get_float("alpha", 1.0)))
     return None
 
 
@@ -713,12 +767,12 @@ class RemoveStructuredZeros(ir.passes.InPlacePass):
     def _narrow_chain(self, consumer: _Consumer, rewriter: _Rewriter) -> int:
         weight = consumer.weight
         width = weight.shape[0]
-        if not np.any(weight):
+        dead_rows = weight.zero_rows()
+        if dead_rows.all():
             return 0  # an all-zero weight: the lattice's
         a = consumer.input
         if _last_dim(a) not in (None, width) or width < 2:
             return 0
-        dead_rows = ~np.any(weight != 0, axis=1)
         chain = _Chain(width, self.assume_finite)
         try:
             known, vals = chain.visit(a)
@@ -736,7 +790,7 @@ class RemoveStructuredZeros(ir.passes.InPlacePass):
             logger.debug("structured zeros at %s: %s", consumer.node.name, exc)
             return 0
         constant = known & ~dead_rows & (vals != 0)
-        row = (vals[constant] @ weight[constant]) if constant.any() else None
+        row = (vals[constant] @ weight.rows(np.flatnonzero(constant))) if constant.any() else None
         keep = np.flatnonzero(~dead)
         zero_consumer = keep.size == 0
         if zero_consumer:
@@ -850,7 +904,7 @@ class RemoveStructuredZeros(ir.passes.InPlacePass):
     def _slice_input(self, consumer: _Consumer, rewriter: _Rewriter) -> int:
         weight = consumer.weight
         width = weight.shape[0]
-        zero = ~np.any(weight != 0, axis=1)
+        zero = weight.zero_rows()
         lead, trail = _run_lengths(zero)
         if lead + trail < max(1, width // 64) or lead + trail >= width:
             return 0
