@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 PARAMS_REMOVED_KEY = "layerzero.structured_zeros.params_removed"
 _MAX_CHAIN = 48  # values in one chain: an MLP has a handful; more is a residual stream walked back
 _MAX_WEIGHT_READ = 1 << 28  # elements: bigger weights are not read for structure
+_MIN_WIDTH = 16  # Cases 3 / 4: narrower axes are not worth a node
 _STD = ("", "ai.onnx")
 # Binary ops of Case 1 that act per element (broadcast operands keep their columns).
 _BINARY = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum"})
@@ -868,7 +869,7 @@ class RemoveStructuredZeros(ir.passes.InPlacePass):
         zero = leaf.zero_columns() & (leaf.column_values() == 0)
         lead, trail = _run_lengths(zero)
         width = leaf.width
-        if lead + trail < max(1, width // 64) or lead + trail >= width:
+        if not _worth_a_node(width, lead + trail):
             return 0  # nothing worth a Pad, or an all-zero weight (the lattice's)
         rank = len(leaf.out.shape) if leaf.out.shape is not None else None
         if rank is None or rank < 1:
@@ -906,7 +907,7 @@ class RemoveStructuredZeros(ir.passes.InPlacePass):
         width = weight.shape[0]
         zero = weight.zero_rows()
         lead, trail = _run_lengths(zero)
-        if lead + trail < max(1, width // 64) or lead + trail >= width:
+        if not _worth_a_node(width, lead + trail):
             return 0
         node = consumer.node
         a = consumer.input
@@ -948,6 +949,12 @@ class RemoveStructuredZeros(ir.passes.InPlacePass):
         node.replace_input_with(1, rewriter.constant(node.inputs[1].name or "lz_weight", new))
         logger.debug("structured zeros at %s: %d zero contraction rows sliced off its input", node.name, lead + trail)
         return raw.size - new.size
+
+
+def _worth_a_node(width: int, dead: int) -> bool:
+    """Cases 3 / 4 add a Pad or Slice: only for a real axis (a router's few logits are left alone) losing at least
+    1/64 of it, and never all of it (an all-zero weight is the lattice's)."""
+    return width >= _MIN_WIDTH and max(1, width // 64) <= dead < width
 
 
 def _run_lengths(zero: np.ndarray) -> tuple[int, int]:

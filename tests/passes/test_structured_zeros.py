@@ -212,18 +212,18 @@ def test_a_zero_half_of_a_fused_gate_up_weight_folds_the_mlp(helpers, half, form
 
 
 def test_a_pruned_head_pads_the_query_and_slices_the_output_projection(helpers):
-    # Head 0 of 2 (head dim 3): zero query columns (+ bias) and zero rows of the output projection. The
+    # Head 0 of 2 (head dim 8): zero query columns (+ bias) and zero rows of the output projection. The
     # attention core is not narrowed (heads are reshaped): the query MatMul shrinks and is padded back with
     # zeros, the output projection reads a Slice of its input.
-    w_q = RNG.normal(size=(4, 6)).astype(np.float32)
-    b_q = RNG.normal(size=6).astype(np.float32)
-    w_o = RNG.normal(size=(6, 4)).astype(np.float32)
-    w_q[:, :3], b_q[:3], w_o[:3] = 0, 0, 0
+    w_q = RNG.normal(size=(4, 16)).astype(np.float32)
+    b_q = RNG.normal(size=16).astype(np.float32)
+    w_o = RNG.normal(size=(16, 4)).astype(np.float32)
+    w_q[:, :8], b_q[:8], w_o[:8] = 0, 0, 0
     text = (
         HEADER
         + f"""
-        g (float[N, 4] x, float[N, 2, 3] k) => (float[N, 4] y)
-            <{_weights(w_q=w_q, b_q=b_q, w_o=w_o)}, int64[3] heads = {{0, 2, 3}}, int64[2] flat = {{0, 6}}> {{
+        g (float[N, 4] x, float[N, 2, 8] k) => (float[N, 4] y)
+            <{_weights(w_q=w_q, b_q=b_q, w_o=w_o)}, int64[3] heads = {{0, 2, 8}}, int64[2] flat = {{0, 16}}> {{
             q0 = MatMul(x, w_q)
             q = Add(q0, b_q)
             qh = Reshape(q, heads)
@@ -236,7 +236,23 @@ def test_a_pruned_head_pads_the_query_and_slices_the_output_projection(helpers):
     )
     check = helpers.check_pass(text, RemoveStructuredZeros, modified=True, delta=2, dce_delta=2, rtol=1e-5, atol=1e-5)
     assert check.ops()["Pad"] == 1 and check.ops()["Slice"] == 1
-    assert _shapes(check.model) == {"q0": [4, 3], "y": [3, 4]}
+    assert _shapes(check.model) == {"q0": [4, 8], "y": [8, 4]}
+
+
+def test_a_narrow_axis_gets_no_pad_or_slice(helpers):
+    # A router's few logits: zero rows / columns of a [4, 2] weight are left alone (not worth a node).
+    w = RNG.normal(size=(4, 2)).astype(np.float32)
+    w[2:] = 0
+    text = (
+        HEADER
+        + f"""
+        g (float[N, 4] x) => (float[N, 2] y) <{_weights(w=w)}> {{
+            p = Softmax<axis = -1>(x)
+            y = MatMul(p, w)
+        }}
+        """
+    )
+    helpers.check_pass(text, RemoveStructuredZeros, modified=False, delta=0)
 
 
 def test_a_chain_read_elsewhere_is_refused(helpers):
