@@ -64,6 +64,11 @@ def _std(node: ir.Node | None, *ops: str) -> bool:
     return node is not None and node.domain in _STD and node.op_type in ops
 
 
+def _label(node: ir.Node) -> str:
+    """The node's name, else its first output's (text models have unnamed nodes)."""
+    return node.name or (node.outputs[0].name if node.outputs and node.outputs[0].name else node.op_type)
+
+
 def _static_dims(value: ir.Value | None) -> list[int | None] | None:
     if value is None or value.shape is None:
         return None
@@ -472,7 +477,7 @@ class _Chain:
                     continue
                 if _std(user, "Shape") and self._shape_is_harmless(user):
                     continue
-                raise _Refuse(f"{value.name} is also read by {user.name} ({user.op_type})")
+                raise _Refuse(f"{value.name} is also read by {_label(user)} ({user.op_type})")
 
     def _shape_is_harmless(self, shape: ir.Node) -> bool:
         """``Shape`` of a narrowed value whose last size reaches only inputs this rewrite replaces."""
@@ -778,17 +783,18 @@ class RemoveStructuredZeros(ir.passes.InPlacePass):
         try:
             known, vals = chain.visit(a)
         except _Refuse as exc:
-            logger.debug("structured zeros at %s: %s", consumer.node.name, exc)
+            if dead_rows.any():  # pruned rows whose producer stays whole: say why (Case 4 may still slice)
+                self._refuse(consumer, int(dead_rows.sum()), exc)
+            else:
+                logger.debug("structured zeros at %s: %s", consumer.node.name, exc)
             return 0
         dead = dead_rows | known
         if not dead.any():
             return 0
-        # What the source weights lose must be worth it: every column dead somewhere gets removed.
         try:
             chain.exclusive(consumer.node)
         except _Refuse as exc:
-            self.refusals.append(f"{consumer.node.name}: {exc}")
-            logger.debug("structured zeros at %s: %s", consumer.node.name, exc)
+            self._refuse(consumer, int(dead.sum()), exc)
             return 0
         constant = known & ~dead_rows & (vals != 0)
         row = (vals[constant] @ weight.rows(np.flatnonzero(constant))) if constant.any() else None
@@ -806,6 +812,11 @@ class RemoveStructuredZeros(ir.passes.InPlacePass):
             removed,
         )
         return removed
+
+    def _refuse(self, consumer: _Consumer, dead: int, exc: _Refuse) -> None:
+        line = f"{_label(consumer.node)}: {dead} dead entries of its input, the chain computing it not narrowed: {exc}"
+        self.refusals.append(line)
+        logger.info("structured zeros at %s", line)
 
     @staticmethod
     def _narrow_consumer(

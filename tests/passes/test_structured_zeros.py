@@ -267,7 +267,15 @@ def test_a_chain_read_elsewhere_is_refused(helpers):
         "<w_gate", "<int64[1] minus1 = {-1}, w_gate"
     )
     text = text.replace("<float[4, 8] w_gate", "<int64[1] minus1 = {-1}, float[4, 8] w_gate")
-    helpers.check_pass(text, RemoveStructuredZeros, modified=False, delta=0, dims={"B": 2, "S": 3})
+    made: list[RemoveStructuredZeros] = []
+
+    def make() -> RemoveStructuredZeros:
+        made.append(RemoveStructuredZeros())
+        return made[-1]
+
+    helpers.check_pass(text, make, modified=False, delta=0, dims={"B": 2, "S": 3})
+    assert len(made[0].refusals) == 1
+    assert made[0].refusals[0].startswith("down: 1 dead entries") and "also read by" in made[0].refusals[0]
 
 
 def test_nothing_without_assume_finite(helpers):
@@ -277,3 +285,21 @@ def test_nothing_without_assume_finite(helpers):
     w["w_down"][:2] = 0
     text = HEADER + GATED.format(weights=_weights(**w))
     helpers.check_pass(text, lambda: RemoveStructuredZeros(assume_finite=False), modified=False, delta=0)
+
+
+def test_compile_reports_the_parameters_removed_and_a_second_run_changes_nothing(helpers):
+    from layerzero.compile import compile_model
+
+    w = _gated(inter=32)
+    w["w_gate"][:, :8] = 0
+    w["w_up"][:, :8] = 0
+    w["w_down"][:8] = 0
+    w["w_down"][20] = 0  # one more neuron pruned on the down side only
+    model = helpers.parse(HEADER + GATED.format(weights=_weights(**w)))
+    result = compile_model(ir.to_proto(model), CompileOptions())
+    assert result.verification is not None and result.verification.passed
+    assert result.after.structured_params_removed == 3 * 9 * 4
+    assert result.before.params - result.after.params == 3 * 9 * 4
+    assert _shapes(result.model) == {"gate": [4, 23], "up": [4, 23], "down": [23, 4]}
+    again = run_static_passes(result.model, CompileOptions())
+    assert again.modified_by["RemoveStructuredZeros"] == 0
