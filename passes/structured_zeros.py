@@ -19,8 +19,12 @@ Cases:
    whose leading and/or trailing columns of ``W`` (and ``b``) are zero becomes ``Pad(x @ W[:, live] (+ b[live]))``
    with zeros: the MatMul shrinks, the value is the same.
    # x @ W + b  ->  Pad(x @ W[:, a:b] + b[a:b], zeros)
+   Interior zero columns (head 2 of 4): the narrower MatMul gets one zero column appended and a ``Gather`` puts
+   every column back in place.
 4. Zero contraction rows whose producer cannot be narrowed (a pruned head's columns of the output projection):
-   ``A @ W`` whose leading and/or trailing rows of ``W`` are zero becomes ``Slice(A)[..., a:b] @ W[a:b]``.
+   ``A @ W`` whose leading and/or trailing rows of ``W`` are zero becomes ``Slice(A)[..., a:b] @ W[a:b]``;
+   interior ones ``Gather(A, live, axis=-1) @ W[live]``.
+Cases 3 and 4 add a node: only for axes of 16 or more losing at least 1/64 of their entries.
 
 Every rewrite assumes finite activations (``NaN * 0``), like the lattice's ``x * 0``: the pass runs only under
 ``assume_finite`` and verification guards it. A chain is narrowed only when each value whose width changes is read
@@ -880,37 +884,63 @@ class RemoveStructuredZeros(ir.passes.InPlacePass):
         zero = leaf.zero_columns() & (leaf.column_values() == 0)
         lead, trail = _run_lengths(zero)
         width = leaf.width
-        if not _worth_a_node(width, lead + trail):
+        if not _worth_a_node(width, int(zero.sum())):
             return 0  # nothing worth a Pad, or an all-zero weight (the lattice's)
         rank = len(leaf.out.shape) if leaf.out.shape is not None else None
         if rank is None or rank < 1:
             return 0
         target = leaf.out
         original_shape, original_type = target.shape, target.type
-        removed = rewriter.narrow_linear(leaf, np.arange(lead, width - trail))
-        pads = np.array([0] * (rank - 1) + [lead] + [0] * (rank - 1) + [trail], np.int64)
-        # before: y = x @ W + b     after: y = Pad(x @ W[:, lead:-trail] + b[lead:-trail], zeros)
-        if _opset(rewriter.root, node) >= 11:
-            pad = ir.Node("", "Pad", [target, rewriter.constant(f"{node.name}_pads", pads)])
+        live = np.flatnonzero(~zero)
+        ends_only = lead + trail == int(zero.sum())
+        removed = rewriter.narrow_linear(leaf, live)
+        if ends_only:
+            # before: y = x @ W + b     after: y = Pad(x @ W[:, lead:-trail] + b[lead:-trail], zeros)
+            pad = self._pad(node, target, rank, lead, trail, rewriter)
+            nodes, new = [pad], pad.outputs[0]
         else:
-            pad = ir.Node("", "Pad", [target], attributes=[ir.AttrInt64s("pads", [int(p) for p in pads])])
-        pad.name = rewriter.names(f"{node.name}_lz_pad")
-        new = pad.outputs[0]
+            # Interior zero columns (head 2 of 4): one zero column appended, then each column gathered from its
+            # live position or from that zero.
+            # before: y = x @ W     after: y = Gather(Pad(x @ W[:, live], 1 zero column), index, axis=-1)
+            pad = self._pad(node, target, rank, 0, 1, rewriter)
+            index = np.full(width, len(live), np.int64)
+            index[live] = np.arange(len(live))
+            gather = ir.Node(
+                "",
+                "Gather",
+                [pad.outputs[0], rewriter.constant(f"{node.name}_columns", index)],
+                attributes=[ir.AttrInt64("axis", rank - 1)],
+                name=rewriter.names(f"{node.name}_lz_gather"),
+            )
+            nodes, new = [pad, gather], gather.outputs[0]
         new.name = rewriter.names(f"{target.name}_lz_padded")
         new.shape, new.type = original_shape, original_type
         producer = target.producer()
         assert producer is not None and producer.graph is not None
-        producer.graph.insert_after(producer, pad)
+        producer.graph.insert_after(producer, nodes)
         for user, index in list(target.uses()):
             if user is not pad:
                 user.replace_input_with(index, new)
         logger.debug(
-            "structured zeros at %s: %d zero output columns padded back, %d parameters removed",
-            node.name,
-            lead + trail,
+            "structured zeros at %s: %d zero output columns restored after a narrower MatMul, %d parameters removed",
+            _label(node),
+            int(zero.sum()),
             removed,
         )
         return removed
+
+    @staticmethod
+    def _pad(node: ir.Node, target: ir.Value, rank: int, lead: int, trail: int, rewriter: _Rewriter) -> ir.Node:
+        """``Pad(target)`` with zeros: ``lead`` / ``trail`` columns before / after its last axis."""
+        pads = [0] * (rank - 1) + [lead] + [0] * (rank - 1) + [trail]
+        if _opset(rewriter.root, node) >= 11:
+            pad = ir.Node("", "Pad", [target, rewriter.constant(f"{node.name}_pads", np.array(pads, np.int64))])
+        else:
+            pad = ir.Node("", "Pad", [target], attributes=[ir.AttrInt64s("pads", pads)])
+        pad.name = rewriter.names(f"{node.name}_lz_pad")
+        pad.outputs[0].name = rewriter.names(f"{target.name}_lz_pad")
+        pad.outputs[0].dtype = target.dtype
+        return pad
 
     # Case 4
     def _slice_input(self, consumer: _Consumer, rewriter: _Rewriter) -> int:
@@ -918,13 +948,23 @@ class RemoveStructuredZeros(ir.passes.InPlacePass):
         width = weight.shape[0]
         zero = weight.zero_rows()
         lead, trail = _run_lengths(zero)
-        if not _worth_a_node(width, lead + trail):
+        if not _worth_a_node(width, int(zero.sum())):
             return 0
         node = consumer.node
         a = consumer.input
         rank = len(a.shape) if a.shape is not None else None
         if rank is None or rank < 1 or _last_dim(a) not in (None, width):
             return 0
+        live = np.flatnonzero(~zero)
+        if lead + trail != int(zero.sum()):
+            # Interior zero rows: before: y = A @ W     after: y = Gather(A, live, axis=-1) @ W[live]
+            cut = ir.Node(
+                "",
+                "Gather",
+                [a, rewriter.constant(f"{node.name}_live", live.astype(np.int64))],
+                attributes=[ir.AttrInt64("axis", rank - 1)],
+            )
+            return self._read_live(consumer, cut, live, rewriter)
         # before: y = A @ W     after: y = Slice(A, lead:K-trail, last axis) @ W[lead:K-trail]
         bounds = [
             rewriter.constant(f"{node.name}_starts", np.array([lead], np.int64)),
@@ -944,21 +984,27 @@ class RemoveStructuredZeros(ir.passes.InPlacePass):
                     ir.AttrInt64s("axes", [rank - 1]),
                 ],
             )
-        cut.name = rewriter.names(f"{node.name}_lz_slice")
+        return self._read_live(consumer, cut, live, rewriter)
+
+    @staticmethod
+    def _read_live(consumer: _Consumer, cut: ir.Node, live: np.ndarray, rewriter: _Rewriter) -> int:
+        """The consumer reads ``cut``'s output (the live entries of its input) with the live rows of its weight."""
+        node, a = consumer.node, consumer.input
+        cut.name = rewriter.names(f"{node.name}_lz_live")
         sliced = cut.outputs[0]
         sliced.name = rewriter.names(f"{a.name}_lz_live")
         sliced.dtype = a.dtype
         if a.shape is not None:
             sliced.shape = a.shape
-            _set_last_dim(sliced, width - trail - lead)
+            _set_last_dim(sliced, len(live))
         node.graph.insert_before(node, cut)
         node.replace_input_with(0, sliced)
         raw = const_array(node.inputs[1])
         assert raw is not None
         transposed = node.op_type == "Gemm" and node.attributes.get_int("transB", 0)
-        new = np.take(raw, np.arange(lead, width - trail), axis=1 if transposed else 0)
+        new = np.take(raw, live, axis=1 if transposed else 0)
         node.replace_input_with(1, rewriter.constant(node.inputs[1].name or "lz_weight", new))
-        logger.debug("structured zeros at %s: %d zero contraction rows sliced off its input", node.name, lead + trail)
+        logger.debug("structured zeros at %s: its input read at %d live entries", _label(node), len(live))
         return raw.size - new.size
 
 

@@ -239,6 +239,32 @@ def test_a_pruned_head_pads_the_query_and_slices_the_output_projection(helpers):
     assert _shapes(check.model) == {"q0": [4, 8], "y": [8, 4]}
 
 
+def test_an_interior_pruned_head_gathers_the_query_back_and_the_output_projection_its_live_rows(helpers):
+    # Head 1 of 3 (head dim 8): interior zero columns / rows.
+    w_q = RNG.normal(size=(4, 24)).astype(np.float32)
+    w_o = RNG.normal(size=(24, 4)).astype(np.float32)
+    w_q[:, 8:16], w_o[8:16] = 0, 0
+    text = (
+        HEADER
+        + f"""
+        g (float[N, 4] x, float[N, 3, 8] k) => (float[N, 4] y)
+            <{_weights(w_q=w_q, w_o=w_o)}, int64[3] heads = {{0, 3, 8}}, int64[2] flat = {{0, 24}}> {{
+            q = MatMul(x, w_q)
+            qh = Reshape(q, heads)
+            scores = Mul(qh, k)
+            probs = Softmax<axis = -1>(scores)
+            ctx = Reshape(probs, flat)
+            y = MatMul(ctx, w_o)
+        }}
+        """
+    )
+    # before: q = MatMul(x, Wq)         after: q = Gather(Pad(MatMul(x, Wq[:, live])), index)
+    #         y = MatMul(ctx, Wo)              y = MatMul(Gather(ctx, live), Wo[live])
+    check = helpers.check_pass(text, RemoveStructuredZeros, modified=True, delta=3, dce_delta=3, rtol=1e-5, atol=1e-5)
+    assert check.ops()["Pad"] == 1 and check.ops()["Gather"] == 2
+    assert _shapes(check.model) == {"q": [4, 16], "y": [16, 4]}
+
+
 def test_a_narrow_axis_gets_no_pad_or_slice(helpers):
     # A router's few logits: zero rows / columns of a [4, 2] weight are left alone (not worth a node).
     w = RNG.normal(size=(4, 2)).astype(np.float32)
