@@ -29,7 +29,8 @@ Cases 3 and 4 add a node: only for axes of 16 or more losing at least 1/64 of th
 Every rewrite assumes finite activations (``NaN * 0``), like the lattice's ``x * 0``: the pass runs only under
 ``assume_finite`` and verification guards it. A chain is narrowed only when each value whose width changes is read
 by the chain alone (``Shape`` readers only where their size reaches no other node). A weight that is all zero is
-left to the lattice. ``removed_params`` counts the weight and bias elements removed (model metadata
+left to the lattice; a weight read by several nodes (tied embeddings) is not narrowed (it would be duplicated).
+``removed_params`` counts the weight and bias elements removed (model metadata
 ``layerzero.structured_zeros.params_removed`` accumulates it for the compile summary).
 """
 
@@ -84,9 +85,13 @@ def _last_dim(value: ir.Value | None) -> int | None:
     return dims[-1] if dims else None
 
 
-def _weight(value: ir.Value | None) -> np.ndarray | None:
-    """A constant 2-D float weight small enough to read (an initializer that is no graph input)."""
-    if value is None:
+def _weight(value: ir.Value | None, *, own: bool = False) -> np.ndarray | None:
+    """A constant 2-D float weight small enough to read (an initializer that is no graph input).
+
+    ``own``: read by one node only. A shared weight (tied embeddings and LM head) would be duplicated by
+    narrowing it for one reader, not removed.
+    """
+    if value is None or (own and len({user for user, _ in value.uses()}) != 1):
         return None
     tensor = value.const_value
     if tensor is not None and tensor.size > _MAX_WEIGHT_READ:
@@ -224,13 +229,13 @@ def _linear(value: ir.Value) -> _Linear | None:
 def _linear_node(value: ir.Value) -> _Linear | None:
     node = value.producer()
     if _std(node, "MatMul") and len(node.inputs) == 2:
-        weight = _weight(node.inputs[1])
+        weight = _weight(node.inputs[1], own=True)
         x = node.inputs[0]
         if weight is None or x is None or x.shape is None or len(x.shape) < 1:
             return None
         return _Linear(node, _Matrix(node.inputs[1], weight), None, None, 0, value)
     if _std(node, "Gemm") and not node.attributes.get_int("transA", 0):
-        raw = _weight(node.inputs[1])
+        raw = _weight(node.inputs[1], own=True)
         if raw is None:
             return None
         weight = _Matrix(node.inputs[1], raw, bool(node.attributes.get_int("transB", 0)))
@@ -722,13 +727,13 @@ def _consumer(node: ir.Node) -> _Consumer | None:
     if not node.outputs or (not node.outputs[0].uses() and not node.outputs[0].is_graph_output()):
         return None  # dead: DCE's
     if _std(node, "MatMul") and len(node.inputs) == 2 and node.inputs[0] is not None:
-        weight = _weight(node.inputs[1])
+        weight = _weight(node.inputs[1], own=True)
         a = node.inputs[0]
         if weight is None or a.shape is None or len(a.shape) < 2 or _weight(a) is not None:
             return None
         return _Consumer(node, _Matrix(node.inputs[1], weight))
     if _std(node, "Gemm") and not node.attributes.get_int("transA", 0) and node.inputs[0] is not None:
-        raw = _weight(node.inputs[1])
+        raw = _weight(node.inputs[1], own=True)
         if raw is None or _weight(node.inputs[0]) is not None:
             return None
         transposed = bool(node.attributes.get_int("transB", 0))

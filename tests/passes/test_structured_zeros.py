@@ -329,3 +329,23 @@ def test_compile_reports_the_parameters_removed_and_a_second_run_changes_nothing
     assert _shapes(result.model) == {"gate": [4, 23], "up": [4, 23], "down": [23, 4]}
     again = run_static_passes(result.model, CompileOptions())
     assert again.modified_by["RemoveStructuredZeros"] == 0
+
+
+def test_a_weight_read_by_two_nodes_is_not_narrowed(helpers):
+    # Tied weights: narrowing the copy one MatMul reads would duplicate the weight, not remove anything.
+    w = RNG.normal(size=(4, 32)).astype(np.float32)
+    w[:, 24:] = 0
+    text = (
+        HEADER
+        + f"""
+        g (float[N, 4] x, float[N, 4] z) => (float[N, 32] y, float[N, 32] v) <{_weights(w=w)}> {{
+            a = MatMul(x, w)
+            y = Softmax<axis = -1>(a)
+            b = MatMul(z, w)
+            v = Softmax<axis = -1>(b)
+        }}
+        """
+    )
+    helpers.check_pass(text, RemoveStructuredZeros, modified=False, delta=0)
+    alone = text.replace("b = MatMul(z, w)", "b = Identity(z)").replace("float[N, 32] v", "float[N, 4] v")
+    helpers.check_pass(alone, RemoveStructuredZeros, modified=True, delta=1, rtol=1e-5, atol=1e-5)
