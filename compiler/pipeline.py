@@ -24,6 +24,7 @@ from layerzero.passes.gated_branches import SkipGatedBranches
 from layerzero.passes.moe import SkipExperts
 from layerzero.passes.shape_inference import InferShapes
 from layerzero.passes.solidify_paths import DropExperts, RemoveSkippedBranches
+from layerzero.passes.structured_zeros import RemoveStructuredZeros
 
 if TYPE_CHECKING:
     from layerzero.targets.base import Target
@@ -103,6 +104,7 @@ def run_static_passes(
         FoldConstants(options.fold_max_elements),
         PropagateUniforms(options.assume_finite),
         SimplifyConcatSplit(),
+        RemoveStructuredZeros(options.assume_finite),
         RemoveDeadCode(),
     ]
     iteration = _Iteration(passes, on_iteration, after_pass)

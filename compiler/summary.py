@@ -10,6 +10,7 @@ import onnx_ir as ir
 from layerzero.passes import declared_flags, flag_regex, uniform_of_constant
 from layerzero.passes._graph import common_scope, iter_graphs, layer_of, scope_of
 from layerzero.passes._layers import initializer_size
+from layerzero.passes.structured_zeros import PARAMS_REMOVED_KEY
 
 __all__ = ["MoEFinding", "ModelSummary", "find_moe", "natural_key", "summarize"]
 
@@ -32,6 +33,8 @@ class ModelSummary:
     flags: list[FlagInfo]
     zero_tensors: list[tuple[str, list[int]]]
     op_histogram: dict[str, int]
+    # Weight and bias elements the structured-zeros pass sliced away (pruned neurons, heads, zero blocks).
+    structured_params_removed: int = 0
 
     @property
     def consumed_flags(self) -> list[str]:
@@ -47,7 +50,11 @@ def _prefixes(scope: str) -> list[str]:
 
 
 def summarize(model: ir.Model, flag_pattern: str = "*.flag") -> ModelSummary:
-    """Count nodes and parameters per scope; find flags and all-zero tensors (reads no weight it need not)."""
+    """Count nodes and parameters per scope; find flags and all-zero tensors (reads no weight it need not).
+
+    Parameters are the elements of initializers that are not int64: int64 tensors are shapes, axes, indices
+    and positions (the compile folds ``Shape`` computations into a few of them), never weights.
+    """
     scope_nodes: collections.Counter[str] = collections.Counter()
     ops: collections.Counter[str] = collections.Counter()
     node_scope: dict[ir.Node, str] = {}
@@ -72,12 +79,13 @@ def summarize(model: ir.Model, flag_pattern: str = "*.flag") -> ModelSummary:
     for graph in iter_graphs(model.graph):
         for name, init in graph.initializers.items():
             size = initializer_size(init)
-            params += size
+            counted = size if init.dtype != ir.DataType.INT64 else 0
+            params += counted
             users = [node_scope.get(user, scope_of(user)) for user, _ in init.uses()]
             if users:
                 common = common_scope(users)
                 for prefix in _prefixes(common):
-                    scope_params[prefix] += size
+                    scope_params[prefix] += counted
             match = regex.match(name)
             if match and users and size == 1:
                 value = uniform_of_constant(init)
@@ -96,6 +104,7 @@ def summarize(model: ir.Model, flag_pattern: str = "*.flag") -> ModelSummary:
         flags=flags,
         zero_tensors=zero_tensors,
         op_histogram=dict(ops.most_common()),
+        structured_params_removed=int(model.metadata_props.get(PARAMS_REMOVED_KEY, "0") or 0),
     )
 
 

@@ -184,6 +184,8 @@ def print_result(result: CompileResult) -> None:
     b, a = result.before, result.after
     console.print(f"nodes       {b.nodes:>10,} → {a.nodes:,}")
     console.print(f"parameters  {b.params:>10,} → {a.params:,}")
+    if a.structured_params_removed:
+        console.print(f"  structured zeros removed {a.structured_params_removed:>10,} params (pruned neurons / heads)")
     console.print(f"layers      {len(b.layers):>10} total, {len(result.zeroed_layers)} zeroed")
     for r in result.removed:
         console.print(f"  removed {r.scope:<40} {r.kind:<14} {r.nodes:>5} nodes {r.params:>10,} params")
