@@ -6,7 +6,8 @@
     add_flags(model, ["model.layers.1"], metadata=True)     # or a metadata entry of that name
 
 A scope can carry a flag when ``FoldZeroFlags`` could bypass it (``passes/_layers.bypassable_layer``: one
-value leaves it, one entering value has that value's dtype and shape). A cache-carrying export's decoder layer
+value leaves it, counting the unscoped nodes between its own as its own, and one entering value provably has
+that value's dtype and shape). A cache-carrying export's decoder layer
 also writes ``present.N.key/value``, so the whole layer is not bypassable there; its ``mlp`` is.
 """
 
@@ -21,6 +22,7 @@ import onnx_ir as ir
 from layerzero.errors import InvalidInputError, LayerZeroError, UnsupportedModelError
 from layerzero.passes._graph import scope_of
 from layerzero.passes._layers import bypassable_layer, layer_params, scope_members
+from layerzero.passes._shapes import SymbolicShapes
 from layerzero.passes.zero_flags import declared_flags
 
 __all__ = ["FLAG_SUFFIX", "FlagCandidate", "add_flags", "flaggable_scopes"]
@@ -63,6 +65,7 @@ def flaggable_scopes(model: ir.Model) -> list[FlagCandidate]:
     """Every scope (and enclosing scope) of the main graph that ``FoldZeroFlags`` could bypass, in graph order."""
     _infer_shapes(model)
     scopes = _all_scopes(model)
+    shapes = SymbolicShapes(model.graph)
     seen: dict[str, None] = {}
     for scope in scopes.values():
         for prefix in _prefixes(scope) if scope else ():
@@ -71,7 +74,7 @@ def flaggable_scopes(model: ir.Model) -> list[FlagCandidate]:
     for scope in seen:
         members = scope_members(model.graph, scope, scopes)
         try:
-            layer = bypassable_layer(scope, members, scope, error=UnsupportedModelError)
+            layer = bypassable_layer(scope, members, scope, error=UnsupportedModelError, shapes=shapes)
         except LayerZeroError:
             continue
         found.append(FlagCandidate(scope, len(layer.members), layer_params(layer.members)))
@@ -89,6 +92,7 @@ def add_flags(model: ir.Model, scopes: list[str], *, value: float = 0.0, metadat
         raise InvalidInputError("give at least one scope (layerzero flag MODEL --list shows them)")
     _infer_shapes(model)
     node_scopes = _all_scopes(model)
+    shapes = SymbolicShapes(model.graph)
     known = {p for s in node_scopes.values() if s for p in _prefixes(s)}
     existing = {f.name for f in declared_flags(model)}
     names = []
@@ -100,7 +104,7 @@ def add_flags(model: ir.Model, scopes: list[str], *, value: float = 0.0, metadat
             raise InvalidInputError(f"scope {scope!r}: no node has it{hint}; `layerzero flag MODEL --list` lists them")
         if name in existing or name in model.graph.initializers or name in model.metadata_props:
             raise InvalidInputError(f"flag {name!r} is already declared in the model")
-        bypassable_layer(scope, scope_members(model.graph, scope, node_scopes), f"scope {scope!r}")
+        bypassable_layer(scope, scope_members(model.graph, scope, node_scopes), f"scope {scope!r}", shapes=shapes)
         if metadata:
             model.metadata_props[name] = f"{value:g}"
         else:

@@ -12,6 +12,7 @@ import onnx_ir as ir
 
 from layerzero.errors import LayerZeroError, UnsupportedModelError
 from layerzero.passes._graph import const_array, iter_graphs, node_subgraphs, same_shape, scope_of
+from layerzero.passes._shapes import SymbolicShapes
 
 __all__ = [
     "Layer",
@@ -19,6 +20,7 @@ __all__ = [
     "describe_value",
     "in_scope",
     "initializer_size",
+    "layer_hull",
     "layer_params",
     "scope_members",
 ]
@@ -43,17 +45,91 @@ def scope_members(graph: ir.Graph, scope: str, scopes: dict[ir.Node, str] | None
     return [n for n in graph if in_scope(scope, scopes[n] if scopes is not None else scope_of(n))]
 
 
+def layer_hull(members: list[ir.Node], graph: ir.Graph | None = None) -> list[ir.Node]:
+    """``members`` plus every node of ``graph`` computed from a member *and* feeding a member, in graph order.
+
+    Exporters leave nodes without a scope inside a layer: the dynamo exporter's optimizer emits the
+    ``Split`` of a fused projection (gate_up, qkv, an expert's gate_up) with no name scope, and the
+    TorchScript exporter's ``Shape`` nodes of a layer's reshapes have a bare name. A node that lies
+    between two of the layer's nodes is part of the layer's computation whatever its name says; without
+    it the layer seems to have an output (into that node) and an input (back from it).
+    """
+    if not members:
+        return []
+    graph = graph if graph is not None else members[0].graph
+    if graph is None:
+        return list(members)
+    order = {node: i for i, node in enumerate(graph)}
+    owner = _top_level_owners(graph)
+    member_set = set(members)
+    # Forward: nodes (of ``graph``) reading a member's outputs, transitively.
+    after: set[ir.Node] = set()
+    stack = [user for node in members for user in _top_users(node, owner)]
+    while stack:
+        node = stack.pop()
+        if node in after or node in member_set or node not in order:
+            continue
+        after.add(node)
+        stack.extend(_top_users(node, owner))
+    # Backward: producers of the members' inputs, transitively, kept only where also forward.
+    between: set[ir.Node] = set()
+    seen: set[ir.Node] = set()
+    stack = [p for node in members for p in _producers(node, owner)]
+    while stack:
+        node = stack.pop()
+        if node in seen or node in member_set:
+            continue
+        seen.add(node)
+        if node in after:
+            between.add(node)
+        stack.extend(_producers(node, owner))
+    if not between:
+        return list(members)
+    return sorted(member_set | between, key=order.__getitem__)
+
+
+def _top_level_owners(graph: ir.Graph) -> dict[ir.Node, ir.Node]:
+    """Each node inside a subgraph of ``graph``'s nodes → the node of ``graph`` that holds it."""
+    owner: dict[ir.Node, ir.Node] = {}
+    for node in graph:
+        for sub in node_subgraphs(node):
+            for g in iter_graphs(sub):
+                for inner in g:
+                    owner[inner] = node
+    return owner
+
+
+def _top_users(node: ir.Node, owner: dict[ir.Node, ir.Node]) -> list[ir.Node]:
+    return [owner.get(user, user) for out in node.outputs for user, _ in out.uses()]
+
+
+def _producers(node: ir.Node, owner: dict[ir.Node, ir.Node]) -> list[ir.Node]:
+    """Producers of what ``node`` reads, its subgraphs' outer reads included."""
+    inner = [node, *(n for sub in node_subgraphs(node) for g in iter_graphs(sub) for n in g)]
+    found = []
+    for n in inner:
+        for value in n.inputs:
+            producer = value.producer() if value is not None else None
+            if producer is not None and owner.get(producer, producer) is not node:
+                found.append(owner.get(producer, producer))
+    return found
+
+
 def bypassable_layer(
     scope: str,
     members: list[ir.Node],
     subject: str,
     error: type[LayerZeroError] = UnsupportedModelError,
+    shapes: SymbolicShapes | None = None,
 ) -> Layer:
     """Check that ``members`` form a layer that can be bypassed; raise ``error`` (``subject`` first) if not.
 
-    Exactly one value leaves the members (read by another node or a graph output), and exactly one
-    value entering them (not a constant or initializer) has that value's dtype and shape: the residual
-    stream. Other entering values (masks, position tables) are side inputs.
+    ``members`` is first closed over the nodes that lie between two of them (``layer_hull``).
+    Exactly one value leaves the layer (read by another node or a graph output), and exactly one
+    value entering it (not a constant or initializer) has that value's dtype and shape: the residual
+    stream. Other entering values (masks, position tables) are side inputs. Shapes are equal when
+    their dims carry the same names or, given ``shapes``, when the operand-based shape rules prove
+    them equal (TorchScript exports name almost no intermediate dim).
 
     Side outputs (FoldZeroFlags' Case 4): when several values leave, exactly one of them matches
     exactly one entering value, and no other leaving value is computed from that entering value,
@@ -61,13 +137,20 @@ def bypassable_layer(
     and masks into the first layer's scope). ``Layer.members`` then leaves out the nodes that
     compute them: they must keep running whether the layer runs or not.
     """
+    members = layer_hull(members)
+    graph = members[0].graph if members else None
+    owner = _top_level_owners(graph) if graph is not None else {}
+
+    def equal(a: ir.Value, b: ir.Value) -> bool:
+        return same_shape(a, b) or (shapes is not None and shapes.same_shape(a, b))
+
     member_set = set(members)
     produced = {out for node in members for out in node.outputs}
     leaving = [
         out
         for node in members
         for out in node.outputs
-        if out.is_graph_output() or any(user not in member_set for user, _ in out.uses())
+        if out.is_graph_output() or any(owner.get(user, user) not in member_set for user, _ in out.uses())
     ]
     entering: list[ir.Value] = []
     for node in members:
@@ -79,7 +162,7 @@ def bypassable_layer(
             entering.append(value)
     core = members
     if len(leaving) > 1:
-        pairs = [(out, v) for out in leaving for v in entering if same_shape(v, out)]
+        pairs = [(out, v) for out in leaving for v in entering if equal(v, out)]
         if len(pairs) == 1:
             out, residual = pairs[0]
             side = [v for v in leaving if v is not out]
@@ -91,7 +174,7 @@ def bypassable_layer(
         listed = ", ".join(repr(v.name) for v in leaving) or "none"
         raise error(f"{subject} has {len(leaving)} outputs ({listed}); a layer that can be bypassed has exactly one")
     out = leaving[0]
-    matching = [v for v in entering if same_shape(v, out)]
+    matching = [v for v in entering if equal(v, out)]
     if len(matching) != 1:
         listed = ", ".join(f"{v.name}: {describe_value(v)}" for v in entering) or "none"
         raise error(

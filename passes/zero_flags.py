@@ -12,6 +12,7 @@ import onnx_ir as ir
 from layerzero.errors import UnsupportedModelError
 from layerzero.passes._graph import NameFactory, const_array, replace_value, scope_of
 from layerzero.passes._layers import bypassable_layer, in_scope
+from layerzero.passes._shapes import SymbolicShapes
 
 __all__ = ["BypassedLayer", "FoldZeroFlags", "declared_flags", "flag_regex"]
 
@@ -94,6 +95,12 @@ class FoldZeroFlags(ir.passes.InPlacePass):
        side values that do not read the layer's data (torch.onnx's common-subexpression elimination
        puts the shape vectors, rotary tables and masks every layer shares into the first layer's
        scope). They keep being computed as before; the one output is rewired as in Case 1.
+    5. Nodes outside the scope that lie between two of its nodes (computed from one, read by another:
+       the unscoped ``Split`` of a fused projection the dynamo exporter's optimizer emits, the bare
+       ``Shape`` nodes of a TorchScript export) are part of the layer (``_layers.layer_hull``), so
+       they neither count as outputs nor stay behind. The residual input's shape is matched to the
+       output's by the operand-based shape rules (``_shapes.SymbolicShapes``), not by dim names,
+       which TorchScript exports leave unnamed.
     Flags equal to 1 are left as they are. Only the main graph is searched for scopes.
     """
 
@@ -109,13 +116,16 @@ class FoldZeroFlags(ir.passes.InPlacePass):
             return ir.passes.PassResult(model, modified=False)
         names = NameFactory(graph)
         scopes = {node: scope_of(node) for node in graph}
+        # Shapes proved from operands: a bypass replaces a value by one of provably equal shape, so the
+        # proof stays valid for the rest of this run.
+        shapes = SymbolicShapes(graph)
         done: list[str] = []
         for flag in sorted(zero, key=lambda f: (f.scope.count("."), f.scope)):
             inside = next((s for s in done if in_scope(s, flag.scope)), None)
             if inside is None:
                 members = [n for n, s in scopes.items() if in_scope(flag.scope, s)]
-                self._bypass(flag, members, names)
-                self.bypassed.append(BypassedLayer(flag.scope, flag.name, flag.declared_in, len(members)))
+                removed = self._bypass(flag, members, names, shapes)
+                self.bypassed.append(BypassedLayer(flag.scope, flag.name, flag.declared_in, removed))
                 done.append(flag.scope)
             else:  # Case 2
                 logger.info("flag %s lies inside bypassed scope %s", flag.name, inside)
@@ -126,12 +136,14 @@ class FoldZeroFlags(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=True)
 
     @staticmethod
-    def _bypass(flag: DeclaredFlag, members: list[ir.Node], names: NameFactory) -> None:
+    def _bypass(flag: DeclaredFlag, members: list[ir.Node], names: NameFactory, shapes: SymbolicShapes) -> int:
+        """Rewire the layer's output to its residual input; return how many nodes the layer has."""
         where = f"zero flag {flag.name!r} ({flag.declared_in})"
         if not members:  # Case 3
             raise UnsupportedModelError(
                 f"{where}: no node has scope {flag.scope!r}; "
                 "check the flag's name against the scopes `layerzero inspect` lists"
             )
-        layer = bypassable_layer(flag.scope, members, f"{where}: scope {flag.scope!r}")  # Cases 3 and 4
+        layer = bypassable_layer(flag.scope, members, f"{where}: scope {flag.scope!r}", shapes=shapes)  # Cases 3-5
         replace_value(layer.output, layer.input, names)
+        return len(layer.members)

@@ -3,10 +3,17 @@
     python scripts/coverage_table.py            # from the last run's results (the corpus tests write them)
     python scripts/coverage_table.py --run      # run the corpus here first (every case, or --family NAME ...)
     python scripts/coverage_table.py --update   # also rewrite tests/corpus/expectations.json from the results
+    python scripts/coverage_table.py --update --variant flag   # ... only the entries of that variant
+    python scripts/coverage_table.py --speed    # measure the MoE speed column first (every MoE family, or --family)
 
 The results are the JSON files the corpus tests (tests/corpus/test_corpus.py) write to the corpus cache
 (``$LAYERZERO_CORPUS_CACHE`` or ``~/.cache/layerzero/corpus``, one folder per torch / transformers version),
 ``results/``. ``--update`` records each case's outcome as its expectation: the tests then assert at least that.
+
+``--speed`` measures the MoE families' 1-token speed-up (``tests/corpus/corpus_speed.py``: hidden 512, 2 layers,
+the family's default experts and top-k capped at 32 / 8, onnxruntime on 1 thread, interleaved rounds, p50) and
+writes it to ``results_speed/`` in the cache; the table's speed column reads it. Not part of the tests (CI time):
+a run of every MoE family and both exporters takes about 15 minutes on 2 cores, exports cached.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ sys.path.insert(0, str(ROOT / "tests" / "corpus"))
 from corpus_cases import all_cases, read_results, run_case, variants_for, write_result  # noqa: E402
 from corpus_export import EXPORTERS  # noqa: E402
 from corpus_families import FAMILIES  # noqa: E402
+from corpus_speed import read_speed, run_speed, write_speed  # noqa: E402
 
 EXPECTATIONS = ROOT / "tests" / "corpus" / "expectations.json"
 TABLE = ROOT / "docs" / "coverage.md"
@@ -73,7 +81,52 @@ def _export_error(results: dict[str, dict], family: str, exporter: str) -> str |
     return None
 
 
-def write_table(results: dict[str, dict]) -> str:
+def _speed_cell(r: dict | None) -> str:
+    if r is None:
+        return "·"
+    if r.get("export_error"):
+        return "export ✗"
+    if r.get("compile_error"):
+        return "refused" if "UnsupportedModelError" in r["compile_error"] else "crash"
+    mark = "" if r["speedup"] >= 1.0 else " **slower**"
+    return f"{r['speedup']:.2f}×{mark}"
+
+
+def _speed_notes(speed: dict[str, dict]) -> list[str]:
+    if not speed:
+        return ["No recorded run (`python scripts/coverage_table.py --speed`)."]
+    out = [
+        "1-token latency, export vs compiled model, at hidden 512 (`tests/corpus/corpus_speed.py`: 2 layers, 8 heads",
+        "of 64, vocab 1024, the family's default experts and top-k capped at 32 experts / top-8, expert MLPs of",
+        "1024 for families of ≤ 16 experts and 256 for finer-grained ones, random weights); onnxruntime CPU, 1",
+        "thread, default optimisations, the same session options for both; interleaved rounds, p50. Speed-up =",
+        "export p50 / compiled p50. Measured on a 2-core machine shared with other jobs: take ±10 % as noise.",
+        "",
+        "| family | exporter | config | export p50 ms | compiled p50 ms | speed-up | MoE blocks | max abs diff |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, r in sorted(speed.items()):
+        family, exporter = key.split("/")
+        if r.get("export_error") or r.get("compile_error"):
+            reason = r.get("export_error") or r.get("compile_error")
+            out.append(f"| {family} | {exporter} | {r.get('config', '')} | – | – | {_speed_cell(r)} | – | `{reason}` |")
+            continue
+        out.append(
+            f"| {family} | {exporter} | {r['config']} | {r['export_ms']:.2f} | {r['compiled_ms']:.2f} | "
+            f"{_speed_cell(r)} | {r['moe_blocks']}/2 | {r['max_abs']:.1e} |"
+        )
+    slower = [k for k, r in speed.items() if r.get("speedup") is not None and r["speedup"] < 1.0]
+    out += [
+        "",
+        "Slower than the export at 1 token: "
+        + (", ".join(f"{k} ({speed[k]['speedup']:.2f}×)" for k in sorted(slower)) if slower else "none")
+        + ".",
+    ]
+    return out
+
+
+def write_table(results: dict[str, dict], speed: dict[str, dict] | None = None) -> str:
+    speed = speed or {}
     import torch
     import transformers
 
@@ -94,9 +147,11 @@ def write_table(results: dict[str, dict]) -> str:
         "Outputs equal the export's (onnxruntime, atol 1e-5, rtol 1e-4) in every case that compiled, unless marked",
         "WRONG.",
         "MoE skipping form: MoE blocks rewritten into `ai.layerzero::MoE` (lowered to per-expert `If`), of 2.",
+        "1-token speed-up: export p50 / compiled p50 at hidden 512 (section \"MoE speed at 1 token\" below;",
+        "`--speed`), **slower** where the compiled model is slower than the export.",
         "",
     ]
-    header = ["family", "exporter", *(title for _, title in COLUMNS), "MoE skipping form"]
+    header = ["family", "exporter", *(title for _, title in COLUMNS), "MoE skipping form", "1-token speed-up"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     notes: list[str] = []
     for family in FAMILIES.values():
@@ -107,6 +162,7 @@ def write_table(results: dict[str, dict]) -> str:
                 row.append(_cell(results.get(f"{family.name}/{exporter}/{variant}")) if variant in variants else "–")
             base = results.get(f"{family.name}/{exporter}/base")
             row.append(_moe_cell(base) if family.moe else "–")
+            row.append(_speed_cell(speed.get(f"{family.name}/{exporter}")) if family.moe else "–")
             export_error = _export_error(results, family.name, exporter)
             if export_error:
                 row[2:] = ["export ✗"] * (len(row) - 2)
@@ -127,6 +183,7 @@ def write_table(results: dict[str, dict]) -> str:
                     notes.append(f"- {family.name} / {exporter} / {variant}: exported on its own "
                                  f"({r['exported_separately']})")
     lines += ["", "## Refusals, crashes and export failures", "", *(notes or ["None."]), ""]
+    lines += ["## MoE speed at 1 token", "", *_speed_notes(speed), ""]
     lines += [
         "## Families",
         "",
@@ -167,12 +224,15 @@ def _counts(results: dict[str, dict]) -> list[str]:
     return out
 
 
-def update_expectations(results: dict[str, dict]) -> None:
+def update_expectations(results: dict[str, dict], variant: str | None = None) -> None:
+    """Record each case's outcome as its expectation (only ``variant``'s cases when given; the rest stay)."""
     old = json.loads(EXPECTATIONS.read_text())["cases"] if EXPECTATIONS.exists() else {}
     cases = {}
     for key in ("/".join(c) for c in all_cases()):
         r = results.get(key)
-        if r is None:
+        if variant is not None and key.split("/")[2] != variant and key in old:
+            entry = old[key]
+        elif r is None:
             entry = old.get(key) or {"fold": "n/a", "pending": "no recorded run yet: compile and outputs only"}
         elif r.get("export_error"):
             entry = {"export_error": r["export_error"]}
@@ -199,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", action="store_true", help="run the corpus cases first")
     parser.add_argument("--family", action="append", help="with --run: only this family (repeatable)")
     parser.add_argument("--update", action="store_true", help="rewrite tests/corpus/expectations.json")
+    parser.add_argument("--variant", help="with --update: only this variant's entries (e.g. flag)")
+    parser.add_argument("--speed", action="store_true", help="measure the MoE 1-token speed column first")
+    parser.add_argument("--exporter", action="append", help="with --speed: only this exporter (repeatable)")
     parser.add_argument("-o", "--output", type=Path, default=TABLE)
     args = parser.parse_args(argv)
     if args.run:
@@ -212,11 +275,27 @@ def main(argv: list[str] | None = None) -> int:
             write_result(r)
             status = r.export_error or r.compile_error or ("WRONG" if r.wrong_output else r.fold)
             print(f"{time.perf_counter() - start:7.1f}s {r.key}: {status} {r.detail}", flush=True)
+    if args.speed:
+        warnings.filterwarnings("ignore")
+        logging.disable(logging.WARNING)
+        start = time.perf_counter()
+        for family in (f for f in FAMILIES.values() if f.moe):
+            if args.family and family.name not in args.family:
+                continue
+            for exporter in EXPORTERS:
+                if args.exporter and exporter not in args.exporter:
+                    continue
+                r = run_speed(family.name, exporter)
+                write_speed(r)
+                status = r.export_error or r.compile_error or (
+                    f"export {r.export_ms} ms, compiled {r.compiled_ms} ms: {r.speedup}x ({r.moe_blocks} blocks)"
+                )
+                print(f"{time.perf_counter() - start:7.1f}s {r.key} [{r.config}]: {status}", flush=True)
     results = read_results()
-    args.output.write_text(write_table(results))
+    args.output.write_text(write_table(results, read_speed()))
     print(f"wrote {args.output} ({len(results)} results)")
     if args.update:
-        update_expectations(results)
+        update_expectations(results, args.variant)
     return 0
 
 

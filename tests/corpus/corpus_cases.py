@@ -10,6 +10,8 @@ Variants (the zero patterns users make), derived from one export by editing its 
 - ``neurons``: half the MLP's intermediate neurons pruned (rows of up / gate and their bias, columns of down);
 - ``heads``: head 0 pruned in every layer (its query rows and bias, its columns of the output projection);
 - ``flag``: a declared flag ``<last decoder layer scope>.flag = 0`` (README "Zero flags"): the layer is bypassed.
+  Its oracle is transformers' model with that layer replaced by the identity (``torch_without_layer``), not
+  the compiler's own bypass.
 
 Outcome of a case (``run_case``): ``compile_error`` or the max deviation from the export (ORT, seeded
 inputs), and ``fold``: ``full`` / ``partial`` / ``none`` (what the variant should remove went, some of it did,
@@ -30,7 +32,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
-from corpus_export import EXPORTERS, Edit, Export, cache_root, get_export, output_name
+from corpus_export import EXPORTERS, Edit, Export, cache_root, get_export, output_name, torch_without_layer
 from corpus_families import FAMILIES, HEAD_DIM, Family, Proj
 from onnx import numpy_helper
 
@@ -347,14 +349,26 @@ def run_case(family_name: str, exporter: str, variant: str) -> CaseResult:
     compiled_proto = ir.to_proto(compiled.model)
 
     if flag_scope is not None:
-        # The export still computes the flagged layer: the reference is the export with it bypassed, which is
-        # what the compiler's verification compares with. Here: that it passed, and the layer did something.
+        # The export still computes the flagged layer: the oracle is transformers' model without it
+        # (``torch_without_layer``), not the compiler's bypass. The compiler's own verification (against
+        # the export bypassed by the same pass) must also have passed.
         v = compiled.verification
         result.fold = "full" if flag_scope in [b.scope for b in compiled.pipeline.bypassed] else "none"
         result.detail += f"; bypassed {[b.scope for b in compiled.pipeline.bypassed]}"
         if v is None or not v.passed:
             result.wrong_output = True
-        result.max_abs = max((o.max_abs for o in v.outputs), default=None) if v is not None else None
+        without = torch_without_layer(family, exporter, flag_scope)
+        candidate = _session(compiled_proto)
+        worst, ref_max = 0.0, 0.0
+        for feeds, _ in expected_outputs:
+            actual, expected = candidate.run([out], feeds)[0], without(feeds["input_ids"])
+            if actual.ndim == expected.ndim - 1:  # TorchScript's logits_to_keep input, fed 0: position 0
+                expected = expected[:, 0]
+            worst = max(worst, float(np.max(np.abs(actual - expected))))
+            ref_max = max(ref_max, float(np.max(np.abs(expected))))
+            if not np.allclose(actual, expected, rtol=RTOL, atol=ATOL):
+                result.wrong_output = True
+        result.max_abs, result.max_ref = worst, ref_max
         result.seconds = round(time.perf_counter() - start, 2)
         return result
     candidate = _session(compiled_proto)

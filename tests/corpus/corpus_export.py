@@ -27,11 +27,21 @@ import onnx
 from corpus_families import FAMILIES, Family, family_hash
 from onnx import numpy_helper
 
-__all__ = ["EXPORTERS", "Export", "cache_root", "edited_torch_model", "get_export", "output_name"]
+__all__ = [
+    "EXPORTERS",
+    "Export",
+    "cache_root",
+    "edited_torch_model",
+    "get_export",
+    "get_generate_export",
+    "output_name",
+    "torch_without_layer",
+]
 
 EXPORTERS = ("dynamo", "torchscript")
 CORPUS_VERSION = 1  # bump to invalidate every cached export
 EXAMPLE_SHAPE = (2, 8)  # batch 2: an example batch of 1 would be specialised to 1
+DENSE_EXPERTS = "dense_scatter_einsum"  # Family.experts: the dense form registered by _register_dense_experts
 
 Edit = tuple[str, Callable[[np.ndarray], np.ndarray]]  # (torch tensor name, new value from old, torch layout)
 
@@ -96,9 +106,11 @@ def build_model(family: Family, exporter: str):
             model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
         except ValueError:  # a family without an SDPA implementation (Gemma 2): eager, as users export it
             model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    if family.moe and family.experts == DENSE_EXPERTS:
+        _register_dense_experts()
     if family.moe and hasattr(model, "set_experts_implementation"):
         with contextlib.suppress(Exception):
-            model.set_experts_implementation("batched_mm")
+            model.set_experts_implementation(family.experts)
     model.eval()
     with torch.no_grad():
         # Zero-initialised biases and all-ones norm weights would make the variants trivial and let the
@@ -107,6 +119,24 @@ def build_model(family: Family, exporter: str):
             if name.endswith("bias") or "norm" in name or bool(param.min() == param.max()):
                 param.add_(0.1 * torch.randn_like(param))
     return model
+
+
+def _dense_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """Every expert on every token ([E, T, ...]), combined with the [T, E] routing matrix (a dense form in
+    circulation: ``scatter`` routing matrix, ``einsum`` combine)."""
+    import torch
+
+    gate, up = torch.matmul(hidden_states, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+    out = torch.matmul(self.act_fn(gate) * up, self.down_proj.transpose(1, 2))  # [E, T, H]
+    routing = torch.zeros(hidden_states.shape[0], self.num_experts, dtype=top_k_weights.dtype)
+    return torch.einsum("te,eth->th", routing.scatter(1, top_k_index, top_k_weights), out)
+
+
+def _register_dense_experts() -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if DENSE_EXPERTS not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(DENSE_EXPERTS, _dense_experts_forward)
 
 
 def _interesting(family: Family, name: str) -> bool:
@@ -204,16 +234,53 @@ def edited_torch_model(family: Family, exporter: str, edits: list[Edit]):
     return model
 
 
+def torch_without_layer(family: Family, exporter: str, scope: str) -> Callable[[np.ndarray], np.ndarray]:
+    """Transformers' model of the export with the module ``scope`` replaced by the identity: ids → output.
+
+    The oracle of a declared flag, independent of the compiler: a forward hook returns the module's input
+    (its hidden states) in place of its output. The output is the export's (``output_name``) as numpy.
+    """
+    import torch
+
+    model = build_model(family, exporter)
+    module = model
+    for part in scope.split("."):
+        module = module[int(part)] if part.isdigit() else getattr(module, part)
+
+    def identity(mod, args, kwargs, out):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        return hidden if isinstance(out, torch.Tensor) else (hidden, *out[1:])
+
+    module.register_forward_hook(identity, with_kwargs=True)
+
+    def run(ids: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            out = model(input_ids=torch.from_numpy(ids))
+        return (out.logits if hasattr(out, "logits") else out.last_hidden_state).numpy()
+
+    return run
+
+
 def _first_line(exc: BaseException) -> str:
     lines = [line for line in str(exc).splitlines() if line.strip()]
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
 
 
-def get_export(family_name: str, exporter: str, variant: str | None = None, edits: list[Edit] | None = None) -> Export:
-    """The cached export (made now when missing). With ``variant``, an export of the edited torch model."""
+def get_export(
+    family_name: str,
+    exporter: str,
+    variant: str | None = None,
+    edits: list[Edit] | None = None,
+    family: Family | None = None,
+) -> Export:
+    """The cached export (made now when missing). With ``variant``, an export of the edited torch model.
+
+    ``family``: a family not in the table (a corpus family at another size, ``corpus_speed``), cached under
+    ``family_name`` and its own hash.
+    """
     import torch
 
-    family = FAMILIES[family_name]
+    family = family if family is not None else FAMILIES[family_name]
     key = f"{family_name}-{exporter}-{family_hash(family)}" + (f"-{variant}" if variant else "")
     folder = cache_root() / key
     if (folder / "meta.json").exists():
@@ -243,3 +310,30 @@ def get_export(family_name: str, exporter: str, variant: str | None = None, edit
     meta["seconds"] = round(time.perf_counter() - start, 2)
     (folder / "meta.json").write_text(json.dumps(meta, indent=1))
     return Export(folder)
+
+
+def get_generate_export(family: Family) -> Path:
+    """A cache-carrying export of ``family`` by ``layerzero export`` (the decode loop's export), cached.
+
+    The folder holds ``hf/`` (the seeded model, ``save_pretrained``) and ``model.onnx`` (``layerzero export
+    hf -o model.onnx``); it is made once per family hash, like the corpus's exports. Raises what the export
+    raised (a test then fails with it: generation needs this export).
+    """
+    from layerzero.cli import main
+
+    folder = cache_root() / f"{family.name}-generate-{family_hash(family)}"
+    if (folder / "model.onnx").exists():
+        return folder
+    tmp = folder.with_name(folder.name + ".tmp")
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    model = build_model(family, "dynamo")
+    model.config.use_cache = True
+    model.save_pretrained(tmp / "hf")
+    if main(["export", str(tmp / "hf"), "-o", str(tmp / "model.onnx")]) != 0:
+        raise RuntimeError(f"layerzero export of {family.name} failed (exit code != 0); see its log above")
+    os.replace(tmp, folder)
+    return folder

@@ -60,6 +60,9 @@ class Family:
     head_dim: int = 16
     intermediate: int = 128
     rotary_table: str | None = None  # a precomputed [positions, sin | cos] buffer instead of inv_freq (GPT-J)
+    # transformers' experts implementation the MoE export uses; "dense_scatter_einsum" (corpus_export) computes
+    # every expert on every token and combines them with a scattered routing matrix and an Einsum.
+    experts: str = "batched_mm"
 
 
 HIDDEN = 64
@@ -215,5 +218,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in _DENSE + _MOES}
 
 def family_hash(family: Family) -> str:
     """A short hash of what builds the family's export: a changed config makes a new cache entry."""
-    text = json.dumps({"config": family.config, "kwargs": family.kwargs, "encoder": family.encoder}, sort_keys=True)
+    what: dict[str, Any] = {"config": family.config, "kwargs": family.kwargs, "encoder": family.encoder}
+    if family.experts != "batched_mm":  # the default stays out of the hash: cached exports keep their keys
+        what["experts"] = family.experts
+    text = json.dumps(what, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:10]
