@@ -91,18 +91,37 @@ def bare_server(model: str, http_port: int, grpc_port: int, instances: int) -> N
     def infer(requests: list) -> list[dict[str, np.ndarray]]:
         return [{"logits": session.run(["logits"], {"input_ids": r["input_ids"]})[0]} for r in requests]
 
+    from layerzero.runtime.server import _patch_pytriton_handshake
+
+    _patch_pytriton_handshake()  # the same start-up fix `layerzero serve` has (1 s stub handshake -> 30 s)
     config = TritonConfig(http_address="127.0.0.1", http_port=http_port, grpc_address="127.0.0.1",
                           grpc_port=grpc_port, allow_metrics=False, exit_timeout_secs=5)  # fmt: skip
-    with Triton(config=config) as triton:
-        triton.bind(
-            model_name="layerzero",
-            infer_func=[infer] * instances,
-            inputs=[Tensor(name="input_ids", dtype=np.int64, shape=(-1, -1))],
-            outputs=[Tensor(name="logits", dtype=np.float32, shape=(-1, -1, VOCAB))],
-            config=ModelConfig(batching=False),
-        )
-        signal.signal(signal.SIGTERM, signal.default_int_handler)  # serve() stops cleanly on KeyboardInterrupt
+    # PyTriton's stub handshake has a fixed 1 s timeout that a loaded machine misses now and then; `layerzero
+    # serve` tries 5 times, and so does the bare server (else the comparison fails to start, not to serve).
+    for attempt in range(5):
+        triton = Triton(config=config)
+        try:
+            triton.bind(
+                model_name="layerzero",
+                infer_func=[infer] * instances,
+                inputs=[Tensor(name="input_ids", dtype=np.int64, shape=(-1, -1))],
+                outputs=[Tensor(name="logits", dtype=np.float32, shape=(-1, -1, VOCAB))],
+                config=ModelConfig(batching=False),
+            )
+            triton.run()
+        except Exception:
+            with contextlib.suppress(Exception):
+                triton.stop()
+            if attempt == 4:
+                raise
+            time.sleep(1.0 + attempt)
+            continue
+        break
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # serve() stops cleanly on KeyboardInterrupt
+    try:
         triton.serve()
+    finally:
+        triton.stop()
 
 
 # ------------------------------------------------------------------------------------------------- load
