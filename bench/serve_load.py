@@ -143,6 +143,23 @@ def _wait_ready(name: str, http_port: int, process: subprocess.Popen, timeout: f
     raise RuntimeError(f"{name}: the server is not ready after {timeout:g}s")
 
 
+def _wait_standby(name: str, control_port: int, process: subprocess.Popen, timeout: float = 180.0) -> None:
+    import json
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name}: the server exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{control_port}/status", timeout=5) as response:
+                if json.loads(response.read()).get("standby_ready"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{name}: no standby Triton after {timeout:g}s")
+
+
 def _stop(process: subprocess.Popen) -> None:
     # SIGTERM to the server alone, so that it stops Triton and the Python-backend stubs in order (the stubs
     # ignore SIGTERM), then SIGKILL to whatever is left of its session.
@@ -327,6 +344,7 @@ def hostile(args: argparse.Namespace) -> int:
         lock = threading.Lock()
         try:
             _wait_ready("layerzero serve", http_port, process)
+            _wait_standby("layerzero serve", control_port, process)
             before = _metric_totals(control_port)
             deadline = time.monotonic() + args.max_seconds
 
@@ -459,6 +477,8 @@ def main() -> int:
                                                        start_new_session=True)  # fmt: skip
             for name, (_, http_port, _) in commands.items():
                 _wait_ready(name, http_port, processes[name])
+            # layerzero serve starts its standby Triton after it serves: not while the load is measured.
+            _wait_standby("layerzero serve", ports[4], processes["layerzero serve"])
             phases: dict[str, list[dict]] = {name: [] for name in commands}
             order = list(commands)
             per_round = max(args.clients, args.requests // args.rounds)
