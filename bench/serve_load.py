@@ -91,18 +91,37 @@ def bare_server(model: str, http_port: int, grpc_port: int, instances: int) -> N
     def infer(requests: list) -> list[dict[str, np.ndarray]]:
         return [{"logits": session.run(["logits"], {"input_ids": r["input_ids"]})[0]} for r in requests]
 
+    from layerzero.runtime.server import _patch_pytriton_handshake
+
+    _patch_pytriton_handshake()  # the same start-up fix `layerzero serve` has (1 s stub handshake -> 30 s)
     config = TritonConfig(http_address="127.0.0.1", http_port=http_port, grpc_address="127.0.0.1",
                           grpc_port=grpc_port, allow_metrics=False, exit_timeout_secs=5)  # fmt: skip
-    with Triton(config=config) as triton:
-        triton.bind(
-            model_name="layerzero",
-            infer_func=[infer] * instances,
-            inputs=[Tensor(name="input_ids", dtype=np.int64, shape=(-1, -1))],
-            outputs=[Tensor(name="logits", dtype=np.float32, shape=(-1, -1, VOCAB))],
-            config=ModelConfig(batching=False),
-        )
-        signal.signal(signal.SIGTERM, signal.default_int_handler)  # serve() stops cleanly on KeyboardInterrupt
+    # PyTriton's stub handshake has a fixed 1 s timeout that a loaded machine misses now and then; `layerzero
+    # serve` tries 5 times, and so does the bare server (else the comparison fails to start, not to serve).
+    for attempt in range(5):
+        triton = Triton(config=config)
+        try:
+            triton.bind(
+                model_name="layerzero",
+                infer_func=[infer] * instances,
+                inputs=[Tensor(name="input_ids", dtype=np.int64, shape=(-1, -1))],
+                outputs=[Tensor(name="logits", dtype=np.float32, shape=(-1, -1, VOCAB))],
+                config=ModelConfig(batching=False),
+            )
+            triton.run()
+        except Exception:
+            with contextlib.suppress(Exception):
+                triton.stop()
+            if attempt == 4:
+                raise
+            time.sleep(1.0 + attempt)
+            continue
+        break
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # serve() stops cleanly on KeyboardInterrupt
+    try:
         triton.serve()
+    finally:
+        triton.stop()
 
 
 # ------------------------------------------------------------------------------------------------- load
@@ -122,6 +141,23 @@ def _wait_ready(name: str, http_port: int, process: subprocess.Popen, timeout: f
             pass
         time.sleep(0.2)
     raise RuntimeError(f"{name}: the server is not ready after {timeout:g}s")
+
+
+def _wait_standby(name: str, control_port: int, process: subprocess.Popen, timeout: float = 180.0) -> None:
+    import json
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name}: the server exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{control_port}/status", timeout=5) as response:
+                if json.loads(response.read()).get("standby_ready"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{name}: no standby Triton after {timeout:g}s")
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -308,6 +344,7 @@ def hostile(args: argparse.Namespace) -> int:
         lock = threading.Lock()
         try:
             _wait_ready("layerzero serve", http_port, process)
+            _wait_standby("layerzero serve", control_port, process)
             before = _metric_totals(control_port)
             deadline = time.monotonic() + args.max_seconds
 
@@ -440,6 +477,8 @@ def main() -> int:
                                                        start_new_session=True)  # fmt: skip
             for name, (_, http_port, _) in commands.items():
                 _wait_ready(name, http_port, processes[name])
+            # layerzero serve starts its standby Triton after it serves: not while the load is measured.
+            _wait_standby("layerzero serve", ports[4], processes["layerzero serve"])
             phases: dict[str, list[dict]] = {name: [] for name in commands}
             order = list(commands)
             per_round = max(args.clients, args.requests // args.rounds)

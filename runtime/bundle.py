@@ -386,16 +386,24 @@ def fingerprint_files(root: Path, model_file: str) -> dict[str, dict[str, Any]]:
 
 
 def check_integrity(root: Path, manifest: Mapping[str, Any], *, full: bool = False) -> None:
-    """Check the bundle's files against the manifest's ``integrity`` section (a bundle written before it
-    existed has none and is not checked). The model file: size and sha256. Data files: size and the sampled
-    fingerprint, which costs ~1 MiB of reads whatever their size; ``full``: their sha256 too.
+    """Check the bundle's files against the manifest's ``integrity`` section. The model file: size and sha256.
+    Data files: size and the sampled fingerprint, which costs ~1 MiB of reads whatever their size; ``full``:
+    their sha256 too.
+
+    A bundle without the section (written by a LayerZero before it existed, or a manifest edited by hand) is
+    refused too: nothing says its ``model.onnx`` is the model its manifest describes, and the runtime refuses
+    what it cannot check rather than run another model under this one's report. Recompiling writes it.
 
     Raises:
-        InvalidInputError: naming the file that differs from what was compiled.
+        InvalidInputError: naming the file that differs from what was compiled, or the bundle without a
+            fingerprint and the command that writes one.
     """
     integrity = manifest.get("integrity")
     if integrity is None:
-        return
+        raise InvalidInputError(
+            f"bundle {root} has no integrity fingerprint (written by an older LayerZero); recompile it: "
+            f"layerzero compile SOURCE.onnx -o {root} --force"
+        )
     if not isinstance(integrity, dict) or not all(isinstance(v, dict) for v in integrity.values()):
         raise InvalidInputError(f"{root / MANIFEST_NAME}: integrity must map file names to their fingerprints")
     for file_name, expected in integrity.items():

@@ -1,11 +1,13 @@
 """Serve a compiled bundle with Triton Inference Server (PyTriton), with the guard, metrics and a kill switch.
 
-KServe v2 inference over HTTP (--port-http) and gRPC (--port-grpc), and a control server on --port-metrics,
-all on 127.0.0.1 only. Needs the serve extra: pip install 'layerzero[serve]'.
+KServe v2 inference over HTTP (--port-http) and gRPC (--port-grpc; --no-grpc: none), and a control server on
+--port-metrics, all on 127.0.0.1 only. Needs the serve extra: pip install 'layerzero[serve]'.
 
-Every HTTP inference request is validated before Triton parses it (body at most --max-request-bytes, shape
-and dims of each input against the model, data length, token ids within the embedding); a bad one gets a 4xx
-and one line. Triton runs under a supervisor that restarts it if it dies; requests wait meanwhile.
+Every inference request, HTTP or gRPC, is validated by this server's front before Triton parses it (body at
+most --max-request-bytes, shape and dims of each input against the model, data length, token ids within the
+embedding); a bad one gets a 4xx (a gRPC status) and one line. Triton itself listens on loopback ports of its
+own. A standby Triton waits started: when the serving one dies, it takes over in well under a second (a
+cold start without it, --no-standby); requests wait meanwhile, and the ones in flight are sent again.
 
   GET  /metrics       Prometheus text: requests, fallbacks, reference runs, kill switch, threshold, latency
   GET  /status        JSON: model, endpoints, guard state and counters
@@ -49,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model instances, i.e. concurrent requests (default 2)")
     p.add_argument("--max-request-bytes", type=integer(1024, 2**34), default=64 * 1024 * 1024, metavar="N",
                    help="largest inference request body over HTTP (default 64 MiB; bigger: 413)")  # fmt: skip
+    p.add_argument("--no-grpc", action="store_true", help="no gRPC port (HTTP only)")
+    p.add_argument("--no-standby", action="store_true",
+                   help="no standby Triton (half the memory; a restart is a cold start, seconds)")  # fmt: skip
     p.add_argument("--client-timeout", type=positive, default=30.0, metavar="S",
                    help="seconds a client may take to send one request (default 30)")  # fmt: skip
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="execution device (default cpu)")
@@ -134,11 +139,14 @@ def run(args: argparse.Namespace) -> int:
             instances=args.instances,
             max_request_bytes=args.max_request_bytes,
             client_timeout_s=args.client_timeout,
+            grpc=not args.no_grpc,
+            standby=not args.no_standby,
         ),
     )
     with server:
         ends = server.endpoints()
-        console.print(f"serving {args.bundle} as {args.model_name!r}: http {ends['http']}, grpc {ends['grpc']}, "
+        grpc = f", grpc {ends['grpc']}" if "grpc" in ends else ""
+        console.print(f"serving {args.bundle} as {args.model_name!r}: http {ends['http']}{grpc}, "
                       f"control {ends['control']} (/metrics, /status, /kill-switch, /threshold)")  # fmt: skip
         console.print(f"guard: reference {reference or 'none'}, sample rate {sample_rate:g}")
         sys.stdout.flush()

@@ -271,3 +271,21 @@ def test_integrity_section_itself_malformed(tiny: SimpleNamespace, tmp_path: Pat
         (bundle / MANIFEST_NAME).write_text(json.dumps(manifest))
         with pytest.raises(InvalidInputError):
             read_bundle(bundle)
+
+
+def test_a_bundle_without_a_fingerprint_is_refused_naming_the_fix(tiny: SimpleNamespace, tmp_path: Path,
+                                                                  helpers: SimpleNamespace) -> None:  # fmt: skip
+    # An old bundle (no integrity section): nothing says its model.onnx is the one its manifest describes.
+    bundle = _copy_bundle(tiny, tmp_path)
+    manifest = json.loads((bundle / MANIFEST_NAME).read_text())
+    del manifest["integrity"]
+    (bundle / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(InvalidInputError, match=r"no integrity fingerprint.*layerzero compile .* --force"):
+        Engine.load(bundle)
+    helpers.one_line(helpers.run_cli("run", bundle, "--input", "input_ids=1,2"), "no integrity fingerprint",
+                     "--force")  # fmt: skip
+    # Recompiling over it (the fix the message names) writes a bundle that loads.
+    code = helpers.run_cli("compile", tiny.source, "-o", bundle, "--force", "--no-verify").code
+    assert code == 0
+    assert "integrity" in json.loads((bundle / MANIFEST_NAME).read_text())
+    Engine.load(bundle)
