@@ -206,7 +206,7 @@ def genai_for(prepared: dict[str, Any], family: str, say) -> tuple[GenAIRunner |
         import onnxruntime_genai as og
     except ImportError as exc:
         return None, (
-            f"onnxruntime_genai not importable ({exc}): pip install --target DIR onnxruntime-genai, then --genai-path DIR"
+            f"onnxruntime_genai not importable ({exc}): pip install --target DIR onnxruntime-genai; --genai-path DIR"
         )
     architecture = (json.loads((prepared["hf"] / "config.json").read_text()).get("architectures") or ["?"])[0]
     try:
