@@ -40,6 +40,7 @@ from layerzero.verify import (
     input_sets,
     make_inputs,
     merge_comparisons,
+    pass_hint,
     run_model,
 )
 
@@ -321,9 +322,11 @@ def verify_compiled(
         outputs=outputs,
         impact=impact,
         input_sets=[{"label": s.label, "inputs": s.shapes()} for s, _ in originals],
+        zeroing_threshold=options.zeroing_threshold,
+        max_deviation=options.max_deviation,
     )
     if not result.passed:
-        worst = max(outputs, key=lambda o: o.needed_atol)
+        worst = max((o for o in outputs if not o.passed), key=lambda o: (o.needed_atol, o.max_abs))
         k = next(
             (i for i, comps in enumerate(per_set) for o in comps if o.name == worst.name and not o.passed),
             0,
@@ -333,7 +336,7 @@ def verify_compiled(
         raise VerificationError(
             f"verification failed: output {worst.name!r} differs by max abs {worst.max_abs:.3g} "
             f"(max rel {worst.max_rel:.3g}) on the {failing.label} inputs {failing.shapes()}; {culprit}; "
-            f"it would pass with --atol {worst.needed_atol:.3g} at --rtol {options.rtol}",
+            f"{pass_hint(result, worst)}",
             result=result,
         )
     return result

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -21,7 +23,9 @@ __all__ = [
     "input_sets",
     "make_inputs",
     "merge_comparisons",
+    "pass_hint",
     "run_model",
+    "tolerance_at_least",
 ]
 
 logger = logging.getLogger(__name__)
@@ -51,10 +55,37 @@ class VerificationResult:
     impact: list[OutputComparison] | None = None  # deviation of the bypassed reference from the original
     # Every input set verification ran (label and shapes); ``inputs`` is the first one's shapes.
     input_sets: list[dict] = dataclasses.field(default_factory=list)
+    # With a zeroing threshold > 0 the compiled model deviates on purpose: an output passes when its max abs
+    # deviation is at most ``max_deviation`` (None: reported, never failed) instead of atol/rtol.
+    zeroing_threshold: float = 0.0
+    max_deviation: float | None = None
 
     @property
     def needed_atol(self) -> float:
         return max((o.needed_atol for o in self.outputs), default=0.0)
+
+    @property
+    def compared(self) -> str:
+        """What was compared with what, and the rule an output passes by (for messages)."""
+        reference = (
+            "the original with its bypassed layers taken out (declared zero flags, groups off, solidified paths)"
+            if self.impact is not None
+            else "the original"
+        )
+        if self.zeroing_threshold > 0:
+            rule = (
+                f"passes when max |compiled - reference| <= --max-deviation {self.max_deviation:g}"
+                if self.max_deviation is not None
+                else "deviation reported, not checked (no --max-deviation)"
+            )
+            return (
+                f"compiled with --threshold {self.zeroing_threshold:g} vs the reference = {reference} "
+                f"(exact routing); {rule}"
+            )
+        return (
+            f"compiled vs the reference = {reference}; passes when |compiled - reference| <= atol + rtol * |reference| "
+            f"(--atol {self.atol:g}, --rtol {self.rtol:g})"
+        )
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -91,6 +122,30 @@ def compare_outputs(
         max_abs = float(diff.max())
         result.append(OutputComparison(name, max_abs, float(rel.max()), needed, needed <= atol))
     return result
+
+
+def tolerance_at_least(value: float) -> str:
+    """``value`` written with 3 significant digits, rounded up: a suggested tolerance that passes when used."""
+    if not math.isfinite(value) or value <= 0:
+        return "0" if value == 0 else f"{value:g}"
+    exact = decimal.Decimal(value)  # exact: no float rounding can take the suggestion below value
+    exponent = exact.adjusted() - 2
+    rounded = exact.scaleb(-exponent).to_integral_value(decimal.ROUND_CEILING).scaleb(exponent)
+    return f"{rounded:.3g}"
+
+
+def pass_hint(result: VerificationResult, output: OutputComparison) -> str:
+    """What the user can change so that ``output`` passes (a phrase; every option it names works as printed)."""
+    if result.zeroing_threshold > 0:
+        if not math.isfinite(output.max_abs):
+            return "the outputs differ in shape or type; no tolerance passes"
+        return (
+            f"it would pass with --max-deviation {tolerance_at_least(output.max_abs)}, "
+            f"or skip less with a lower --threshold (now {result.zeroing_threshold:g})"
+        )
+    if not math.isfinite(output.needed_atol):
+        return "the outputs differ in shape, type or NaN/Inf positions; no tolerance passes"
+    return f"it would pass with --atol {tolerance_at_least(output.needed_atol)} --rtol {result.rtol:g}"
 
 
 def _gather_bounds(model: onnx.ModelProto) -> dict[str, int]:

@@ -16,8 +16,12 @@ Sampling: ``temperature == 0`` is greedy (argmax; ties go to the lowest id, as t
 logits / temperature, then top-k (keep the k largest), then top-p (keep the smallest set of most probable
 tokens whose probability reaches p; at least one), then a draw from ``numpy.random.default_rng(seed)``.
 
-Generation stops after ``max_new_tokens`` or when a stop token is produced (it is kept in ``ids``, as
-transformers does). Batch 1.
+Generation stops after ``max_new_tokens``, when a stop token is produced (it is kept in ``ids``, as
+transformers does) or at ``max_tokens`` tokens per sequence (the guard's ``max_tokens`` when the engine is a
+``GuardedEngine``). A batch of prompts is left-padded under ``attention_mask`` with position ids counting
+each row's real tokens, as transformers' batched ``generate``; each row stops on its own. In a batch, a step's
+``skipped_paths`` and masks are the batch's (a path is skipped when no row's token ran it), and
+``tokens_per_s`` is per row: the batch's throughput is the sum over rows.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from layerzero.errors import InvalidInputError, UnsupportedModelError
 
 if TYPE_CHECKING:
     from layerzero.runtime.engine import Engine
+    from layerzero.runtime.guard import GuardedEngine
 
 __all__ = [
     "GENERATE_META_KEY",
@@ -79,7 +84,7 @@ class GenerateReport:
 
     prompt_tokens: int
     new_tokens: int
-    stop_reason: str  # "stop_token" | "max_new_tokens"
+    stop_reason: str  # "stop_token" | "max_new_tokens" | "max_tokens"
     time_to_first_token_s: float
     total_s: float
     tokens_per_s: float
@@ -177,8 +182,8 @@ def stop_tokens_of(engine: Engine) -> list[int]:
 
 
 def generate(
-    engine: Engine,
-    prompt_ids: Sequence[int],
+    engine: Engine | GuardedEngine,
+    prompt_ids: Sequence[int] | Sequence[Sequence[int]],
     *,
     max_new_tokens: int = 32,
     temperature: float = 0.0,
@@ -188,22 +193,42 @@ def generate(
     stop_tokens: Sequence[int] | None = None,
     on_token: Callable[[int], None] | None = None,
     masks: bool = False,
-) -> Generation:
+    max_tokens: int | None = None,
+    pad_token_id: int | None = None,
+) -> Generation | list[Generation]:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` (see the module doc).
 
+    ``prompt_ids`` is one prompt (a list of ids: returns a ``Generation``) or a batch of prompts (a list of
+    lists: returns one ``Generation`` per prompt, in order). A batch runs as one tensor: prompts are padded
+    on the left with ``pad_token_id`` (default: the export's pad id, else its first eos id, else 0) under
+    ``attention_mask`` 0, position ids count each row's real tokens (pads at 0), as transformers' batched
+    ``generate`` does; each row stops on its own and a finished row is fed pads until every row is done.
+
     Args:
+        engine: An ``Engine``, or a ``GuardedEngine`` (every step goes through the guard: its kill switch and
+            sampling apply, and its ``max_tokens`` caps the request as ``max_tokens`` below).
         stop_tokens: Ids that end generation; None uses the eos ids recorded by ``layerzero export``;
             ``()`` never stops early.
-        on_token: Called with each new id as soon as it is chosen (streaming).
+        on_token: Called with each new id as soon as it is chosen (streaming; one prompt only).
         masks: Keep each step's per-path masks in ``report.steps[i].masks``.
+        max_tokens: At most this many tokens per sequence, prompt included: a longer prompt is an error,
+            generation stops there (``stop_reason`` ``"max_tokens"``). None: the guard's, else no cap.
 
     Raises:
-        InvalidInputError: an empty prompt, an id outside the vocabulary, or a bad sampling option.
+        InvalidInputError: an empty prompt, an id outside the vocabulary, a prompt over ``max_tokens``, or a bad
+            sampling option.
         UnsupportedModelError: the model is not a causal LM export (inputs/outputs named as above).
     """
-    prompt = [int(i) for i in prompt_ids]
-    if not prompt:
+    from layerzero.runtime.guard import GuardedEngine
+
+    guard = engine if isinstance(engine, GuardedEngine) else None
+    base: Engine = guard.engine if guard is not None else engine
+    single = not prompt_ids or not isinstance(prompt_ids[0], (Sequence, np.ndarray))
+    prompts = [[int(i) for i in p] for p in ([prompt_ids] if single else prompt_ids)]
+    if not prompts or any(not p for p in prompts):
         raise InvalidInputError("the prompt is empty: give at least one token id")
+    if on_token is not None and len(prompts) > 1:
+        raise InvalidInputError("on_token streams one prompt; a batch returns its ids at the end")
     if max_new_tokens < 1:
         raise InvalidInputError(f"max_new_tokens={max_new_tokens}: must be >= 1")
     if temperature < 0 or not np.isfinite(temperature):
@@ -212,90 +237,139 @@ def generate(
         raise InvalidInputError(f"top_k={top_k}: must be >= 0 (0 = off)")
     if not 0 < top_p <= 1:
         raise InvalidInputError(f"top_p={top_p}: must be in (0, 1] (1 = off)")
-    layout = _cache_layout(engine)
-    meta = export_metadata(engine)
+    if max_tokens is None and guard is not None:
+        max_tokens = guard.config.max_tokens
+    if max_tokens is not None:
+        longest = max(len(p) for p in prompts)
+        if longest >= max_tokens:
+            raise InvalidInputError(
+                f"the prompt has {longest} tokens, the limit is max_tokens={max_tokens} tokens per sequence "
+                f"(prompt and new tokens) for {base.model_path}: shorten the prompt"
+            )
+    layout = _cache_layout(base)
+    meta = export_metadata(base)
     vocab = meta.get("vocab_size")
-    if isinstance(vocab, int) and any(not 0 <= i < vocab for i in prompt):
-        bad = next(i for i in prompt if not 0 <= i < vocab)
-        raise InvalidInputError(f"prompt token id {bad} is outside the vocabulary [0, {vocab}) of {engine.model_path}")
+    for prompt in prompts:
+        if isinstance(vocab, int) and any(not 0 <= i < vocab for i in prompt):
+            bad = next(i for i in prompt if not 0 <= i < vocab)
+            raise InvalidInputError(
+                f"prompt token id {bad} is outside the vocabulary [0, {vocab}) of {base.model_path}"
+            )
     eos = meta.get("eos_token_id") or []
     stops = set((int(t) for t in eos) if stop_tokens is None else (int(t) for t in stop_tokens))
+    if pad_token_id is None:
+        pad = meta.get("pad_token_id")
+        pad_token_id = int(pad) if isinstance(pad, int) else (int(eos[0]) if eos else 0)
     rng = np.random.default_rng(seed)
+    run = guard.run if guard is not None else base.run
 
-    template = engine.report_template()
-    steps: list[StepReport] = []
+    batch, width = len(prompts), max(len(p) for p in prompts)
+    # Left padding: every row's last prompt token is the last column, so one step's logits[:, -1] serve all.
+    prompt_ids_2d = np.full((batch, width), pad_token_id, dtype=np.int64)
+    prompt_mask = np.zeros((batch, width), dtype=np.int64)
+    for r, prompt in enumerate(prompts):
+        prompt_ids_2d[r, width - len(prompt) :] = prompt
+        prompt_mask[r, width - len(prompt) :] = 1
+    # As transformers: positions count the real tokens, pads sit at 0.
+    prompt_positions = np.where(prompt_mask == 1, np.cumsum(prompt_mask, axis=1) - 1, 0)
+    lengths = np.array([len(p) for p in prompts], dtype=np.int64)
+
+    template = base.report_template()
+    steps: list[list[StepReport]] = [[] for _ in prompts]
     always_skipped: set[str] | None = None  # dynamic paths no step ran
-    new: list[int] = []
+    new: list[list[int]] = [[] for _ in prompts]
+    fed: list[np.ndarray] = []  # the token columns fed after the prompt (pads for finished rows)
+    done = [False] * batch
+    stop_reason = ["max_new_tokens"] * batch
     past: dict[str, np.ndarray] = {}
     if layout is not None:
         heads, head_dim = layout.shape
-        past = {p: np.zeros((1, heads, 0, head_dim), dtype=layout.dtype) for p, _ in layout.names}
-    stop_reason = "max_new_tokens"
+        past = {p: np.zeros((batch, heads, 0, head_dim), dtype=layout.dtype) for p, _ in layout.names}
     start = time.perf_counter()
     first_token_at = start
-    while len(new) < max_new_tokens:
-        sequence = prompt + new
+    step = 0
+    while step < max_new_tokens and not all(done):
+        columns = np.stack(fed, axis=1) if fed else np.zeros((batch, 0), dtype=np.int64)
+        mask = np.concatenate([prompt_mask, np.ones((batch, len(fed)), dtype=np.int64)], axis=1)
+        next_positions = lengths[:, None] + np.arange(len(fed), dtype=np.int64)[None, :]
         if layout is None:  # single pass: the whole sequence every step
-            run_ids, offset = sequence, 0
+            run_ids = np.concatenate([prompt_ids_2d, columns], axis=1)
+            positions = np.concatenate([prompt_positions, next_positions], axis=1)
+        elif not fed:
+            run_ids, positions = prompt_ids_2d, prompt_positions
         else:
-            run_ids, offset = (prompt if not new else new[-1:]), len(sequence) - (len(prompt) if not new else 1)
+            run_ids, positions = columns[:, -1:], next_positions[:, -1:]
         feeds: dict[str, np.ndarray] = {
-            "input_ids": np.asarray([run_ids], dtype=np.int64),
-            "attention_mask": np.ones((1, offset + len(run_ids)), dtype=np.int64),
-            "position_ids": np.arange(offset, offset + len(run_ids), dtype=np.int64)[None, :],
+            "input_ids": run_ids,
+            "attention_mask": mask,
+            "position_ids": positions,
             **past,
         }
         step_start = time.perf_counter()
-        result = engine.run(feeds, masks=True)
+        result = run(feeds, masks=True)
         logits = result.outputs["logits"]
-        if logits.ndim != 3 or logits.shape[:2] != (1, len(run_ids)):
+        if logits.ndim != 3 or logits.shape[:2] != run_ids.shape:
             raise UnsupportedModelError(
-                f"{engine.model_path}: logits have shape {list(logits.shape)}, expected [1, {len(run_ids)}, vocab]"
+                f"{base.model_path}: logits have shape {list(logits.shape)}, expected "
+                f"[{batch}, {run_ids.shape[1]}, vocab]"
             )
-        token = _choose(logits[0, -1], temperature, top_k, top_p, rng)
+        tokens = [_choose(logits[r, -1], temperature, top_k, top_p, rng) for r in range(batch)]
         seconds = time.perf_counter() - step_start
         if layout is not None:
             past = {p: result.outputs[q] for p, q in layout.names}
         report = result.report
         skipped = set(report.skipped_paths)
         always_skipped = skipped if always_skipped is None else always_skipped & skipped
-        steps.append(
-            StepReport(
-                tokens=len(run_ids),
-                token_id=token,
-                seconds=seconds,
-                skipped_paths=list(report.skipped_paths),
-                masks={k: np.asarray(v).astype(int).tolist() for k, v in report.masks.items()} if masks else {},
-            )
-        )
-        if not new:
+        step_masks = {k: np.asarray(v).astype(int).tolist() for k, v in report.masks.items()} if masks else {}
+        if not fed:
             first_token_at = time.perf_counter()
-        new.append(token)
-        if on_token is not None:
-            on_token(token)
-        if token in stops:
-            stop_reason = "stop_token"
-            break
+        column = np.full(batch, pad_token_id, dtype=np.int64)
+        for r, token in enumerate(tokens):
+            if done[r]:
+                continue  # a finished row is fed a pad, as transformers does; its token is not kept
+            column[r] = token
+            new[r].append(token)
+            steps[r].append(
+                StepReport(
+                    tokens=int(run_ids.shape[1]),
+                    token_id=token,
+                    seconds=seconds,
+                    skipped_paths=list(report.skipped_paths),
+                    masks=step_masks,
+                )
+            )
+            if on_token is not None:
+                on_token(token)
+            if token in stops:
+                done[r], stop_reason[r] = True, "stop_token"
+            elif max_tokens is not None and len(prompts[r]) + len(new[r]) >= max_tokens:
+                done[r], stop_reason[r] = True, "max_tokens"
+        fed.append(column)
+        step += 1
     end = time.perf_counter()
     total = end - start
     decode_time = end - first_token_at
-    generation_report = GenerateReport(
-        prompt_tokens=len(prompt),
-        new_tokens=len(new),
-        stop_reason=stop_reason,
-        time_to_first_token_s=first_token_at - start,
-        total_s=total,
-        tokens_per_s=len(new) / total if total > 0 else 0.0,
-        decode_tokens_per_s=(len(new) - 1) / decode_time if len(new) > 1 and decode_time > 0 else None,
-        cache=layout is not None,
-        total_layers=template.total_layers,
-        zeroed_layers=template.zeroed_layers,
-        zeroed_paths=list(template.zeroed_paths),
-        zeroed_params_ratio=template.zeroed_params_ratio,
-        skipped_paths=sorted(always_skipped or ()),
-        steps=steps,
-    )
-    return Generation(ids=new, prompt_ids=prompt, report=generation_report)
+    out = []
+    for r, prompt in enumerate(prompts):
+        n = len(new[r])
+        generation_report = GenerateReport(
+            prompt_tokens=len(prompt),
+            new_tokens=n,
+            stop_reason=stop_reason[r],
+            time_to_first_token_s=first_token_at - start,
+            total_s=total,
+            tokens_per_s=n / total if total > 0 else 0.0,
+            decode_tokens_per_s=(n - 1) / decode_time if n > 1 and decode_time > 0 else None,
+            cache=layout is not None,
+            total_layers=template.total_layers,
+            zeroed_layers=template.zeroed_layers,
+            zeroed_paths=list(template.zeroed_paths),
+            zeroed_params_ratio=template.zeroed_params_ratio,
+            skipped_paths=sorted(always_skipped or ()),
+            steps=steps[r],
+        )
+        out.append(Generation(ids=new[r], prompt_ids=prompt, report=generation_report))
+    return out[0] if single else out
 
 
 def _choose(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> int:

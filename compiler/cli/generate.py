@@ -4,7 +4,8 @@ The prompt is token ids (--prompt-ids 1,2,3) or text (--prompt "...", through th
 tokenizer.json found beside the bundle, beside its source model, or given with --tokenizer). New tokens stream
 to stdout as they come (text when there is a tokenizer, else ids); then a report: tokens/s, time to first token,
 layers zeroed, paths skipped. --json prints one JSON object instead: "ids", "text" (with a tokenizer), "report".
-Generation stops at --max-new-tokens or a stop token (--stop-ids, default the eos ids recorded at export).
+Generation stops at --max-new-tokens, at --max-tokens (prompt included; a longer prompt is an error) or at a
+stop token (--stop-ids, default the eos ids recorded at export).
 --temperature 0 (the default) is greedy; above 0 it samples, with --top-k, --top-p and --seed.
 
 examples:
@@ -33,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     prompt.add_argument("--prompt", help="prompt text (needs tokenizer.json)")
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma separated (e.g. 1,2,3)")
     p.add_argument("--max-new-tokens", type=integer(1, 1_000_000), default=32, help="at most this many new tokens")
+    p.add_argument(
+        "--max-tokens", type=integer(2, 10_000_000), default=None, help="at most this many tokens, prompt included"
+    )
     p.add_argument("--temperature", type=number(0), default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=integer(0), default=0, help="sample among the k most likely (0 = off)")
     p.add_argument("--top-p", type=number(0, 1, lo_open=True), default=1.0, help="nucleus sampling (1 = off)")
@@ -120,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         stop_tokens=stops,
         on_token=on_token,
         masks=args.masks,
+        max_tokens=args.max_tokens,
     )
     text = tokenizer.decode(out.ids) if tokenizer is not None else None
     if args.json:

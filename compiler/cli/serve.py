@@ -15,6 +15,11 @@ cold start without it, --no-standby); requests wait meanwhile, and the ones in f
   POST /kill-switch   {"on": true}  every request goes to the reference model, from the next one on
   POST /threshold     {"value": 0.05, "segment": "chat"}   the run-time zeroing threshold
 
+A bundle of a `layerzero export` model also gets a generate endpoint on --port-generate (8003):
+POST /v1/generate {"prompt_ids": [1, 2, 3], "max_new_tokens": 16} streams JSON lines, one {"token": id} per
+token, then {"ids", "report"}; bounded by --generate-max-new-tokens and --generate-max-prompt, through the
+guard (kill switch, --max-tokens caps prompt + new tokens).
+
 The reference (for sampling, fallback, the kill switch and --max-tokens) is --reference, or else the model
 the bundle was compiled from when it is still there unchanged. Without one, the guard is off. A request
 picks its segment with the KServe request parameter "segment". Stops on Ctrl-C / SIGTERM.
@@ -29,6 +34,7 @@ examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -73,6 +79,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a segment's settings, e.g. chat:sample_rate=0.1,threshold=0.02")  # fmt: skip
     g.add_argument("--kill-switch", action="store_true", help="start with the kill switch on")
     g.add_argument("--seed", type=integer(0, 2**32 - 1), default=0, help="seed of the sampling RNG")
+    gen = p.add_argument_group("generate endpoint (bundles of `layerzero export` models)")
+    gen.add_argument("--port-generate", type=port, default=8003, help="POST /v1/generate, JSON lines (default 8003)")
+    gen.add_argument("--no-generate", action="store_true", help="no generate endpoint")
+    gen.add_argument("--generate-max-new-tokens", type=integer(1, 1_000_000), default=1024, metavar="N",
+                     help="largest max_new_tokens a request may ask for (default 1024)")  # fmt: skip
+    gen.add_argument("--generate-max-prompt", type=integer(1, 10_000_000), default=4096, metavar="N",
+                     help="longest prompt in tokens (default 4096)")  # fmt: skip
 
 
 def parse_segments(items: list[str] | None) -> dict:
@@ -143,7 +156,15 @@ def run(args: argparse.Namespace) -> int:
             standby=not args.no_standby,
         ),
     )
-    with server:
+    from layerzero.runtime.generate_server import serve_generate
+
+    generate = contextlib.nullcontext() if args.no_generate else serve_generate(
+        guard, port=args.port_generate, max_new_tokens_cap=args.generate_max_new_tokens,
+        max_prompt_tokens=args.generate_max_prompt, client_timeout_s=args.client_timeout,
+    )  # fmt: skip
+    with server, generate as generating:
+        if generating is not None:
+            console.print(f"generate: POST {generating.url} (JSON lines; see layerzero.runtime.generate_server)")
         ends = server.endpoints()
         grpc = f", grpc {ends['grpc']}" if "grpc" in ends else ""
         console.print(f"serving {args.bundle} as {args.model_name!r}: http {ends['http']}{grpc}, "

@@ -388,7 +388,7 @@ def _verify_plan(
 
     from layerzero.contract import MASK_PREFIX, ROUTER_PREFIX
     from layerzero.runtime.backends.tensorrt import TensorRTBackend
-    from layerzero.verify import compare_outputs, make_inputs, run_model
+    from layerzero.verify import compare_outputs, make_inputs, run_model, tolerance_at_least
 
     with tempfile.TemporaryDirectory(prefix="layerzero-trt-verify-") as tmp:
         reference_path = Path(tmp) / "reference.onnx"
@@ -429,7 +429,8 @@ def _verify_plan(
         worst = max(outputs, key=lambda o: o.needed_atol)
         raise VerificationError(
             f"TensorRT engine ({trt_options.precision}) differs from ONNX Runtime on output {worst.name!r} by max abs "
-            f"{worst.max_abs:.3g}; it would pass with --atol {worst.needed_atol:.3g} (or pass --no-verify-plan)",
+            f"{worst.max_abs:.3g}; it would pass with --atol {tolerance_at_least(worst.needed_atol)} "
+            f"--rtol {options.rtol:g} (or pass --no-verify-plan)",
             result=None,
         )
     return record

@@ -1,0 +1,281 @@
+"""The generate endpoint (``layerzero.runtime.generate_server``) on 127.0.0.1: streamed JSON lines equal to
+``Engine.generate``, bounded and validated requests (each refusal a 4xx with one JSON line), the guard's
+``max_tokens``.
+
+The model is a hand-built cache-carrying "counter" LM in the layout ``layerzero export`` writes: the logits
+of token i put all weight on i + 1 (mod V), the present key/value append one row per token to the past (so
+the cache must be carried: a wrong past length is a shape error in the next step's mask), eos = V - 1.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from layerzero.errors import UnsupportedModelError
+from layerzero.runtime import Engine
+from layerzero.runtime.generate import GENERATE_META_KEY
+from layerzero.runtime.generate_server import GENERATE_PATH, GenerateServer, GenerateServerConfig, serve_generate
+from layerzero.runtime.guard import GuardConfig, GuardedEngine
+
+V = 16
+
+
+def _counter_lm(path: Path) -> Path:
+    table = np.zeros((V, V), dtype=np.float32)
+    table[np.arange(V), (np.arange(V) + 1) % V] = 10.0
+    kv = np.arange(V * 2, dtype=np.float32).reshape(V, 2)
+    nodes = [
+        helper.make_node("Gather", ["table", "input_ids"], ["raw"]),
+        # The mask must cover past + new tokens, as the export's attention does: checked through a Reshape.
+        helper.make_node("Shape", ["past_key_values.0.key"], ["past_shape"], start=2, end=3),
+        helper.make_node("Shape", ["input_ids"], ["seq_shape"], start=1, end=2),
+        helper.make_node("Add", ["past_shape", "seq_shape"], ["total"]),
+        helper.make_node("Shape", ["attention_mask"], ["mask_shape"], start=1, end=2),
+        helper.make_node("Sub", ["mask_shape", "total"], ["zero"]),  # 0 when the mask is right
+        helper.make_node("Concat", ["zero", "one"], ["zshape"], axis=0),
+        helper.make_node("ConstantOfShape", ["zshape"], ["check"]),  # a negative dim fails here
+        helper.make_node("ReduceSum", ["check"], ["checksum"], keepdims=0),
+        helper.make_node("Add", ["raw", "checksum"], ["logits"]),
+        helper.make_node("Gather", ["kv", "input_ids"], ["new_kv"]),
+        helper.make_node("Unsqueeze", ["new_kv", "axis1"], ["new_kv4"]),
+        helper.make_node("Concat", ["past_key_values.0.key", "new_kv4"], ["present.0.key"], axis=2),
+        helper.make_node("Concat", ["past_key_values.0.value", "new_kv4"], ["present.0.value"], axis=2),
+    ]
+    kv_shape = ["batch", 1, "past", 2]
+    graph = helper.make_graph(
+        nodes,
+        "counter",
+        [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
+            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total"]),
+            helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
+            helper.make_tensor_value_info("past_key_values.0.key", TensorProto.FLOAT, kv_shape),
+            helper.make_tensor_value_info("past_key_values.0.value", TensorProto.FLOAT, kv_shape),
+        ],
+        [
+            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", V]),
+            helper.make_tensor_value_info("present.0.key", TensorProto.FLOAT, ["batch", 1, "all", 2]),
+            helper.make_tensor_value_info("present.0.value", TensorProto.FLOAT, ["batch", 1, "all", 2]),
+        ],
+        [
+            numpy_helper.from_array(table, "table"),
+            numpy_helper.from_array(kv, "kv"),
+            numpy_helper.from_array(np.array([1], dtype=np.int64), "axis1"),
+            numpy_helper.from_array(np.array([1], dtype=np.int64), "one"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    helper.set_model_props(model, {GENERATE_META_KEY: json.dumps({"vocab_size": V, "eos_token_id": [V - 1]})})
+    onnx.checker.check_model(model, full_check=True)
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _counter_lm(tmp_path_factory.mktemp("generate_server") / "counter.onnx")
+
+
+@pytest.fixture()
+def server(model: Path):
+    config = GenerateServerConfig(port=0, max_new_tokens_cap=64, max_prompt_tokens=32, max_request_bytes=4096)
+    with GenerateServer(Engine.load(model), config) as s:
+        yield s
+
+
+def _post(server: GenerateServer, body: bytes | dict, headers: dict | None = None) -> tuple[int, list[dict], dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn.request("POST", GENERATE_PATH, body=data, headers=headers or {})
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    conn.close()
+    return resp.status, [json.loads(line) for line in text.splitlines() if line], dict(resp.getheaders())
+
+
+def test_stream_equals_engine_generate(model: Path, server: GenerateServer) -> None:
+    expected = Engine.load(model).generate([1, 2, 3], max_new_tokens=20)
+    assert expected.ids == list(range(4, V)) and expected.report.stop_reason == "stop_token"
+    status, lines, headers = _post(server, {"prompt_ids": [1, 2, 3], "max_new_tokens": 20})
+    assert status == 200 and headers["Content-Type"] == "application/x-ndjson"
+    assert [line["token"] for line in lines[:-1]] == expected.ids
+    final = lines[-1]
+    assert final["ids"] == expected.ids and final["prompt_ids"] == [1, 2, 3]
+    assert final["report"]["stop_reason"] == "stop_token" and final["report"]["new_tokens"] == len(expected.ids)
+    status, lines, _ = _post(server, {"prompt_ids": [5], "max_new_tokens": 3, "stream": False})
+    assert status == 200 and len(lines) == 1 and lines[0]["ids"] == [6, 7, 8]
+    assert lines[0]["report"]["stop_reason"] == "max_new_tokens"
+    status, lines, _ = _post(server, {"prompt_ids": [5], "max_new_tokens": 4, "stop_ids": [7], "stream": False})
+    assert lines[0]["ids"] == [6, 7]
+    # Sampling options pass through: top_k 1 is greedy whatever the temperature.
+    status, lines, _ = _post(server, {"prompt_ids": [2], "max_new_tokens": 3, "temperature": 2.0, "top_k": 1,
+                                      "seed": 3, "stream": False})  # fmt: skip
+    assert status == 200 and lines[0]["ids"] == [3, 4, 5]
+    assert server.status()["counters"]["generated_tokens"] == len(expected.ids) + 3 + 2 + 3
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    [
+        (b"{not json", 400, "not JSON"),
+        (b"[1, 2]", 400, "JSON object"),
+        ({"prompt": "hi"}, 400, "unknown key"),
+        ({"prompt_ids": []}, 400, "prompt_ids is required"),
+        ({"prompt_ids": [1, V]}, 400, f"token id {V} is outside the vocabulary [0, {V})"),
+        ({"prompt_ids": [1, -1]}, 400, "token id -1"),
+        ({"prompt_ids": [1, 2.5]}, 400, "integers"),
+        ({"prompt_ids": [1] * 33}, 400, "at most 32"),
+        ({"prompt_ids": [1], "max_new_tokens": 65}, 400, "max_new_tokens=65: must be in [1, 64]"),
+        ({"prompt_ids": [1], "max_new_tokens": 0}, 400, "max_new_tokens=0"),
+        ({"prompt_ids": [1], "max_new_tokens": True}, 400, "integer"),
+        ({"prompt_ids": [1], "top_p": 0}, 400, "top_p=0"),
+        ({"prompt_ids": [1], "temperature": -1}, 400, "temperature=-1"),
+        ({"prompt_ids": [1], "stream": "yes"}, 400, "stream must be"),
+        (b"x" * 5000, 413, "at most 4096"),
+    ],
+)
+def test_refusals_are_one_line_4xx(server: GenerateServer, body, status: int, words: str) -> None:
+    got, lines, _ = _post(server, body)
+    assert got == status and len(lines) == 1 and set(lines[0]) == {"error"}
+    assert words in lines[0]["error"] and "\n" not in lines[0]["error"]
+
+
+def test_missing_length_unknown_path_method_and_busy(server: GenerateServer) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.putrequest("POST", GENERATE_PATH)
+    conn.endheaders()
+    resp = conn.getresponse()
+    assert resp.status == 411 and "Content-Length" in json.loads(resp.read())["error"]
+    conn.close()
+    for method, path, status in (("GET", "/nope", 404), ("PUT", GENERATE_PATH, 405), ("POST", "/v1/other", 404)):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        conn.request(method, path, body=b"{}")
+        resp = conn.getresponse()
+        assert resp.status == status and "error" in json.loads(resp.read())
+        conn.close()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("GET", "/healthz")
+    assert conn.getresponse().read() == b"ok\n"
+    conn.close()
+    held = [server._slots.acquire(blocking=False) for _ in range(server.config.max_concurrent)]
+    assert all(held)
+    try:
+        status, lines, headers = _post(server, {"prompt_ids": [1]})
+        assert status == 503 and headers["Retry-After"] == "1" and "retry" in lines[0]["error"]
+    finally:
+        for _ in held:
+            server._slots.release()
+    assert _post(server, {"prompt_ids": [1], "max_new_tokens": 1})[0] == 200
+    counters = server.status()["counters"]
+    assert counters["busy"] == 1 and counters["errors_4xx"] >= 4
+
+
+def test_concurrent_requests_each_get_their_own_tokens(server: GenerateServer) -> None:
+    results: dict[int, list[int]] = {}
+
+    def ask(start: int) -> None:
+        _, lines, _ = _post(server, {"prompt_ids": [start], "max_new_tokens": 5, "stream": False})
+        results[start] = lines[0]["ids"]
+
+    threads = [threading.Thread(target=ask, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == {s: [(s + k) % V for k in range(1, 6)] for s in range(4)}
+
+
+def test_guard_max_tokens_and_serve_hook(model: Path) -> None:
+    engine = Engine.load(model)
+    guard = GuardedEngine(engine, model, GuardConfig(sample_rate=0.0, max_tokens=6))
+    with serve_generate(guard, port=0) as server:
+        assert server is not None
+        status, lines, _ = _post(server, {"prompt_ids": [1, 2], "max_new_tokens": 10, "stream": False})
+        assert status == 200 and lines[0]["ids"] == [3, 4, 5, 6]
+        assert lines[0]["report"]["stop_reason"] == "max_tokens"
+        status, lines, _ = _post(server, {"prompt_ids": [1, 2, 3, 4, 5, 6]})
+        assert status == 400 and "max_tokens=6" in lines[0]["error"]
+    # A model that cannot generate (no past/present, no logits) gets no endpoint: serve goes on without it.
+    plain = model.parent / "plain.onnx"
+    onnx.save(onnx.parser.parse_model('<ir_version: 8, opset_import: ["" : 17]> g (float[2] x) => (float[2] y) '
+                                      "{ y = Relu(x) }"), str(plain))  # fmt: skip
+    with serve_generate(Engine.load(plain), port=0) as none:
+        assert none is None
+    with pytest.raises(UnsupportedModelError, match="input_ids"):
+        GenerateServer(Engine.load(plain))
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+@pytest.mark.slow
+def test_layerzero_serve_has_the_generate_endpoint(model: Path, tmp_path: Path) -> None:
+    """`layerzero serve` of a compiled cache-carrying bundle answers POST /v1/generate beside Triton."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from layerzero.cli import main
+    from layerzero.runtime.server import pytriton_available
+
+    if not pytriton_available():
+        pytest.skip("PyTriton is not importable (pip install 'layerzero[serve]')")
+    bundle = tmp_path / "counter.lz"
+    assert main(["compile", str(model), "-o", str(bundle)]) == 0
+    http_port, grpc_port, control_port, generate_port = _free_ports(4)
+    log = tmp_path / "serve.log"
+    command = [
+        sys.executable, "-m", "layerzero", "serve", str(bundle), "--port-http", str(http_port),
+        "--port-grpc", str(grpc_port), "--port-metrics", str(control_port), "--port-generate", str(generate_port),
+        "--generate-max-new-tokens", "8", "--instances", "1",
+    ]  # fmt: skip
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, log.read_text()[-3000:]
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", control_port, timeout=1)
+                conn.request("GET", "/healthz")
+                if conn.getresponse().status == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.3)
+        server = GenerateServer.__new__(GenerateServer)  # only its port, for _post
+        server._httpd, server.config = None, GenerateServerConfig(port=generate_port)
+        status, lines, _ = _post(server, {"prompt_ids": [1, 2], "max_new_tokens": 5})
+        assert status == 200 and [line.get("token") for line in lines[:-1]] == [3, 4, 5, 6, 7]
+        assert lines[-1]["ids"] == [3, 4, 5, 6, 7]
+        status, lines, _ = _post(server, {"prompt_ids": [1], "max_new_tokens": 9})
+        assert status == 400 and "max_new_tokens=9: must be in [1, 8]" in lines[0]["error"]
+        assert f"generate: POST http://127.0.0.1:{generate_port}/v1/generate" in " ".join(log.read_text().split())
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
