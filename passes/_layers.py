@@ -11,7 +11,7 @@ import dataclasses
 import onnx_ir as ir
 
 from layerzero.errors import LayerZeroError, UnsupportedModelError
-from layerzero.passes._graph import const_array, iter_graphs, node_subgraphs, same_shape, scope_of
+from layerzero.passes._graph import const_array, node_subgraphs, same_shape, scope_of
 
 __all__ = [
     "Layer",
@@ -120,7 +120,7 @@ def layer_params(nodes: list[ir.Node] | tuple[ir.Node, ...]) -> int:
     seen: set[ir.Value] = set()
     total = 0
     for node in nodes:
-        inner_nodes = [node, *(n for sub in node_subgraphs(node) for g in iter_graphs(sub) for n in g)]
+        inner_nodes = [node, *(n for sub in node_subgraphs(node) for n in sub.all_nodes())]
         for inner in inner_nodes:
             for value in inner.inputs:
                 if value is None or value in seen or not value.is_initializer():
