@@ -19,7 +19,7 @@ import onnx_ir as ir
 
 from layerzero.errors import InvalidInputError, UnsupportedModelError
 from layerzero.ort_runner import create_session
-from layerzero.passes._graph import iter_graphs, node_subgraphs
+from layerzero.passes._graph import node_subgraphs
 
 __all__ = ["run_in_chunks", "weight_bytes"]
 
@@ -36,7 +36,7 @@ def _reads(node: ir.Node) -> Iterator[ir.Value]:
     """Values a top-level node reads: its inputs, and outer values its subgraphs read."""
     yield from (v for v in node.inputs if v is not None)
     for sub in node_subgraphs(node):
-        graphs = list(iter_graphs(sub))
+        graphs = [sub, *sub.subgraphs()]
         inner: set[ir.Value] = set()
         for g in graphs:
             inner.update(g.inputs)
@@ -54,9 +54,8 @@ def _top_level_owner(graph: ir.Graph) -> dict[ir.Node, ir.Node]:
     for node in graph:
         owner[node] = node
         for sub in node_subgraphs(node):
-            for g in iter_graphs(sub):
-                for inner in g:
-                    owner[inner] = node
+            for inner in sub.all_nodes():
+                owner[inner] = node
     return owner
 
 

@@ -8,7 +8,7 @@ import dataclasses
 import onnx_ir as ir
 
 from layerzero.passes import declared_flags, flag_regex, uniform_of_constant
-from layerzero.passes._graph import common_scope, iter_graphs, layer_of, scope_of
+from layerzero.passes._graph import common_scope, layer_of, scope_of
 from layerzero.passes._layers import initializer_size
 from layerzero.passes.structured_zeros import PARAMS_REMOVED_KEY
 
@@ -59,7 +59,7 @@ def summarize(model: ir.Model, flag_pattern: str = "*.flag") -> ModelSummary:
     ops: collections.Counter[str] = collections.Counter()
     node_scope: dict[ir.Node, str] = {}
     nodes = 0
-    for graph in iter_graphs(model.graph):
+    for graph in model.graphs():
         for node in graph:
             nodes += 1
             ops[node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"] += 1
@@ -76,7 +76,7 @@ def summarize(model: ir.Model, flag_pattern: str = "*.flag") -> ModelSummary:
         form = f"declared ({flag.declared_in})"
         flags.append(FlagInfo(flag.name, flag.scope, flag.value, form))
     regex = flag_regex(flag_pattern)
-    for graph in iter_graphs(model.graph):
+    for graph in model.graphs():
         for name, init in graph.initializers.items():
             size = initializer_size(init)
             counted = size if init.dtype != ir.DataType.INT64 else 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 import ast
 import itertools
 import re
-from collections.abc import Iterator
 
 import numpy as np
 import onnx_ir as ir
@@ -20,8 +19,6 @@ __all__ = [
     "common_scope",
     "const_array",
     "insert_after_producer",
-    "iter_graphs",
-    "iter_nodes",
     "layer_of",
     "make_constant",
     "node_subgraphs",
@@ -48,20 +45,6 @@ def node_subgraphs(node: ir.Node) -> list[ir.Graph]:
         elif attr.type == ir.AttributeType.GRAPHS:
             subgraphs.extend(attr.value)
     return subgraphs
-
-
-def iter_graphs(graph: ir.Graph) -> Iterator[ir.Graph]:
-    """``graph`` and every subgraph (If/Loop/Scan bodies), outermost first."""
-    yield graph
-    for node in graph:
-        for sub in node_subgraphs(node):
-            yield from iter_graphs(sub)
-
-
-def iter_nodes(graph: ir.Graph) -> Iterator[ir.Node]:
-    """Every node of ``graph`` and its subgraphs (a snapshot, safe to mutate while iterating)."""
-    for g in list(iter_graphs(graph)):
-        yield from list(g)
 
 
 def release_subgraphs(node: ir.Node) -> None:
@@ -100,7 +83,7 @@ class NameFactory:
 
     def __init__(self, graph: ir.Graph) -> None:
         self._taken: set[str] = set()
-        for g in iter_graphs(graph):
+        for g in (graph, *graph.subgraphs()):
             self._taken.update(v.name for v in g.inputs if v.name)
             self._taken.update(g.initializers)
             for node in g:
@@ -222,7 +205,7 @@ def read_round_trip_sources(node: ir.Node) -> bool:
     Returns whether an input changed.
     """
     inner: set[int] = set()
-    subgraphs = [g for sub in node_subgraphs(node) for g in iter_graphs(sub)]
+    subgraphs = [g for sub in node_subgraphs(node) for g in (sub, *sub.subgraphs())]
     for g in subgraphs:
         inner.update(id(v) for v in g.inputs)
         inner.update(id(v) for v in g.initializers.values())

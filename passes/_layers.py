@@ -11,7 +11,7 @@ import dataclasses
 import onnx_ir as ir
 
 from layerzero.errors import LayerZeroError, UnsupportedModelError
-from layerzero.passes._graph import const_array, iter_graphs, node_subgraphs, same_shape, scope_of
+from layerzero.passes._graph import const_array, node_subgraphs, same_shape, scope_of
 from layerzero.passes._shapes import SymbolicShapes
 
 __all__ = [
@@ -93,9 +93,8 @@ def _top_level_owners(graph: ir.Graph) -> dict[ir.Node, ir.Node]:
     owner: dict[ir.Node, ir.Node] = {}
     for node in graph:
         for sub in node_subgraphs(node):
-            for g in iter_graphs(sub):
-                for inner in g:
-                    owner[inner] = node
+            for inner in sub.all_nodes():
+                owner[inner] = node
     return owner
 
 
@@ -105,7 +104,7 @@ def _top_users(node: ir.Node, owner: dict[ir.Node, ir.Node]) -> list[ir.Node]:
 
 def _producers(node: ir.Node, owner: dict[ir.Node, ir.Node]) -> list[ir.Node]:
     """Producers of what ``node`` reads, its subgraphs' outer reads included."""
-    inner = [node, *(n for sub in node_subgraphs(node) for g in iter_graphs(sub) for n in g)]
+    inner = [node, *(n for sub in node_subgraphs(node) for n in sub.all_nodes())]
     found = []
     for n in inner:
         for value in n.inputs:
@@ -203,7 +202,7 @@ def layer_params(nodes: list[ir.Node] | tuple[ir.Node, ...]) -> int:
     seen: set[ir.Value] = set()
     total = 0
     for node in nodes:
-        inner_nodes = [node, *(n for sub in node_subgraphs(node) for g in iter_graphs(sub) for n in g)]
+        inner_nodes = [node, *(n for sub in node_subgraphs(node) for n in sub.all_nodes())]
         for inner in inner_nodes:
             for value in inner.inputs:
                 if value is None or value in seen or not value.is_initializer():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from layerzero.passes._graph import NameFactory, const_array, iter_graphs, replace_value
+from layerzero.passes._graph import NameFactory, const_array, replace_value
 
 __all__ = ["SimplifyConcatSplit"]
 
@@ -31,7 +31,7 @@ class SimplifyConcatSplit(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         names = NameFactory(model.graph)
         modified = False
-        for graph in list(iter_graphs(model.graph)):
+        for graph in list(model.graphs()):
             for node in list(graph):
                 if node.op_type == "Split" and node.domain in ("", "ai.onnx"):
                     modified |= self._fold(node, names)

@@ -13,7 +13,6 @@ from layerzero.ort_runner import create_session
 from layerzero.passes._graph import (
     NameFactory,
     const_array,
-    iter_graphs,
     make_constant,
     release_subgraphs,
     replace_value,
@@ -70,7 +69,7 @@ class FoldConstants(ir.passes.InPlacePass):
         names = NameFactory(root)
         opsets = dict(model.opset_imports)
         modified = False
-        for graph in list(iter_graphs(root)):
+        for graph in list(model.graphs()):
             # Fold, then inline the Ifs whose condition that made constant, then fold what they brought along.
             while True:
                 modified |= self._fold_graph(root, graph, names, opsets)

@@ -14,7 +14,6 @@ from layerzero.passes._dynamic_paths import graph_output
 from layerzero.passes._graph import (
     NameFactory,
     insert_after_producer,
-    iter_graphs,
     make_constant,
     rename_output,
     scope_of,
@@ -333,7 +332,7 @@ def _merge_router(model: ir.Model, router: ir.Model, output: ir.Value, names: Na
     for domain, version in router.opset_imports.items():
         model.opset_imports.setdefault(domain, version)
     rgraph.outputs.clear()
-    for sub in iter_graphs(rgraph):
+    for sub in router.graphs():
         for node in sub:
             node.name = names(f"router/{node.name or node.op_type}")
             for value in node.outputs:

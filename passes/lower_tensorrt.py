@@ -26,7 +26,7 @@ import onnx_ir as ir
 
 from layerzero.errors import UnsupportedModelError
 from layerzero.passes._dynamic import MOE_DOMAIN, MOE_OP
-from layerzero.passes._graph import NameFactory, iter_graphs, iter_nodes, replace_value
+from layerzero.passes._graph import NameFactory, replace_value
 
 __all__ = [
     "MOE_DOMAIN",
@@ -70,13 +70,13 @@ class LowerMoEToTensorRT(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         names = NameFactory(model.graph)
         lowered = 0
-        for node in iter_nodes(model.graph):
+        for node in list(model.graph.all_nodes()):  # a snapshot: _lower replaces the node
             if node.domain == MOE_DOMAIN and node.op_type == MOE_OP:
                 _lower(node, names)
                 lowered += 1
         if lowered:
             model.opset_imports[PLUGIN_DOMAIN] = 1
-            if not any(n.domain == MOE_DOMAIN for g in iter_graphs(model.graph) for n in g):
+            if not any(n.domain == MOE_DOMAIN for n in model.graph.all_nodes()):
                 model.opset_imports.pop(MOE_DOMAIN, None)
             logger.info("lowered %d MoE node(s) to %s::%s", lowered, PLUGIN_DOMAIN, PLUGIN_NAME)
         return ir.passes.PassResult(model, modified=bool(lowered))

@@ -42,7 +42,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from layerzero.passes._graph import NameFactory, const_array, iter_graphs, make_constant, rename_output
+from layerzero.passes._graph import NameFactory, const_array, make_constant, rename_output
 from layerzero.passes._lattice import ELEMENTWISE_BINARY, UNARY, UNARY_ATTR
 
 __all__ = ["PARAMS_REMOVED_KEY", "RemoveStructuredZeros"]
@@ -756,7 +756,7 @@ class RemoveStructuredZeros(ir.passes.InPlacePass):
         names = NameFactory(model.graph)
         rewriter = _Rewriter(model.graph, names)
         removed = 0
-        for graph in list(iter_graphs(model.graph)):
+        for graph in list(model.graphs()):
             for node in list(graph):
                 if node.graph is None:
                     continue

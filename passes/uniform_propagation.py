@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from layerzero.passes._graph import NameFactory, const_array, iter_graphs, make_constant, replace_value
+from layerzero.passes._graph import NameFactory, const_array, make_constant, replace_value
 from layerzero.passes._lattice import transfer, uniform_of_constant
 from layerzero.passes._rows import MAX_ROW_ELEMENTS, transfer_row
 from layerzero.passes._shapes import SymbolicShapes
@@ -67,7 +67,7 @@ class PropagateUniforms(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         root = model.graph
         names = NameFactory(root)
-        graphs = list(iter_graphs(root))
+        graphs = list(model.graphs())
         shapes = SymbolicShapes(root, graphs)
         use_shape_range = dict(model.opset_imports).get("", 18) >= 15
         modified = False
