@@ -582,6 +582,10 @@ def _pieces(source: ir.Value, rank: int, width: int) -> list[_Piece]:
             continue  # chunk's bound computation: checked by the Slices' evaluation, replaced by constants
         else:
             raise _Refuse(f"{source.name}: read by {user.name} ({user.op_type})")
+    splits = {p.node for p in pieces if p.node.op_type == "Split"}
+    if splits and len({p.node for p in pieces}) > 1:
+        # The narrowed source is the pieces laid end to end: a Split must be its only reader to partition it.
+        raise _Refuse(f"{source.name}: a Split next to other readers")
     return pieces
 
 

@@ -166,16 +166,31 @@ FUSED_CHUNK = """
 """
 
 
-@pytest.mark.parametrize("form", ["split", "chunk"])
+# Constant Slices, the up half's read first: the narrowed weight lays the pieces out in their readers' order.
+FUSED_SLICES = """
+    g (float[B, S, 4] x) => (float[B, S, 4] y) <{weights}, int64[1] zero1 = {{0}}, int64[1] six1 = {{6}},
+        int64[1] twelve1 = {{12}}, int64[1] axis1 = {{2}}> {{
+        gu = MatMul(x, w_gate_up)
+        up = Slice(gu, six1, twelve1, axis1)
+        gate = Slice(gu, zero1, six1, axis1)
+        sig = Sigmoid(gate)
+        act = Mul(gate, sig)
+        h = Mul(up, act)
+        down = MatMul(h, w_down)
+        y = Add(x, down)
+    }}
+"""
+FORMS = {"split": FUSED, "chunk": FUSED_CHUNK, "slices": FUSED_SLICES}
+
+
+@pytest.mark.parametrize("form", ["split", "chunk", "slices"])
 def test_pruned_neurons_of_a_fused_gate_up_weight(helpers, form):
     w = _gated(inter=6)
     w["w_gate"][:, [0, 4]] = 0
     w["w_up"][:, [0, 4]] = 0
     w["w_down"][[0, 4]] = 0
     fused = np.concatenate([w["w_gate"], w["w_up"]], axis=1)
-    text = HEADER + (FUSED if form == "split" else FUSED_CHUNK).format(
-        weights=_weights(w_gate_up=fused, w_down=w["w_down"])
-    )
+    text = HEADER + FORMS[form].format(weights=_weights(w_gate_up=fused, w_down=w["w_down"]))
     delta = 0
     check = helpers.check_pass(
         text, RemoveStructuredZeros, modified=True, delta=delta, dims={"B": 2, "S": 3}, rtol=1e-5, atol=1e-5
