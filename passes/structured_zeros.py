@@ -24,7 +24,7 @@ Cases:
 4. Zero contraction rows whose producer cannot be narrowed (a pruned head's columns of the output projection):
    ``A @ W`` whose leading and/or trailing rows of ``W`` are zero becomes ``Slice(A)[..., a:b] @ W[a:b]``;
    interior ones ``Gather(A, live, axis=-1) @ W[live]``.
-Cases 3 and 4 add a node: only for axes of 16 or more losing at least 1/64 of their entries.
+Cases 3 and 4 add a node: only for weights of 16 or more on both axes losing at least 1/64 of an axis.
 
 Every rewrite assumes finite activations (``NaN * 0``), like the lattice's ``x * 0``: the pass runs only under
 ``assume_finite`` and verification guards it. A chain is narrowed only when each value whose width changes is read
@@ -582,6 +582,10 @@ def _pieces(source: ir.Value, rank: int, width: int) -> list[_Piece]:
             continue  # chunk's bound computation: checked by the Slices' evaluation, replaced by constants
         else:
             raise _Refuse(f"{source.name}: read by {user.name} ({user.op_type})")
+    splits = {p.node for p in pieces if p.node.op_type == "Split"}
+    if splits and len({p.node for p in pieces}) > 1:
+        # The narrowed source is the pieces laid end to end: a Split must be its only reader to partition it.
+        raise _Refuse(f"{source.name}: a Split next to other readers")
     return pieces
 
 
@@ -889,7 +893,7 @@ class RemoveStructuredZeros(ir.passes.InPlacePass):
         zero = leaf.zero_columns() & (leaf.column_values() == 0)
         lead, trail = _run_lengths(zero)
         width = leaf.width
-        if not _worth_a_node(width, int(zero.sum())):
+        if not _worth_a_node(leaf.weight.shape, width, int(zero.sum())):
             return 0  # nothing worth a Pad, or an all-zero weight (the lattice's)
         rank = len(leaf.out.shape) if leaf.out.shape is not None else None
         if rank is None or rank < 1:
@@ -953,7 +957,7 @@ class RemoveStructuredZeros(ir.passes.InPlacePass):
         width = weight.shape[0]
         zero = weight.zero_rows()
         lead, trail = _run_lengths(zero)
-        if not _worth_a_node(width, int(zero.sum())):
+        if not _worth_a_node(weight.shape, width, int(zero.sum())):
             return 0
         node = consumer.node
         a = consumer.input
@@ -1013,10 +1017,11 @@ class RemoveStructuredZeros(ir.passes.InPlacePass):
         return raw.size - new.size
 
 
-def _worth_a_node(width: int, dead: int) -> bool:
-    """Cases 3 / 4 add a Pad or Slice: only for a real axis (a router's few logits are left alone) losing at least
-    1/64 of it, and never all of it (an all-zero weight is the lattice's)."""
-    return width >= _MIN_WIDTH and max(1, width // 64) <= dead < width
+def _worth_a_node(shape: tuple[int, int], width: int, dead: int) -> bool:
+    """Cases 3 / 4 add a Pad or Slice: only for a weight with both axes real (a router's few logits are left
+    alone: solidify drops its rows) losing at least 1/64 of ``width``, and never all of it (an all-zero weight is
+    the lattice's)."""
+    return min(shape) >= _MIN_WIDTH and max(1, width // 64) <= dead < width
 
 
 def _run_lengths(zero: np.ndarray) -> tuple[int, int]:

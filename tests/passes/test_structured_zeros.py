@@ -166,16 +166,31 @@ FUSED_CHUNK = """
 """
 
 
-@pytest.mark.parametrize("form", ["split", "chunk"])
+# Constant Slices, the up half's read first: the narrowed weight lays the pieces out in their readers' order.
+FUSED_SLICES = """
+    g (float[B, S, 4] x) => (float[B, S, 4] y) <{weights}, int64[1] zero1 = {{0}}, int64[1] six1 = {{6}},
+        int64[1] twelve1 = {{12}}, int64[1] axis1 = {{2}}> {{
+        gu = MatMul(x, w_gate_up)
+        up = Slice(gu, six1, twelve1, axis1)
+        gate = Slice(gu, zero1, six1, axis1)
+        sig = Sigmoid(gate)
+        act = Mul(gate, sig)
+        h = Mul(up, act)
+        down = MatMul(h, w_down)
+        y = Add(x, down)
+    }}
+"""
+FORMS = {"split": FUSED, "chunk": FUSED_CHUNK, "slices": FUSED_SLICES}
+
+
+@pytest.mark.parametrize("form", ["split", "chunk", "slices"])
 def test_pruned_neurons_of_a_fused_gate_up_weight(helpers, form):
     w = _gated(inter=6)
     w["w_gate"][:, [0, 4]] = 0
     w["w_up"][:, [0, 4]] = 0
     w["w_down"][[0, 4]] = 0
     fused = np.concatenate([w["w_gate"], w["w_up"]], axis=1)
-    text = HEADER + (FUSED if form == "split" else FUSED_CHUNK).format(
-        weights=_weights(w_gate_up=fused, w_down=w["w_down"])
-    )
+    text = HEADER + FORMS[form].format(weights=_weights(w_gate_up=fused, w_down=w["w_down"]))
     delta = 0
     check = helpers.check_pass(
         text, RemoveStructuredZeros, modified=True, delta=delta, dims={"B": 2, "S": 3}, rtol=1e-5, atol=1e-5
@@ -215,14 +230,14 @@ def test_a_pruned_head_pads_the_query_and_slices_the_output_projection(helpers):
     # Head 0 of 2 (head dim 8): zero query columns (+ bias) and zero rows of the output projection. The
     # attention core is not narrowed (heads are reshaped): the query MatMul shrinks and is padded back with
     # zeros, the output projection reads a Slice of its input.
-    w_q = RNG.normal(size=(4, 16)).astype(np.float32)
+    w_q = RNG.normal(size=(16, 16)).astype(np.float32)
     b_q = RNG.normal(size=16).astype(np.float32)
-    w_o = RNG.normal(size=(16, 4)).astype(np.float32)
+    w_o = RNG.normal(size=(16, 16)).astype(np.float32)
     w_q[:, :8], b_q[:8], w_o[:8] = 0, 0, 0
     text = (
         HEADER
         + f"""
-        g (float[N, 4] x, float[N, 2, 8] k) => (float[N, 4] y)
+        g (float[N, 16] x, float[N, 2, 8] k) => (float[N, 16] y)
             <{_weights(w_q=w_q, b_q=b_q, w_o=w_o)}, int64[3] heads = {{0, 2, 8}}, int64[2] flat = {{0, 16}}> {{
             q0 = MatMul(x, w_q)
             q = Add(q0, b_q)
@@ -236,18 +251,18 @@ def test_a_pruned_head_pads_the_query_and_slices_the_output_projection(helpers):
     )
     check = helpers.check_pass(text, RemoveStructuredZeros, modified=True, delta=2, dce_delta=2, rtol=1e-5, atol=1e-5)
     assert check.ops()["Pad"] == 1 and check.ops()["Slice"] == 1
-    assert _shapes(check.model) == {"q0": [4, 8], "y": [8, 4]}
+    assert _shapes(check.model) == {"q0": [16, 8], "y": [8, 16]}
 
 
 def test_an_interior_pruned_head_gathers_the_query_back_and_the_output_projection_its_live_rows(helpers):
     # Head 1 of 3 (head dim 8): interior zero columns / rows.
-    w_q = RNG.normal(size=(4, 24)).astype(np.float32)
-    w_o = RNG.normal(size=(24, 4)).astype(np.float32)
+    w_q = RNG.normal(size=(16, 24)).astype(np.float32)
+    w_o = RNG.normal(size=(24, 16)).astype(np.float32)
     w_q[:, 8:16], w_o[8:16] = 0, 0
     text = (
         HEADER
         + f"""
-        g (float[N, 4] x, float[N, 3, 8] k) => (float[N, 4] y)
+        g (float[N, 16] x, float[N, 3, 8] k) => (float[N, 16] y)
             <{_weights(w_q=w_q, w_o=w_o)}, int64[3] heads = {{0, 3, 8}}, int64[2] flat = {{0, 24}}> {{
             q = MatMul(x, w_q)
             qh = Reshape(q, heads)
@@ -262,17 +277,17 @@ def test_an_interior_pruned_head_gathers_the_query_back_and_the_output_projectio
     #         y = MatMul(ctx, Wo)              y = MatMul(Gather(ctx, live), Wo[live])
     check = helpers.check_pass(text, RemoveStructuredZeros, modified=True, delta=3, dce_delta=3, rtol=1e-5, atol=1e-5)
     assert check.ops()["Pad"] == 1 and check.ops()["Gather"] == 2
-    assert _shapes(check.model) == {"q": [4, 16], "y": [16, 4]}
+    assert _shapes(check.model) == {"q": [16, 16], "y": [16, 16]}
 
 
 def test_a_narrow_axis_gets_no_pad_or_slice(helpers):
-    # A router's few logits: zero rows / columns of a [4, 2] weight are left alone (not worth a node).
-    w = RNG.normal(size=(4, 2)).astype(np.float32)
-    w[2:] = 0
+    # A router's few logits: the zero rows of a [16, 2] weight are left alone (solidify drops router rows).
+    w = RNG.normal(size=(16, 2)).astype(np.float32)
+    w[3:] = 0
     text = (
         HEADER
         + f"""
-        g (float[N, 4] x) => (float[N, 2] y) <{_weights(w=w)}> {{
+        g (float[N, 16] x) => (float[N, 2] y) <{_weights(w=w)}> {{
             p = Softmax<axis = -1>(x)
             y = MatMul(p, w)
         }}
@@ -333,12 +348,12 @@ def test_compile_reports_the_parameters_removed_and_a_second_run_changes_nothing
 
 def test_a_weight_read_by_two_nodes_is_not_narrowed(helpers):
     # Tied weights: narrowing the copy one MatMul reads would duplicate the weight, not remove anything.
-    w = RNG.normal(size=(4, 32)).astype(np.float32)
+    w = RNG.normal(size=(16, 32)).astype(np.float32)
     w[:, 24:] = 0
     text = (
         HEADER
         + f"""
-        g (float[N, 4] x, float[N, 4] z) => (float[N, 32] y, float[N, 32] v) <{_weights(w=w)}> {{
+        g (float[N, 16] x, float[N, 16] z) => (float[N, 32] y, float[N, 32] v) <{_weights(w=w)}> {{
             a = MatMul(x, w)
             y = Softmax<axis = -1>(a)
             b = MatMul(z, w)
@@ -347,5 +362,5 @@ def test_a_weight_read_by_two_nodes_is_not_narrowed(helpers):
         """
     )
     helpers.check_pass(text, RemoveStructuredZeros, modified=False, delta=0)
-    alone = text.replace("b = MatMul(z, w)", "b = Identity(z)").replace("float[N, 32] v", "float[N, 4] v")
+    alone = text.replace("b = MatMul(z, w)", "b = Identity(z)").replace("float[N, 32] v", "float[N, 16] v")
     helpers.check_pass(alone, RemoveStructuredZeros, modified=True, delta=1, rtol=1e-5, atol=1e-5)
