@@ -95,6 +95,7 @@ class CompileResult:
                 "nodes_after": self.after.nodes,
                 "params_before": self.before.params,
                 "params_after": self.after.params,
+                "structured_params_removed": self.after.structured_params_removed,
                 "compile_seconds": round(self.seconds, 3),
                 "iterations": self.pipeline.iterations,
             },
