@@ -13,6 +13,7 @@ from layerzero.passes import lower_moe_native
 from layerzero.passes._dynamic import (
     MOE_DOMAIN,
     MOE_OP,
+    THRESHOLD_INPUT,
     DynamicPath,
     read_dynamic_paths,
     record_dynamic_path,
@@ -262,6 +263,10 @@ class _MoESpec:
             (("b_gate", (experts, ffn)), ("b_up", (experts, ffn)), ("b_down", (experts, hidden)))
         ):
             value = node.inputs[5 + i] if len(node.inputs) > 5 + i else None
+            if value is not None and value.name == THRESHOLD_INPUT:
+                # A node the native lowering kept (lower_moe_native.lower_native): its 6th input is the
+                # run-time threshold, not b_gate.
+                value = None
             bias = None if value is None else _expert_constant(node, value, f"expert bias {name}")
             if bias is not None and bias.shape != shape:
                 raise UnsupportedModelError(

@@ -569,3 +569,18 @@ def test_biases_in_every_block_shape(form: str, fused: bool, tokens: int) -> Non
         compiled, _ = _lowered(proto, lowering)
         (got,) = _session(compiled).run([y_name], feeds)
         np.testing.assert_allclose(got, expected, atol=ATOL, rtol=RTOL)
+
+
+def test_a_node_kept_for_the_native_kernel_lowers_again_unchanged() -> None:
+    # lower_moe_native appends the run-time threshold as the node's 6th input, where v2 has b_gate: a second
+    # LowerMoE run must read it as the threshold, not as a bias.
+    from layerzero.models.moe import MoEConfig, build_moe
+    from layerzero.passes._dynamic import THRESHOLD_INPUT
+
+    model = ir.from_proto(build_moe(MoEConfig(form="skipping", hidden=H, ffn=F)))
+    for _ in range(2):
+        lower = LowerMoE(lowering="native", native_present=True)
+        lower(model)
+        assert [lo for _, lo in lower.lowered] == ["native"]
+    node = _moe_node(model)
+    assert len(node.inputs) == 6 and node.inputs[5].name == THRESHOLD_INPUT
