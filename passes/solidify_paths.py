@@ -97,7 +97,15 @@ class DropExperts(ir.passes.InPlacePass):
                 f"solidify: removing {len(drop)} of the {experts} experts of {entry.path} would leave fewer than "
                 f"its top_k={top_k}; keep at least {top_k}"
             )
-        for i in (2, 3, 4):  # Case 1
+        n_group = node.attributes.get("n_group")
+        if n_group is not None and int(n_group.value) != 1:
+            raise InvalidInputError(
+                f"solidify: {entry.path} limits top-k to the best of {n_group.value} groups of experts; dropping "
+                "experts would change the groups (solidify none of its experts)"
+            )
+        # The v2 selection bias (input 8, [E]) loses the same experts as the weights.
+        biased = (8,) if len(node.inputs) > 8 and node.inputs[8] is not None else ()
+        for i in (2, 3, 4, *biased):  # Case 1
             weight = node.inputs[i]
             array = const_array(weight)
             if array is None:

@@ -19,6 +19,7 @@ import functools
 import logging
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
@@ -28,13 +29,15 @@ import pytest
 from onnx import helper, numpy_helper
 from onnx_ir.passes.common import ShapeInferencePass
 
-from layerzero.errors import UnsupportedModelError
+from layerzero.contract import DynamicPath
+from layerzero.errors import InvalidInputError, UnsupportedModelError
 from layerzero.passes import RemoveDeadCode
-from layerzero.passes._dynamic import MOE_DOMAIN, THRESHOLD_INPUT
+from layerzero.passes._dynamic import MOE_DOMAIN, THRESHOLD_INPUT, record_dynamic_path
 from layerzero.passes.lower_moe import LowerMoE, ort_moe_routing_supports
 from layerzero.passes.lower_moe_native import native_supports
 from layerzero.passes.lower_tensorrt import LowerMoEToTensorRT
 from layerzero.passes.moe import SkipExperts
+from layerzero.passes.solidify_paths import DropExperts
 from layerzero.plugins.reference import moe_reference, moe_routing
 
 ATOL = 1e-5
@@ -219,6 +222,51 @@ def test_v1_node_is_still_supported_everywhere() -> None:
     assert LowerMoE(lowering="ort-moe")(model).modified
     assert Counter(n.op_type for n in model.graph)["MoE"] == 1  # com.microsoft.MoE
     assert next(n for n in model.graph if n.op_type == "MoE").domain == "com.microsoft"
+
+
+def _with_dynamic_path(variant: str) -> ir.Model:
+    model = _moe_node_model(variant)
+    experts = VARIANTS[variant][0]
+    record_dynamic_path(
+        model,
+        DynamicPath(
+            path="block",
+            kind="moe",
+            subpaths=tuple(f"block.experts.{e}" for e in range(experts)),
+            params=(1,) * experts,
+            mask_output="mask",
+        ),
+    )
+    return model
+
+
+def test_solidify_drops_the_selection_bias_with_its_experts() -> None:
+    """DropExperts slices ``score_bias`` like the weights: the kept experts route as the reference says."""
+    model = _with_dynamic_path("ernie-softmax-bias")
+    drop = DropExperts(SimpleNamespace(solidify=["block.experts.1"]))
+    assert drop(model).modified
+    node = next(n for n in model.graph if n.domain == MOE_DOMAIN)
+    w = _weights(4, True)
+    kept = [0, 2, 3]
+    np.testing.assert_array_equal(node.inputs[8].const_value.numpy(), w["score_bias"][kept])
+    lower = LowerMoE(lowering="if")
+    assert lower(model).modified
+    rng = np.random.default_rng(5)
+    hidden = rng.normal(size=(16, HIDDEN)).astype(np.float32)
+    logits = rng.normal(size=(16, 4)).astype(np.float32)
+    y, mask = _session(model).run(["y", "mask"], {"hidden": hidden, "logits": logits})
+    ref_y, ref_mask = moe_reference(
+        hidden, logits[:, kept], *(w[k][kept] for k in ("w_gate", "w_up", "w_down")), top_k=2, normalize=1,
+        scoring="softmax", score_bias=w["score_bias"][kept],
+    )  # fmt: skip
+    np.testing.assert_array_equal(mask, ref_mask)
+    np.testing.assert_allclose(y, ref_y, atol=ATOL, rtol=1e-4)
+
+
+def test_solidify_refuses_group_limited_blocks() -> None:
+    model = _with_dynamic_path("deepseek-groups-bias-scale")
+    with pytest.raises(InvalidInputError, match=r"solidify: block limits top-k to the best of 4 groups"):
+        DropExperts(SimpleNamespace(solidify=["block.experts.1"]))(model)
 
 
 # ---- routers exported from transformers' modules ------------------------------------------------------------
