@@ -111,7 +111,8 @@ class LowerMoE(ir.passes.InPlacePass):
        ``[T, E]`` weight matrix and mask); per expert an ``If`` on "some token is routed to it" whose then-branch
        gathers its tokens only (``NonZero`` / ``Gather``), runs the FFN, scales by the routing weight and adds
        into the accumulator with ``ScatterND(reduction="add")``; the else-branch passes the accumulator on.
-       Every scoring, activation and threshold.
+       Every scoring, activation and threshold, and the v2 routing (selection bias, group-limited top-k,
+       routed scaling, PhiMoE's sparsemixer; ``ort_moe_routing_supports`` / ``native_supports`` refuse it).
     2. ``ort-moe``: ``com.microsoft.MoE`` (fc1 rows interleaved gate/up, ``swiglu_fusion=1``), for softmax
        scoring, silu and threshold 0; the mask is computed by the same standard routing ops.
        NOTE: the op breaks exact ties of routing probabilities towards the higher expert index (ONNX TopK,

@@ -16,6 +16,8 @@ Variants:
   ``group_mask``: ``Reshape(Expand(Unsqueeze(ScatterElements(zeros, TopK(ReduceSum(TopK(Reshape(s, [T, G,
   E/G]), 2).values, -1), topk_group).indices, ones), -1)), [T, E])`` through ``Cast`` / ``Not`` (either
   polarity of the ``Where``), as both exporters write it; ``n_group`` = G;
+- PhiMoE's sparsemixer (no TopK; ``match_sparsemixer``, ``routing="sparsemixer"``): ``ArgMax`` of the logits,
+  weighed by a softmax of the logits near the maximum, then the same with the first choice at -inf;
 - routing weights: the top-k values (``normalize`` 0) or the values divided by their sum (1);
 - routing matrix ``[T, E]`` (dense and unrolled blocks): ``ScatterElements(zeros, indices, weights, axis=1)``
   (zeros: ``ConstantOfShape(Shape(logits))`` or ``Expand(0, shape)``) or

@@ -1,13 +1,15 @@
 """Router variants of the MoE matcher (``passes/_moe/router.py``) and the v2 routing of ``ai.layerzero::MoE``.
 
-The v2 routing (moe_op_v2: ``score_bias``, ``n_group`` / ``topk_group``, ``routed_scaling_factor``) is checked
-twice:
+The v2 routing (moe_op_v2: ``score_bias``, ``n_group`` / ``topk_group``, ``routed_scaling_factor``, and
+``routing="sparsemixer"`` with ``jitter_eps`` for PhiMoE) is checked twice (the sparsemixer reference also
+against transformers' own ``sparsemixer``):
 
 - on ``ai.layerzero::MoE`` nodes written here: the ``if`` lowering equals ``moe_reference`` (mask exactly,
   outputs to 1e-5) at 1 and 16 tokens and with a run-time threshold; ``ort-moe``, ``native`` and TensorRT
   refuse it with the reason;
 - on routers exported from transformers' modules (DeepSeek-V3 with groups, a bias and a routed scaling factor;
-  GLM4-MoE without normalisation; Ernie-4.5-MoE's softmax + bias + ``clamp``) by both torch.onnx exporters:
+  GLM4-MoE without normalisation; Ernie-4.5-MoE's softmax + bias + ``clamp``; PhiMoE's sparsemixer) by both
+  torch.onnx exporters:
   ``SkipExperts`` rewrites the block with the right attributes, removes the router's nodes, finds nothing on
   a second run, and the lowered model equals the export at 1 and 16 tokens. A router whose normalisation
   changes the weights (``clamp(min=0.5)`` of a sigmoid sum) stays refused, with the node and the reason.
