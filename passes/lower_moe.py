@@ -122,7 +122,9 @@ class LowerMoE(ir.passes.InPlacePass):
        ``[T, E]`` weight matrix and mask); per expert an ``If`` on "some token is routed to it" whose then-branch
        gathers its tokens only (``NonZero`` / ``Gather``), runs the FFN, scales by the routing weight and adds
        into the accumulator with ``ScatterND(reduction="add")``; the else-branch passes the accumulator on.
-       Every scoring, activation (``swiglu_oai`` too), expert bias and threshold.
+       Every scoring, activation (``swiglu_oai`` too), expert bias and threshold, and the v2 routing (selection
+       bias, group-limited top-k, routed scaling, PhiMoE's sparsemixer; ``ort_moe_routing_supports`` /
+       ``native_supports`` refuse it).
     2. ``ort-moe``: ``com.microsoft.MoE`` (fc1 rows interleaved gate/up, ``swiglu_fusion=1``; expert biases as
        its fc1 / fc2 biases), for softmax scoring, silu or swiglu_oai and threshold 0; the mask is computed by
        the same standard routing ops.
@@ -229,6 +231,7 @@ class _MoESpec:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     routing: str = "topk"
+    jitter_eps: float = 0.01
 
     @staticmethod
     def routing_of(node: ir.Node) -> dict:
@@ -243,6 +246,7 @@ class _MoESpec:
             "topk_group": int(attr("topk_group", 1)),
             "routed_scaling_factor": float(attr("routed_scaling_factor", 1.0)),
             "routing": str(attr("routing", "topk")),
+            "jitter_eps": float(attr("jitter_eps", 0.01)),
         }
 
     @property
@@ -421,8 +425,38 @@ def _routing(
     """``(weights [T, E] or None, selected [T, E] 0/1)``, in the logits' dtype: the top-k weights and which
     experts run."""
     dtype = b.dtype
-    if spec.routing != "topk":
+    if spec.routing == "sparsemixer":
+        values, indices = _sparsemixer(b, logits, spec)
+    elif spec.routing == "topk":
+        values, indices = _topk(b, logits, spec)
+    else:
         raise UnsupportedModelError(f"MoE block {spec.path}: routing {spec.routing!r} is not lowered")
+    if spec.routed_scaling_factor != 1.0:
+        values = b.op("Mul", [values, b.const("scaling", np.array(spec.routed_scaling_factor, dtype))])
+    if threshold is not None:
+        # At threshold 0 every weight (≥ 0) is kept, exactly; the threshold is a graph input so that the
+        # runtime can raise it per request.
+        if dtype != np.float32:
+            threshold = b.op("Cast", [threshold], to=ir.DataType.from_numpy(dtype))
+        if spec.routing_v2 or spec.routing != "topk":  # weights in the order of the choice, not their own
+            top = b.reduce("ReduceMax", values, [-1], 1)
+        else:  # values are sorted: the first is the token's largest weight
+            top = b.op("Slice", [values, b.ints(0), b.ints(1), b.ints(1)])
+        bound = b.op("Mul", [top, threshold])
+        keep = b.op("Not", [b.op("Less", [values, bound])])
+        values = b.op("Where", [keep, values, b.const("zero", np.array(0.0, dtype))])
+        ones = b.op("Cast", [keep], to=ir.DataType.from_numpy(dtype))
+    else:
+        ones = b.op("ConstantOfShape", [b.op("Shape", [values])], value=ir.tensor(np.array([1.0], dtype)))
+    zeros = b.op("ConstantOfShape", [b.op("Shape", [logits])], value=ir.tensor(np.array([0.0], dtype)))
+    selected = b.op("ScatterElements", [zeros, indices, ones], axis=-1)
+    weights = b.op("ScatterElements", [zeros, indices, values], axis=-1) if dense else None
+    return weights, selected
+
+
+def _topk(b: _Builder, logits: ir.Value, spec: _MoESpec) -> tuple[ir.Value, ir.Value]:
+    """``(weights [T, k], indices [T, k])`` of top-k routing (reference steps 1-4)."""
+    dtype = b.dtype
     if spec.scoring == "softmax":
         probs = b.op("Softmax", [logits], axis=-1)
     else:
@@ -439,27 +473,30 @@ def _routing(
             # where the 1e-20 changes no float32 (and no float16: it underflows) result, so it is left out.
             total = b.op("Add", [total, b.const("eps", np.array(NORMALIZE_EPS, dtype))])
         values = b.op("Div", [values, total])
-    if spec.routed_scaling_factor != 1.0:
-        values = b.op("Mul", [values, b.const("scaling", np.array(spec.routed_scaling_factor, dtype))])
-    if threshold is not None:
-        # At threshold 0 every weight (≥ 0) is kept, exactly; the threshold is a graph input so that the
-        # runtime can raise it per request.
-        if dtype != np.float32:
-            threshold = b.op("Cast", [threshold], to=ir.DataType.from_numpy(dtype))
-        if spec.routing_v2:  # gathered weights are in the order of the selection scores, not their own
-            top = b.reduce("ReduceMax", values, [-1], 1)
-        else:  # values are sorted: the first is the token's largest weight
-            top = b.op("Slice", [values, b.ints(0), b.ints(1), b.ints(1)])
-        bound = b.op("Mul", [top, threshold])
-        keep = b.op("Not", [b.op("Less", [values, bound])])
-        values = b.op("Where", [keep, values, b.const("zero", np.array(0.0, dtype))])
-        ones = b.op("Cast", [keep], to=ir.DataType.from_numpy(dtype))
-    else:
-        ones = b.op("ConstantOfShape", [b.op("Shape", [values])], value=ir.tensor(np.array([1.0], dtype)))
-    zeros = b.op("ConstantOfShape", [b.op("Shape", [logits])], value=ir.tensor(np.array([0.0], dtype)))
-    selected = b.op("ScatterElements", [zeros, indices, ones], axis=-1)
-    weights = b.op("ScatterElements", [zeros, indices, values], axis=-1) if dense else None
-    return weights, selected
+    return values, indices
+
+
+def _sparsemixer(b: _Builder, logits: ir.Value, spec: _MoESpec) -> tuple[ir.Value, ir.Value]:
+    """PhiMoE's sparsemixer at inference, as the model computes it (reference ``_sparsemixer``): the ArgMax,
+    weighed by a softmax of the logits within ``2·jitter_eps`` (relative) of the maximum; again with the first
+    choice at -inf. ``(weights [T, 2], indices [T, 2])``."""
+    # NOTE: the relative gaps divide by max(|s|, max); a 0 / 0 (all-zero logits) is NaN, not > eps: kept.
+    dtype = b.dtype
+    minus_inf = b.const("minus_inf", np.array(-np.inf, dtype))
+    bound = b.const("jitter_bound", np.array(2 * spec.jitter_eps, dtype))
+    magnitude = b.op("Abs", [logits])
+    current, weights, choices = logits, [], []
+    for step in range(2):
+        top = b.reduce("ReduceMax", current, [-1], 1)
+        index = b.op("ArgMax", [current], axis=-1, keepdims=1)
+        gap = b.op("Div", [b.op("Sub", [top, logits]), b.op("Max", [magnitude, top])])
+        masked = b.op("Where", [b.op("Greater", [gap, bound]), minus_inf, current])
+        weights.append(b.op("GatherElements", [b.op("Softmax", [masked], axis=-1), index], axis=-1))
+        choices.append(index)
+        if step == 0:
+            fill = b.op("ConstantOfShape", [b.op("Shape", [index])], value=ir.tensor(np.array([-np.inf], dtype)))
+            current = b.op("ScatterElements", [logits, index, fill], axis=-1)
+    return b.op("Concat", weights, axis=-1), b.op("Concat", choices, axis=-1)
 
 
 def _selection_scores(b: _Builder, probs: ir.Value, spec: _MoESpec) -> ir.Value:

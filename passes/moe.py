@@ -32,7 +32,8 @@ class SkipExperts(ir.passes.InPlacePass):
     Cases (the block shapes of ``passes/_moe``; routers ``TopK(Softmax | Sigmoid(logits))`` or
     ``Softmax(TopK(logits).values)``, the latter as ``scoring="softmax", normalize=1``; routers choosing by
     biased, group-limited scores (DeepSeek-V3, GLM4-MoE, dots1, Ernie-4.5-MoE) with the v2 input ``score_bias``
-    and attributes ``n_group``, ``topk_group``, ``routed_scaling_factor``, emitted only where not default):
+    and attributes ``n_group``, ``topk_group``, ``routed_scaling_factor``, emitted only where not default; PhiMoE's
+    sparsemixer (``ArgMax`` + masked softmax, twice) as ``routing="sparsemixer"`` with its ``jitter_eps``):
     1. Hugging Face ``batched_mm`` exports (Mixtral, Qwen2-MoE, GraniteMoE, ...; shared experts stay as they
        are), by ``torch.onnx`` with ``dynamo=True`` (``GatherND``) or TorchScript (``Gather``, ``Tile``,
        ``Flatten``, shapes computed from ``Shape``).
@@ -238,6 +239,8 @@ def _routing_v2(
         attributes += [ir.AttrInt64("n_group", router.n_group), ir.AttrInt64("topk_group", router.topk_group)]
     if router.routed_scaling_factor != 1.0:
         attributes.append(ir.AttrFloat32("routed_scaling_factor", router.routed_scaling_factor))
+    if router.routing != "topk":  # PhiMoE's sparsemixer
+        attributes += [ir.AttrString("routing", router.routing), ir.AttrFloat32("jitter_eps", router.jitter_eps)]
     if router.score_bias is None:
         return [], attributes
     bias = make_constant(graph, names, f"{path}.router.score_bias", router.score_bias)

@@ -97,6 +97,12 @@ class DropExperts(ir.passes.InPlacePass):
                 f"solidify: removing {len(drop)} of the {experts} experts of {entry.path} would leave fewer than "
                 f"its top_k={top_k}; keep at least {top_k}"
             )
+        n_group = node.attributes.get("n_group")
+        if n_group is not None and int(n_group.value) != 1:
+            raise InvalidInputError(
+                f"solidify: {entry.path} limits top-k to the best of {n_group.value} groups of experts; dropping "
+                "experts would change the groups (solidify none of its experts)"
+            )
         # Case 1; 5-8: the v2 per-expert inputs (expert biases, score bias), when present.
         for i in (2, 3, 4, 5, 6, 7, 8):
             if i > 4 and (i >= len(node.inputs) or node.inputs[i] is None):

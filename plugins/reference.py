@@ -5,7 +5,8 @@
     y, mask = MoE(hidden[T, H], router_logits[T, E], w_gate[E, F, H], w_up[E, F, H], w_down[E, H, F],
                   [b_gate[E, F], b_up[E, F], b_down[E, H], score_bias[E]],
                   top_k, normalize, scoring, activation, zeroing_threshold, path,
-                  [activation_alpha, activation_limit, n_group, topk_group, routed_scaling_factor, routing])
+                  [activation_alpha, activation_limit, n_group, topk_group, routed_scaling_factor, routing,
+                   jitter_eps])
 
 Expert weights are stored ``[out, in]``; the expert biases (v2, optional inputs 5-7, absent = 0) add to each
 projection's output. Every v2 attribute and input is optional and its default reproduces v1 exactly. Per token ``t``:
@@ -19,6 +20,7 @@ projection's output. Every v2 attribute and input is optional and its default re
 4. ``w`` = the UNBIASED ``probs`` of those experts, divided by ``sum(w) + 1e-20`` when ``normalize``
    (DeepSeek-V3's exact formula; for softmax scores the sum is at least top_k / E, so the 1e-20 changes no
    float32 result and v1 semantics are kept), then × ``routed_scaling_factor``;
+   ``routing="sparsemixer"`` replaces steps 1-4 by PhiMoE's sparsemixer (top-2, ``jitter_eps``; ``_sparsemixer``);
 5. an expert whose ``w`` is below ``zeroing_threshold × max(w)`` is dropped (the rest is not renormalised);
 6. ``y[t] = Σ_kept w_e · (w_down[e] @ glu(w_gate[e] @ x_t + b_gate[e], w_up[e] @ x_t + b_up[e]) + b_down[e])``;
    ``mask[t, e]`` is True exactly for the kept experts (the ones that run).
@@ -101,19 +103,22 @@ def moe_routing(
     n_group: int = 1,
     topk_group: int = 1,
     routed_scaling_factor: float = 1.0,
+    routing: str = "topk",
+    jitter_eps: float = 0.01,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Routing weights ``[T, E]`` (0 where an expert does not run) and the mask ``[T, E]`` bool."""
     logits = np.asarray(logits)
     tokens, experts = logits.shape
     if not 1 <= top_k <= experts:
         raise ValueError(f"top_k={top_k} must be in 1..{experts}")
-    probs = _scores(logits, scoring)
-    select = _selection_scores(probs, score_bias, n_group, topk_group, top_k)
-    # A stable sort of -select keeps the lower index first among equal scores (ORT TopK's tie order).
-    index = np.argsort(-select, axis=-1, kind="stable")[:, :top_k]
-    weights = np.take_along_axis(probs, index, axis=-1)
-    if normalize:
-        weights = weights / (weights.sum(axis=-1, keepdims=True) + NORMALIZE_EPS)
+    if routing == "sparsemixer":
+        if top_k != 2 or scoring != "softmax" or normalize or score_bias is not None or n_group != 1:
+            raise ValueError("routing='sparsemixer' is top-2 of softmax scores, without normalize, bias or groups")
+        index, weights = _sparsemixer(logits, jitter_eps)
+    elif routing != "topk":
+        raise ValueError(f"routing={routing!r}; expected 'topk' or 'sparsemixer'")
+    else:
+        index, weights = _topk_routing(logits, top_k, normalize, scoring, score_bias, n_group, topk_group)
     weights = weights * float(routed_scaling_factor)
     keep = weights >= zeroing_threshold * weights.max(axis=-1, keepdims=True, initial=0.0)
     dense = np.zeros((tokens, experts), np.float64)
@@ -122,6 +127,49 @@ def moe_routing(
     dense[rows, index] = np.where(keep, weights, 0.0)
     mask[rows, index] = keep
     return dense, mask
+
+
+def _sparsemixer(logits: np.ndarray, jitter_eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """PhiMoE's sparsemixer at inference (transformers' ``sparsemixer``, ``training=False``), in float32 as the
+    model computes it: the first choice is the ArgMax of the logits ``s``, weighed by the softmax of ``s`` with
+    every logit ``j`` where ``(max - s_j) / max(|s_j|, max) > 2·jitter_eps`` at -inf; the second is the same
+    with the first choice's logit at -inf (the relative gaps still measured against ``s``)."""
+    s = np.asarray(logits, np.float32)
+    rows = np.arange(s.shape[0])[:, None]
+    choices, weights = [], []
+    current = s
+    for _ in range(2):
+        top = current.max(axis=-1, keepdims=True)
+        index = current.argmax(axis=-1)[:, None]  # the first of equal maxima, as ONNX ArgMax
+        with np.errstate(divide="ignore", invalid="ignore"):
+            far = (top - s) / np.maximum(np.abs(s), top) > np.float32(2 * jitter_eps)
+        masked = np.where(far, -np.inf, current).astype(np.float64)
+        e = np.exp(masked - masked.max(axis=-1, keepdims=True))
+        weights.append(np.take_along_axis(e / e.sum(axis=-1, keepdims=True), index, axis=-1))
+        choices.append(index)
+        current = current.copy()
+        current[rows, index] = -np.inf
+    return np.concatenate(choices, axis=-1), np.concatenate(weights, axis=-1)
+
+
+def _topk_routing(
+    logits: np.ndarray,
+    top_k: int,
+    normalize: bool | int,
+    scoring: str,
+    score_bias: np.ndarray | None,
+    n_group: int,
+    topk_group: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(index [T, k], weights [T, k])`` of top-k routing (steps 1-4)."""
+    probs = _scores(logits, scoring)
+    select = _selection_scores(probs, score_bias, n_group, topk_group, top_k)
+    # A stable sort of -select keeps the lower index first among equal scores (ORT TopK's tie order).
+    index = np.argsort(-select, axis=-1, kind="stable")[:, :top_k]
+    weights = np.take_along_axis(probs, index, axis=-1)
+    if normalize:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + NORMALIZE_EPS)
+    return index, weights
 
 
 def _selection_scores(
@@ -175,6 +223,8 @@ def moe_reference(
     n_group: int = 1,
     topk_group: int = 1,
     routed_scaling_factor: float = 1.0,
+    routing: str = "topk",
+    jitter_eps: float = 0.01,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(y [T, H], mask [T, E] bool)`` of ``ai.layerzero::MoE``; computed in float64, ``y`` returned in
     ``hidden``'s dtype. Only the experts in the mask are evaluated, on their tokens only. A bias that is None
@@ -208,6 +258,8 @@ def moe_reference(
         n_group=n_group,
         topk_group=topk_group,
         routed_scaling_factor=routed_scaling_factor,
+        routing=routing,
+        jitter_eps=jitter_eps,
     )
     x = hidden.astype(np.float64)
     y = np.zeros_like(x)

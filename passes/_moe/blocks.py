@@ -16,7 +16,7 @@ import onnx_ir as ir
 
 from layerzero.passes._graph import common_scope, scope_of
 from layerzero.passes._moe.combine import FORMS
-from layerzero.passes._moe.router import Router, match_router, router_candidate
+from layerzero.passes._moe.router import Router, match_router, router_candidate, sparsemixer_head
 from layerzero.passes._moe.walk import STD, NoMatch, Walk, need, static_dim
 
 __all__ = ["MoEMatch", "Rejection", "find_moe_blocks"]
@@ -127,13 +127,16 @@ def find_moe_blocks(graph: ir.Graph) -> tuple[list[MoEMatch], list[Rejection]]:
     matches: list[MoEMatch] = []
     rejections: list[Rejection] = []
     claimed: set[ir.Node] = set()
-    for topk in [n for n in graph if n.op_type == "TopK" and n.domain in STD]:
-        if not router_candidate(topk):
-            continue  # not a router: no candidate
+    # Router heads: TopK candidates, and the first ArgMax of a PhiMoE sparsemixer (no TopK).
+    heads = [
+        n for n in graph if (n.op_type == "TopK" and n.domain in STD and router_candidate(n)) or sparsemixer_head(n)
+    ]
+    for topk in heads:
         try:
             router = match_router(topk)
         except NoMatch as exc:
-            rejections.append(Rejection(block_scope([topk]) or topk.name or "", str(exc), f"TopK {topk.name}"))
+            where = f"{topk.op_type} {topk.name}"
+            rejections.append(Rejection(block_scope([topk]) or topk.name or "", str(exc), where))
             continue
         ends = combination_ends(router)
         failures: list[tuple[int, str, ir.Node, str]] = []  # (nodes matched before failing, reason, end)
@@ -168,7 +171,7 @@ def find_moe_blocks(graph: ir.Graph) -> tuple[list[MoEMatch], list[Rejection]]:
             if found is not None:
                 break
         if found is None:
-            scope, where = block_scope([topk]), f"TopK {topk.name}"
+            scope, where = block_scope([topk]), f"{topk.op_type} {topk.name}"
             if failures:
                 # The attempt that got furthest says best why this is no block.
                 _, reason, end, where = max(failures, key=lambda f: f[0])
@@ -185,35 +188,4 @@ def find_moe_blocks(graph: ir.Graph) -> tuple[list[MoEMatch], list[Rejection]]:
     # The group-limit TopKs of a matched router (DeepSeek-V3 style) are parts of it, not routers of their own.
     parts = {f"TopK {n.name}" for m in matches for n in m.router.nodes if n.op_type == "TopK"}
     rejections = [r for r in rejections if r.node not in parts]
-    rejections.extend(_sparsemixer_rejections(graph))
     return matches, rejections
-
-
-def _sparsemixer_rejections(graph: ir.Graph) -> list[Rejection]:
-    """PhiMoE's sparsemixer router has no TopK: ``ArgMax`` of the logits, a softmax of the logits masked to
-    the ones near the maximum, the same again with the first choice at -inf, ``Concat`` of the two. It is
-    recognised (by an ``ArgMax`` over the logits whose index gathers from a ``Softmax``) so that the refusal
-    is said rather than silent."""
-    found = []
-    for node in graph:
-        if node.op_type != "ArgMax" or node.domain not in STD or _producer_op(node.inputs[0]) == "ScatterElements":
-            continue  # the second choice (ArgMax of the scores with the first at -inf) is the same block
-        gathers = [u for u, i in node.outputs[0].uses() if i == 1 and u.op_type == "GatherElements"]
-        softmax = [g for g in gathers if g.inputs[0] is not None and _producer_op(g.inputs[0]) == "Softmax"]
-        if softmax:
-            found.append(
-                Rejection(
-                    block_scope([node]) or node.name or "",
-                    "router: PhiMoE sparsemixer (ArgMax + a softmax masked to the scores within 2·jitter_eps of the "
-                    "maximum, twice; no TopK) is not rewritten: the skipping form's routing is top-k of one score "
-                    "vector, and the sparsemixer's second weight comes from a second, differently masked softmax "
-                    "(ai.layerzero::MoE routing='sparsemixer' is not implemented)",
-                    f"ArgMax {node.name}",
-                )
-            )
-    return found
-
-
-def _producer_op(value: ir.Value) -> str | None:
-    producer = value.producer()
-    return None if producer is None else producer.op_type

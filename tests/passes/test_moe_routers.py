@@ -1,13 +1,15 @@
 """Router variants of the MoE matcher (``passes/_moe/router.py``) and the v2 routing of ``ai.layerzero::MoE``.
 
-The v2 routing (moe_op_v2: ``score_bias``, ``n_group`` / ``topk_group``, ``routed_scaling_factor``) is checked
-twice:
+The v2 routing (moe_op_v2: ``score_bias``, ``n_group`` / ``topk_group``, ``routed_scaling_factor``, and
+``routing="sparsemixer"`` with ``jitter_eps`` for PhiMoE) is checked twice (the sparsemixer reference also
+against transformers' own ``sparsemixer``):
 
 - on ``ai.layerzero::MoE`` nodes written here: the ``if`` lowering equals ``moe_reference`` (mask exactly,
   outputs to 1e-5) at 1 and 16 tokens and with a run-time threshold; ``ort-moe``, ``native`` and TensorRT
   refuse it with the reason;
 - on routers exported from transformers' modules (DeepSeek-V3 with groups, a bias and a routed scaling factor;
-  GLM4-MoE without normalisation; Ernie-4.5-MoE's softmax + bias + ``clamp``) by both torch.onnx exporters:
+  GLM4-MoE without normalisation; Ernie-4.5-MoE's softmax + bias + ``clamp``; PhiMoE's sparsemixer) by both
+  torch.onnx exporters:
   ``SkipExperts`` rewrites the block with the right attributes, removes the router's nodes, finds nothing on
   a second run, and the lowered model equals the export at 1 and 16 tokens. A router whose normalisation
   changes the weights (``clamp(min=0.5)`` of a sigmoid sum) stays refused, with the node and the reason.
@@ -19,6 +21,7 @@ import functools
 import logging
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
@@ -28,13 +31,15 @@ import pytest
 from onnx import helper, numpy_helper
 from onnx_ir.passes.common import ShapeInferencePass
 
-from layerzero.errors import UnsupportedModelError
+from layerzero.contract import DynamicPath
+from layerzero.errors import InvalidInputError, UnsupportedModelError
 from layerzero.passes import RemoveDeadCode
-from layerzero.passes._dynamic import MOE_DOMAIN, THRESHOLD_INPUT
+from layerzero.passes._dynamic import MOE_DOMAIN, THRESHOLD_INPUT, record_dynamic_path
 from layerzero.passes.lower_moe import LowerMoE, ort_moe_routing_supports
 from layerzero.passes.lower_moe_native import native_supports
 from layerzero.passes.lower_tensorrt import LowerMoEToTensorRT
 from layerzero.passes.moe import SkipExperts
+from layerzero.passes.solidify_paths import DropExperts
 from layerzero.plugins.reference import moe_reference, moe_routing
 
 ATOL = 1e-5
@@ -52,6 +57,23 @@ VARIANTS = {
     "ernie-softmax-bias": (4, 2, {"scoring": "softmax", "normalize": 1}, True),
     "groups-no-bias": (12, 3, {"scoring": "sigmoid", "normalize": 1, "n_group": 4, "topk_group": 3}, False),
     "scale-only": (6, 2, {"scoring": "softmax", "normalize": 1, "routed_scaling_factor": 16.0}, False),
+    "phimoe-sparsemixer": (6, 2, {"scoring": "softmax", "normalize": 0, "routing": "sparsemixer"}, False),
+    "sparsemixer-wide-jitter": (
+        4,
+        2,
+        {"scoring": "softmax", "normalize": 0, "routing": "sparsemixer", "jitter_eps": 0.4},
+        False,
+    ),
+}
+# The refusal each variant's first v2 feature gets from ort-moe / native / TensorRT.
+FIRST_V2 = {
+    "deepseek-groups-bias-scale": "score_bias",
+    "glm-groups-no-norm": "score_bias",
+    "ernie-softmax-bias": "score_bias",
+    "groups-no-bias": "n_group",
+    "scale-only": "routed_scaling_factor",
+    "phimoe-sparsemixer": "routing",
+    "sparsemixer-wide-jitter": "routing",
 }
 V2_ATTRIBUTES = ("n_group", "topk_group", "routed_scaling_factor")
 
@@ -170,6 +192,23 @@ def test_reference_v1_defaults_unchanged() -> None:
         moe_routing(logits, top_k=2, normalize=1, n_group=4)  # 6 experts are no 4 equal groups
 
 
+def test_sparsemixer_reference_equals_transformers() -> None:
+    """The reference's sparsemixer is transformers' PhiMoE ``sparsemixer`` at inference (weights and experts)."""
+    torch = pytest.importorskip("torch")
+    phimoe = pytest.importorskip("transformers.models.phimoe.modeling_phimoe")
+    rng = np.random.default_rng(7)
+    logits = rng.normal(size=(64, 6)).astype(np.float32)
+    logits[0] = [1.0, 1.0, 0.5, 0.2, -1.0, 0.0]  # a tie: the lower index first, as torch.max
+    logits[1] = 0.0  # all zero: 0 / 0 gaps are NaN, nothing masked
+    for eps in (0.01, 0.4):
+        weights, experts = phimoe.sparsemixer(torch.from_numpy(logits), jitter_eps=eps, training=False)
+        dense, mask = moe_routing(logits, top_k=2, normalize=0, routing="sparsemixer", jitter_eps=eps)
+        rows = np.arange(64)[:, None]
+        assert mask.sum(axis=1).tolist() == [2] * 64
+        assert mask[rows, experts.numpy()].all()
+        np.testing.assert_allclose(dense[rows, experts.numpy()], weights.numpy(), rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("tokens", [1, 16])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_if_lowering_equals_reference(variant: str, tokens: int) -> None:
@@ -193,19 +232,17 @@ def test_if_lowering_equals_reference(variant: str, tokens: int) -> None:
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_other_lowerings_refuse_v2_routing(variant: str, caplog) -> None:
-    _, _, attributes, bias = VARIANTS[variant]
     node = next(iter(_moe_node_model(variant).graph))
     why = ort_moe_routing_supports(node)
-    assert why is not None
-    assert why.startswith("score_bias" if bias else ("n_group" if "n_group" in attributes else "routed_scaling"))
+    assert why is not None and why.startswith(FIRST_V2[variant]), why
     native = native_supports(node)
-    assert native is not None and "liblayerzero_ort.so" in native
+    assert native is not None and native.startswith(FIRST_V2[variant]) and "liblayerzero_ort.so" in native
     # ort-moe and native fall back to If with the reason in the log: never a wrong result.
     for lowering in ("ort-moe", "native"):
         with caplog.at_level(logging.INFO):
             _, lower, _ = _lowered(variant, lowering)
         assert lower.lowered == [("block", "if")]
-    with pytest.raises(UnsupportedModelError, match=r"MoE node '/block/MoE': (score_bias|n_group|routed_scaling)"):
+    with pytest.raises(UnsupportedModelError, match=rf"MoE node '/block/MoE': {FIRST_V2[variant]}"):
         LowerMoEToTensorRT()(_moe_node_model(variant))
 
 
@@ -219,6 +256,51 @@ def test_v1_node_is_still_supported_everywhere() -> None:
     assert LowerMoE(lowering="ort-moe")(model).modified
     assert Counter(n.op_type for n in model.graph)["MoE"] == 1  # com.microsoft.MoE
     assert next(n for n in model.graph if n.op_type == "MoE").domain == "com.microsoft"
+
+
+def _with_dynamic_path(variant: str) -> ir.Model:
+    model = _moe_node_model(variant)
+    experts = VARIANTS[variant][0]
+    record_dynamic_path(
+        model,
+        DynamicPath(
+            path="block",
+            kind="moe",
+            subpaths=tuple(f"block.experts.{e}" for e in range(experts)),
+            params=(1,) * experts,
+            mask_output="mask",
+        ),
+    )
+    return model
+
+
+def test_solidify_drops_the_selection_bias_with_its_experts() -> None:
+    """DropExperts slices ``score_bias`` like the weights: the kept experts route as the reference says."""
+    model = _with_dynamic_path("ernie-softmax-bias")
+    drop = DropExperts(SimpleNamespace(solidify=["block.experts.1"]))
+    assert drop(model).modified
+    node = next(n for n in model.graph if n.domain == MOE_DOMAIN)
+    w = _weights(4, True)
+    kept = [0, 2, 3]
+    np.testing.assert_array_equal(node.inputs[8].const_value.numpy(), w["score_bias"][kept])
+    lower = LowerMoE(lowering="if")
+    assert lower(model).modified
+    rng = np.random.default_rng(5)
+    hidden = rng.normal(size=(16, HIDDEN)).astype(np.float32)
+    logits = rng.normal(size=(16, 4)).astype(np.float32)
+    y, mask = _session(model).run(["y", "mask"], {"hidden": hidden, "logits": logits})
+    ref_y, ref_mask = moe_reference(
+        hidden, logits[:, kept], *(w[k][kept] for k in ("w_gate", "w_up", "w_down")), top_k=2, normalize=1,
+        scoring="softmax", score_bias=w["score_bias"][kept],
+    )  # fmt: skip
+    np.testing.assert_array_equal(mask, ref_mask)
+    np.testing.assert_allclose(y, ref_y, atol=ATOL, rtol=1e-4)
+
+
+def test_solidify_refuses_group_limited_blocks() -> None:
+    model = _with_dynamic_path("deepseek-groups-bias-scale")
+    with pytest.raises(InvalidInputError, match=r"solidify: block limits top-k to the best of 4 groups"):
+        DropExperts(SimpleNamespace(solidify=["block.experts.1"]))(model)
 
 
 # ---- routers exported from transformers' modules ------------------------------------------------------------
@@ -269,6 +351,17 @@ def _ernie_block() -> torch.nn.Module:
     return block
 
 
+def _phimoe_block() -> torch.nn.Module:
+    from transformers.models.phimoe import modeling_phimoe as m
+
+    cfg = transformers.PhimoeConfig(
+        hidden_size=HIDDEN * 2, intermediate_size=FFN * 2, num_local_experts=6, num_experts_per_tok=2,
+        router_jitter_noise=0.2,
+    )  # fmt: skip
+    cfg._experts_implementation = "batched_mm"
+    return m.PhimoeSparseMoeBlock(cfg)
+
+
 class _Clamped(torch.nn.Module):
     """DeepSeek-V3's router with ``clamp(sum, min=0.5)`` as the denominator: the weights change (refused)."""
 
@@ -304,6 +397,11 @@ BLOCKS = {
         _glm_block,
         {"scoring": "sigmoid", "normalize": 0, "n_group": 2, "topk_group": 1},
         lambda block: block.gate.e_score_correction_bias,
+    ),
+    "phimoe": (
+        _phimoe_block,
+        {"scoring": "softmax", "normalize": 0, "routing": "sparsemixer", "jitter_eps": 0.2},
+        None,
     ),
     "ernie-4.5-moe": (
         _ernie_block,
@@ -385,11 +483,15 @@ def test_exported_router_is_rewritten(name: str, exporter: str, tmp: Path) -> No
     got = {k: node.attributes[k].value for k in expected}
     assert got == pytest.approx(expected)
     assert not set(V2_ATTRIBUTES) - set(expected) & set(node.attributes), "a default v2 attribute was emitted"
-    np.testing.assert_array_equal(node.inputs[8].const_value.numpy(), bias)
+    if bias is None:
+        assert len(node.inputs) == 5
+    else:
+        np.testing.assert_array_equal(node.inputs[8].const_value.numpy(), bias)
     # The router's selection (group limits included), gather, normalisation and scaling are gone.
     after = Counter(n.op_type for n in model.graph)
     assert (
         after["TopK"] == 0
+        and after["ArgMax"] == 0
         and after["GatherElements"] == 0
         and after["Where"] <= before["Where"] - (1 if "n_group" in expected else 0)
     )
