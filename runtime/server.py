@@ -307,6 +307,7 @@ class LayerZeroServer:
         PR_SET_PDEATHSIG, which Linux fires when the *thread* that forked it exits, not the process; a
         standby started from a short-lived thread is SIGTERMed as that thread ends.
         """
+        backoff = 2.0
         while not self._stop.wait(0.05):
             standby = self._standby
             if standby is not None:
@@ -317,10 +318,14 @@ class LayerZeroServer:
             try:
                 instance = self._start_triton()
             except Exception as e:
-                logger.warning("the standby Triton did not start (%s); trying again", _one_line(str(e), 200))
-                if self._stop.wait(2.0):
+                # Each try costs seconds of CPU: back off (to a minute) rather than compete with serving.
+                logger.warning("the standby Triton did not start (%s); trying again in %.0f s",
+                               _one_line(str(e), 200), backoff)  # fmt: skip
+                if self._stop.wait(backoff):
                     return
+                backoff = min(60.0, backoff * 2)
                 continue
+            backoff = 2.0
             if self._stop.is_set():
                 _retire(instance, wait=True)
                 return
@@ -403,6 +408,7 @@ class LayerZeroServer:
             "inputs": [dataclasses.asdict(s) for s in self._inputs],
             "outputs": [dataclasses.asdict(s) for s in self._outputs],
             "guard": self.guard.stats(),
+            "triton": self._active.describe() if self._active is not None else None,
             "triton_restarts": self.restarts,
             "last_restart_s": self.last_restart_s,
             "standby_ready": self._standby is not None,
@@ -1427,6 +1433,10 @@ class _TritonInstance:
             return bool(self.triton.is_alive())
         except Exception:
             return False
+
+    def describe(self) -> dict[str, Any]:
+        """Its loopback ports and process id (``/status``)."""
+        return {"http_port": self.http_port, "grpc_port": self.grpc_port, "pid": self.pid}
 
     @property
     def pid(self) -> int | None:
