@@ -1122,8 +1122,11 @@ class _BodyReader:
         if status in (408, 411, 413) or status >= 500:
             self.close_connection = True  # the rest of the body (if any) is not read: do not parse it as a request
         body = (json.dumps({"error": _one_line(message)}) + "\n").encode()
+        headers = [("Content-Type", "application/json")]
+        if status == 503:  # Triton could not be replaced within restart_wait_s
+            headers.append(("Retry-After", "1"))
         try:
-            self.send_whole(status, [("Content-Type", "application/json")], body)
+            self.send_whole(status, headers, body)
         except OSError:
             self.close_connection = True
 

@@ -512,7 +512,9 @@ def test_killed_triton_is_replaced_in_under_a_second_and_no_request_lost(served:
     assert server.restarts == restarts + 1 and server.triton_pid == standby != pid
     assert server.last_restart_s is not None and server.last_restart_s < 1.0, server.last_restart_s
     requests_after, errors_after = _counters(served)
-    assert requests_after - requests_before == 5 * 12 and errors_after == errors_before
+    # A request in flight when Triton died ran in the infer callable (this process) but its answer was lost with
+    # Triton: the front sends it again, so it is run, and counted, twice; at most one per client.
+    assert 5 * 12 <= requests_after - requests_before <= 5 * 12 + 5 and errors_after == errors_before
     # A new standby comes up for the next time.
     _wait_for_standby(server)
     assert server.standby_pid not in (pid, standby)
