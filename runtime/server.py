@@ -1451,10 +1451,13 @@ class _TritonInstance:
 def _retire(instance: _TritonInstance, wait: bool = False) -> None:
     """Stop a Triton (its process, stubs, workspace); in the background unless ``wait``: stopping takes a while
     and the supervisor must not wait on it while requests do."""
+    workspace = getattr(getattr(instance.triton, "_workspace", None), "path", None)
 
     def stop() -> None:
         with contextlib.suppress(Exception):
             instance.triton.stop()
+        if workspace is not None:
+            _kill_orphan_stubs(Path(workspace))
 
     if wait:
         stop()
@@ -1470,6 +1473,25 @@ def _check_port_free(host: str, port: int, what: str) -> None:
             probe.bind((host, port))
         except OSError as e:
             raise InvalidInputError(f"{what} {port}: cannot listen on {host}:{port}: {e.strerror}") from e
+
+
+def _kill_orphan_stubs(workspace: Path) -> None:
+    """SIGKILL the Python-backend stubs of a Triton that died (a SIGKILLed tritonserver leaves them running,
+    reparented to init, and they ignore SIGTERM): the processes whose program is this workspace's stub."""
+    stub = str(workspace / "tritonserver" / "backends" / "python" / "triton_python_backend_stub").encode()
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    program = f.read().split(b"\0", 1)[0]
+            except OSError:
+                continue
+            if program == stub:
+                with contextlib.suppress(OSError):
+                    os.kill(int(entry), signal.SIGKILL)
+                    logger.info("killed the orphaned Python-backend stub %s of a dead Triton", entry)
 
 
 #: How long a PyTriton Python-backend stub (and this process) waits for the model's handshake socket.
