@@ -307,6 +307,7 @@ class LayerZeroServer:
         PR_SET_PDEATHSIG, which Linux fires when the *thread* that forked it exits, not the process; a
         standby started from a short-lived thread is SIGTERMed as that thread ends.
         """
+        backoff = 2.0
         while not self._stop.wait(0.05):
             standby = self._standby
             if standby is not None:
@@ -317,10 +318,14 @@ class LayerZeroServer:
             try:
                 instance = self._start_triton()
             except Exception as e:
-                logger.warning("the standby Triton did not start (%s); trying again", _one_line(str(e), 200))
-                if self._stop.wait(2.0):
+                # Each try costs seconds of CPU: back off (to a minute) rather than compete with serving.
+                logger.warning("the standby Triton did not start (%s); trying again in %.0f s",
+                               _one_line(str(e), 200), backoff)  # fmt: skip
+                if self._stop.wait(backoff):
                     return
+                backoff = min(60.0, backoff * 2)
                 continue
+            backoff = 2.0
             if self._stop.is_set():
                 _retire(instance, wait=True)
                 return
@@ -403,6 +408,7 @@ class LayerZeroServer:
             "inputs": [dataclasses.asdict(s) for s in self._inputs],
             "outputs": [dataclasses.asdict(s) for s in self._outputs],
             "guard": self.guard.stats(),
+            "triton": self._active.describe() if self._active is not None else None,
             "triton_restarts": self.restarts,
             "last_restart_s": self.last_restart_s,
             "standby_ready": self._standby is not None,
@@ -1116,8 +1122,11 @@ class _BodyReader:
         if status in (408, 411, 413) or status >= 500:
             self.close_connection = True  # the rest of the body (if any) is not read: do not parse it as a request
         body = (json.dumps({"error": _one_line(message)}) + "\n").encode()
+        headers = [("Content-Type", "application/json")]
+        if status == 503:  # Triton could not be replaced within restart_wait_s
+            headers.append(("Retry-After", "1"))
         try:
-            self.send_whole(status, [("Content-Type", "application/json")], body)
+            self.send_whole(status, headers, body)
         except OSError:
             self.close_connection = True
 
@@ -1428,6 +1437,10 @@ class _TritonInstance:
         except Exception:
             return False
 
+    def describe(self) -> dict[str, Any]:
+        """Its loopback ports and process id (``/status``)."""
+        return {"http_port": self.http_port, "grpc_port": self.grpc_port, "pid": self.pid}
+
     @property
     def pid(self) -> int | None:
         server = getattr(self.triton, "_triton_server", None)
@@ -1438,10 +1451,13 @@ class _TritonInstance:
 def _retire(instance: _TritonInstance, wait: bool = False) -> None:
     """Stop a Triton (its process, stubs, workspace); in the background unless ``wait``: stopping takes a while
     and the supervisor must not wait on it while requests do."""
+    workspace = getattr(getattr(instance.triton, "_workspace", None), "path", None)
 
     def stop() -> None:
         with contextlib.suppress(Exception):
             instance.triton.stop()
+        if workspace is not None:
+            _kill_orphan_stubs(Path(workspace))
 
     if wait:
         stop()
@@ -1457,6 +1473,25 @@ def _check_port_free(host: str, port: int, what: str) -> None:
             probe.bind((host, port))
         except OSError as e:
             raise InvalidInputError(f"{what} {port}: cannot listen on {host}:{port}: {e.strerror}") from e
+
+
+def _kill_orphan_stubs(workspace: Path) -> None:
+    """SIGKILL the Python-backend stubs of a Triton that died (a SIGKILLed tritonserver leaves them running,
+    reparented to init, and they ignore SIGTERM): the processes whose program is this workspace's stub."""
+    stub = str(workspace / "tritonserver" / "backends" / "python" / "triton_python_backend_stub").encode()
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    program = f.read().split(b"\0", 1)[0]
+            except OSError:
+                continue
+            if program == stub:
+                with contextlib.suppress(OSError):
+                    os.kill(int(entry), signal.SIGKILL)
+                    logger.info("killed the orphaned Python-backend stub %s of a dead Triton", entry)
 
 
 #: How long a PyTriton Python-backend stub (and this process) waits for the model's handshake socket.

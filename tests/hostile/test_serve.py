@@ -430,6 +430,21 @@ def test_serve_refuses_bad_setups_before_starting(tiny: SimpleNamespace, helpers
         helpers.one_line(helpers.run_cli("serve", tiny.bundle, "--no-reference", *ports), "--port-http")
 
 
+def _stubs(workspace: object) -> list[int]:
+    """Pids of the running Python-backend stubs of the Triton whose PyTriton workspace is ``workspace``."""
+    stub = f"{workspace}/tritonserver/backends/python/triton_python_backend_stub".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f.read().split(b"\0", 1)[0] == stub:
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
 def _wait_for_standby(server: object, timeout: float = 240.0) -> None:
     deadline = time.monotonic() + timeout
     while server.standby_pid is None:  # type: ignore[attr-defined]
@@ -451,6 +466,8 @@ def test_killed_triton_is_replaced_in_under_a_second_and_no_request_lost(served:
     want = served.engine.run({"input_ids": ids}).outputs["logits"]
     body = json.dumps(_request(ids)).encode()
     pid, standby, restarts = server.triton_pid, server.standby_pid, server.restarts
+    workspace = server._active.triton._workspace.path
+    assert _stubs(workspace), "no Python-backend stub found for the serving Triton"
     requests_before, errors_before = _counters(served)
     killed = threading.Event()
     failures: list[str] = []
@@ -512,7 +529,14 @@ def test_killed_triton_is_replaced_in_under_a_second_and_no_request_lost(served:
     assert server.restarts == restarts + 1 and server.triton_pid == standby != pid
     assert server.last_restart_s is not None and server.last_restart_s < 1.0, server.last_restart_s
     requests_after, errors_after = _counters(served)
-    assert requests_after - requests_before == 5 * 12 and errors_after == errors_before
+    # A request in flight when Triton died ran in the infer callable (this process) but its answer was lost with
+    # Triton: the front sends it again, so it is run, and counted, twice; at most one per client.
+    assert 5 * 12 <= requests_after - requests_before <= 5 * 12 + 5 and errors_after == errors_before
+    # The dead Triton's Python-backend stubs (orphaned by the SIGKILL, deaf to SIGTERM) are gone too.
+    deadline = time.monotonic() + 60
+    while _stubs(workspace) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _stubs(workspace), _stubs(workspace)
     # A new standby comes up for the next time.
     _wait_for_standby(server)
     assert server.standby_pid not in (pid, standby)
