@@ -14,6 +14,7 @@ non-zero on a mismatch: the subprocess tests use that for the portable kernels a
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -293,7 +294,7 @@ def test_threads_do_not_change_the_result(ort_lib, tokens):
         (dict(zeroing_threshold=-0.5), "zeroing_threshold"),
         (dict(weight_types=("float32", "float16", "float32")), "different element types"),
         (dict(weight_types=("float64",) * 3), "float32, float16 or bfloat16"),
-        (dict(extra_inputs=1, threshold_input=True), "input size 7"),  # the schema: at most 6
+        (dict(extra_inputs=5, threshold_input=True), "input size 11"),  # the schema: at most 10
     ],
 )
 def test_session_creation_refuses(ort_lib, kwargs, message):
@@ -363,6 +364,162 @@ def test_missing_library_is_one_clear_line(tmp_path, monkeypatch):
         ort_library.register(ort.SessionOptions(), [ort_library.ORT_LIBRARY])
     text = str(info.value)
     assert "\n" not in text and "liblayerzero_ort.so not found" in text and "layerzero plugins build" in text
+
+
+# ------------------------------------------------------------------------------------- moe_op_v2 in the kernel
+
+
+def _v2_reference(*params: str):
+    """``plugins/reference.py``'s ``moe_reference`` when it takes the v2 ``params`` (else skip: the router and
+    experts branches bring them); looked up at call time."""
+    from layerzero.plugins import reference
+
+    missing = sorted(set(params) - set(inspect.signature(reference.moe_reference).parameters))
+    if missing:
+        pytest.skip(f"plugins/reference.py's moe_reference has no {', '.join(missing)} (moe_op_v2 not merged here)")
+    return reference.moe_reference
+
+
+def moe_model_v2(
+    experts: int,
+    ffn: int,
+    hidden: int,
+    *,
+    biases: tuple[str | None, str | None, str | None] = (None, None, None),
+    score_bias: np.ndarray | None = None,
+    threshold_input: bool = True,
+    seed: int = 0,
+    **attrs: object,
+) -> tuple[onnx.ModelProto, list[np.ndarray], dict[str, np.ndarray | None]]:
+    """The v2 layout: inputs 5-8 (b_gate, b_up, b_down, score_bias; "" = absent) and the threshold at 9.
+    ``biases``: the dtype of each bias, None = absent. Returns the model, the weights, the v2 inputs as read."""
+    model, w = moe_model(experts, ffn, hidden, seed=seed, **attrs)
+    graph = model.graph
+    rng = np.random.default_rng(seed + 100)
+    names, extra = ["hidden", "logits", "w_gate", "w_up", "w_down"], {}
+    for key, shape, dtype in zip(("b_gate", "b_up", "b_down"), ((experts, ffn),) * 2 + ((experts, hidden),), biases):
+        extra[key] = None
+        if dtype is None:
+            names.append("")
+            continue
+        tensor, values = _weight_tensor(key, (rng.standard_normal(shape) * 0.5).astype(np.float32), dtype)
+        graph.initializer.append(tensor)
+        names.append(key)
+        extra[key] = values
+    extra["score_bias"] = score_bias
+    if score_bias is None:
+        names.append("")
+    else:
+        graph.initializer.append(numpy_helper.from_array(score_bias.astype(np.float32), "score_bias"))
+        names.append("score_bias")
+    if threshold_input:
+        graph.input.append(helper.make_tensor_value_info(THRESHOLD, TensorProto.FLOAT, []))
+        names.append(THRESHOLD)
+    while names[-1] == "":
+        names.pop()
+    del graph.node[0].input[:]
+    graph.node[0].input.extend(names)
+    return model, w, extra
+
+
+_GROUPED = dict(n_group=4, topk_group=2)
+
+
+@pytest.mark.parametrize(
+    "routing",
+    [
+        dict(score_bias=True),
+        dict(**_GROUPED),
+        dict(score_bias=True, **_GROUPED, routed_scaling_factor=2.5),
+        dict(routed_scaling_factor=0.5),
+        dict(score_bias=True, **_GROUPED, scoring="softmax", normalize=0),
+    ],
+    ids=["score_bias", "groups", "deepseek_v3", "scaling", "softmax_groups"],
+)
+def test_v2_routing_matches_reference(ort_lib, routing):
+    # DeepSeek-V3's router: sigmoid scores, + e_score_correction_bias for the choice only, groups of experts
+    # scored by their top-2 sum, the topk_group best kept, the unbiased scores renormalised and scaled.
+    reference = _v2_reference("score_bias", "n_group", "topk_group", "routed_scaling_factor")
+    routing = dict(routing)
+    experts, ffn, hidden = 16, 43, 64
+    rng = np.random.default_rng(11)
+    bias = (rng.standard_normal(experts) * 0.3).astype(np.float32) if routing.pop("score_bias", False) else None
+    attrs = dict(dict(scoring="sigmoid", normalize=1, top_k=4), **routing)
+    model, w, _ = moe_model_v2(experts, ffn, hidden, score_bias=bias, **attrs)
+    sess = session(ort_lib, model)
+    for threshold in (0.0, 0.3):
+        for tokens in (0, 1, 37):
+            x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+            logits = rng.standard_normal((tokens, experts)).astype(np.float32) * 2
+            feeds = {"hidden": x, "logits": logits, THRESHOLD: np.array(threshold, np.float32)}
+            y, mask = sess.run(None, feeds)
+            ref, ref_mask = reference(x, logits, *w, score_bias=bias, zeroing_threshold=threshold, **attrs)
+            assert np.array_equal(mask, ref_mask), f"T={tokens} thr={threshold}: mask differs"
+            assert _relative_error(y, ref) <= 1e-5, f"T={tokens} thr={threshold}"
+    if bias is not None:  # the bias really changes the choice on these inputs (else the test proves nothing)
+        unbiased, _, _ = moe_model_v2(experts, ffn, hidden, **attrs)
+        x = rng.standard_normal((64, hidden)).astype(np.float32)
+        logits = rng.standard_normal((64, experts)).astype(np.float32) * 2
+        feeds = {"hidden": x, "logits": logits, THRESHOLD: np.array(0.0, np.float32)}
+        assert not np.array_equal(sess.run(None, feeds)[1], session(ort_lib, unbiased).run(None, feeds)[1])
+
+
+@pytest.mark.parametrize(
+    ("biases", "activation"),
+    [
+        (("float32", "float32", "float32"), dict(activation="silu")),
+        (("float32", None, "float16"), dict(activation="gelu")),
+        (("float32", "float32", "float32"), dict(activation="swiglu_oai")),
+        ((None, None, None), dict(activation="swiglu_oai", activation_alpha=1.5, activation_limit=0.8)),
+        (("bfloat16", "bfloat16", None), dict(activation="swiglu_oai", activation_limit=float("inf"))),
+    ],
+    ids=["silu_biases", "gelu_some_biases", "gpt_oss", "swiglu_clamped", "swiglu_no_clamp"],
+)
+@pytest.mark.parametrize("wtype", ["float32", "float16"])
+def test_v2_expert_biases_and_swiglu_match_reference(ort_lib, biases, activation, wtype):
+    reference = _v2_reference("b_gate", "b_up", "b_down", "activation_alpha", "activation_limit")
+    experts, ffn, hidden = 8, 40, 36
+    attrs = dict(top_k=2, normalize=1, **activation)
+    model, w, extra = moe_model_v2(experts, ffn, hidden, biases=biases, wtype=wtype, **attrs)
+    sess = session(ort_lib, model)
+    rng = np.random.default_rng(12)
+    for tokens in (0, 1, 37):
+        x = (rng.standard_normal((tokens, hidden)) * 3).astype(np.float32)  # large enough to reach the clamp
+        logits = rng.standard_normal((tokens, experts)).astype(np.float32) * 2
+        y, mask = sess.run(None, {"hidden": x, "logits": logits, THRESHOLD: np.array(0.0, np.float32)})
+        kwargs = {k: v for k, v in extra.items() if k != "score_bias" and v is not None}
+        ref, ref_mask = reference(x, logits, *w, **kwargs, **attrs)
+        assert np.array_equal(mask, ref_mask)
+        assert _relative_error(y, ref) <= 1e-5, f"T={tokens}"
+
+
+def test_v2_layout_without_threshold_and_old_layout_still_read(ort_lib):
+    # v2 inputs without the threshold input (the attribute applies); and the 6-input v1 layout (threshold 5th)
+    # is told apart from a node whose only v2 input is b_gate.
+    model, _, _ = moe_model_v2(8, 40, 36, biases=("float32", None, None), threshold_input=False, top_k=2)
+    assert len(model.graph.node[0].input) == 6 and model.graph.node[0].input[5] == "b_gate"
+    x = np.random.default_rng(13).standard_normal((5, 36)).astype(np.float32)
+    logits = np.random.default_rng(14).standard_normal((5, 8)).astype(np.float32)
+    with_bias = session(ort_lib, model).run(None, {"hidden": x, "logits": logits})[0]
+    plain = session(ort_lib, moe_model(8, 40, 36, top_k=2)[0]).run(None, {"hidden": x, "logits": logits})[0]
+    assert not np.allclose(with_bias, plain)  # the bias was read, not taken for a threshold
+
+
+@pytest.mark.parametrize(
+    ("attrs", "message"),
+    [
+        (dict(n_group=3, topk_group=1), "n_group=3"),
+        (dict(n_group=4, topk_group=5), "topk_group=5"),
+        (dict(n_group=8, topk_group=1, top_k=2), "groups of 1 experts"),
+        (dict(routing="sparsemixer"), "routing='sparsemixer'"),
+        (dict(activation="swiglu"), "activation='swiglu'"),
+    ],
+)
+def test_v2_session_creation_refuses(ort_lib, attrs, message):
+    model, _, _ = moe_model_v2(8, 40, 36, biases=("float32", None, None), **dict(dict(top_k=1), **attrs))
+    with pytest.raises(Exception) as info:
+        session(ort_lib, model)
+    assert message in str(info.value) and "layers.0.moe/MoE" in str(info.value)
 
 
 # ------------------------------------------------------------------------------ lowering, bundle, runtime

@@ -1,9 +1,18 @@
 // liblayerzero_ort.so: ONNX Runtime custom-op library registering ai.layerzero::MoE (opset 1) on the CPU provider.
 //
 //   y[T, H], mask[T, E] bool = MoE(hidden[T, H], router_logits[T, E], w_gate[E, F, H], w_up[E, F, H],
-//                                  w_down[E, H, F], threshold? [] float)
+//                                  w_down[E, H, F], threshold? [] float)                          (v1 layout)
+//   y, mask = MoE(hidden, router_logits, w_gate, w_up, w_down, b_gate? [E, F], b_up? [E, F], b_down? [E, H],
+//                 score_bias? [E], threshold? [] float)                                            (v2 layout)
 //   attributes: top_k (int), normalize (0/1), scoring ("softmax" | "sigmoid"), activation ("silu" | "gelu" |
-//               "relu"), zeroing_threshold (float), path (string, informative)
+//               "relu" | "swiglu_oai"), zeroing_threshold (float), path (string, informative); v2
+//               (moe_op_v2, defaults = v1): n_group, topk_group (int), routed_scaling_factor, activation_alpha,
+//               activation_limit (float), routing ("topk")
+//
+// The layouts: inputs 0-4 and 5-8 at the positions of the op contract (moe_op_v2; "" = absent), the run-time
+// threshold after them (9). A node of exactly 6 inputs whose 6th is named layerzero::threshold (or is declared a
+// scalar) is the v1 layout the native lowering has written from the start: its 6th input is the threshold.
+// Biases and score_bias are float32, float16 or bfloat16.
 //
 // hidden / router_logits / y are float32 or float16 (one kernel each, same op name); the expert weights are
 // float32, float16 or bfloat16, all three of one type, read in place from the tensors ONNX Runtime holds (no copy).
@@ -15,6 +24,7 @@
 #undef ORT_API_MANUAL_INIT
 
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -27,7 +37,10 @@ namespace {
 
 constexpr const char* kDomain = "ai.layerzero";
 constexpr const char* kOpName = "MoE";
-constexpr size_t kInputs = 6;  // the 6th (threshold) optional
+constexpr size_t kInputs = 10;  // 5 required; 5-8 the v2 optional inputs, 9 the threshold
+constexpr size_t kScoreBias = 8;
+constexpr size_t kThreshold = 9;
+constexpr const char* kThresholdName = "layerzero::threshold";
 
 struct Failure {
   OrtErrorCode code;
@@ -70,15 +83,27 @@ struct MoEKernel {
   std::string node;
   lz::MoEConfig cfg;
   float zeroing_threshold = 0.0f;
+  size_t inputs = 5;
+  int threshold_index = -1;  // the run-time threshold input (5 in the v1 layout, 9 in v2), -1: none
+  bool v1_layout = true;
 
   // Validates what session creation can know; throws Failure naming the node.
   explicit MoEKernel(const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
     node = ki.GetNodeName();
     auto fail = [&](const std::string& what) { throw Failure{ORT_INVALID_ARGUMENT, "ai.layerzero::MoE node '" + node + "': " + what}; };
-    if (ki.GetInputCount() < 5 || ki.GetInputCount() > kInputs)
-      fail("has " + std::to_string(ki.GetInputCount()) + " inputs; this liblayerzero_ort.so implements 5 or 6 "
-           "(hidden, router_logits, w_gate, w_up, w_down[, threshold]): rebuild it (layerzero plugins build)");
+    inputs = ki.GetInputCount();
+    if (inputs < 5 || inputs > kInputs)
+      fail("has " + std::to_string(inputs) + " inputs; this liblayerzero_ort.so implements 5 to 10 (hidden, "
+           "router_logits, w_gate, w_up, w_down[, b_gate, b_up, b_down, score_bias, threshold]): rebuild it "
+           "(layerzero plugins build)");
+    if (inputs == 6) {
+      const std::vector<int64_t> sixth = ki.GetInputTypeInfo(5).GetTensorTypeAndShapeInfo().GetShape();
+      v1_layout = ki.GetInputName(5) == kThresholdName || sixth.empty();
+    } else {
+      v1_layout = inputs == 5;
+    }
+    threshold_index = v1_layout ? (inputs == 6 ? 5 : -1) : (inputs > kThreshold ? int(kThreshold) : -1);
     cfg.top_k = attr_int(info, "top_k", 1);
     const int64_t normalize = attr_int(info, "normalize", 0);
     if (normalize != 0 && normalize != 1) fail("normalize=" + std::to_string(normalize) + " (0 or 1)");
@@ -88,7 +113,14 @@ struct MoEKernel {
       fail("scoring='" + scoring + "' is not implemented by liblayerzero_ort.so (softmax, sigmoid)");
     const std::string activation = attr_string(info, "activation", "silu");
     if (!lz::parse_activation(activation, &cfg.activation))
-      fail("activation='" + activation + "' is not implemented by liblayerzero_ort.so (silu, gelu, relu)");
+      fail("activation='" + activation + "' is not implemented by liblayerzero_ort.so (silu, gelu, relu, swiglu_oai)");
+    cfg.activation_alpha = attr_float(info, "activation_alpha", cfg.activation_alpha);
+    cfg.activation_limit = attr_float(info, "activation_limit", cfg.activation_limit);
+    cfg.n_group = attr_int(info, "n_group", 1);
+    cfg.topk_group = attr_int(info, "topk_group", 1);
+    cfg.routed_scaling_factor = attr_float(info, "routed_scaling_factor", 1.0f);
+    const std::string routing = attr_string(info, "routing", "topk");
+    if (routing != "topk") fail("routing='" + routing + "' is not implemented by liblayerzero_ort.so (topk)");
     zeroing_threshold = attr_float(info, "zeroing_threshold", 0.0f);
     if (!(zeroing_threshold >= 0.0f)) fail("zeroing_threshold=" + std::to_string(zeroing_threshold) + " (>= 0)");
     if (cfg.top_k < 1) fail("top_k=" + std::to_string(cfg.top_k) + " (>= 1)");
@@ -111,6 +143,26 @@ struct MoEKernel {
       if (s.size() != 3) fail("expert weights must be rank 3 ([E, F, H], [E, F, H], [E, H, F])");
     const int64_t E = shapes[0][0];
     if (E > 0 && cfg.top_k > E) fail("top_k=" + std::to_string(cfg.top_k) + " > " + std::to_string(E) + " experts");
+    if (E > 0 && !lz::group_error(cfg, E).empty()) fail(lz::group_error(cfg, E));
+    // The v2 optional inputs (biases, score_bias) are checked when they are read: the kernel info of an
+    // optional input after an absent one did not report its element type reliably (ONNX Runtime 1.32).
+  }
+
+  // Input i of the v2 layout when present (nullptr: absent, or the v1 layout).
+  static const void* optional_input(Ort::KernelContext& ctx, size_t i, bool v1, const std::vector<int64_t>& shape,
+                                    lz::WeightType* type, const std::function<void(const std::string&)>& fail,
+                                    const char* name) {
+    if (v1 || ctx.GetInputCount() <= i) return nullptr;
+    Ort::ConstValue v = ctx.GetInput(i);
+    if (v == nullptr) return nullptr;
+    auto info = v.GetTensorTypeAndShapeInfo();
+    if (!weight_type(info.GetElementType(), type)) fail(std::string(name) + " must be float32, float16 or bfloat16");
+    if (info.GetShape() != shape) {
+      std::string want;
+      for (int64_t d : shape) want += (want.empty() ? "" : ", ") + std::to_string(d);
+      fail(std::string(name) + " must be [" + want + "]");
+    }
+    return v.GetTensorRawData();
   }
 
   static int64_t attr_int(const OrtKernelInfo* info, const char* name, int64_t fallback) {
@@ -162,9 +214,10 @@ struct MoEKernel {
     if (ls.size() < 1 || ls.back() != E || logits.GetTensorTypeAndShapeInfo().GetElementCount() != size_t(T * E))
       fail("router_logits must be [" + std::to_string(T) + ", " + std::to_string(E) + "]");
     if (cfg.top_k > E) fail("top_k=" + std::to_string(cfg.top_k) + " > " + std::to_string(E) + " experts");
+    if (!lz::group_error(cfg, E).empty()) fail(lz::group_error(cfg, E));
     float threshold = zeroing_threshold;
-    if (ctx.GetInputCount() > 5) {
-      Ort::ConstValue thr = ctx.GetInput(5);
+    if (threshold_index >= 0 && ctx.GetInputCount() > size_t(threshold_index)) {
+      Ort::ConstValue thr = ctx.GetInput(size_t(threshold_index));
       if (thr != nullptr) {
         if (thr.GetTensorTypeAndShapeInfo().GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ||
             thr.GetTensorTypeAndShapeInfo().GetElementCount() != 1)
@@ -183,6 +236,17 @@ struct MoEKernel {
     w.experts = E;
     w.ffn = F;
     w.hidden = H;
+    const std::function<void(const std::string&)> fail_fn = fail;
+    w.b_gate = optional_input(ctx, 5, v1_layout, {E, F}, &w.b_gate_type, fail_fn, "b_gate");
+    w.b_up = optional_input(ctx, 6, v1_layout, {E, F}, &w.b_up_type, fail_fn, "b_up");
+    w.b_down = optional_input(ctx, 7, v1_layout, {E, H}, &w.b_down_type, fail_fn, "b_down");
+    lz::WeightType sb_type = lz::WeightType::f32;
+    const void* sb = optional_input(ctx, kScoreBias, v1_layout, {E}, &sb_type, fail_fn, "score_bias");
+    std::vector<float> score_bias;
+    if (sb != nullptr) {
+      score_bias.resize(size_t(E));
+      for (int64_t e = 0; e < E; ++e) score_bias[e] = lz::load_element(sb, sb_type, e);
+    }
 
     const V* x = hidden.GetTensorData<V>();
     const V* l = logits.GetTensorData<V>();
@@ -206,7 +270,7 @@ struct MoEKernel {
     }
     std::vector<float> weights;
     uint8_t* m = reinterpret_cast<uint8_t*>(mask.GetTensorMutableData<bool>());
-    lz::route(logits_f, T, E, cfg, threshold, &weights, m);
+    lz::route(logits_f, T, E, cfg, threshold, sb != nullptr ? score_bias.data() : nullptr, &weights, m);
     lz::ParallelFor parallel_for = [&ctx](size_t total, const std::function<void(size_t)>& fn) {
       if (total == 0) return;
       if (total == 1) {
@@ -255,11 +319,13 @@ struct MoEOp : Ort::CustomOpBase<MoEOp<V>, MoEKernel<V>, true> {
   size_t GetInputTypeCount() const { return kInputs; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
     if (i <= 1) return Hidden<V>::type;
-    if (i == 5) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-    return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // expert weights: float32, float16 or bfloat16
+    if (i == kThreshold) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    // expert weights, biases, score_bias: float32, float16 or bfloat16 (checked when the kernel is created);
+    // input 5: b_gate, or the v1 layout's threshold
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
-    return i == 5 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+    return i >= 5 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
   size_t GetOutputTypeCount() const { return 2; }
   ONNXTensorElementDataType GetOutputType(size_t i) const {

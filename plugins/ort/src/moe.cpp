@@ -20,8 +20,34 @@ bool parse_activation(const std::string& s, Activation* out) {
   if (s == "silu") *out = Activation::silu;
   else if (s == "gelu") *out = Activation::gelu;
   else if (s == "relu") *out = Activation::relu;
+  else if (s == "swiglu_oai") *out = Activation::swiglu_oai;
   else return false;
   return true;
+}
+
+std::string group_error(const MoEConfig& cfg, int64_t experts) {
+  if (cfg.n_group == 1) return "";
+  const std::string what = "n_group=" + std::to_string(cfg.n_group) + ", topk_group=" + std::to_string(cfg.topk_group);
+  if (cfg.n_group < 1 || experts % cfg.n_group != 0 || cfg.topk_group < 1 || cfg.topk_group > cfg.n_group)
+    return what + ": expected n_group dividing " + std::to_string(experts) + " experts and topk_group in 1..n_group";
+  const int64_t size = experts / cfg.n_group;
+  if (size < 2 || cfg.top_k > cfg.topk_group * size)
+    return what + ", top_k=" + std::to_string(cfg.top_k) + ": groups of " + std::to_string(size) +
+           " experts (at least 2, top_k <= topk_group x group size)";
+  return "";
+}
+
+float load_element(const void* p, WeightType type, int64_t i) {
+  const uint16_t* h = static_cast<const uint16_t*>(p);
+  switch (type) {
+    case WeightType::f32:
+      return static_cast<const float*>(p)[i];
+    case WeightType::f16:
+      return half_to_float(h[i]);
+    case WeightType::bf16:
+      return bf16_to_float(h[i]);
+  }
+  return 0.0f;
 }
 
 const DotKernels& dot_kernels() {
@@ -86,12 +112,18 @@ uint16_t float_to_bf16(float f) {
 }
 
 void route(const float* logits, int64_t tokens, int64_t experts, const MoEConfig& cfg, float threshold,
-           std::vector<float>* weights, uint8_t* mask) {
+           const float* score_bias, std::vector<float>* weights, uint8_t* mask) {
   weights->assign(static_cast<size_t>(tokens * experts), 0.0f);
   std::memset(mask, 0, static_cast<size_t>(tokens * experts));
-  std::vector<double> probs(static_cast<size_t>(experts)), key(static_cast<size_t>(experts));
-  std::vector<int64_t> index(static_cast<size_t>(experts));
+  const size_t E = static_cast<size_t>(experts);
+  std::vector<double> probs(E), key(E);
+  std::vector<int64_t> index(E);
   std::vector<double> top(static_cast<size_t>(cfg.top_k));
+  const bool v2_selection = score_bias != nullptr || cfg.n_group != 1;
+  const int64_t n_group = cfg.n_group, group_size = experts / std::max<int64_t>(n_group, 1);
+  std::vector<float> group_score(static_cast<size_t>(std::max<int64_t>(n_group, 1)));
+  std::vector<int64_t> group_index(group_score.size());
+  std::vector<uint8_t> group_kept(group_score.size());
   for (int64_t t = 0; t < tokens; ++t) {
     const float* l = logits + t * experts;
     // In double, as the reference: top-k of nearly equal probabilities then agrees with it.
@@ -104,10 +136,44 @@ void route(const float* logits, int64_t tokens, int64_t experts, const MoEConfig
     } else {
       for (int64_t e = 0; e < experts; ++e) probs[e] = 1.0 / (1.0 + std::exp(-static_cast<double>(l[e])));
     }
-    std::iota(index.begin(), index.end(), 0);
     // The sort key: NaN ranks last (as the reference's argsort), which also keeps the comparison a strict weak
     // order (a NaN compared as is would make std::partial_sort undefined).
-    for (int64_t e = 0; e < experts; ++e) key[e] = std::isnan(probs[e]) ? -HUGE_VAL : probs[e];
+    if (!v2_selection) {
+      for (int64_t e = 0; e < experts; ++e) key[e] = std::isnan(probs[e]) ? -HUGE_VAL : probs[e];
+    } else {
+      // v2 selection (reference._selection_scores): probs + score_bias in float32, as the models compute it
+      // (which of two nearly equal sums is larger decides the choice); the weights stay the unbiased probs.
+      for (int64_t e = 0; e < experts; ++e) {
+        float s = static_cast<float>(probs[e]);
+        if (score_bias != nullptr) s += score_bias[e];
+        key[e] = std::isnan(s) ? -HUGE_VAL : static_cast<double>(s);
+      }
+      if (n_group > 1) {
+        // A group's score: the sum of its two largest selection scores (float32); the topk_group best groups
+        // (ties to the lower group) stay, the others go to -inf.
+        for (int64_t g = 0; g < n_group; ++g) {
+          double a = -HUGE_VAL, b = -HUGE_VAL;
+          for (int64_t e = g * group_size; e < (g + 1) * group_size; ++e) {
+            if (key[e] > a) {
+              b = a;
+              a = key[e];
+            } else if (key[e] > b) {
+              b = key[e];
+            }
+          }
+          const float sum = static_cast<float>(a) + static_cast<float>(b);
+          group_score[g] = std::isnan(sum) ? -HUGE_VALF : sum;
+        }
+        std::iota(group_index.begin(), group_index.end(), 0);
+        std::stable_sort(group_index.begin(), group_index.end(),
+                         [&](int64_t x, int64_t y) { return group_score[x] > group_score[y]; });
+        std::fill(group_kept.begin(), group_kept.end(), 0);
+        for (int64_t j = 0; j < cfg.topk_group; ++j) group_kept[group_index[j]] = 1;
+        for (int64_t e = 0; e < experts; ++e)
+          if (!group_kept[e / group_size]) key[e] = -HUGE_VAL;
+      }
+    }
+    std::iota(index.begin(), index.end(), 0);
     // Ties towards the lower expert index (ONNX TopK, the reference's stable sort).
     std::partial_sort(index.begin(), index.begin() + cfg.top_k, index.end(), [&](int64_t a, int64_t b) {
       return key[a] > key[b] || (key[a] == key[b] && a < b);
@@ -115,7 +181,9 @@ void route(const float* logits, int64_t tokens, int64_t experts, const MoEConfig
     double sum = 0.0, largest = 0.0;
     for (int64_t j = 0; j < cfg.top_k; ++j) sum += top[j] = probs[index[j]];
     for (int64_t j = 0; j < cfg.top_k; ++j) {
-      if (cfg.normalize) top[j] /= sum;
+      // + 1e-20 as the reference (reference.NORMALIZE_EPS, the models' own formula); nothing in double for v1.
+      if (cfg.normalize) top[j] /= sum + 1e-20;
+      top[j] *= static_cast<double>(cfg.routed_scaling_factor);
       // A NaN weight makes the largest NaN, so no expert of the token passes the threshold (the reference's max).
       largest = (std::isnan(top[j]) || std::isnan(largest)) ? NAN : std::max(largest, top[j]);
     }
@@ -130,16 +198,24 @@ void route(const float* logits, int64_t tokens, int64_t experts, const MoEConfig
 
 namespace {
 
-inline float activate(float g, Activation a) {
-  switch (a) {
+// The gated unit glu(g, u) (reference.glu): act(g) * u, or GPT-OSS's clamped swiglu_oai.
+inline float glu(float g, float u, const MoEConfig& cfg) {
+  switch (cfg.activation) {
     case Activation::silu:
-      return g / (1.0f + std::exp(-g));
+      return g / (1.0f + std::exp(-g)) * u;
     case Activation::gelu:
-      return 0.5f * g * (1.0f + std::erf(g * 0.70710678118654752f));
+      return 0.5f * g * (1.0f + std::erf(g * 0.70710678118654752f)) * u;
     case Activation::relu:
-      return g > 0.0f ? g : 0.0f;
+      return (g > 0.0f ? g : 0.0f) * u;
+    case Activation::swiglu_oai: {
+      const float limit = cfg.activation_limit;
+      // NaN propagates as through np.minimum / np.clip (a comparison with NaN is false: the value is kept).
+      const float gc = limit < g ? limit : g;
+      const float uc = u > limit ? limit : (u < -limit ? -limit : u);
+      return (uc + 1.0f) * gc / (1.0f + std::exp(-cfg.activation_alpha * gc));
+    }
   }
-  return g;
+  return g * u;
 }
 
 size_t element_size(WeightType t) { return t == WeightType::f32 ? 4 : 2; }
@@ -210,8 +286,19 @@ void run_experts(const float* x, int64_t tokens, const MoEWeights& w, const MoEC
     dot(gate + offset, rows, H, a.x, n, H, g.data(), rows);
     dot(up + offset, rows, H, a.x, n, H, u.data(), rows);
     float* h = hbuf.data() + a.h_offset;
+    if (w.b_gate != nullptr || w.b_up != nullptr) {  // v2 expert biases, added to the projections' outputs
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t at = a.expert * F + f0 + r;
+        const float bg = w.b_gate != nullptr ? load_element(w.b_gate, w.b_gate_type, at) : 0.0f;
+        const float bu = w.b_up != nullptr ? load_element(w.b_up, w.b_up_type, at) : 0.0f;
+        for (int64_t i = 0; i < n; ++i) {
+          g[i * rows + r] += bg;
+          u[i * rows + r] += bu;
+        }
+      }
+    }
     for (int64_t i = 0; i < n; ++i)
-      for (int64_t r = 0; r < rows; ++r) h[i * F + f0 + r] = activate(g[i * rows + r], cfg.activation) * u[i * rows + r];
+      for (int64_t r = 0; r < rows; ++r) h[i * F + f0 + r] = glu(g[i * rows + r], u[i * rows + r], cfg);
   });
 
   // Phase 2, items = H tiles; each owns y[:, tile] and adds every active expert's share in expert order (the
@@ -225,6 +312,12 @@ void run_experts(const float* x, int64_t tokens, const MoEWeights& w, const MoEC
       out.resize(static_cast<size_t>(n * rows));
       dot(down + (static_cast<size_t>(a.expert * H + h0) * F) * esize, rows, F, hbuf.data() + a.h_offset, n, F,
           out.data(), rows);
+      if (w.b_down != nullptr) {  // v2: y += w * (down h + b_down)
+        for (int64_t r = 0; r < rows; ++r) {
+          const float bd = load_element(w.b_down, w.b_down_type, a.expert * H + h0 + r);
+          for (int64_t i = 0; i < n; ++i) out[i * rows + r] += bd;
+        }
+      }
       for (int64_t i = 0; i < n; ++i) {
         const int64_t t = a.tokens[i];
         const float scale = weights[t * E + a.expert];

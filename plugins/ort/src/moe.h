@@ -12,18 +12,27 @@
 namespace lz {
 
 enum class Scoring { softmax = 0, sigmoid = 1 };
-enum class Activation { silu = 0, gelu = 1, relu = 2 };
+enum class Activation { silu = 0, gelu = 1, relu = 2, swiglu_oai = 3 };
 
 // Parse the form's string attributes; false for a value this kernel does not implement.
 bool parse_scoring(const std::string& s, Scoring* out);
 bool parse_activation(const std::string& s, Activation* out);
 
+// v1 attributes, then the v2 ones (moe_op_v2; their defaults reproduce v1 exactly).
 struct MoEConfig {
   int64_t top_k = 1;
   bool normalize = false;
   Scoring scoring = Scoring::softmax;
   Activation activation = Activation::silu;
+  float activation_alpha = 1.702f;  // swiglu_oai
+  float activation_limit = 7.0f;    // swiglu_oai (inf: no clamp)
+  int64_t n_group = 1;              // group-limited top-k: n_group equal groups, the topk_group best kept
+  int64_t topk_group = 1;
+  float routed_scaling_factor = 1.0f;
 };
+
+// Why (n_group, topk_group, top_k) cannot split E experts (empty when they can; n_group 1 always can).
+std::string group_error(const MoEConfig& cfg, int64_t experts);
 
 // Expert weights read in place: w_gate, w_up [E, F, H], w_down [E, H, F], all of one WeightType.
 struct MoEWeights {
@@ -32,15 +41,24 @@ struct MoEWeights {
   const void* down = nullptr;
   WeightType type = WeightType::f32;
   int64_t experts = 0, ffn = 0, hidden = 0;
+  // Optional expert biases (v2 inputs 5-7; nullptr = absent = 0): b_gate, b_up [E, F], b_down [E, H].
+  const void* b_gate = nullptr;
+  const void* b_up = nullptr;
+  const void* b_down = nullptr;
+  WeightType b_gate_type = WeightType::f32, b_up_type = WeightType::f32, b_down_type = WeightType::f32;
 };
+
+// Element i of a float32 / float16 / bfloat16 array.
+float load_element(const void* p, WeightType type, int64_t i);
 
 // fn(i) for i in [0, total), possibly in parallel; returns when all are done.
 using ParallelFor = std::function<void(size_t total, const std::function<void(size_t)>& fn)>;
 
-// Per token: scores, top-k (ties to the lower expert index), renormalise, threshold. weights[t * E + e] is the
-// routing weight of a kept expert (0 otherwise), mask[t * E + e] whether it runs.
+// Per token: scores, the selection scores (+ score_bias, group limits), top-k of those (ties to the lower expert
+// index), the unbiased scores of the chosen renormalised and scaled, threshold. weights[t * E + e] is the
+// routing weight of a kept expert (0 otherwise), mask[t * E + e] whether it runs. score_bias [E] may be null.
 void route(const float* logits, int64_t tokens, int64_t experts, const MoEConfig& cfg, float threshold,
-           std::vector<float>* weights, uint8_t* mask);
+           const float* score_bias, std::vector<float>* weights, uint8_t* mask);
 
 // y[T, H] (float) = sum over kept (t, e) of weight * down_e(act(gate_e x_t) * up_e x_t); x is [T, H] float.
 void run_experts(const float* x, int64_t tokens, const MoEWeights& w, const MoEConfig& cfg,
