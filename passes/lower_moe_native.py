@@ -3,7 +3,8 @@
 ``native`` leaves the skipping form in the graph for ONNX Runtime to run with the custom-op library
 (``plugins/ort``): routing and the routed experts in one kernel, weights read in place from the initializers in
 the form's own ``[out, in]`` layout, which is the kernel's access order (rows streamed), so nothing is re-laid
-out. The node gains the run-time threshold ``layerzero::threshold`` as its 6th input.
+out. The node gains the run-time threshold ``layerzero::threshold`` as its 6th input (its 10th, after the v2
+inputs 5-8, when it has any).
 
 ``auto`` (``choose_auto``): ``native`` when the library is present and implements the block; otherwise the
 faster of ``if`` and ``ort-moe`` by ``estimate_ms``, a cost model fitted to ``bench/moe.py`` measurements.
@@ -34,46 +35,70 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: What liblayerzero_ort.so implements today (plugins/ort/src/custom_op.cpp); anything else stays with If.
-NATIVE_ATTRIBUTES = frozenset({"top_k", "normalize", "scoring", "activation", "zeroing_threshold", "path"})
+#: What liblayerzero_ort.so implements (plugins/ort/src/custom_op.cpp, moe_op_v2); anything else stays with If.
+NATIVE_ATTRIBUTES = frozenset(
+    {
+        "top_k",
+        "normalize",
+        "scoring",
+        "activation",
+        "zeroing_threshold",
+        "path",
+        "n_group",
+        "topk_group",
+        "routed_scaling_factor",
+        "routing",
+        "activation_alpha",
+        "activation_limit",
+    }
+)
 NATIVE_SCORINGS = ("softmax", "sigmoid")
-NATIVE_ACTIVATIONS = ("silu", "gelu", "relu")
+NATIVE_ACTIVATIONS = ("silu", "gelu", "relu", "swiglu_oai")
 _NATIVE_WEIGHTS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 _NATIVE_HIDDEN = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
+# The v2 optional inputs (position -> name): expert biases and the selection bias; the kernel reads the
+# run-time threshold as input 9 after them (as input 5 in the v1 layout of 5 inputs).
+_V2_INPUTS = {5: "b_gate", 6: "b_up", 7: "b_down", 8: "score_bias"}
+_V2_THRESHOLD_AT = 9
 
 
-# v2 optional inputs the kernel does not read yet (position -> name); a node that has one stays with If.
-_V2_EXPERT_INPUTS = {5: "b_gate", 6: "b_up", 7: "b_down"}
+def _is_threshold(value: ir.Value | None) -> bool:
+    return value is not None and value.name == THRESHOLD_INPUT
+
+
+def _v2_inputs(node: ir.Node) -> dict[int, ir.Value]:
+    """The node's present v2 inputs 5-8 (an input 5 that is the v1 layout's threshold is not one)."""
+    return {
+        i: node.inputs[i]
+        for i in _V2_INPUTS
+        if len(node.inputs) > i and node.inputs[i] is not None and not (i == 5 and _is_threshold(node.inputs[i]))
+    }
 
 
 def native_supports(node: ir.Node) -> str | None:
     """Why liblayerzero_ort.so cannot run this ``ai.layerzero::MoE`` node (None when it can).
 
-    Refused: v2 features the kernel does not implement (expert biases, ``swiglu_oai`` and its attributes,
-    any attribute it does not know), other dtypes, and weights that are not constants no feed can override.
+    The kernel implements moe_op_v2 (expert biases, ``swiglu_oai``, selection bias, group-limited top-k, routed
+    scaling) except ``routing`` other than ``topk`` (PhiMoE's sparsemixer). Refused: that, any attribute it does
+    not know, other dtypes, and weights or v2 inputs that are not constants no feed can override.
     """
-    for value in node.inputs[2:5]:
+    for value in (*node.inputs[2:5], *_v2_inputs(node).values()):
         if value is not None and value.is_graph_input():
             return f"expert weight {value.name} is also a graph input (a feed may override it)"
-    biases = [
-        name
-        for i, name in _V2_EXPERT_INPUTS.items()
-        if len(node.inputs) > i and node.inputs[i] is not None and node.inputs[i].name != THRESHOLD_INPUT
-    ]
-    if biases:
-        return f"expert biases {', '.join(biases)} (liblayerzero_ort.so implements experts without biases)"
-
-    routing = _native_routing_supports(node)
-    if routing is not None:
-        return routing
+    routing = node.attributes.get("routing")
+    if routing is not None and str(routing.value) != "topk":
+        return f"routing {routing.value!r} (liblayerzero_ort.so implements routing = 'topk' only)"
     unknown = sorted(set(node.attributes) - NATIVE_ATTRIBUTES)
     if unknown:
         known = ", ".join(sorted(NATIVE_ATTRIBUTES))
         return f"attributes {', '.join(unknown)} (liblayerzero_ort.so implements {known})"
-    if len(node.inputs) not in (5, 6) or (
-        len(node.inputs) == 6 and node.inputs[5] is not None and node.inputs[5].name != THRESHOLD_INPUT
-    ):
-        return f"{len(node.inputs)} inputs (liblayerzero_ort.so implements 5 + the threshold)"
+    count = len(node.inputs)
+    v1_threshold = count == 6 and _is_threshold(node.inputs[5])
+    v2_threshold = count == _V2_THRESHOLD_AT + 1 and _is_threshold(node.inputs[_V2_THRESHOLD_AT])
+    if count > _V2_THRESHOLD_AT + 1 or (count == _V2_THRESHOLD_AT + 1 and not v2_threshold):
+        return f"{count} inputs (liblayerzero_ort.so implements 5, the v2 inputs 5-8 and the threshold)"
+    if count == 6 and not v1_threshold and node.inputs[5] is None:
+        return "input 5 is absent (liblayerzero_ort.so reads a 6-input node's input 5 as b_gate or the threshold)"
     for name, allowed, default in (("scoring", NATIVE_SCORINGS, "softmax"), ("activation", NATIVE_ACTIVATIONS, "silu")):
         attr = node.attributes.get(name)
         value = default if attr is None else str(attr.value)
@@ -89,33 +114,28 @@ def native_supports(node: ir.Node) -> str | None:
         dtypes.add(value.const_value.dtype)
     if len(dtypes) != 1 or next(iter(dtypes)) not in _NATIVE_WEIGHTS:
         return f"expert weight dtypes {sorted(str(d) for d in dtypes)} (one of float32, float16, bfloat16)"
-    return None
-
-
-#: v2 routing (moe_op_v2) the kernel implements: none yet (plugins/ort/src/custom_op.cpp routes top-k of the
-#: scores). Attribute -> the only value it implements.
-_NATIVE_ROUTING_DEFAULTS = {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "routing": "topk"}
-
-
-def _native_routing_supports(node: ir.Node) -> str | None:
-    """Why the kernel cannot route like this node: a selection bias, group limits, scaling, another routing."""
-    if len(node.inputs) > 8 and node.inputs[8] is not None:
-        return "score_bias (liblayerzero_ort.so chooses by the unbiased scores)"
-    for name, default in _NATIVE_ROUTING_DEFAULTS.items():
-        attr = node.attributes.get(name)
-        if attr is not None and attr.value != default:
-            return f"{name} {attr.value!r} (liblayerzero_ort.so implements {name} = {default!r} only)"
+    for i, value in _v2_inputs(node).items():
+        if value.const_value is None:
+            return f"{_V2_INPUTS[i]} {value.name} is not a constant"
+        if value.const_value.dtype not in _NATIVE_WEIGHTS:
+            return f"{_V2_INPUTS[i]} dtype {value.const_value.dtype} (one of float32, float16, bfloat16)"
     return None
 
 
 def lower_native(model: ir.Model, node: ir.Node, default_threshold: float) -> None:
-    """Keep ``node`` for the custom op; append the run-time threshold input (the kernel's 6th input)."""
-    # MoE(x, logits, w_gate, w_up, w_down)   ->   MoE(x, logits, w_gate, w_up, w_down, layerzero::threshold)
-    if len(node.inputs) == 6:  # lowered before: nothing to do
-        return
+    """Keep ``node`` for the custom op; add the run-time threshold input: input 5 of a 5-input node (v1),
+    input 9 after the v2 inputs 5-8 otherwise."""
+    # MoE(x, logits, w_gate, w_up, w_down)            ->   MoE(..., w_down, layerzero::threshold)
+    # MoE(x, logits, w_gate, w_up, w_down, b.., sb)   ->   MoE(..., b_gate, b_up, b_down, score_bias, threshold)
+    count = len(node.inputs)
+    if (count == 6 and _is_threshold(node.inputs[5])) or (
+        count == _V2_THRESHOLD_AT + 1 and _is_threshold(node.inputs[_V2_THRESHOLD_AT])
+    ):
+        return  # lowered before: nothing to do
     threshold = threshold_input(model, default_threshold)
-    node.resize_inputs(6)
-    node.replace_input_with(5, threshold)
+    position = 5 if not _v2_inputs(node) else _V2_THRESHOLD_AT
+    node.resize_inputs(position + 1)
+    node.replace_input_with(position, threshold)
     model.opset_imports.setdefault(MOE_DOMAIN, 1)
 
 

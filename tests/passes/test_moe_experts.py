@@ -198,7 +198,7 @@ def _lowered(proto: onnx.ModelProto, lowering: str) -> tuple[onnx.ModelProto, Lo
     model, _, result = _skip(proto)
     assert result.modified
     ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
-    lower = LowerMoE(lowering=lowering)
+    lower = LowerMoE(lowering=lowering, native_present=lowering == "native")
     lower(model)
     # The pipeline infers shapes after lowering (the mask output's type comes from there).
     ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
@@ -332,12 +332,35 @@ def test_ort_moe_supports_swiglu_oai_not_gelu() -> None:
     assert "activation 'gelu'" in ort_moe_supports("softmax", "gelu", 0.0)
 
 
-def test_native_refuses_biases_and_swiglu_oai() -> None:
-    model, _, _ = _skip(gpt_oss_block("dynamo"))
-    assert native_supports(_moe_node(model)).startswith("expert biases b_gate, b_up, b_down")
-    model, _, _ = _skip(gpt_oss_block("dynamo", biases=False))
-    why = native_supports(_moe_node(model))
-    assert why is not None and ("activation_alpha" in why or "swiglu_oai" in why)
+def test_native_runs_biases_and_swiglu_oai() -> None:
+    """The native kernel implements moe_op_v2's experts: the node keeps its biases (5-7), the threshold goes to 9,
+    and the kernel computes the reference (when liblayerzero_ort.so can be built here)."""
+    from layerzero.passes._dynamic import THRESHOLD_INPUT
+    from tests.plugins.test_ort_native import _build
+
+    for biases in (True, False):
+        model, _, _ = _skip(gpt_oss_block("dynamo", biases=biases))
+        node = _moe_node(model)
+        assert native_supports(node) is None
+        spec = [v.name if v is not None else None for v in node.inputs[2:8]]
+        lower = LowerMoE(lowering="native", native_present=True)
+        lower(model)
+        assert [lo for _, lo in lower.lowered] == ["native"]
+        node = _moe_node(model)
+        assert node.inputs[-1].name == THRESHOLD_INPUT
+        assert [v.name if v is not None else None for v in node.inputs[2 : 2 + len(spec)]] == spec  # biases kept
+        assert len(node.inputs) == (10 if biases else 6)
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(_build(asan=False)))
+    for biases in (True, False):
+        proto = gpt_oss_block("dynamo", biases=biases)
+        compiled, lower = _lowered(proto, "native")
+        for tokens in TOKENS:
+            x = _tokens(tokens, tokens)
+            (expected,) = _session(proto).run(["y"], {"x": x})
+            session = ort.InferenceSession(compiled.SerializeToString(), options, providers=["CPUExecutionProvider"])
+            (got,) = session.run(["y"], {"x": x})
+            np.testing.assert_allclose(got, expected, atol=ATOL, rtol=RTOL)
 
 
 # --- issue 14: an overridable expert weight is no constant ------------------------------------------------------

@@ -235,15 +235,50 @@ def test_other_lowerings_refuse_v2_routing(variant: str, caplog) -> None:
     node = next(iter(_moe_node_model(variant).graph))
     why = ort_moe_routing_supports(node)
     assert why is not None and why.startswith(FIRST_V2[variant]), why
+    # The native kernel implements moe_op_v2's routing except the sparsemixer.
     native = native_supports(node)
-    assert native is not None and native.startswith(FIRST_V2[variant]) and "liblayerzero_ort.so" in native
-    # ort-moe and native fall back to If with the reason in the log: never a wrong result.
-    for lowering in ("ort-moe", "native"):
+    if VARIANTS[variant][2].get("routing", "topk") == "topk":
+        assert native is None, native
+    else:
+        assert native is not None and native.startswith("routing") and "liblayerzero_ort.so" in native
+    # ort-moe (and native where refused) fall back to If with the reason in the log: never a wrong result.
+    lowerings = ["ort-moe"] + (["native"] if native is not None else [])
+    for lowering in lowerings:
         with caplog.at_level(logging.INFO):
             _, lower, _ = _lowered(variant, lowering)
         assert lower.lowered == [("block", "if")]
     with pytest.raises(UnsupportedModelError, match=rf"MoE node '/block/MoE': {FIRST_V2[variant]}"):
         LowerMoEToTensorRT()(_moe_node_model(variant))
+
+
+@pytest.mark.parametrize("variant", [v for v, spec in VARIANTS.items() if spec[2].get("routing", "topk") == "topk"])
+def test_native_lowering_equals_reference(variant: str) -> None:
+    """The node kept for liblayerzero_ort.so (v2 inputs 5-8, the threshold at 9) computes the reference."""
+    from tests.plugins.test_ort_native import _build
+
+    model = _moe_node_model(variant)
+    lower = LowerMoE(lowering="native", native_present=True)
+    assert lower(model).modified and lower.lowered == [("block", "native")]
+    node = next(n for n in model.graph if n.op_type == "MoE")
+    assert node.inputs[-1].name == THRESHOLD_INPUT
+    assert len(node.inputs) == (10 if VARIANTS[variant][3] else 6)
+    inputs = list(node.inputs)
+    LowerMoE(lowering="native", native_present=True)(model)
+    assert list(node.inputs) == inputs  # a second lowering adds no second threshold
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(_build(asan=False)))
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    experts = VARIANTS[variant][0]
+    for tokens in (1, 16):
+        rng = np.random.default_rng(tokens)
+        hidden = rng.normal(size=(tokens, HIDDEN)).astype(np.float32)
+        logits = rng.normal(size=(tokens, experts)).astype(np.float32)
+        for threshold in (0.0, 0.5):
+            feeds = {"hidden": hidden, "logits": logits, THRESHOLD_INPUT: np.array(threshold, np.float32)}
+            y, mask = session.run(["y", "mask"], feeds)
+            ref_y, ref_mask = _reference(variant, hidden, logits, threshold)
+            np.testing.assert_array_equal(mask, ref_mask)
+            np.testing.assert_allclose(y, ref_y, atol=ATOL, rtol=1e-4)
 
 
 def test_v1_node_is_still_supported_everywhere() -> None:
