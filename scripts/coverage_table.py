@@ -144,7 +144,7 @@ def write_table(results: dict[str, dict], speed: dict[str, dict] | None = None) 
         "– not applicable; `refused` / `crash` / `verify ✗` (the compiler's own verification caught a mismatch): the",
         "compile failed (reason below); `export ✗`: the exporter failed (reason below); `·`: no recorded run.",
         "Outputs equal the export's (onnxruntime, atol 1e-5, rtol 1e-4) in every case that compiled, unless marked",
-        "WRONG.",
+        "WRONG; a declared flag's outputs equal transformers' model run with that layer replaced by the identity.",
         "MoE skipping form: MoE blocks rewritten into `ai.layerzero::MoE` (lowered to per-expert `If`), of 2.",
         "1-token speed-up: export p50 / compiled p50 at hidden 512 (section \"MoE speed at 1 token\" below;",
         "`--speed`), **slower** where the compiled model is slower than the export.",
