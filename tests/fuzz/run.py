@@ -15,7 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["fuzz", "main", "run_case"]
+__all__ = ["CRASH_HOOK", "fuzz", "main", "run_case"]
+
+# The seed whose process kills itself with SIGSEGV (a test of the runner's crash handling; unset in real runs).
+CRASH_HOOK = "LAYERZERO_FUZZ_CRASH_SEED"
 
 # Runnable as ``python -m tests.fuzz.run`` from the repository root and from anywhere else.
 _ROOT = Path(__file__).resolve().parents[2]
@@ -28,6 +31,7 @@ LABELS = {
     "exception": "compiler exception",
     "cannot_run": "compiled model cannot run",
     "invalid": "invalid generated",
+    "crash": "process died (segfault)",
 }
 
 
@@ -36,6 +40,10 @@ def run_case(seed: int) -> tuple[int, str, str]:
     import logging
 
     logging.disable(logging.WARNING)
+    if os.environ.get(CRASH_HOOK) == str(seed):  # tests/fuzz/test_fuzz.py: a case whose process dies
+        import signal
+
+        os.kill(os.getpid(), signal.SIGSEGV)
     from tests.fuzz.generator import generate
     from tests.fuzz.harness import check_model
 
@@ -43,35 +51,114 @@ def run_case(seed: int) -> tuple[int, str, str]:
     return seed, outcome.kind, outcome.detail
 
 
+def _run_isolated(seeds: list[int]) -> list[tuple[int, str, str]]:
+    """Run ``seeds`` in fresh interpreters, one at a time, each announcing a seed before running it: a process
+    that dies names the seed it died on (``crash``), and the rest continue in a new process."""
+    import json
+    import subprocess
+
+    results: list[tuple[int, str, str]] = []
+    left = list(seeds)
+    script = (
+        f"import json, sys; sys.path.insert(0, {str(_ROOT)!r}); from tests.fuzz.run import run_case\n"
+        "for seed in json.loads(sys.argv[1]):\n"
+        "    print('start', seed, flush=True)\n"
+        "    print('done', json.dumps(run_case(seed)), flush=True)\n"
+    )
+    while left:
+        proc = subprocess.run(
+            [sys.executable, "-c", script, json.dumps(left)], capture_output=True, text=True, timeout=3600
+        )
+        started = None
+        for line in proc.stdout.splitlines():
+            if line.startswith("start "):
+                started = int(line.split()[1])
+            elif line.startswith("done "):
+                seed, kind, detail = json.loads(line[5:])
+                results.append((seed, kind, detail))
+                left.remove(seed)
+                started = None
+        if proc.returncode == 0 and not left:
+            break
+        if started is None:  # died outside any case: count the first left seed so nothing is silent
+            started = left[0]
+        how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
+        tail = (proc.stderr.strip().splitlines() or [""])[-1][:200]
+        results.append((started, "crash", f"the case's process died ({how}) {tail}".strip()))
+        left.remove(started)
+    return results
+
+
 def fuzz(
     cases: int, start: int = 0, jobs: int = 1, deadline_s: float | None = None
 ) -> tuple[collections.Counter, list[tuple[int, str, str]]]:
-    """Run seeds ``start .. start+cases`` (stopping at ``deadline_s``); the counts and the failures."""
+    """Run seeds ``start .. start+cases`` (stopping at ``deadline_s``); the counts and the failures.
+
+    A case whose process dies (a segfault in onnxruntime on the original or the compiled model) does not hang
+    or end the run: the batches in flight are rerun in fresh processes that announce each seed, the seed a
+    process dies on is counted as ``crash`` and the rest as what they are."""
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
     counts: collections.Counter = collections.Counter({k: 0 for k in LABELS})
     failures: list[tuple[int, str, str]] = []
     began = time.monotonic()
-    seeds = range(start, start + cases)
+    seeds = list(range(start, start + cases))
 
     def record(result: tuple[int, str, str]) -> None:
         counts[result[1]] += 1
         if result[1] not in ("equal", "invalid"):
             failures.append(result)
 
+    def late() -> bool:
+        return deadline_s is not None and time.monotonic() - began > deadline_s
+
     if jobs <= 1:
         for seed in seeds:
-            if deadline_s is not None and time.monotonic() - began > deadline_s:
+            if late():
                 break
             record(run_case(seed))
     else:
-        ctx = multiprocessing.get_context("forkserver" if sys.platform != "win32" else "spawn")
-        with ctx.Pool(jobs, initializer=os.nice, initargs=(0,)) as pool:
-            for result in pool.imap_unordered(run_case, seeds, chunksize=8):
-                record(result)
-                if deadline_s is not None and time.monotonic() - began > deadline_s:
-                    pool.terminate()
-                    break
+        batch = 8
+        batches = [seeds[i : i + batch] for i in range(0, len(seeds), batch)]
+        # spawn: each worker starts from the current environment (the crash hook below) with no forked ORT state.
+        ctx = multiprocessing.get_context("spawn")
+        pending = list(reversed(batches))
+        while pending and not late():
+            with ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+                running = {}
+                broken: list[list[int]] = []
+                while (pending or running) and not late():
+                    while pending and len(running) < 2 * jobs:
+                        chunk = pending.pop()
+                        running[pool.submit(_run_batch, chunk)] = chunk
+                    done = next(iter(_wait_any(running)))
+                    chunk = running.pop(done)
+                    try:
+                        for result in done.result():
+                            record(result)
+                    except BrokenProcessPool:
+                        broken.append(chunk)
+                        broken += list(running.values())  # the pool is gone: everything in flight reruns
+                        running.clear()
+                        break
+            for chunk in broken:  # in fresh processes: the seed a process dies on is named and counted
+                for result in _run_isolated(chunk):
+                    record(result)
     failures.sort()
     return counts, failures
+
+
+def _run_batch(seeds: list[int]) -> list[tuple[int, str, str]]:
+    os.nice(0)
+    return [run_case(seed) for seed in seeds]
+
+
+def _wait_any(futures: dict) -> set:
+    from concurrent.futures import FIRST_COMPLETED, wait
+
+    done, _ = wait(list(futures), return_when=FIRST_COMPLETED)
+    return done
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
             small = minimize(generate(seed), Outcome(kind, detail), seed)
             print(f"--- seed {seed} minimised ({len(small.graph.node)} nodes):\n{to_text(small)}\n---")
-    return 0 if counts["differ"] + counts["exception"] + counts["cannot_run"] == 0 else 1
+    return 0 if counts["differ"] + counts["exception"] + counts["cannot_run"] + counts["crash"] == 0 else 1
 
 
 if __name__ == "__main__":

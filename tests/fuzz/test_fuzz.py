@@ -13,7 +13,7 @@ import os
 from tests.fuzz.generator import generate
 from tests.fuzz.harness import Outcome
 from tests.fuzz.minimize import minimize, to_text
-from tests.fuzz.run import LABELS, fuzz
+from tests.fuzz.run import CRASH_HOOK, LABELS, fuzz
 
 
 def test_fuzz_ci() -> None:
@@ -26,5 +26,17 @@ def test_fuzz_ci() -> None:
     assert counts["equal"] > 0.7 * ran, f"too few valid cases: {summary}"
     if failures:
         seed, kind, detail = failures[0]
+        if kind == "crash":  # minimising in this process would kill it: the seed reproduces it
+            raise AssertionError(f"{summary}\nfirst failure, seed {seed}: {detail}")
         small = minimize(generate(seed), Outcome(kind, detail), seed, budget=150)
         raise AssertionError(f"{summary}\nfirst failure, seed {seed}: {kind}: {detail}\nminimised:\n{to_text(small)}")
+
+
+def test_a_case_whose_process_dies_is_counted_and_named(monkeypatch) -> None:
+    """A segfault (in onnxruntime, say) ends neither the run nor hangs it: the seed is found and counted."""
+    monkeypatch.setenv(CRASH_HOOK, "5")
+    counts, failures = fuzz(24, start=0, jobs=2)
+    assert sum(counts.values()) == 24, counts
+    assert counts["crash"] == 1, counts
+    assert [f for f in failures if f[1] == "crash"] == [(5, "crash", failures[0][2])]
+    assert "signal 11" in failures[0][2]
