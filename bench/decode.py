@@ -158,11 +158,12 @@ def native_library(say) -> str | None:
     return None
 
 
-def bundle(prepared: dict[str, Any], lowering: str, say) -> Path:
+def bundle(prepared: dict[str, Any], lowering: str, say, verify: bool = True) -> Path:
     out = prepared["root"] / f"lz-{lowering}"
     if not (out / "manifest.json").is_file():
-        say(f"{prepared['root'].name}: compiling with --moe-lowering {lowering}")
-        compile_file(prepared["export"], out, CompileOptions(moe_lowering=lowering), overwrite=True)
+        say(f"{prepared['root'].name}: compiling with --moe-lowering {lowering}{'' if verify else ' --no-verify'}")
+        options = CompileOptions(moe_lowering=lowering, verify=verify)
+        compile_file(prepared["export"], out, options, overwrite=True)
     manifest = json.loads((out / "manifest.json").read_text())
     used = {d.get("detail", {}).get("lowering") for d in manifest.get("dynamic", [])}
     if used != {lowering}:
@@ -231,6 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the path, not the speed (no target)")
     p.add_argument("--genai-path", type=Path, default=None, help="a pip --target folder holding onnxruntime_genai")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="compile without numerical verification (faster on a loaded machine; the 128 greedy ids are still "
+        "checked against transformers')",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.genai_path is not None:
@@ -256,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         prepared = prepare(family, config, prompt, args.new, say)
         variants: dict[str, Any] = {"export": Engine.load(prepared["export"])}
         for lowering in lowerings:
-            variants[f"LZ {lowering}"] = Engine.load(bundle(prepared, lowering, say))
+            variants[f"LZ {lowering}"] = Engine.load(bundle(prepared, lowering, say, verify=not args.no_verify))
         genai, genai_note = genai_for(prepared, family, say)
         timings: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
         ids: dict[str, list[int]] = {}
@@ -277,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         export_tps = statistics.median(t for t, _ in timings["export"])
         print(
             f"\n{family}: {prepared['params'] / 1e6:.0f} M parameters, prompt {args.prompt}, {args.new} new tokens, "
-            f"batch 1, {rounds} interleaved round(s); transformers (torch eager) "
+            f"batch 1, {rounds} interleaved round(s){', bundles compiled --no-verify' if args.no_verify else ''}; "
+            "transformers (torch eager) "
             f"{prepared['torch_tokens_per_s']:.1f} tok/s end to end"
         )
         print(f"  {'variant':<12} {'decode tok/s':>12} {'vs export':>10} {'first token':>12}  ids == transformers")
