@@ -213,6 +213,15 @@ def genai_for(prepared: dict[str, Any], family: str, say) -> tuple[GenAIRunner |
             f"onnxruntime_genai not importable ({exc}): pip install --target DIR onnxruntime-genai; --genai-path DIR"
         )
     architecture = (json.loads((prepared["hf"] / "config.json").read_text()).get("architectures") or ["?"])[0]
+    try:  # the builder's dispatch on config.architectures[0]: ask it before it reads weights or a tokenizer
+        import inspect
+
+        from onnxruntime_genai.models import builder
+
+        if f'"{architecture}"' not in inspect.getsource(builder.create_model):
+            return None, f"onnxruntime-genai {og.__version__}'s model builder does not support {architecture}"
+    except (ImportError, OSError, TypeError):
+        pass  # no source to read: let the builder say it
     try:
         return GenAIRunner(prepared, say), f"onnxruntime-genai {og.__version__}"
     except NotImplementedError as exc:
