@@ -257,7 +257,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
     load_before = os.getloadavg()
-    rng = np.random.default_rng(0)
     all_configs = configs(args.quick)
     families = [f for f in args.families.split(",") if f]
     lowerings = [x for x in args.lowerings.split(",") if x]
@@ -268,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     misses: list[str] = []
     for family in families:
         config = all_configs[family]
-        prompt = rng.integers(0, config["vocab_size"], size=args.prompt).tolist()
+        # Its own seeded stream per family: the prompt (and so the cache key) does not depend on which ran before.
+        prompt = np.random.default_rng(0).integers(0, config["vocab_size"], size=args.prompt).tolist()
         prepared = prepare(family, config, prompt, args.new, say)
         variants: dict[str, Any] = {"export": Engine.load(prepared["export"])}
         for lowering in lowerings:
