@@ -322,47 +322,52 @@ def _expert_constant(node: ir.Node, value: ir.Value | None, what: str) -> np.nda
 
 
 class _Builder:
-    """Appends nodes to a list (the root graph's, or a subgraph's) with unique names and a scope."""
+    """Records nodes on an onnx-ir ``Tape`` (for the root graph, or a subgraph's body) with unique names and a
+    scope; ``nodes`` is the tape's list, inserted by the caller."""
 
-    def __init__(self, root: ir.Graph, names: NameFactory, opset: int, scope: str, dtype: np.dtype) -> None:
+    def __init__(
+        self,
+        root: ir.Graph,
+        names: NameFactory,
+        opset: int,
+        scope: str,
+        dtype: np.dtype,
+        tape: ir.tape.Tape | None = None,
+    ) -> None:
         self.root = root
         self.dtype = dtype  # of the hidden state, logits and weights
         self.names = names
         self.opset = opset
         self.scope = scope
-        self.nodes: list[ir.Node] = []
+        self.tape = ir.tape.Tape() if tape is None else tape
 
-    def sub(self, scope: str) -> _Builder:
-        return _Builder(self.root, self.names, self.opset, scope, self.dtype)
+    @property
+    def nodes(self) -> list[ir.Node]:
+        return list(self.tape.nodes)
+
+    def sub(self, scope: str, *, body: bool = False) -> _Builder:
+        """A builder in another scope: on this builder's tape, or on a tape of its own for a subgraph's ``body``."""
+        return _Builder(self.root, self.names, self.opset, scope, self.dtype, None if body else self.tape)
 
     def op(self, op_type: str, inputs: list[ir.Value | None], domain: str = "", outputs: int = 1, **attrs: object):
-        attributes = []
+        attributes: dict[str, object] = {}
         for key, value in attrs.items():
-            if isinstance(value, (bool, int)):
-                attributes.append(ir.AttrInt64(key, int(value)))
-            elif isinstance(value, float):
-                attributes.append(ir.AttrFloat32(key, value))
-            elif isinstance(value, str):
-                attributes.append(ir.AttrString(key, value))
-            elif isinstance(value, ir.Graph):
-                attributes.append(ir.AttrGraph(key, value))
-            elif isinstance(value, ir.Tensor):
-                attributes.append(ir.AttrTensor(key, value))
-            else:
-                attributes.append(ir.AttrInt64s(key, [int(v) for v in value]))
-        node = ir.Node(
-            domain,
+            if isinstance(value, (bool, int, float, str, ir.Graph, ir.Tensor)):
+                attributes[key] = int(value) if isinstance(value, bool) else value
+            else:  # a sequence of integers (axes, perm, ...), possibly numpy scalars
+                attributes[key] = [int(v) for v in value]
+        outs = self.tape.op_multi_out(
             op_type,
             inputs,
-            attributes=attributes,
+            attributes,
             num_outputs=outputs,
+            domain=domain,
             name=self.names(f"/{self.scope}/{op_type}"),
             metadata_props={NAME_SCOPES_KEY: repr([self.scope, op_type.lower()])},
         )
-        for i, out in enumerate(node.outputs):
+        for i, out in enumerate(outs):
             out.name = self.names(f"{self.scope}.{op_type.lower()}" + (f"_{i}" if i else ""))
-        self.nodes.append(node)
-        return node.outputs[0] if outputs == 1 else list(node.outputs)
+        return outs[0] if outputs == 1 else list(outs)
 
     def const(self, hint: str, array: np.ndarray) -> ir.Value:
         """A small constant (axes, indices, scalars) as a ``Constant`` node: not a parameter of the model."""
@@ -554,7 +559,7 @@ def _lower_if(b: _Builder, node: ir.Node, spec: _MoESpec, threshold: ir.Value) -
         if spec.b_down is not None:
             b_down = sub.weight("down_bias", np.ascontiguousarray(spec.b_down[e]))
         run = sub.op("Gather", [runs, index], axis=0)
-        then = sub.sub(sub.scope)
+        then = sub.sub(sub.scope, body=True)
         column = then.op("Gather", [mask_t, index], axis=0)  # [T] bool
         nonzero = then.op("NonZero", [column])  # [1, n]
         tokens = then.op("Squeeze", [nonzero, then.ints(0)])  # [n]
@@ -573,13 +578,12 @@ def _lower_if(b: _Builder, node: ir.Node, spec: _MoESpec, threshold: ir.Value) -
         out = then.op("ScatterND", [acc, positions, y], reduction="add")
         out.dtype, out.shape = hidden.dtype, hidden.shape
         then_graph = ir.Graph([], [out], nodes=then.nodes, name=b.names(f"{sub.scope}.then"))
-        otherwise = sub.sub(sub.scope)
+        otherwise = sub.sub(sub.scope, body=True)
         passed = otherwise.op("Identity", [acc])
         passed.dtype, passed.shape = hidden.dtype, hidden.shape
         else_graph = ir.Graph([], [passed], nodes=otherwise.nodes, name=b.names(f"{sub.scope}.else"))
         acc = sub.op("If", [run], then_branch=then_graph, else_branch=else_graph)
         acc.dtype, acc.shape = hidden.dtype, hidden.shape
-        b.nodes.extend(sub.nodes)
     return acc, mask
 
 
@@ -626,5 +630,4 @@ def _lower_ort_moe(b: _Builder, node: ir.Node, spec: _MoESpec) -> tuple[ir.Value
         **swiglu,
     )
     y.dtype, y.shape = hidden.dtype, hidden.shape
-    b.nodes.extend(experts_scope.nodes)
     return y, mask
