@@ -27,6 +27,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -239,9 +240,13 @@ def _check_replaceable(out: Path) -> None:
     # overwrite=True deletes what is there: make sure it is a bundle (or nothing), never e.g. a home dir.
     # NOTE: the first check runs outside the swap lock, where a concurrent writer's swap (out -> aside, new -> out)
     # can make `out` vanish for a moment: what is gone needs no protecting; the check under the lock decides.
-    if not os.path.lexists(out):
+    # One lstat decides "absent / a directory / something else": two calls (exists, then is_dir) can straddle
+    # a concurrent swap and see a directory that is gone by the second read as "not a directory".
+    try:
+        mode = os.lstat(out).st_mode
+    except FileNotFoundError:
         return
-    if out.is_symlink() or not out.is_dir():
+    if not stat.S_ISDIR(mode):
         raise InvalidInputError(f"refusing to overwrite {out}: it is not a directory, so not a LayerZero bundle")
     manifest = None
     for _attempt in range(5):  # a concurrent swap may replace `out` between our reads: read again

@@ -253,17 +253,18 @@ def test_layerzero_serve_has_the_generate_endpoint(model: Path, tmp_path: Path) 
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, log.read_text()[-3000:]
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", control_port, timeout=1)
-                conn.request("GET", "/healthz")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.3)
+        for port in (control_port, generate_port):  # Triton's side is healthy before the endpoint binds
+            while True:
+                assert process.poll() is None, log.read_text()[-3000:]
+                try:
+                    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+                    conn.request("GET", "/healthz")
+                    if conn.getresponse().status == 200:
+                        break
+                except OSError:
+                    pass
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.3)
         server = GenerateServer.__new__(GenerateServer)  # only its port, for _post
         server._httpd, server.config = None, GenerateServerConfig(port=generate_port)
         status, lines, _ = _post(server, {"prompt_ids": [1, 2], "max_new_tokens": 5})
