@@ -48,6 +48,7 @@ from layerzero.passes._moe.walk import (
     reshape_dims,
     sorted_axes,
     static_ints,
+    zeros_node,
 )
 
 __all__ = ["FORMS", "match_batched_mm", "match_dense", "match_sorted", "match_unrolled"]
@@ -246,20 +247,6 @@ def match_unrolled(w: Walk, end: ir.Node, router: Router) -> dict:
     return {"hidden": ffn.x, "normalize": normalize, **ffn.fields()}
 
 
-def _zeros(w: Walk, value: ir.Value, what: str) -> ir.Node:
-    """``value`` is all zeros: ``ConstantOfShape(0)`` or ``Expand(0, shape)`` (torch's ``zeros``)."""
-    node = w.node(value, ("ConstantOfShape", "Expand"), what)
-    if node.op_type == "ConstantOfShape":
-        fill = node.attributes.get("value")
-        zero = fill is None or not np.any(fill.value.numpy())
-    else:
-        fill = const_array(node.inputs[0])
-        zero = fill is not None and fill.size == 1 and not np.any(fill)
-    need(zero, f"{what} is not 0")
-    w.shareable.add(node)
-    return node
-
-
 def _through_scalars(w: Walk, value: ir.Value) -> ir.Value:
     """Through the ops that keep a one-element value's element (``Reshape``, ``Squeeze``, ``Unsqueeze``,
     ``Cast`` to an integer, ``Gather`` of index 0)."""
@@ -322,7 +309,7 @@ def _expert_counts(w: Walk, sizes: ir.Value, router: Router) -> None:
         f"{what}: ScatterElements is not along the experts axis",
     )
     need(scatter.inputs[1] is router.indices, f"{what}: the one-hot is not of the router's indices")
-    _zeros(w, scatter.inputs[0], f"{what}: the one-hot's zeros")
+    zeros_node(w, scatter.inputs[0], f"{what}: the one-hot's zeros")
     ones = scatter.inputs[2].producer()
     if ones is not None and ones.op_type == "ConstantOfShape":
         fill = ones.attributes.get("value")
@@ -410,7 +397,7 @@ def match_sorted(w: Walk, end: ir.Node, router: Router) -> dict:
     need(end.op_type == "ScatterND", "sorted: the combination is not a ScatterND")
     need(attr_of(end, "reduction", "none") == "add", "sorted: ScatterND does not add")
     rows, order = _token_of_slot(w, end.inputs[1], router)
-    _zeros(w, end.inputs[0], "sorted: the accumulator")
+    zeros_node(w, end.inputs[0], "sorted: the accumulator")
     updates = end.inputs[2]
     producer = updates.producer()
     if producer is not None and producer.op_type == "Expand":

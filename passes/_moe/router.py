@@ -47,6 +47,7 @@ from layerzero.passes._moe.walk import (
     reshape_dims,
     sorted_axes,
     static_dim,
+    zeros_node,
 )
 
 __all__ = [
@@ -642,15 +643,7 @@ def _zeros_like_logits(w: Walk, value: ir.Value, router: Router) -> None:
     """``value`` is zeros of the logits' shape: ``ConstantOfShape(0)`` or ``Expand(0, shape)`` (torch's
     ``zeros``), of ``Shape(logits)`` or with the same inferred (symbolic) shape as the logits."""
     what = "routing matrix: the scattered-into tensor"
-    node = w.node(value, ("ConstantOfShape", "Expand"), what)
-    if node.op_type == "ConstantOfShape":
-        fill = node.attributes.get("value")
-        zero = fill is None or not np.any(fill.value.numpy())
-    else:
-        fill = const_array(node.inputs[0])
-        zero = fill is not None and fill.size == 1 and not np.any(fill)
-    need(zero, f"{what} is not 0")
-    w.shareable.add(node)
+    node = zeros_node(w, value, what)
     source = node.inputs[1] if node.op_type == "Expand" else node.inputs[0]
     shape_of = source.producer()
     if (

@@ -31,6 +31,7 @@ __all__ = [
     "sorted_axes",
     "static_dim",
     "static_ints",
+    "zeros_node",
 ]  # fmt: skip
 
 STD = ("", "ai.onnx")
@@ -238,3 +239,17 @@ def _static(value: ir.Value | None, depth: int, nodes: list[ir.Node]) -> tuple[l
                 out.append(_SHAPE_ARITHMETIC[node.op_type](x, y))
         return out, nodes
     return None
+
+
+def zeros_node(w: Walk, value: ir.Value, what: str) -> ir.Node:
+    """``value`` is all zeros: ``ConstantOfShape(0)`` or ``Expand(0, shape)`` (torch's ``zeros``)."""
+    node = w.node(value, ("ConstantOfShape", "Expand"), what)
+    if node.op_type == "ConstantOfShape":
+        fill = node.attributes.get("value")
+        zero = fill is None or not np.any(fill.value.numpy())
+    else:
+        fill = const_array(node.inputs[0])
+        zero = fill is not None and fill.size == 1 and not np.any(fill)
+    need(zero, f"{what} is not 0")
+    w.shareable.add(node)
+    return node
