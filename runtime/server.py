@@ -10,11 +10,13 @@ Inference is Triton's own KServe v2 API over HTTP and gRPC (on 127.0.0.1), one m
 this process, one thread per instance; the guard is thread-safe). A request picks its guard segment with the
 KServe request parameter ``segment`` (``client.infer(..., parameters={"segment": "chat"})``).
 
-The public HTTP and gRPC ports are this process's fronts (``InferenceFront``, ``GrpcFront``): each request is
-validated before Triton parses it, then its bytes are forwarded over keep-alive connections to Triton, which
-listens on loopback ports of its own (metrics, SageMaker, Vertex AI off). A standby Triton is kept started:
-when the serving one dies the supervisor switches the fronts to it (tens of ms; requests wait, those in
-flight are sent again) and starts the next standby.
+The public HTTP and gRPC ports are the fronts (``InferenceFront``, ``GrpcFront``), in a process of their own
+(``layerzero.runtime._front``: their Python does not compete for this process's GIL with PyTriton's proxy and
+the infer callable): each request is validated before Triton parses it, then its bytes are forwarded over
+keep-alive connections to Triton, which listens on loopback ports of its own (metrics, SageMaker, Vertex AI
+off). A standby Triton is kept started: when the serving one dies the supervisor switches the fronts to it
+(tens of ms; requests wait, those in flight are sent again and run once) and starts the next standby. The
+supervisor restarts the front process too when it dies; its counts live in a mapping this process owns.
 
 Control is a small HTTP server (stdlib, one thread per connection) on ``control_port``, 127.0.0.1 only,
 unauthenticated (bind it to loopback, put a proxy in front for anything else)::
@@ -35,13 +37,13 @@ PyTriton's Python-backend stub links the interpreter's libpython: ``start`` prep
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
 import logging
 import math
 import os
-import re
 import signal
 import socket
 import sysconfig
@@ -55,6 +57,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from layerzero.errors import InvalidInputError, LayerZeroError
+from layerzero.runtime._front import (
+    REQUEST_ID,
+    FrontProcess,
+    FrontSpec,
+    GrpcFront,
+    InferenceFront,
+    RequestError,
+    _BodyReader,
+    _one_line,
+)
 from layerzero.runtime.guard import GuardedEngine
 from layerzero.runtime.triton_repo import IOSpec, model_io
 
@@ -91,6 +103,10 @@ DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 _START_ATTEMPTS = 5
 #: The cap of a control request's body: its JSON documents are a few bytes.
 CONTROL_MAX_BODY_BYTES = 64 * 1024
+#: Answers kept by request id, so that a request sent again (Triton died with it in flight) runs once: at most
+#: this many, and this many bytes of outputs. Only answers in transit when Triton dies are ever asked again.
+_ANSWERS_KEPT = 256
+_ANSWERS_KEPT_BYTES = 64 * 1024 * 1024
 
 
 @dataclasses.dataclass
@@ -144,8 +160,13 @@ class LayerZeroServer:
         self._standby: _TritonInstance | None = None  # started, idle, takes over when the active one dies
         self._standby_thread: threading.Thread | None = None
         self._control: ControlServer | None = None
-        self._front: InferenceFront | None = None
-        self._grpc_front: GrpcFront | None = None
+        self._front: FrontProcess | None = None  # the HTTP (and gRPC) front's process
+        self._front_errors_seen = 0  # of its error count, what metrics has been given
+        self._counts_lock = threading.Lock()
+        self._runs: collections.OrderedDict[str, _Run] = collections.OrderedDict()  # by request id
+        self._runs_bytes = 0
+        self._runs_lock = threading.Lock()
+        self.front_restarts = 0  # times the supervisor restarted the front process
         self._supervisor: threading.Thread | None = None
         self._started = 0.0
         self._stop = threading.Event()
@@ -182,12 +203,10 @@ class LayerZeroServer:
         try:
             self._control = ControlServer(self, cfg.host, cfg.control_port)
             self._control.start()
-            self._front = InferenceFront(self, cfg.host, cfg.http_port)
+            self._front = FrontProcess(self._front_spec())
             self._front.start()
-            if cfg.grpc:
-                self._grpc_front = GrpcFront(self, cfg.host, cfg.grpc_port)
-                self._grpc_front.start()
             self._active = self._start_triton_retrying()
+            self._front.set_triton(self._active.http_port, self._active.grpc_port, self._active.pid)
             self._triton_ready.set()
         except Exception:
             self.stop()
@@ -199,6 +218,15 @@ class LayerZeroServer:
             self._standby_thread.start()
         self._control.ready = True
         logger.info("serving %s: %s", cfg.model_name, self.endpoints())
+
+    def _front_spec(self) -> FrontSpec:
+        cfg = self.config
+        return FrontSpec(
+            model_name=cfg.model_name, inputs=list(self._inputs), outputs=list(self._output_names),
+            index_ranges=dict(self._index_ranges), host=cfg.host, http_port=cfg.http_port,
+            grpc_port=cfg.grpc_port if cfg.grpc else None, max_request_bytes=cfg.max_request_bytes,
+            client_timeout_s=cfg.client_timeout_s, restart_wait_s=cfg.restart_wait_s, instances=cfg.instances,
+        )  # fmt: skip
 
     def _start_triton_retrying(self) -> _TritonInstance:
         # PyTriton's handshake with its Python-backend stubs has a fixed 1 s timeout, which a loaded machine
@@ -230,6 +258,9 @@ class LayerZeroServer:
             allow_metrics=False,
             allow_sagemaker=False,
             allow_vertex_ai=False,
+            # The front's request id reaches the infer callable as a request parameter (see _infer).
+            http_header_forward_pattern=REQUEST_ID,
+            grpc_header_forward_pattern=REQUEST_ID,
             exit_timeout_secs=cfg.exit_timeout_s,
             log_verbose=cfg.log_verbose,
         )
@@ -256,11 +287,15 @@ class LayerZeroServer:
         again, the ones in flight) and are not lost."""
         failures = 0
         while not self._stop.wait(0.05):
+            self.sync_counts()
+            self._keep_front()
             active = self._active
             if active is not None and active.alive():
                 continue
             died = time.monotonic()
             self._triton_ready.clear()
+            if self._front is not None:
+                self._front.restarting()
             logger.error("Triton Inference Server exited unexpectedly; replacing it")
             if active is not None:
                 self._active = None
@@ -293,7 +328,36 @@ class LayerZeroServer:
                     self._stop.set()
                     return
 
+    def _keep_front(self) -> None:
+        """Restart the front process when it died (its ports are free again once it is gone)."""
+        front = self._front
+        if front is None or front.alive() or self._stop.is_set():
+            return
+        logger.error("the inference front (pid %s) exited unexpectedly; restarting it", front.pid)
+        front.stop()
+        try:
+            front.start()  # tells it where Triton is
+        except LayerZeroError as e:
+            logger.error("restarting the inference front failed: %s", _one_line(str(e), 300))
+            return  # tried again on the next round
+        self.front_restarts += 1
+        logger.warning("inference front restarted (pid %s; %d restart(s) so far)", front.pid, self.front_restarts)
+
+    def sync_counts(self) -> None:
+        """Give metrics the errors the front counted since the last call (each once)."""
+        front = self._front
+        if front is None:
+            return
+        with self._counts_lock:
+            errors = front.errors
+            for _ in range(errors - self._front_errors_seen):
+                self.metrics.observe_error()
+            self._front_errors_seen = max(self._front_errors_seen, errors)
+
     def _record_restart(self, died: float, how: str) -> None:
+        active = self._active
+        if self._front is not None and active is not None:
+            self._front.set_triton(active.http_port, active.grpc_port, active.pid)
         self._triton_ready.set()
         self.restarts += 1
         self.last_restart_s = time.monotonic() - died
@@ -347,10 +411,12 @@ class LayerZeroServer:
             if instance is not None:
                 _retire(instance, wait=True)
         self._active = self._standby = None
-        for front in (self._grpc_front, self._front):
-            if front is not None:
-                front.stop()
-        self._front = self._grpc_front = None
+        front = self._front
+        if front is not None:
+            front.stop()
+            self.sync_counts()  # what it counted until it stopped
+            front.close()
+        self._front = None
         control, self._control = self._control, None
         if control is not None:
             control.stop()
@@ -413,40 +479,89 @@ class LayerZeroServer:
             "last_restart_s": self.last_restart_s,
             "standby_ready": self._standby is not None,
             "max_request_bytes": self.config.max_request_bytes,
+            "front": {"pid": self._front.pid if self._front is not None else None, "restarts": self.front_restarts},
         }
+
+    @property
+    def front_pid(self) -> int | None:
+        """The front process's id (for the supervisor's tests)."""
+        return self._front.pid if self._front is not None else None
 
     # -------------------------------------------------------------------------------------------- infer
 
     def _infer(self, requests: list) -> list[dict[str, np.ndarray]]:
         responses = []
         for request in requests:
-            started = time.perf_counter()
+            params = getattr(request, "parameters", None) or {}
+            run, first = self._claim(params.get(REQUEST_ID))
+            if not first and run.done.wait(self.config.restart_wait_s):
+                # The front sent this request again (Triton died with it in flight): the first run's answer, which
+                # was lost with that Triton, run and counted once.
+                if run.error is not None:
+                    raise RuntimeError(run.error)
+                assert run.outputs is not None
+                responses.append(run.outputs)
+                continue
             try:
-                params = getattr(request, "parameters", None) or {}
-                segment = params.get("segment")
-                if segment is not None and not isinstance(segment, str):
-                    raise RequestError(400, 'the request parameter "segment" must be a string')
-                self._check_feeds(request.data)
-                result = self.guard.run(request.data, segment=segment)
-            except Exception as e:
-                # Counted here, marked for the front, which answers the status and the line (no traceback).
-                self.metrics.observe_error()
-                if isinstance(e, RequestError):
-                    status, message = e.status, str(e)
-                elif isinstance(e, InvalidInputError):
-                    status, message = 400, str(e)
-                elif isinstance(e, LayerZeroError):
-                    status, message = 409, str(e)
-                else:
-                    logger.exception("inference failed")
-                    status, message = 500, f"inference failed ({type(e).__name__}); see the server log"
-                # No server paths in an answer to a client: the bundle is named, not where it lies.
-                bundle = self.guard.engine.path
-                message = message.replace(str(Path(bundle).parent) + os.sep, "").replace(str(bundle), Path(bundle).name)
-                raise RuntimeError(f"[layerzero {status}] {_one_line(message)}") from None
-            self.metrics.observe(result, time.perf_counter() - started)
-            responses.append({name: result.outputs[name] for name in self._output_names})
+                outputs = self._infer_one(request, params)
+            except RuntimeError as e:
+                self._finish(run, None, str(e))
+                raise
+            self._finish(run, outputs, None)
+            responses.append(outputs)
         return responses
+
+    def _claim(self, request_id: Any) -> tuple[_Run, bool]:
+        """The run of ``request_id`` and whether this call is the first (``False``: a resent request)."""
+        if not isinstance(request_id, str):
+            return _Run(), True  # not through the front (a test calling Triton directly)
+        with self._runs_lock:
+            run = self._runs.get(request_id)
+            if run is not None:
+                return run, False
+            run = self._runs[request_id] = _Run()
+            return run, True
+
+    def _finish(self, run: _Run, outputs: dict[str, np.ndarray] | None, error: str | None) -> None:
+        run.outputs, run.error = outputs, error
+        run.nbytes = sum(int(a.nbytes) for a in outputs.values()) if outputs is not None else 0
+        run.done.set()
+        with self._runs_lock:
+            self._runs_bytes += run.nbytes
+            # Forget the oldest answers (finished ones only: one being computed is waited for by its resend).
+            while len(self._runs) > _ANSWERS_KEPT or self._runs_bytes > _ANSWERS_KEPT_BYTES:
+                key, oldest = next(iter(self._runs.items()))
+                if not oldest.done.is_set():
+                    break
+                del self._runs[key]
+                self._runs_bytes -= oldest.nbytes
+
+    def _infer_one(self, request: Any, params: dict[str, Any]) -> dict[str, np.ndarray]:
+        started = time.perf_counter()
+        try:
+            segment = params.get("segment")
+            if segment is not None and not isinstance(segment, str):
+                raise RequestError(400, 'the request parameter "segment" must be a string')
+            self._check_feeds(request.data)
+            result = self.guard.run(request.data, segment=segment)
+        except Exception as e:
+            # Counted here, marked for the front, which answers the status and the line (no traceback).
+            self.metrics.observe_error()
+            if isinstance(e, RequestError):
+                status, message = e.status, str(e)
+            elif isinstance(e, InvalidInputError):
+                status, message = 400, str(e)
+            elif isinstance(e, LayerZeroError):
+                status, message = 409, str(e)
+            else:
+                logger.exception("inference failed")
+                status, message = 500, f"inference failed ({type(e).__name__}); see the server log"
+            # No server paths in an answer to a client: the bundle is named, not where it lies.
+            bundle = self.guard.engine.path
+            message = message.replace(str(Path(bundle).parent) + os.sep, "").replace(str(bundle), Path(bundle).name)
+            raise RuntimeError(f"[layerzero {status}] {_one_line(message)}") from None
+        self.metrics.observe(result, time.perf_counter() - started)
+        return {name: result.outputs[name] for name in self._output_names}
 
     def _check_feeds(self, feeds: dict[str, np.ndarray]) -> None:
         # What the front checks for HTTP, again for gRPC (which reaches Triton directly).
@@ -459,37 +574,6 @@ class LayerZeroServer:
             if rows is not None and array.dtype.kind in "iu" and (int(array.min()) < 0 or int(array.max()) >= rows):
                 bad = int(array.min()) if int(array.min()) < 0 else int(array.max())
                 raise RequestError(400, f"input {name!r}: id {bad} is out of range [0, {rows})")
-
-
-# ------------------------------------------------------------------------------------------------ the front
-
-
-class RequestError(Exception):
-    """A request refused with an HTTP status (4xx) and a one-line message; counted as a request error."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(_one_line(message))
-        self.status = status
-
-
-# The infer callable raises with this marker; Triton/PyTriton wrap it in a traceback, the front finds it
-# again and answers its status and line, nothing else.
-_MARKER = re.compile(r"\[layerzero (\d{3})\] ([^\n\\]*)")
-_INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
-# KServe v2 datatypes by Triton config type, and bytes per element (0: variable, BYTES).
-_KSERVE = {
-    "TYPE_BOOL": ("BOOL", 1), "TYPE_UINT8": ("UINT8", 1), "TYPE_UINT16": ("UINT16", 2),
-    "TYPE_UINT32": ("UINT32", 4), "TYPE_UINT64": ("UINT64", 8), "TYPE_INT8": ("INT8", 1),
-    "TYPE_INT16": ("INT16", 2), "TYPE_INT32": ("INT32", 4), "TYPE_INT64": ("INT64", 8),
-    "TYPE_FP16": ("FP16", 2), "TYPE_FP32": ("FP32", 4), "TYPE_FP64": ("FP64", 8), "TYPE_BF16": ("BF16", 2),
-    "TYPE_STRING": ("BYTES", 0),
-}  # fmt: skip
-_MAX_RANK = 16
-
-
-def _one_line(message: str, limit: int = 400) -> str:
-    line = " ".join(str(message).split())
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def index_ranges(model_path: str | os.PathLike[str]) -> dict[str, int]:
@@ -520,744 +604,15 @@ def index_ranges(model_path: str | os.PathLike[str]) -> dict[str, int]:
     return ranges
 
 
-class InferenceFront:
-    """The HTTP front of Triton's KServe v2 API: every inference request is read (capped, with a deadline) and
-    validated against the model before Triton parses it, then forwarded to Triton on a loopback port.
 
-    Cases refused (4xx, one line, counted in ``layerzero_request_errors_total``):
-    1. no or bad ``Content-Length`` (411 / 400), a body over ``max_request_bytes`` (413), a compressed body (415);
-    2. not JSON, nested too deep, not the KServe v2 shape; an unknown model (404), input, output or datatype;
-    3. a shape whose rank or fixed dims differ from the model's, with a negative or empty dim (an empty
-       sequence), or more elements than the body can hold; data whose length differs from the shape;
-    4. integer ids outside an embedding's rows (``index_ranges``); a non-string ``segment``.
-    Triton's own errors are answered with one line: the callable's marker if there is one, else a 5xx without
-    the traceback. While Triton restarts (the supervisor), requests wait for it instead of failing.
-    """
-
-    def __init__(self, server: LayerZeroServer, host: str, port: int) -> None:
-        self.lz = server
-        cfg = server.config
-        self.max_request_bytes = cfg.max_request_bytes
-        self.inputs = {s.name: s for s in server._inputs}
-        self.outputs = set(server._output_names)
-        self.ranges = server._index_ranges
-        handler = type("Handler", (_FrontHandler,), {"front": self, "timeout": cfg.client_timeout_s})
-        try:
-            self._httpd = ThreadingHTTPServer((host, port), handler)
-        except OSError as e:
-            raise InvalidInputError(f"--port-http {port}: cannot listen on {host}:{port}: {e.strerror}") from e
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="layerzero-front", daemon=True)  # fmt: skip
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)
-
-    # -------------------------------------------------------------------------------------- validation
-
-    def validate(self, model: str, body: bytes, header_length: str | None) -> None:
-        """Check one inference request (Case 2-4 of the class doc); raise ``RequestError``."""
-        if model != self.lz.config.model_name:
-            raise RequestError(404, f"no model {model[:100]!r}; this server serves {self.lz.config.model_name!r}")
-        if header_length is not None:
-            if not header_length.isdigit() or len(header_length) > 12 or int(header_length) > len(body):
-                raise RequestError(400, "Inference-Header-Content-Length must be an integer <= the body's length")
-            split = int(header_length)
-            head, binary = body[:split], body[split:]
-        else:
-            head, binary = body, b""
-        try:
-            doc = json.loads(head)
-        except RecursionError:
-            raise RequestError(400, "the request JSON is nested too deeply") from None
-        except (ValueError, UnicodeDecodeError) as e:
-            raise RequestError(400, f"the request body is not JSON: {e}") from None
-        if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list):
-            raise RequestError(400, 'the request must be a JSON object with a list "inputs" (KServe v2)')
-        params = doc.get("parameters", {})
-        if not isinstance(params, dict):
-            raise RequestError(400, '"parameters" must be an object')
-        segment = params.get("segment")
-        if segment is not None and not isinstance(segment, str):
-            raise RequestError(400, 'the request parameter "segment" must be a string')
-        outputs = doc.get("outputs", [])
-        if not isinstance(outputs, list) or not all(isinstance(o, dict) and o.get("name") in self.outputs
-                                                    for o in outputs):  # fmt: skip
-            raise RequestError(400, f'"outputs" must name outputs of the model: {sorted(self.outputs)}')
-        seen: set[str] = set()
-        offset = 0
-        for tensor in doc["inputs"]:
-            if not isinstance(tensor, dict) or not isinstance(tensor.get("name"), str):
-                raise RequestError(400, 'each input must be an object with a "name"')
-            name = tensor["name"]
-            spec = self.inputs.get(name)
-            if spec is None:
-                raise RequestError(400, f"unknown input {name[:100]!r}; the model's inputs: {sorted(self.inputs)}")
-            if name in seen:
-                raise RequestError(400, f"input {name!r} is given twice")
-            seen.add(name)
-            offset = self._check_tensor(spec, tensor, binary, offset)
-        missing = sorted(set(self.inputs) - seen)
-        if missing:
-            raise RequestError(400, f"missing input(s) {missing}")
-        if offset != len(binary):
-            raise RequestError(400, f"the binary data holds {len(binary)} bytes, the inputs declare {offset}")
-
-    def check_shape(self, spec: IOSpec, shape: list[int]) -> int:
-        """Check a request's ``shape`` of input ``spec`` (Case 3, for HTTP and gRPC); its number of elements."""
-        name = spec.name
-        if any(d < 0 for d in shape):
-            raise RequestError(400, f"input {name!r}: shape {shape} has a negative dim")
-        if len(shape) != len(spec.dims):
-            raise RequestError(400, f"input {name!r}: shape {shape} has rank {len(shape)}, the model expects "
-                                    f"{len(spec.dims)} (dims {list(spec.dims)}, -1 = any)")  # fmt: skip
-        for got, want in zip(shape, spec.dims, strict=True):
-            if want > 0 and got != want:
-                raise RequestError(400, f"input {name!r}: shape {shape} does not match the model's dims "
-                                        f"{list(spec.dims)} (-1 = any)")  # fmt: skip
-        # Bounded before any product can grow: each element takes at least one byte of the body.
-        count = 1
-        for d in shape:
-            count *= d
-            if count > self.max_request_bytes:
-                raise RequestError(400, f"input {name!r}: shape {shape[:8]} has more elements than a request "
-                                        f"of at most {self.max_request_bytes} bytes can carry")  # fmt: skip
-        if count == 0:
-            raise RequestError(400, f"input {name!r}: shape {shape} is empty (an empty sequence cannot be served)")
-        return count
-
-    def _check_tensor(self, spec: IOSpec, tensor: dict, binary: bytes, offset: int) -> int:
-        name = spec.name
-        datatype, itemsize = _KSERVE.get(spec.data_type, (spec.data_type, 0))
-        if tensor.get("datatype") != datatype:
-            got = str(tensor.get("datatype"))[:40]
-            raise RequestError(400, f"input {name!r}: datatype must be {datatype}, got {got!r}")
-        shape = tensor.get("shape")
-        if (not isinstance(shape, list) or len(shape) > _MAX_RANK
-                or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape)):  # fmt: skip
-            raise RequestError(400, f"input {name!r}: shape must be a list of at most {_MAX_RANK} integers")
-        count = self.check_shape(spec, shape)
-        tparams = tensor.get("parameters", {})
-        if not isinstance(tparams, dict):
-            raise RequestError(400, f"input {name!r}: parameters must be an object")
-        size = tparams.get("binary_data_size")
-        if size is not None:
-            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise RequestError(400, f"input {name!r}: binary_data_size must be a non-negative integer")
-            if itemsize and size != count * itemsize:
-                raise RequestError(400, f"input {name!r}: binary_data_size {size} != {count} elements × {itemsize}")
-            if offset + size > len(binary):
-                raise RequestError(400, f"input {name!r}: binary_data_size {size} runs past the body")
-            if itemsize and name in self.ranges:
-                values = np.frombuffer(binary, dtype=spec.numpy_dtype, count=count, offset=offset)
-                self._check_range(name, values)
-            return offset + size
-        data = tensor.get("data")
-        if not isinstance(data, list):
-            raise RequestError(400, f'input {name!r}: "data" must be a list (or use binary_data_size)')
-        flat = _flatten(data, name)
-        if len(flat) != count:
-            raise RequestError(400, f"input {name!r}: {len(flat)} values for shape {shape} ({count} elements)")
-        if itemsize:
-            kind = np.dtype(spec.numpy_dtype).kind if spec.data_type != "TYPE_BF16" else "f"
-            ok = (bool,) if kind == "b" else (int,) if kind in "iu" else (int, float)
-            if not all(isinstance(v, ok) and (kind == "b" or not isinstance(v, bool)) for v in flat):
-                raise RequestError(400, f"input {name!r}: values must be {datatype} numbers")
-            if name in self.ranges:
-                self._check_range(name, flat)
-        return offset
-
-    def _check_range(self, name: str, values: Any) -> None:
-        rows = self.ranges[name]
-        array = np.asarray(values)
-        if array.size and (int(array.min()) < 0 or int(array.max()) >= rows):
-            bad = int(array.min()) if int(array.min()) < 0 else int(array.max())
-            raise RequestError(400, f"input {name!r}: id {bad} is out of range [0, {rows})")
-
-    # ------------------------------------------------------------------------------------------ forward
-
-    def forward(
-        self, handler: _FrontHandler, method: str, body: bytes | None
-    ) -> tuple[int, list[tuple[str, str]], bytes]:
-        """Send the request to Triton (waiting out a restart) and return its status, headers and body."""
-        headers = [(k, v) for k, v in handler.headers.items()
-                   if k.lower() in ("content-type", "inference-header-content-length", "accept")]  # fmt: skip
-        deadline = time.monotonic() + self.lz.config.restart_wait_s
-        while True:
-            # While the supervisor replaces Triton, wait for it: the request is served late, not lost.
-            lz = self.lz
-            if not lz._triton_ready.wait(timeout=max(0.0, deadline - time.monotonic())) or lz._stop.is_set():
-                raise RequestError(503, "the inference server is restarting; retry")
-            active = lz._active
-            if active is None:
-                time.sleep(0.005)
-                continue
-            try:
-                status, kept, data, close = handler.upstream(active.http_port).exchange(
-                    method, handler.path, headers, body
-                )
-                if close:
-                    handler.drop_upstream()
-                return status, kept, data
-            except (ConnectionError, OSError, ValueError):
-                # A keep-alive connection Triton closed, or Triton died with this request in flight (the
-                # supervisor switches to the standby within ~50 ms): send it again, to whichever serves then.
-                handler.drop_upstream()
-                if time.monotonic() > deadline or lz._stop.is_set():
-                    raise RequestError(503, "the inference server is restarting; retry") from None
-                time.sleep(0.01)
-
-
-# ------------------------------------------------------------------------------------------- the gRPC front
-
-_GRPC_SERVICE = "/inference.GRPCInferenceService/"
-#: What the gRPC front forwards: inference and read-only queries. Not the repository (load / unload), shared
-#: memory, trace or log settings (as over HTTP, where only inference is POSTed), nor the bidirectional stream.
-_GRPC_FORWARDED = frozenset({"ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
-                             "ModelConfig", "ModelStatistics", "ModelInfer"})  # fmt: skip
-#: The InferTensorContents field that carries each KServe datatype (FP16 / BF16: raw_input_contents only).
-_GRPC_CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
-                  "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
-                  "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
-                  "FP64": "fp64_contents", "BYTES": "bytes_contents"}  # fmt: skip
-
-
-def _grpc_code(status: int) -> Any:
-    import grpc
-
-    codes = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
-             405: grpc.StatusCode.UNIMPLEMENTED, 408: grpc.StatusCode.DEADLINE_EXCEEDED,
-             409: grpc.StatusCode.FAILED_PRECONDITION, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-             503: grpc.StatusCode.UNAVAILABLE}  # fmt: skip
-    return codes.get(status, grpc.StatusCode.INVALID_ARGUMENT if 400 <= status < 500 else grpc.StatusCode.INTERNAL)
-
-
-class GrpcFront:
-    """The gRPC front of Triton's KServe v2 API (``inference.GRPCInferenceService``): the public gRPC port.
-    Each ``ModelInfer`` is parsed and validated as the HTTP front validates, then its bytes forwarded as they
-    came to Triton's own gRPC port on loopback; the answer's bytes come back as they are.
-
-    Cases refused (a gRPC status with a one-line message, counted in ``layerzero_request_errors_total``):
-    1. a message that is not a ``ModelInferRequest`` (INVALID_ARGUMENT); an unknown model (NOT_FOUND);
-    2. an unknown or repeated input, a wrong datatype, a shape the model does not take, an empty one (an empty
-       sequence), raw contents whose size differs from the shape's, typed contents of the wrong count;
-    3. token ids outside an embedding's rows; a ``segment`` parameter that is not a string; unknown outputs;
-    4. Triton's own errors: the callable's marker's status and line, or INTERNAL without the traceback.
-    Methods other than inference and read-only queries are UNIMPLEMENTED (not counted: not inference). A
-    message over ``max_request_bytes`` is refused by gRPC itself (RESOURCE_EXHAUSTED) before it is read, so
-    it is not counted either.
-    """
-
-    def __init__(self, server: LayerZeroServer, host: str, port: int) -> None:
-        import concurrent.futures
-
-        import grpc
-
-        self.lz = server
-        self._channels: dict[int, Any] = {}
-        self._lock = threading.Lock()
-        workers = max(8, 4 * server.config.instances)
-        # so_reuseport 0: gRPC's default lets a second server bind the same port (and steal half the calls).
-        options = [("grpc.max_receive_message_length", server.config.max_request_bytes),
-                   ("grpc.max_send_message_length", -1), ("grpc.so_reuseport", 0)]  # fmt: skip
-        self._server = grpc.server(
-            concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="layerzero-grpc"),
-            handlers=[_GrpcHandler(self)],
-            options=options,
-            maximum_concurrent_rpcs=1024,
-        )
-        try:
-            bound = self._server.add_insecure_port(f"{host}:{port}")
-        except RuntimeError:
-            bound = 0
-        if not bound:
-            raise InvalidInputError(f"--port-grpc {port}: cannot listen on {host}:{port}")
-
-    def start(self) -> None:
-        self._server.start()
-
-    def stop(self) -> None:
-        self._server.stop(grace=1.0).wait(5)
-        with self._lock:
-            channels, self._channels = self._channels, {}
-        for channel in channels.values():
-            channel.close()
-
-    def _channel(self, port: int) -> Any:
-        import grpc
-
-        with self._lock:
-            channel = self._channels.get(port)
-            if channel is None:
-                for old in self._channels.values():  # a replaced Triton's
-                    old.close()
-                self._channels = {}
-                channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[
-                    ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)])  # fmt: skip
-                self._channels[port] = channel
-            return channel
-
-    # -------------------------------------------------------------------------------------- validation
-
-    def validate(self, raw: bytes) -> None:
-        """Check one ``ModelInferRequest`` (Cases 1-3 of the class doc); raise ``RequestError``."""
-        from google.protobuf.message import DecodeError
-        from tritonclient.grpc import service_pb2
-
-        front = self.lz._front
-        assert front is not None
-        try:
-            request = service_pb2.ModelInferRequest.FromString(raw)
-        except (DecodeError, RecursionError, ValueError):
-            raise RequestError(400, "the message is not a ModelInferRequest") from None
-        model = self.lz.config.model_name
-        if request.model_name != model:
-            raise RequestError(404, f"no model {request.model_name[:100]!r}; this server serves {model!r}")
-        if "segment" in request.parameters and request.parameters["segment"].WhichOneof("parameter_choice") != (
-            "string_param"
-        ):
-            raise RequestError(400, 'the request parameter "segment" must be a string')
-        for output in request.outputs:
-            if output.name not in front.outputs:
-                raise RequestError(400, f"outputs must name outputs of the model: {sorted(front.outputs)}")
-        raw_contents = list(request.raw_input_contents)
-        if raw_contents and len(raw_contents) != len(request.inputs):
-            raise RequestError(400, f"{len(raw_contents)} raw_input_contents for {len(request.inputs)} inputs")
-        seen: set[str] = set()
-        for i, tensor in enumerate(request.inputs):
-            spec = front.inputs.get(tensor.name)
-            if spec is None:
-                raise RequestError(400, f"unknown input {tensor.name[:100]!r}; the model's inputs: "
-                                        f"{sorted(front.inputs)}")  # fmt: skip
-            if tensor.name in seen:
-                raise RequestError(400, f"input {tensor.name!r} is given twice")
-            seen.add(tensor.name)
-            datatype, itemsize = _KSERVE.get(spec.data_type, (spec.data_type, 0))
-            if tensor.datatype != datatype:
-                raise RequestError(400, f"input {spec.name!r}: datatype must be {datatype}, got "
-                                        f"{tensor.datatype[:40]!r}")  # fmt: skip
-            if len(tensor.shape) > _MAX_RANK:
-                raise RequestError(400, f"input {spec.name!r}: shape must have at most {_MAX_RANK} dims")
-            count = front.check_shape(spec, [int(d) for d in tensor.shape])
-            if raw_contents:
-                data = raw_contents[i]
-                if itemsize and len(data) != count * itemsize:
-                    raise RequestError(400, f"input {spec.name!r}: {len(data)} bytes of raw contents != {count} "
-                                            f"elements × {itemsize}")  # fmt: skip
-                if itemsize and spec.name in front.ranges:
-                    front._check_range(spec.name, np.frombuffer(data, dtype=spec.numpy_dtype, count=count))
-                continue
-            field = _GRPC_CONTENTS.get(datatype)
-            values = getattr(tensor.contents, field) if field is not None else ()
-            if len(values) != count:
-                raise RequestError(400, f"input {spec.name!r}: {len(values)} values for shape {list(tensor.shape)} "
-                                        f"({count} elements)")  # fmt: skip
-            if spec.name in front.ranges:
-                front._check_range(spec.name, np.asarray(values, dtype=np.int64))
-        missing = sorted(set(front.inputs) - seen)
-        if missing:
-            raise RequestError(400, f"missing input(s) {missing}")
-
-    # ------------------------------------------------------------------------------------------ forward
-
-    def call(self, method: str, raw: bytes, context: Any) -> bytes:
-        """Validate (``ModelInfer``) and forward one unary call; errors end it with a status and one line."""
-        import grpc
-
-        infer = method.endswith("/ModelInfer")
-        try:
-            if infer:
-                self.validate(raw)
-            return self._forward(method, raw, context)
-        except RequestError as e:
-            if infer:
-                self.lz.metrics.observe_error()
-            code, message = _grpc_code(e.status), str(e)
-        except _GrpcUpstreamError as e:
-            if infer and not e.counted:
-                self.lz.metrics.observe_error()
-            code, message = e.code, e.message
-        except Exception as e:  # a bug of ours: one line to the client, the traceback to our log
-            logger.exception("gRPC front: %s failed", method)
-            if infer:
-                self.lz.metrics.observe_error()
-            code, message = grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__}); see the server log"
-        context.abort(code, _one_line(message))
-        raise AssertionError("unreachable: context.abort raises")
-
-    def _forward(self, method: str, raw: bytes, context: Any) -> bytes:
-        import grpc
-
-        lz = self.lz
-        deadline = time.monotonic() + lz.config.restart_wait_s
-        while True:
-            if not lz._triton_ready.wait(timeout=max(0.0, deadline - time.monotonic())) or lz._stop.is_set():
-                raise RequestError(503, "the inference server is restarting; retry")
-            active = lz._active
-            if active is None:
-                time.sleep(0.005)
-                continue
-            remaining = context.time_remaining()  # no deadline: None, or (some gRPC versions) ~infinite
-            if remaining is not None and remaining > 1e6:
-                remaining = None
-            try:
-                return self._channel(active.grpc_port).unary_unary(method)(raw, timeout=remaining)
-            except grpc.RpcError as e:
-                code = e.code()
-                if code == grpc.StatusCode.UNAVAILABLE and not (active.alive() and lz._active is active):
-                    # Triton died with this call in flight, or is being replaced: send it again.
-                    if time.monotonic() > deadline or lz._stop.is_set():
-                        raise RequestError(503, "the inference server is restarting; retry") from None
-                    time.sleep(0.01)
-                    continue
-                raise _GrpcUpstreamError.of(code, str(e.details() or "")) from None
-
-
-class _GrpcUpstreamError(Exception):
-    """Triton's own gRPC error, made one line (and whether the infer callable counted it already)."""
-
-    def __init__(self, code: Any, message: str, counted: bool) -> None:
-        super().__init__(message)
-        self.code, self.message, self.counted = code, message, counted
-
-    @classmethod
-    def of(cls, code: Any, details: str) -> _GrpcUpstreamError:
-        marked = _MARKER.search(details)
-        if marked is not None:  # raised (and counted) by the infer callable
-            return cls(_grpc_code(int(marked.group(1))), marked.group(2), True)
-        if "Traceback" in details or 'File "' in details:
-            logger.warning("Triton answered gRPC %s: %s", code, _one_line(details, 2000))
-            return cls(code, "inference failed; see the server log", False)
-        return cls(code, details.strip().splitlines()[0] if details.strip() else str(code), False)
-
-
-class _GrpcHandler:
-    """Routes every method of the inference service: forwarded ones to ``GrpcFront.call``, bytes in and out."""
-
-    def __init__(self, front: GrpcFront) -> None:
-        self.front = front
-
-    def service(self, details: Any) -> Any:
-        import grpc
-
-        method = details.method or ""
-        name = method[len(_GRPC_SERVICE):] if method.startswith(_GRPC_SERVICE) else None
-        if name not in _GRPC_FORWARDED:
-            return None  # gRPC answers UNIMPLEMENTED
-        return grpc.unary_unary_rpc_method_handler(lambda raw, context: self.front.call(method, raw, context))
-
-
-def _flatten(data: list, name: str) -> list:
-    flat: list = []
-    stack = [iter(data)]
-    while stack:
-        for item in stack[-1]:
-            if isinstance(item, list):
-                if len(stack) > _MAX_RANK:
-                    raise RequestError(400, f"input {name!r}: data is nested deeper than {_MAX_RANK}")
-                stack.append(iter(item))
-                break
-            flat.append(item)
-        else:
-            stack.pop()
-    return flat
-
-
-class _TritonConnection:
-    """A keep-alive HTTP/1.1 connection to Triton's loopback port: the request in one send, the answer's status,
-    the headers the front keeps, and its body. Not ``http.client``: its email-parser headers and request
-    building were a third of the front's CPU per request; Triton's answers need none of that generality."""
-
-    def __init__(self, port: int, timeout: float = 300.0) -> None:
-        self.port = port
-        self._sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._reader = self._sock.makefile("rb")
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._reader.close()
-            self._sock.close()
-
-    def exchange(
-        self, method: str, path: str, headers: list[tuple[str, str]], body: bytes | None
-    ) -> tuple[int, list[tuple[str, str]], bytes, bool]:
-        """Send one request; its status, kept headers, body and whether Triton closes the connection.
-
-        Raises:
-            ConnectionError: Triton closed the connection or answered what is not HTTP/1.x.
-        """
-        lines = [f"{method} {path} HTTP/1.1", f"Host: 127.0.0.1:{self.port}"] + [f"{k}: {v}" for k, v in headers]
-        if body is not None:
-            lines.append(f"Content-Length: {len(body)}")
-        self._sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b""))
-        status_line = self._reader.readline(65537)
-        parts = status_line.split(None, 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-            raise ConnectionError("Triton closed the connection" if not status_line else "not an HTTP answer")
-        status = int(parts[1])
-        kept: list[tuple[str, str]] = []
-        length, close, chunked = None, parts[0] == b"HTTP/1.0", False
-        for _ in range(200):
-            line = self._reader.readline(65537)
-            if line in (b"\r\n", b"\n"):
-                break
-            if not line:
-                raise ConnectionError("Triton closed the connection in the headers")
-            key, _, value = line.decode("latin-1").partition(":")
-            key, value = key.strip(), value.strip()
-            low = key.lower()
-            if low == "content-length":
-                length = int(value)
-            elif low == "connection":
-                close = value.lower() == "close"
-            elif low == "transfer-encoding":
-                chunked = "chunked" in value.lower()
-            elif low in ("content-type", "inference-header-content-length"):
-                kept.append((key, value))
-        else:
-            raise ConnectionError("Triton answered too many headers")
-        if method == "HEAD" or status in (204, 304) or status < 200:
-            data = b""
-        elif chunked:
-            chunks = []
-            while True:
-                size = int(self._reader.readline(65537).split(b";")[0].strip() or b"0", 16)
-                if size == 0:
-                    while self._reader.readline(65537) not in (b"\r\n", b"\n", b""):
-                        pass
-                    break
-                chunks.append(self._read(size))
-                self._reader.readline(65537)
-            data = b"".join(chunks)
-        elif length is not None:
-            data = self._read(length)
-        else:
-            data, close = self._reader.read(), True
-        return status, kept, data, close
-
-    def _read(self, n: int) -> bytes:
-        data = self._reader.read(n)
-        if len(data) < n:
-            raise ConnectionError(f"Triton closed the connection after {len(data)} of {n} bytes")
-        return data
-
-
-class _Headers(dict):
-    """A request's headers by lower-cased name (the last of repeated ones): what the front reads of them."""
-
-    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
-        return super().get(key.lower(), default)
-
-    def __getitem__(self, key: str) -> Any:
-        return super().get(key.lower())
-
-
-class _BodyReader:
-    """Content-Length handling shared by the front and the control server (411 / 400 / 413 / 408), and the
-    writing of a whole answer in one send.
-
-    Why one send and TCP_NODELAY: ``BaseHTTPRequestHandler`` writes the headers and the body in two sends; with
-    Nagle's algorithm on, the second waits for the ACK of the first, which the client delays (up to 40 ms on
-    Linux). That was the front's +18 ms p50 (+38 ms with one client) over bare Triton.
-    """
-
-    def setup(self: Any) -> None:
-        super().setup()  # type: ignore[misc]
-        with contextlib.suppress(OSError):
-            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def send_whole(self: Any, status: int, headers: list[tuple[str, str]], body: bytes, *, head: bool = False) -> None:
-        """The status line, ``headers``, Content-Length and ``body`` (not for HEAD) in one write."""
-        self.send_response(status)
-        for key, value in headers:
-            self.send_header(key, value)
-        self.send_header("Content-Length", str(len(body)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self._headers_buffer.append(b"\r\n")
-        if not head:
-            self._headers_buffer.append(body)
-        self.flush_headers()
-
-    def read_body(self: Any, limit: int) -> bytes:
-        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-            raise RequestError(411, "chunked bodies are not accepted; send a Content-Length")
-        text = self.headers.get("Content-Length")
-        if text is None:
-            if self.command in ("POST", "PUT"):
-                raise RequestError(411, "a Content-Length header is required")
-            return b""
-        text = text.strip()
-        if not text.isdigit() or len(text) > 15:
-            raise RequestError(400, f"Content-Length {text[:20]!r} is not a non-negative integer")
-        length = int(text)
-        if length > limit:
-            raise RequestError(413, f"the body is {length} bytes; at most {limit} are accepted")
-        # A deadline for the whole body, not per read: a client sending a byte every few seconds is cut off.
-        deadline = time.monotonic() + float(self.timeout or 30)
-        chunks, left = [], length
-        while left:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RequestError(408, "the request body was not received in time")
-            self.connection.settimeout(remaining)
-            try:
-                chunk = self.rfile.read1(min(left, 1 << 20))
-            except (TimeoutError, OSError):
-                raise RequestError(408, "the request body was not received in time") from None
-            if not chunk:
-                raise RequestError(400, f"the body ended after {length - left} of {length} bytes")
-            chunks.append(chunk)
-            left -= len(chunk)
-        self.connection.settimeout(self.timeout)
-        return b"".join(chunks)
-
-    def send_error_line(self: Any, status: int, message: str) -> None:
-        if status in (408, 411, 413) or status >= 500:
-            self.close_connection = True  # the rest of the body (if any) is not read: do not parse it as a request
-        body = (json.dumps({"error": _one_line(message)}) + "\n").encode()
-        headers = [("Content-Type", "application/json")]
-        if status == 503:  # Triton could not be replaced within restart_wait_s
-            headers.append(("Retry-After", "1"))
-        try:
-            self.send_whole(status, headers, body)
-        except OSError:
-            self.close_connection = True
-
-
-class _FrontHandler(_BodyReader, BaseHTTPRequestHandler):
-    front: InferenceFront
-    protocol_version = "HTTP/1.1"
-    _conn: _TritonConnection | None = None
-
-    def upstream(self, port: int) -> _TritonConnection:
-        """This client connection's keep-alive connection to Triton (a new one once Triton was replaced)."""
-        if self._conn is not None and self._conn.port != port:
-            self.drop_upstream()
-        if self._conn is None:
-            self._conn = _TritonConnection(port)
-        return self._conn
-
-    def parse_request(self) -> bool:
-        """The request line and headers of a plain HTTP/1.x request, without the email parser (the base
-        class's, a sixth of the front's CPU per request); anything else goes to the base class as before."""
-        line = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
-        words = line.split()
-        if len(words) != 3 or words[2] not in ("HTTP/1.1", "HTTP/1.0") or not words[1].startswith("/"):
-            return bool(super().parse_request())
-        self.requestline, (self.command, self.path, self.request_version) = line, words
-        headers = _Headers()
-        for _ in range(100):
-            raw = self.rfile.readline(65537)
-            if len(raw) > 65536:
-                self.close_connection = True
-                self.send_error_line(431, "a request header is longer than 65536 bytes")
-                return False
-            if raw in (b"\r\n", b"\n", b""):
-                break
-            key, sep, value = raw.decode("iso-8859-1").partition(":")
-            if not sep or not key.strip() or key != key.strip():
-                self.close_connection = True
-                self.send_error_line(400, f"malformed request header {key.strip()[:40]!r}")
-                return False
-            headers[key.lower()] = value.strip()
-        else:
-            self.close_connection = True
-            self.send_error_line(431, "more than 100 request headers")
-            return False
-        self.headers = headers  # type: ignore[assignment]
-        connection = headers.get("connection", "").lower()
-        self.close_connection = connection == "close" or (self.request_version == "HTTP/1.0"
-                                                          and connection != "keep-alive")  # fmt: skip
-        expects = headers.get("expect", "").lower() == "100-continue"
-        return not expects or bool(self.handle_expect_100())
-
-    def drop_upstream(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-    def finish(self) -> None:
-        self.drop_upstream()
-        super().finish()
-
-    def do_GET(self) -> None:
-        self._handle("GET")
-
-    def do_HEAD(self) -> None:
-        self._handle("HEAD")
-
-    def do_POST(self) -> None:
-        self._handle("POST")
-
-    def do_PUT(self) -> None:
-        self._refuse_method()
-
-    do_DELETE = do_PATCH = do_OPTIONS = do_PUT
-
-    def _refuse_method(self) -> None:
-        self.send_error_line(405, f"{self.command} is not served; use GET or POST")
-
-    def _handle(self, method: str) -> None:
-        front, lz = self.front, self.front.lz
-        path = self.path.split("?", 1)[0]
-        infer = _INFER_PATH.match(path)
-        counted = False
-        try:
-            if method == "POST" and infer is None:
-                raise RequestError(404, f"POST {path[:100]!r} is not served; inference is POST /v2/models/NAME/infer")
-            body = self.read_body(front.max_request_bytes) if method == "POST" else None
-            if infer is not None:
-                if (self.headers.get("Content-Encoding") or "identity").lower() != "identity":
-                    raise RequestError(415, "compressed request bodies are not accepted")
-                front.validate(infer.group(1), body or b"", self.headers.get("Inference-Header-Content-Length"))
-            status, headers, data = front.forward(self, method, body)
-            if status >= 400:
-                counted = infer is not None
-                status, data, headers = self._rewrite_error(status, data, infer is not None)
-            self.send_whole(status, headers, data, head=method == "HEAD")
-        except RequestError as e:
-            if infer is not None and not counted:
-                lz.metrics.observe_error()
-            self.send_error_line(e.status, str(e))
-        except OSError:
-            self.close_connection = True  # the client went away
-        except Exception as e:  # a bug of ours: one line to the client, the traceback to our log
-            logger.exception("front: %s %s failed", method, path)
-            if infer is not None and not counted:
-                lz.metrics.observe_error()
-            self.send_error_line(500, f"internal error ({type(e).__name__}); see the server log")
-
-    def _rewrite_error(self, status: int, data: bytes, infer: bool) -> tuple[int, bytes, list[tuple[str, str]]]:
-        # Triton's error bodies carry PyTriton's traceback (and this server's paths): keep one line.
-        try:
-            text = str(json.loads(data).get("error", ""))
-        except (ValueError, AttributeError):
-            text = data.decode("utf-8", "replace")
-        marked = _MARKER.search(text)
-        if marked is not None:  # raised (and counted) by the infer callable
-            status, message = int(marked.group(1)), marked.group(2)
-        else:
-            if infer:
-                self.front.lz.metrics.observe_error()
-            first = text.strip().splitlines()[0] if text.strip() else ""
-            if "Traceback" in text or "File \"" in text or status >= 500:
-                message = "inference failed; see the server log"
-                logger.warning("Triton answered %d: %s", status, _one_line(text, 2000))
-            else:
-                message = first
-        body = (json.dumps({"error": _one_line(message)}) + "\n").encode()
-        return status, body, [("Content-Type", "application/json")]
-
-    def log_message(self, format: str, *args: Any) -> None:
-        logger.debug("front %s - " + format, self.address_string(), *args)
-
+@dataclasses.dataclass
+class _Run:
+    """One request's run in the infer callable, by the front's request id: its answer once done."""
+
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    outputs: dict[str, np.ndarray] | None = None
+    error: str | None = None  # the marked message the callable raised
+    nbytes: int = 0
 
 
 class ControlServer:
@@ -1326,6 +681,7 @@ class _ControlHandler(_BodyReader, BaseHTTPRequestHandler):
     def _get(self) -> None:
         self.read_body(CONTROL_MAX_BODY_BYTES)  # consumed (and capped) so that keep-alive stays in step
         path = self.path.split("?", 1)[0].rstrip("/")
+        self.lz.sync_counts()  # the front's counts up to now, in /metrics and /status alike
         if path == "/metrics":
             from layerzero.runtime.metrics import CONTENT_TYPE
 
