@@ -147,6 +147,9 @@ def _bad_requests(ids: np.ndarray) -> list[tuple[str, bytes, dict[str, str], int
         ("binary header past body", variant(), {"Inference-Header-Content-Length": "99999"}, 400),
         ("binary size mismatch", binary + b"abc", {"Inference-Header-Content-Length": str(len(binary))}, 400),
         ("gzip", variant(), {"Content-Encoding": "gzip"}, 415),
+        # The front's own request id (it names a cached answer) cannot come from a client.
+        ("reserved parameter", json.dumps({**good, "parameters": {"layerzero-request-id": "1-x-1"}}).encode(), {},
+         400),
     ]
 
 
@@ -303,7 +306,10 @@ def test_only_the_fronts_are_public_triton_listens_on_loopback(served: SimpleNam
     _wait_for_standby(server)
     public = {served.http, served.grpc, served.control}
     mine = _listening(os.getpid())
-    assert public <= {port for _, port in mine}, mine
+    assert served.control in {port for _, port in mine}, mine
+    assert server.front_pid is not None and server.front_pid != os.getpid()
+    fronts = _listening(server.front_pid)  # the HTTP and gRPC fronts: a process of their own
+    assert {port for _, port in fronts} == {served.http, served.grpc}, fronts
     for pid in (server.triton_pid, server.standby_pid):
         assert pid is not None
         sockets = _listening(pid)
@@ -529,9 +535,10 @@ def test_killed_triton_is_replaced_in_under_a_second_and_no_request_lost(served:
     assert server.restarts == restarts + 1 and server.triton_pid == standby != pid
     assert server.last_restart_s is not None and server.last_restart_s < 1.0, server.last_restart_s
     requests_after, errors_after = _counters(served)
-    # A request in flight when Triton died ran in the infer callable (this process) but its answer was lost with
-    # Triton: the front sends it again, so it is run, and counted, twice; at most one per client.
-    assert 5 * 12 <= requests_after - requests_before <= 5 * 12 + 5 and errors_after == errors_before
+    # A request in flight when Triton died may have run in the infer callable (this process) with its answer
+    # lost with Triton: the front sends it again with the same request id, and the callable answers it from
+    # that first run. Each request is counted exactly once.
+    assert requests_after - requests_before == 5 * 12 and errors_after == errors_before
     # The dead Triton's Python-backend stubs (orphaned by the SIGKILL, deaf to SIGTERM) are gone too.
     deadline = time.monotonic() + 60
     while _stubs(workspace) and time.monotonic() < deadline:
@@ -540,3 +547,149 @@ def test_killed_triton_is_replaced_in_under_a_second_and_no_request_lost(served:
     # A new standby comes up for the next time.
     _wait_for_standby(server)
     assert server.standby_pid not in (pid, standby)
+
+
+def test_grpc_messages_over_the_limit_are_refused_and_counted(served: SimpleNamespace) -> None:
+    """A ModelInfer over --max-request-bytes is RESOURCE_EXHAUSTED and counted: one a little over the limit by
+    the front's code (one line of its own), one far over it by gRPC itself (counted as its call ends)."""
+    import grpc
+    from tritonclient.grpc import service_pb2
+
+    requests_before, errors_before = _counters(served)
+    channel = grpc.insecure_channel(f"127.0.0.1:{served.grpc}", options=[("grpc.max_send_message_length", -1)])
+    infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+                                response_deserializer=service_pb2.ModelInferResponse.FromString)  # fmt: skip
+
+    def message(n: int) -> service_pb2.ModelInferRequest:
+        r = service_pb2.ModelInferRequest(model_name="layerzero")
+        r.inputs.add(name="input_ids", datatype="INT64", shape=[1, n])
+        r.raw_input_contents.append(np.zeros((1, n), np.int64).tobytes())
+        return r
+
+    try:
+        code, details = _grpc_error(lambda: infer(message(MAX_BYTES // 8 + 1000), timeout=60))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and f"at most {MAX_BYTES}" in details, details
+        code, details = _grpc_error(lambda: infer(message(4 * MAX_BYTES // 8), timeout=60))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+    finally:
+        channel.close()
+    # The second is counted when gRPC drops its call, just after answering: wait for it (bounded).
+    deadline = time.monotonic() + 10
+    while _counters(served)[1] - errors_before < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    requests_after, errors_after = _counters(served)
+    assert errors_after - errors_before == 2 and requests_after == requests_before
+
+
+def test_killed_front_is_restarted_and_no_count_lost(served: SimpleNamespace) -> None:
+    """SIGKILL the front process: the supervisor starts a new one on the same ports; the errors the dead one
+    counted are kept, and the new one's counts add to them."""
+    server = served.server
+    ids = example_feeds(served.config, batch=1, seq=5, seed=11)["input_ids"]
+    want = served.engine.run({"input_ids": ids}).outputs["logits"]
+    bad = json.dumps({"inputs": [{"name": "input_ids", "shape": [1, 0], "datatype": "INT64", "data": []}]}).encode()
+    good = json.dumps(_request(ids)).encode()
+    requests_before, errors_before = _counters(served)
+    for _ in range(3):
+        assert_one_line(*post(served.http, "/v2/models/layerzero/infer", bad), 400)
+    old = server.front_pid
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            status, answer = post(served.http, "/v2/models/layerzero/infer", good)
+            break
+        except OSError:  # refused while the new front starts
+            if time.monotonic() > deadline:
+                pytest.fail("the front was not restarted within 120 s")
+            time.sleep(0.1)
+    assert status == 200, answer[:300]
+    [output] = json.loads(answer)["outputs"]
+    np.testing.assert_allclose(np.asarray(output["data"], np.float32).reshape(output["shape"]), want, atol=1e-5)
+    assert server.front_pid not in (None, old) and server.front_restarts >= 1
+    assert_one_line(*post(served.http, "/v2/models/layerzero/infer", bad), 400)
+    requests_after, errors_after = _counters(served)
+    assert errors_after - errors_before == 4 and requests_after - requests_before == 1
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The live child processes of ``pid`` and their command lines (from /proc)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[-1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] not in (b"Z", b"X"):
+            found[int(entry)] = command
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc (Linux) to list child processes")
+def test_no_grpc_serves_http_only_and_stop_leaves_no_process(tiny: SimpleNamespace, helpers: SimpleNamespace) -> None:
+    """``ServerConfig(grpc=False)`` (``--no-grpc``): the gRPC port is not opened, HTTP serves; after ``stop()`` no
+    process the server started is left (the front, Triton and its stubs)."""
+    from layerzero.runtime.guard import GuardConfig, GuardedEngine
+    from layerzero.runtime.server import LayerZeroServer, ServerConfig
+
+    before = _children(os.getpid())
+    http_port, grpc_port, control_port = helpers.free_ports(3)
+    engine = Engine.load(tiny.bundle)
+    server = LayerZeroServer(GuardedEngine(engine, None, GuardConfig(sample_rate=0.0)),
+                             ServerConfig(http_port=http_port, grpc_port=grpc_port, control_port=control_port,
+                                          grpc=False, standby=False))  # fmt: skip
+    try:
+        try:
+            server.start()
+        except LayerZeroError as e:
+            if "waiting for config file" in str(e) or "handshake" in str(e):
+                pytest.skip(f"PyTriton could not start its Python-backend stubs on this loaded machine: {e}"[:300])
+            raise
+        started = set(_children(os.getpid())) - set(before)
+        assert server.front_pid in started and server.triton_pid in started, (started, server.front_pid)
+        ids = example_feeds(tiny.config, batch=1, seq=4, seed=3)["input_ids"]
+        status, answer = post(http_port, "/v2/models/layerzero/infer", json.dumps(_request(ids)).encode())
+        assert status == 200, answer[:300]
+        [output] = json.loads(answer)["outputs"]
+        want = engine.run({"input_ids": ids}).outputs["logits"]
+        np.testing.assert_allclose(np.asarray(output["data"], np.float32).reshape(output["shape"]), want, atol=1e-5)
+        with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", grpc_port), timeout=5):
+            pass
+        assert "grpc" not in server.endpoints()
+    finally:
+        server.stop()
+    # multiprocessing's resource tracker (PyTriton's shared memory starts it) serves the whole interpreter and
+    # ends with it: not the server's.
+    left = {pid: command for pid, command in _children(os.getpid()).items()
+            if pid not in before and "multiprocessing.resource_tracker" not in command}  # fmt: skip
+    assert not left, left
+
+
+def test_a_resent_request_runs_and_is_counted_once(served: SimpleNamespace) -> None:
+    """The infer callable keeps answers by the front's request id: a request the front sends again (Triton died
+    with it in flight) gets the first run's answer, or its error, and is counted once."""
+    from layerzero.runtime._front import REQUEST_ID
+
+    server = served.server
+    ids = example_feeds(served.config, batch=1, seq=4, seed=13)["input_ids"]
+    requests_before, errors_before = _counters(served)
+    request = SimpleNamespace(data={"input_ids": ids}, parameters={REQUEST_ID: "test-resent-1"})
+    [first] = server._infer([request])
+    [again] = server._infer([request])
+    assert again["logits"] is first["logits"]
+    np.testing.assert_allclose(first["logits"], served.engine.run({"input_ids": ids}).outputs["logits"], atol=1e-5)
+    out_of_range = np.full((1, 3), 10**6, np.int64)
+    bad = SimpleNamespace(data={"input_ids": out_of_range}, parameters={REQUEST_ID: "test-resent-2"})
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"\[layerzero 400\] .*out of range"):
+            server._infer([bad])
+    # Without an id (not through the front) each call runs.
+    server._infer([SimpleNamespace(data={"input_ids": ids}, parameters={})])
+    requests_after, errors_after = _counters(served)
+    assert requests_after - requests_before == 2 and errors_after - errors_before == 1
