@@ -4,10 +4,13 @@ under load, the control endpoints and /metrics."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -200,3 +203,67 @@ def test_control_endpoints(server: SimpleNamespace, net: SimpleNamespace) -> Non
         _infer("grpc", server.grpc, ids, parameters={"segment": "nope"})
     with pytest.raises(InferenceServerException):
         _infer("http", server.http, ids.astype(np.int32).astype(np.int64)[:, :, None])  # wrong rank
+
+
+def _session(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (a server started with ``start_new_session=True`` leads its own)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[-1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] not in (b"Z", b"X"):
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc (Linux) to list the server's processes")
+def test_no_grpc_cli_serves_http_only_and_sigterm_leaves_no_process(tiny_model: SimpleNamespace,
+                                                                     net: SimpleNamespace, tmp_path: Path) -> None:
+    """`layerzero serve --no-grpc`: HTTP serves, the gRPC port is never opened, /status lists no gRPC endpoint;
+    SIGTERM stops it with exit 0 and nothing of it (front, Triton, stubs) left running."""
+    import socket
+
+    http_port, grpc_port, control_port = net.free_ports(3)
+    log = tmp_path / "serve.log"
+    command = [
+        sys.executable, "-m", "layerzero", "serve", str(tiny_model.bundle), "--no-grpc", "--no-standby",
+        "--no-reference", "--no-generate", "--port-http", str(http_port), "--port-grpc", str(grpc_port),
+        "--port-metrics", str(control_port),
+    ]  # fmt: skip
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    control = f"http://127.0.0.1:{control_port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert process.poll() is None, log.read_text()[-4000:]
+            try:
+                if net.http("GET", f"{control}/healthz", timeout=1)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"not ready after {START_TIMEOUT_S}s:\n{log.read_text()[-4000:]}"
+            time.sleep(0.2)
+        config = tiny_model.config
+        ids = example_feeds(config, batch=1, seq=5, seed=1)["input_ids"]
+        got = _infer("http", f"127.0.0.1:{http_port}", ids)
+        np.testing.assert_allclose(got, Engine.load(tiny_model.bundle).run({"input_ids": ids}).outputs["logits"],
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+        with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", grpc_port), timeout=5):
+            pass
+        code, body = net.http("GET", f"{control}/status")
+        status = json.loads(body)
+        assert code == 200 and "grpc" not in status["endpoints"] and status["front"]["pid"] in _session(process.pid)
+        assert len(_session(process.pid)) >= 3  # the server, its front, Triton (and its stubs)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, log.read_text()[-4000:]
+        deadline = time.monotonic() + 10  # the kernel reaps orphans (stubs) a moment later
+        while _session(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _session(process.pid), _session(process.pid)
+    finally:
+        net.stop(process)
