@@ -174,6 +174,32 @@ def _stop(process: subprocess.Popen) -> None:
         os.killpg(process.pid, signal.SIGKILL)
 
 
+def _session_cpu(sid: int) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by the processes of session ``sid`` (a server started with
+    ``start_new_session=True``), by role: the server process, the inference front, tritonserver, the stubs."""
+    tick = os.sysconf("SC_CLK_TCK")
+    found: dict[str, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[-1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read()
+        except OSError:
+            continue
+        if int(fields[3]) != sid:
+            continue
+        program = command.split(b"\0", 1)[0]
+        role = ("server process" if int(entry) == sid else "front" if b"layerzero.runtime._front" in command
+                else "Python-backend stubs" if program.endswith(b"triton_python_backend_stub")
+                else "tritonserver" if program.endswith(b"tritonserver")
+                else f"other: {os.path.basename(program).decode(errors='replace')[:20]}")  # fmt: skip
+        found[role] = found.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return found
+
+
 def load(url: str, protocol: str, requests: int, clients: int, seq: int, max_seconds: float) -> dict:
     """Send ``requests`` requests from ``clients`` threads; their latencies (s), wall time and errors."""
     if protocol == "http":
@@ -480,6 +506,8 @@ def main() -> int:
             # layerzero serve starts its standby Triton after it serves: not while the load is measured.
             _wait_standby("layerzero serve", ports[4], processes["layerzero serve"])
             phases: dict[str, list[dict]] = {name: [] for name in commands}
+            cpu: dict[str, dict[str, float]] = {name: {} for name in commands}  # seconds under load, by role
+            load_before = os.getloadavg()[0]
             order = list(commands)
             per_round = max(args.clients, args.requests // args.rounds)
             for r in range(args.rounds):
@@ -487,7 +515,10 @@ def main() -> int:
                     _, http_port, grpc_port = commands[name]
                     url = f"127.0.0.1:{http_port if args.protocol == 'http' else grpc_port}"
                     budget = args.max_seconds / args.rounds
+                    before = _session_cpu(processes[name].pid)
                     phases[name].append(load(url, args.protocol, per_round, args.clients, args.seq, budget))
+                    for role, seconds in _session_cpu(processes[name].pid).items():
+                        cpu[name][role] = cpu[name].get(role, 0.0) + seconds - before.get(role, 0.0)
         except Exception:
             for name, log in logs.items():  # Triton's own I-lines left out
                 lines = [x for x in log.read_text(errors="replace").splitlines() if not x.startswith(("I1", "I0"))]
@@ -497,11 +528,13 @@ def main() -> int:
             for process in processes.values():
                 _stop(process)
         results = {name: summarize(p) for name, p in phases.items()}
+        load_after = os.getloadavg()[0]
         overhead = guard_overhead(source, bundle, args.seq, n=2000 if not args.quick else 500)
 
     names = list(results)
     print(f"\n{args.requests:,} requests x {args.clients} clients, {args.protocol}, seq {args.seq}, "
-          f"{args.instances} instances, guard sample rate {args.sample_rate:g}, {os.cpu_count()} CPUs")  # fmt: skip
+          f"{args.instances} instances, guard sample rate {args.sample_rate:g}, {os.cpu_count()} CPUs, "
+          f"load average {load_before:.1f} -> {load_after:.1f}")  # fmt: skip
     print(f"{'':18}{names[0]:>22}{names[1]:>22}{'delta':>12}")
     rows = [("p50 ms", "p50", 3), ("p95 ms", "p95", 3), ("p99 ms", "p99", 3), ("mean ms", "mean", 3),
             ("throughput req/s", "throughput", 1), ("requests", "requests", 0), ("errors", "errors", 0)]  # fmt: skip
@@ -512,6 +545,12 @@ def main() -> int:
     errors = sum(r["errors"] for r in results.values())
     ok = errors == 0 and p50_delta <= 3.0
     print(f"target (0 errors, p50 within 3 ms): {'met' if ok else 'NOT met'} (p50 delta {p50_delta:+.3f} ms)")
+    print("\nCPU per request under load, ms (user + system, by process)")
+    roles = sorted({role for name in names for role in cpu[name]})
+    for role in [*roles, "total"]:
+        values = [(sum(cpu[n].values()) if role == "total" else cpu[n].get(role, 0.0)) * 1e3
+                  / max(1, results[n]["requests"]) for n in names]  # fmt: skip
+        print(f"{role:24}{values[0]:>16.2f}{values[1]:>22.2f}{values[1] - values[0]:>+12.2f}")
     print("\nguard overhead in-process (compiled bundle, one request)")
     print(f"{'':34}{'median us':>12}{'mean us':>12}{'vs Engine':>12}")
     base = overhead[0][1]
