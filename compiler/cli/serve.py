@@ -3,11 +3,12 @@
 KServe v2 inference over HTTP (--port-http) and gRPC (--port-grpc; --no-grpc: none), and a control server on
 --port-metrics, all on 127.0.0.1 only. Needs the serve extra: pip install 'layerzero[serve]'.
 
-Every inference request, HTTP or gRPC, is validated by this server's front before Triton parses it (body at
-most --max-request-bytes, shape and dims of each input against the model, data length, token ids within the
-embedding); a bad one gets a 4xx (a gRPC status) and one line. Triton itself listens on loopback ports of its
-own. A standby Triton waits started: when the serving one dies, it takes over in well under a second (a
-cold start without it, --no-standby); requests wait meanwhile, and the ones in flight are sent again.
+Every inference request, HTTP or gRPC, is validated by this server's front (a process of its own) before
+Triton parses it (body at most --max-request-bytes, shape and dims of each input against the model, data
+length, token ids within the embedding); a bad one gets a 4xx (a gRPC status) and one line, and is counted.
+Triton itself listens on loopback ports of its own. A standby Triton waits started: when the serving one dies,
+it takes over in well under a second (a cold start without it, --no-standby); requests wait meanwhile, and the
+ones in flight are sent again (run and counted once). A front that dies is restarted too.
 
   GET  /metrics       Prometheus text: requests, fallbacks, reference runs, kill switch, threshold, latency
   GET  /status        JSON: model, endpoints, guard state and counters
@@ -56,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=integer(1, 64), default=2,
                    help="model instances, i.e. concurrent requests (default 2)")
     p.add_argument("--max-request-bytes", type=integer(1024, 2**34), default=64 * 1024 * 1024, metavar="N",
-                   help="largest inference request body over HTTP (default 64 MiB; bigger: 413)")  # fmt: skip
+                   help="largest inference request, HTTP body or gRPC message (default 64 MiB; bigger: 413 / "
+                        "RESOURCE_EXHAUSTED)")  # fmt: skip
     p.add_argument("--no-grpc", action="store_true", help="no gRPC port (HTTP only)")
     p.add_argument("--no-standby", action="store_true",
                    help="no standby Triton (half the memory; a restart is a cold start, seconds)")  # fmt: skip
