@@ -34,6 +34,7 @@ import mmap
 import os
 import re
 import secrets
+import signal
 import socket
 import struct
 import subprocess
@@ -282,6 +283,9 @@ def _read_line(stream: IO[bytes], timeout: float) -> bytes:
 def main(argv: list[str] | None = None) -> int:
     """The front process: see the module doc."""
     argv = sys.argv[1:] if argv is None else argv
+    # Ctrl-C in a terminal reaches the whole process group: the parent shuts down and stops this process in
+    # order (stdin's {"stop"} or its end); no KeyboardInterrupt traceback here.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="layerzero front: %(levelname)s %(message)s")
     out = sys.stdout.buffer
 
