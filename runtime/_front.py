@@ -784,8 +784,9 @@ class _CallWatch:
 
     def __del__(self) -> None:
         if not self.reached:
-            self.upstream.count_request()
-            self.upstream.count_error()
+            with contextlib.suppress(ValueError, TypeError):  # at interpreter exit the mapping may be closed
+                self.upstream.count_request()
+                self.upstream.count_error()
 
 
 class _GrpcUpstreamError(Exception):
