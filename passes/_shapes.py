@@ -562,9 +562,10 @@ class SymbolicShapes:
             if result is not None and out.dtype == ir.DataType.BOOL:  # Cast to bool: nonzero -> 1
                 result = [int(d != 0) for d in result] if all(isinstance(d, int) for d in result) else None
             if result is not None and op in ("Reshape", "Unsqueeze", "Squeeze"):
-                # The contents keep their order; only a result of rank <= 1 is a vector
+                # The contents keep their order; a result of rank > 1 is no vector. A Reshape of unknown
+                # rank keeps a 1-element vector only (a scalar <-> [1]).
                 dims = self.dims(out)
-                if dims is None or len(dims) > 1:
+                if (dims is not None and len(dims) > 1) or (dims is None and op == "Reshape" and len(result) != 1):
                     result = None
         elif op == "ConstantOfShape":
             # ConstantOfShape([n]) filled with an integer: n copies (the "ones" of expand(-1) handling)
