@@ -9,6 +9,15 @@ union-find over dim keys. Two dims are provably equal when their keys share a cl
 
 Every class remembers the values that carry it, so a uniform can be materialised with ``Shape`` of
 a value that exists at run time (a graph input where possible) instead of a dim name.
+
+Rules beyond the op's own shape function (each a small function below; unknown is no fact, never a guess):
+- ``reshape_wildcard``: a Reshape's ``-1`` is the operand's element count over the target's other dims
+  (split heads ``[b, s, 64] -> [b, s, -1, 16]`` gives 4, merge heads gives 64 back);
+- ``slice_length`` / ``split_lengths``: exact lengths of Slice / Split along a static axis, the whole axis
+  for ``[0:INT_MAX]`` of a symbolic one;
+- shape-vector contents through ``ConstantOfShape``, elementwise ``Add/Sub/Mul/Div/Equal/Max/Min``
+  (``vector_elementwise``: a symbolic element is a size, so never negative) and ``Where``
+  (``vector_where``): torch's ``expand(b, -1, s, s)`` becomes ``[b, 1, s, s]`` again.
 """
 
 from __future__ import annotations
