@@ -9,6 +9,15 @@ union-find over dim keys. Two dims are provably equal when their keys share a cl
 
 Every class remembers the values that carry it, so a uniform can be materialised with ``Shape`` of
 a value that exists at run time (a graph input where possible) instead of a dim name.
+
+Rules beyond the op's own shape function (each a small function below; unknown is no fact, never a guess):
+- ``reshape_wildcard``: a Reshape's ``-1`` is the operand's element count over the target's other dims
+  (split heads ``[b, s, 64] -> [b, s, -1, 16]`` gives 4, merge heads gives 64 back);
+- ``slice_length`` / ``split_lengths``: exact lengths of Slice / Split along a static axis, the whole axis
+  for ``[0:INT_MAX]`` of a symbolic one;
+- shape-vector contents through ``ConstantOfShape``, elementwise ``Add/Sub/Mul/Div/Equal/Max/Min``
+  (``vector_elementwise``: a symbolic element is a size, so never negative) and ``Where``
+  (``vector_where``): torch's ``expand(b, -1, s, s)`` becomes ``[b, 1, s, s]`` again.
 """
 
 from __future__ import annotations
@@ -22,7 +31,15 @@ import onnx_ir as ir
 
 from layerzero.passes._graph import const_array
 
-__all__ = ["Dim", "SymbolicShapes"]
+__all__ = [
+    "Dim",
+    "SymbolicShapes",
+    "reshape_wildcard",
+    "slice_length",
+    "split_lengths",
+    "vector_elementwise",
+    "vector_where",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +65,131 @@ _BROADCAST = frozenset(
     }
 )  # fmt: skip
 _SHAPE_VECTOR_MAX = 16  # int64 tensors longer than this are not shape vectors
+_VECTOR_DTYPES = (ir.DataType.INT64, ir.DataType.INT32, ir.DataType.BOOL)
+_VECTOR_ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Equal", "Max", "Min"})
+
+
+def reshape_wildcard(source: list[Dim], known: list[Dim]) -> Dim | None:
+    """The size a Reshape's ``-1`` stands for: the element count of ``source`` over that of ``known``.
+
+    ``source`` is the operand's dims, ``known`` the target's other dims (both canonical). Each side is
+    a static product times a multiset of symbolic classes; the classes of ``known`` must all cancel
+    against ``source``'s (``[b, s, 64] -> [b, s, -1, 16]``: ``-1`` is 4; ``[b, s, h, 16] -> [b, s, -1]``
+    with ``h`` = 4: 64). The quotient is an int, or one class when exactly one is left with factor 1
+    (``[b, s] -> [-1, s]``: ``b``); anything else (a product of classes) is None: no fact.
+    """
+    left = [d for d in source if not isinstance(d, int)]
+    for d in known:
+        if isinstance(d, int):
+            continue
+        if d not in left:
+            return None
+        left.remove(d)
+    num = int(np.prod([d for d in source if isinstance(d, int)], dtype=np.int64))
+    den = int(np.prod([d for d in known if isinstance(d, int)], dtype=np.int64))
+    if den <= 0 or num % den:
+        return None
+    ratio = num // den
+    if not left:
+        return ratio
+    if len(left) == 1 and ratio == 1:
+        return left[0]
+    return None
+
+
+def slice_length(dim: Dim, start: int, end: int, step: int) -> Dim | None:
+    """Length of ``dim`` sliced ``[start:end:step]`` (ONNX clamps like Python's ``slice.indices``).
+
+    A static ``dim`` gives the exact count; a symbolic one only the whole axis
+    (``[0:INT_MAX:1]`` and the like, which torch.onnx writes for ``x[:, :]``); otherwise None.
+    """
+    if step == 0:
+        return None
+    if isinstance(dim, int):
+        return len(range(dim)[slice(start, end, step)])
+    big = 2**31 - 1  # exporters write INT_MAX or INT64_MAX for "to the end"
+    if step == 1 and start in (0,) and end >= big:
+        return dim
+    if step == 1 and start <= -big and end >= big:
+        return dim
+    return None
+
+
+def split_lengths(dim: Dim, sizes: list[int] | None, parts: int) -> list[Dim | None]:
+    """Lengths of the ``parts`` outputs of Split along an axis of size ``dim``.
+
+    Explicit ``sizes`` (the ``split`` input or attribute) are the lengths. Without them the axis is cut
+    into equal parts (opset 18: the last part takes the remainder of ``ceil(dim / parts)`` chunks); a
+    symbolic axis cut into one part keeps its dim, into several gives no fact.
+    """
+    if sizes is not None:
+        return list(sizes) if len(sizes) == parts else [None] * parts
+    if parts == 1:
+        return [dim]
+    if not isinstance(dim, int):
+        return [None] * parts
+    chunk = -(-dim // parts)
+    out: list[Dim | None] = [chunk] * (parts - 1)
+    out.append(dim - chunk * (parts - 1))
+    return out if out[-1] >= 0 else [None] * parts  # type: ignore[operator]
+
+
+def vector_elementwise(op: str, a: list[Dim], b: list[Dim]) -> list[Dim] | None:
+    """Contents of ``op(a, b)`` for two shape vectors (1-element vectors broadcast); None when unknown.
+
+    Symbolic elements are run-time sizes, so they are >= 0: ``Equal(s, -1)`` is 0 (false), ``Equal(s, s)``
+    is 1, ``s * 1``, ``s + 0``, ``s - 0`` and ``s / 1`` are ``s``, ``s * 0`` is 0. Any element that cannot
+    be stated that way makes the whole result unknown (an unknown element is never given a fresh size:
+    it may be negative).
+    """
+    if len(a) != len(b) and 1 not in (len(a), len(b)):
+        return None
+    n = max(len(a), len(b))
+    a, b = (a * n if len(a) == 1 else a), (b * n if len(b) == 1 else b)
+    out: list[Dim] = []
+    for x, y in zip(a, b):
+        r = _element(op, x, y)
+        if r is None:
+            return None
+        out.append(r)
+    return out
+
+
+def _element(op: str, x: Dim, y: Dim) -> Dim | None:
+    both = isinstance(x, int) and isinstance(y, int)
+    if op == "Equal":
+        if both or x == y:
+            return int(x == y)
+        other = y if isinstance(y, int) else x if isinstance(x, int) else None
+        return 0 if other is not None and other < 0 else None  # a size is never negative
+    if op == "Add":
+        return x + y if both else x if y == 0 else y if x == 0 else None  # type: ignore[operator]
+    if op == "Sub":
+        return x - y if both else x if y == 0 else 0 if x == y else None  # type: ignore[operator]
+    if op == "Mul":
+        if both:
+            return x * y  # type: ignore[operator]
+        if 0 in (x, y):
+            return 0
+        return x if y == 1 else y if x == 1 else None
+    if op == "Div":
+        if both:
+            return x // y if x >= 0 and y > 0 else None  # type: ignore[operator]  # (ONNX truncates; Python floors)
+        return x if y == 1 else None
+    if op in ("Max", "Min") and both:
+        return max(x, y) if op == "Max" else min(x, y)  # type: ignore[type-var]
+    return None
+
+
+def vector_where(cond: list[Dim], x: list[Dim], y: list[Dim]) -> list[Dim] | None:
+    """Contents of ``Where(cond, x, y)`` over shape vectors whose condition is known element by element."""
+    n = max(len(cond), len(x), len(y))
+    if any(len(v) not in (1, n) for v in (cond, x, y)):
+        return None
+    cond, x, y = (v * n if len(v) == 1 else v for v in (cond, x, y))
+    if not all(isinstance(c, int) for c in cond):
+        return None
+    return [xi if c else yi for c, xi, yi in zip(cond, x, y)]
 
 
 class SymbolicShapes:
@@ -138,7 +280,7 @@ class SymbolicShapes:
         if value in self._vectors:
             return [self.canon(d) for d in self._vectors[value]]
         array = const_array(value)
-        if array is not None and array.dtype.kind in "iu" and array.ndim <= 1 and array.size <= _SHAPE_VECTOR_MAX:
+        if array is not None and array.dtype.kind in "iub" and array.ndim <= 1 and array.size <= _SHAPE_VECTOR_MAX:
             return [int(x) for x in array.reshape(-1)]
         return None
 
@@ -316,15 +458,22 @@ class SymbolicShapes:
             return None
         allowzero = node.attributes.get_int("allowzero", 0)
         out: list[Dim] = []
+        wildcard = None
         for i, d in enumerate(target):
             if d == 0 and not allowzero:
                 if i >= len(a):
                     return None
                 out.append(a[i])
             elif d == -1:
-                out.append(self._new())
+                wildcard = i
+                out.append(-1)
             else:
                 out.append(d)
+        if wildcard is not None:
+            # [b, s, 64] -> [b, s, -1, 16]: the -1 is what the element count leaves (reshape_wildcard)
+            known = [self.canon(d) for i, d in enumerate(out) if i != wildcard]
+            size = reshape_wildcard([self.canon(d) for d in a], known)
+            out[wildcard] = self._new() if size is None else size
         return out
 
     def _concat(self, node: ir.Node) -> list[Dim] | None:
@@ -350,15 +499,44 @@ class SymbolicShapes:
         a = self._in(node, 0)
         if a is None:
             return None
+        a = [self.canon(d) for d in a]
         if node.op_type == "Split":
-            axes = [node.attributes.get_int("axis", 0) % len(a)]
-        else:
-            axes = self._axes(node, 3)
-            if axes is None:
-                return None
-            axes = [x % len(a) for x in axes] if axes else list(range(len(a)))
-        out = [d if i not in axes else self._new() for i, d in enumerate(a)]
-        return [list(out) for _ in node.outputs]
+            axis = node.attributes.get_int("axis", 0) % len(a)
+            sizes = self._split_sizes(node)
+            lengths = split_lengths(a[axis], sizes, len(node.outputs))
+            return [[*a[:axis], self._new() if n is None else n, *a[axis + 1 :]] for n in lengths]
+        axes = self._axes(node, 3)
+        if axes is None:
+            return None
+        starts, ends = const_array(node.inputs[1]), const_array(node.inputs[2])
+        steps = const_array(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
+        if not axes:  # no axes: the first len(starts) axes (all of them when starts is unknown)
+            axes = list(range(len(a) if starts is None else min(len(a), starts.size)))
+        axes = [x % len(a) for x in axes]
+        count = len(axes)
+        bounds: dict[int, tuple[int, int, int]] = {}
+        if starts is not None and ends is not None and starts.size == ends.size == count:
+            step_list = [1] * count if steps is None else [int(x) for x in steps.reshape(-1)]
+            if len(step_list) == count:
+                for axis, b, e, st in zip(axes, starts.reshape(-1), ends.reshape(-1), step_list):
+                    bounds[axis] = (int(b), int(e), st)
+        out: list[Dim] = []
+        for i, d in enumerate(a):
+            if i not in axes:
+                out.append(d)
+                continue
+            n = slice_length(d, *bounds[i]) if i in bounds else None
+            out.append(self._new() if n is None else n)
+        return [out]
+
+    def _split_sizes(self, node: ir.Node) -> list[int] | None:
+        """The explicit ``split`` sizes of a Split (input 1 from opset 13, the attribute before)."""
+        if "split" in node.attributes:
+            return list(node.attributes.get_ints("split", []))
+        if len(node.inputs) > 1 and node.inputs[1] is not None:
+            array = const_array(node.inputs[1])
+            return None if array is None else [int(x) for x in array.reshape(-1)]
+        return None
 
     def _reduced(self, node: ir.Node) -> list[Dim] | None:
         a = self._in(node, 0)
@@ -388,13 +566,31 @@ class SymbolicShapes:
         if op == "Shape":
             a = self._in(node, 0)
             result = None if a is None else self._shape_slice(node, a)
-        elif op in ("Cast", "Identity", "Squeeze", "Unsqueeze", "Reshape") and out.dtype in (
-            ir.DataType.INT64,
-            ir.DataType.INT32,
-        ):
+        elif op in ("Cast", "Identity", "Squeeze", "Unsqueeze", "Reshape") and out.dtype in _VECTOR_DTYPES:
             result = self.vector(node.inputs[0])
-            if result is not None and op == "Reshape" and len(result) != 1:
-                result = None
+            if result is not None and out.dtype == ir.DataType.BOOL:  # Cast to bool: nonzero -> 1
+                result = [int(d != 0) for d in result] if all(isinstance(d, int) for d in result) else None
+            if result is not None and op in ("Reshape", "Unsqueeze", "Squeeze"):
+                # The contents keep their order; a result of rank > 1 is no vector. A Reshape of unknown
+                # rank keeps a 1-element vector only (a scalar <-> [1]).
+                dims = self.dims(out)
+                if (dims is not None and len(dims) > 1) or (dims is None and op == "Reshape" and len(result) != 1):
+                    result = None
+        elif op == "ConstantOfShape":
+            # ConstantOfShape([n]) filled with an integer: n copies (the "ones" of expand(-1) handling)
+            target = self.vector(node.inputs[0])
+            attr = node.attributes.get("value")
+            fill = attr.as_tensor().numpy() if attr is not None else np.zeros(1, np.float32)
+            if target is not None and len(target) == 1 and isinstance(target[0], int) and fill.dtype.kind in "iub":
+                result = [int(fill.reshape(-1)[0])] * target[0]
+        elif op in _VECTOR_ELEMENTWISE and len(node.inputs) == 2:
+            a, b = self.vector(node.inputs[0]), self.vector(node.inputs[1])
+            if a is not None and b is not None:
+                result = vector_elementwise(op, a, b)
+        elif op == "Where":
+            cond, x, y = (self.vector(v) for v in node.inputs)
+            if cond is not None and x is not None and y is not None:
+                result = vector_where(cond, x, y)
         elif op == "Gather":
             data, idx = self.vector(node.inputs[0]), const_array(node.inputs[1])
             if data is not None and idx is not None and idx.ndim <= 1:
