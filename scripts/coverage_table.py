@@ -5,6 +5,7 @@
     python scripts/coverage_table.py --update   # also rewrite tests/corpus/expectations.json from the results
     python scripts/coverage_table.py --update --variant flag   # ... only the entries of that variant
     python scripts/coverage_table.py --speed    # measure the MoE speed column first (every MoE family, or --family)
+    python scripts/coverage_table.py --speed --exporter torchscript --family jetmoe --rounds 21   # rerun one row
 
 The results are the JSON files the corpus tests (tests/corpus/test_corpus.py) write to the corpus cache
 (``$LAYERZERO_CORPUS_CACHE`` or ``~/.cache/layerzero/corpus``, one folder per torch / transformers version),
@@ -92,6 +93,25 @@ def _speed_cell(r: dict | None) -> str:
     return f"{r['speedup']:.2f}×{mark}"
 
 
+SPEED_TARGET = 1.15  # issue 8: every MoE family faster than its export at 1 token, with margin
+
+# Why a row is where it is, where the number alone misleads (measured; printed under the speed table).
+SPEED_NOTES = {
+    "jetmoe/dynamo": (
+        "jetmoe / dynamo is ≈ 1.0× because its export already skips: JetMoE's MLP and its mixture of attention "
+        "heads sort the token slots by expert and run one `Gemm` per expert on its slice of rows (empty at 1 token "
+        "for the experts not chosen), so both models read the same expert weights (onnxruntime profile at load "
+        "≈ 1: the routed experts' gate-up / down products 0.55 / 0.26 ms in both). The rest is ≈ 520 small nodes "
+        "at ≈ 3 µs, 87 per layer in the MLP blocks the compiler rewrites, the most in the attention's routed "
+        "projections, which stay as exported. A bound no MLP lowering can beat, the compiled model with each MLP "
+        "block cut down to its two routed experts' products (no router, no `If`, no weighting), measured 1.07× "
+        "and 1.08× the export (two interleaved runs, load 8-10). The model's floor is its weight traffic (≈ 38 MB "
+        "a token: 2 routed experts per layer in the MLP and in the attention, the KV projection, the LM head: "
+        "≈ 4.2 ms at the ≈ 9 GB/s one core streams here) against ≈ 6 ms measured."
+    ),
+}
+
+
 def _speed_notes(speed: dict[str, dict]) -> list[str]:
     if not speed:
         return ["No recorded run (`python scripts/coverage_table.py --speed`)."]
@@ -101,23 +121,30 @@ def _speed_notes(speed: dict[str, dict]) -> list[str]:
         "1024 for families of ≤ 16 experts and 256 for finer-grained ones, random weights); onnxruntime CPU, 1",
         "thread, default optimisations, the same session options for both; interleaved rounds, p50. Speed-up =",
         "export p50 / compiled p50. Measured on a 2-core machine shared with other jobs: take ±10 % as noise.",
+        "Lowering: the MoE lowering the compile chose (`auto`); load: the machine's 1-minute load average before",
+        "→ after the timed rounds (· where not recorded).",
         "",
-        "| family | exporter | config | export p50 ms | compiled p50 ms | speed-up | MoE blocks | max abs diff |",
-        "|---|---|---|---|---|---|---|---|",
+        "| family | exporter | config | export p50 ms | compiled p50 ms | speed-up | MoE blocks | max abs diff "
+        "| lowering | load |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, r in sorted(speed.items()):
         family, exporter = key.split("/")
         if r.get("export_error") or r.get("compile_error"):
             reason = r.get("export_error") or r.get("compile_error")
-            out.append(f"| {family} | {exporter} | {r.get('config', '')} | – | – | {_speed_cell(r)} | – | `{reason}` |")
+            out.append(
+                f"| {family} | {exporter} | {r.get('config', '')} | – | – | {_speed_cell(r)} | – | `{reason}` | – | – |"
+            )
             continue
+        load = (r.get("load") or "·").replace("->", "→")
         out.append(
             f"| {family} | {exporter} | {r['config']} | {r['export_ms']:.2f} | {r['compiled_ms']:.2f} | "
-            f"{_speed_cell(r)} | {r['moe_blocks']}/2 | {r['max_abs']:.1e} |"
+            f"{_speed_cell(r)} | {r['moe_blocks']}/2 | {r['max_abs']:.1e} | {r.get('lowering') or '·'} | {load} |"
         )
     slower = [
         k for k, r in speed.items() if r.get("compiled_ms") is not None and r["compiled_ms"] > r["export_ms"]
     ]
+    below = [k for k, r in speed.items() if r.get("speedup") is not None and r["speedup"] < SPEED_TARGET]
     unmeasured = [
         f"{f.name}/{e}" for f in FAMILIES.values() if f.moe for e in EXPORTERS if f"{f.name}/{e}" not in speed
     ]
@@ -129,11 +156,14 @@ def _speed_notes(speed: dict[str, dict]) -> list[str]:
             if slower
             else "none"
         )
+        + ". Below the 1.15× target of issue 8: "
+        + (", ".join(f"{k} ({speed[k]['speedup']:.2f}×)" for k in sorted(below)) if below else "none")
         + ". Not measured: "
         + (", ".join(unmeasured) if unmeasured else "none")
         + ".",
     ]
-    return out
+    notes = [f"- {text}" for key, text in SPEED_NOTES.items() if key in speed]
+    return out + (["", *notes] if notes else [])
 
 
 def write_table(results: dict[str, dict], speed: dict[str, dict] | None = None) -> str:
@@ -273,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", help="with --update: only this variant's entries (e.g. flag)")
     parser.add_argument("--speed", action="store_true", help="measure the MoE 1-token speed column first")
     parser.add_argument("--exporter", action="append", help="with --speed: only this exporter (repeatable)")
+    parser.add_argument("--rounds", type=int, default=None, help="with --speed: interleaved rounds (default 7)")
     parser.add_argument("-o", "--output", type=Path, default=TABLE)
     args = parser.parse_args(argv)
     if args.run:
@@ -296,10 +327,11 @@ def main(argv: list[str] | None = None) -> int:
             for exporter in EXPORTERS:
                 if args.exporter and exporter not in args.exporter:
                     continue
-                r = run_speed(family.name, exporter)
+                r = run_speed(family.name, exporter, **({"rounds": args.rounds} if args.rounds else {}))
                 write_speed(r)
                 status = r.export_error or r.compile_error or (
-                    f"export {r.export_ms} ms, compiled {r.compiled_ms} ms: {r.speedup}x ({r.moe_blocks} blocks)"
+                    f"export {r.export_ms} ms, compiled {r.compiled_ms} ms: {r.speedup}x ({r.moe_blocks} blocks, "
+                    f"{r.lowering}, load {r.load})"
                 )
                 print(f"{time.perf_counter() - start:7.1f}s {r.key} [{r.config}]: {status}", flush=True)
     results = read_results()
