@@ -39,6 +39,7 @@ Targets (issue 11), each printed met / NOT met; the exit status is 1 when one is
 - 1 token, E64 k8 H1024 F512 and E128 k8 H512 F256: native ≤ 1.3 × the memory bound and ≤ 0.8 × the MoE op;
 - every shape and token count: native ≤ the batched_mm export;
 - 16 and 64 tokens: native ≤ min(LZ if, MoE op);
+- every row: ``auto``'s choice without the library (``lower_moe_native.choose_by_cost``, column auto) ≤ the export;
 - native output within 1e-5 relative of the reference.
 
     python bench/moe.py            # E64 k8 H1024 F512, E128 k8 H512 F256, E256 k8 H512 F256; 1/16/64 tokens
@@ -52,6 +53,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import os
@@ -71,6 +73,7 @@ from layerzero.compile import compile_model
 from layerzero.models.moe import MoEConfig, build_moe, moe_feeds, moe_layer_weights
 from layerzero.options import CompileOptions
 from layerzero.passes.lower_moe import LowerMoE
+from layerzero.passes.lower_moe_native import BlockShape, choose_by_cost
 from layerzero.plugins import ort_library
 from layerzero.plugins.reference import moe_reference, moe_routing
 
@@ -112,9 +115,15 @@ def _session(model: onnx.ModelProto | ir.Model | Path, threads: int | None) -> o
     return ort.InferenceSession(proto.SerializeToString(), _options(threads), providers=["CPUExecutionProvider"])
 
 
+@functools.lru_cache(maxsize=1)
+def _weights(config: MoEConfig) -> dict[str, np.ndarray]:
+    """Layer 0's weights (drawn once per shape: ~1 s per 100 M parameters)."""
+    return moe_layer_weights(config, 0)
+
+
 def _ort_moe_model(config: MoEConfig) -> onnx.ModelProto:
     """Router Gemm + ``com.microsoft.MoE`` with fc1 rows interleaved [gate_0, up_0, ...] (swiglu_fusion=1)."""
-    w = moe_layer_weights(config, 0)
+    w = _weights(config)
     e, f, h = w["w_gate"].shape
     fc1 = np.empty((e, 2 * f, h), np.float32)
     fc1[:, 0::2], fc1[:, 1::2] = w["w_gate"], w["w_up"]
@@ -186,7 +195,7 @@ class _Copy:
 
 def _expert_bytes(config: MoEConfig, hidden: np.ndarray) -> tuple[int, int]:
     """(bytes of the experts the input's tokens run, how many experts that is)."""
-    w = moe_layer_weights(config, 0)
+    w = _weights(config)
     logits = hidden @ w["router"].T + w["router_bias"]
     _, mask = moe_routing(logits, top_k=config.top_k, normalize=config.normalize, scoring=config.scoring)
     used = int(mask.any(axis=0).sum())
@@ -194,7 +203,7 @@ def _expert_bytes(config: MoEConfig, hidden: np.ndarray) -> tuple[int, int]:
 
 
 def _reference(config: MoEConfig, hidden: np.ndarray) -> np.ndarray:
-    w = moe_layer_weights(config, 0)
+    w = _weights(config)
     logits = hidden.astype(np.float64) @ w["router"].T.astype(np.float64) + w["router_bias"]
     y, _ = moe_reference(
         hidden.astype(np.float64),
@@ -214,9 +223,10 @@ def _say(msg: str) -> None:
     print(f"  {msg}", file=sys.stderr, flush=True)
 
 
-def _lowered(config: MoEConfig, lowering: str) -> ir.Model:
-    """The skipping form of ``config`` lowered with ``lowering`` (``LowerMoE``, as the compiler's pipeline does)."""
-    model = ir.from_proto(build_moe(dataclasses.replace(config, form="skipping")))
+def _lowered(skipping: onnx.ModelProto, lowering: str) -> ir.Model:
+    """The skipping form lowered with ``lowering`` (``LowerMoE``, as the compiler's pipeline does); ``skipping`` is
+    only read (its weights are shared by the lowered models)."""
+    model = ir.from_proto(skipping)
     result = LowerMoE(lowering=lowering).call(model)
     ops = {(n.domain, n.op_type) for n in model.graph.all_nodes()}
     expected = {"if": ("", "If"), "ort-moe": ("com.microsoft", "MoE"), "native": ("ai.layerzero", "MoE")}[lowering]
@@ -248,15 +258,16 @@ def build_models(config: MoEConfig, with_dense: bool, cache: Path, compile_expor
     models: dict[str, object] = {"batched_mm": batched, "MoE op": _ort_moe_model(config)}
     if with_dense:
         models["dense"] = build_moe(dataclasses.replace(config, form="dense"))
+    skipping = None if compile_export else build_moe(dataclasses.replace(config, form="skipping"))
     for lowering in ("if", "ort-moe", "native"):
-        models[f"LZ {lowering}"] = _compiled(batched, lowering) if compile_export else _lowered(config, lowering)
+        models[f"LZ {lowering}"] = _compiled(batched, lowering) if compile_export else _lowered(skipping, lowering)
     paths = {}
     for name, model in models.items():
         proto = ir.to_proto(model) if isinstance(model, ir.Model) else model
         path = cache / f"E{config.experts}_H{config.hidden}_F{config.ffn}_{name.replace(' ', '_')}.onnx"
         path.write_bytes(proto.SerializeToString())
         paths[name] = path
-    _say(f"built and cached in {time.perf_counter() - t0:.1f} s")
+    _say(f"built and cached in {time.perf_counter() - t0:.1f} s ({_load()})")
     return paths
 
 
@@ -318,7 +329,7 @@ def print_table(rows: list, meters: dict[str, tuple[_Copy, _Copy]], loads: tuple
         f"{'shape':<22} {'thr':>3} {'T':>3} "
         + " ".join(f"{n:>11}" for n in VARIANTS)
         + f" {'bound':>9} {'read bnd':>9}  {'nat/op':>6} {'nat/bound':>9} {'nat/read':>8} {'nat/if':>6} "
-        f"{'rel err':>8}  {'clock':<6} load"
+        f"{'rel err':>8} {'auto':>7}  {'clock':<6} load"
     )
     print(header)
     print("-" * len(header))
@@ -334,10 +345,14 @@ def print_table(rows: list, meters: dict[str, tuple[_Copy, _Copy]], loads: tuple
         worst = max(variants, key=lambda v: v.max_diff)
         shape = f"E{config.experts} k{config.top_k} H{config.hidden} F{config.ffn}"
         cells = " ".join(f"{p50[n]:>9.3f}ms" if n in p50 else f"{'-':>11}" for n in VARIANTS)
+        # auto's choice without the library (the cost model, the token count known), against what it costs.
+        auto = choose_by_cost(BlockShape(config.experts, config.top_k, config.hidden, config.ffn, tokens))
+        auto_ms = p50[f"LZ {auto}"]
         print(
             f"{shape:<22} {threads:>3} {tokens:>3} {cells} {bound_ms:>7.3f}ms {read_ms:>7.3f}ms  "
             f"{native / p50['MoE op']:>6.2f} {native / bound_ms:>9.2f} {native / read_ms:>8.2f} "
-            f"{native / p50['LZ if']:>6.2f} {err:>8.1e}  {'thread' if cpu else 'wall':<6} {load.removeprefix('load ')}"
+            f"{native / p50['LZ if']:>6.2f} {err:>8.1e} {auto:>7}  {'thread' if cpu else 'wall':<6} "
+            f"{load.removeprefix('load ')}"
         )
         checks = [
             ("native ≤ batched_mm export", native <= p50["batched_mm"]),
@@ -356,6 +371,7 @@ def print_table(rows: list, meters: dict[str, tuple[_Copy, _Copy]], loads: tuple
             ]
         if tokens in (16, 64):
             checks.append(("native ≤ min(LZ if, MoE op)", native <= min(p50["LZ if"], p50["MoE op"])))
+        checks.append((f"auto without the library ({auto}) ≤ batched_mm export", auto_ms <= p50["batched_mm"]))
         verdicts.append((f"{shape}, {threads} thread(s), {tokens} token(s)", checks))
     print()
     all_met = True
