@@ -82,13 +82,14 @@ TARGET_VS_BOUND = 1.3  # native ≤ 1.3 × the memory bound (1 token, the two is
 TARGET_VS_OP = 0.8  # native ≤ 0.8 × the MoE op (1 token, the two issue-11 shapes)
 TARGET_SHAPES = {(64, 8, 1024, 512), (128, 8, 512, 256)}
 TARGET_RELATIVE = 1e-5  # native vs the float64 reference
+MIN_ROUNDS = 7
 VARIANT_RELATIVE = 1e-4  # every variant vs the float64 reference (float32 arithmetic, other summation orders)
 
 
 @dataclasses.dataclass
 class Variant:
     name: str
-    session: ort.InferenceSession
+    session: ort.InferenceSession | None
     feeds: dict[str, np.ndarray]
     times: list[float] = dataclasses.field(default_factory=list)
     max_diff: float = 0.0
@@ -251,22 +252,26 @@ def _compiled(batched: onnx.ModelProto, lowering: str) -> ir.Model:
 
 
 def build_models(config: MoEConfig, with_dense: bool, cache: Path, compile_export: bool = False) -> dict[str, Path]:
-    """Every variant of ``config`` as an ``.onnx`` file under ``cache`` (built once, reused for every thread count)."""
+    """Every variant of ``config`` as an ``.onnx`` file under ``cache`` (built once, reused for every thread count;
+    each written as soon as it is built, so that at most a few copies of the weights are in memory)."""
     _say(f"building E={config.experts} k={config.top_k} H={config.hidden} F={config.ffn}")
     t0 = time.perf_counter()
-    batched = build_moe(dataclasses.replace(config, form="batched_mm"))
-    models: dict[str, object] = {"batched_mm": batched, "MoE op": _ort_moe_model(config)}
-    if with_dense:
-        models["dense"] = build_moe(dataclasses.replace(config, form="dense"))
-    skipping = None if compile_export else build_moe(dataclasses.replace(config, form="skipping"))
-    for lowering in ("if", "ort-moe", "native"):
-        models[f"LZ {lowering}"] = _compiled(batched, lowering) if compile_export else _lowered(skipping, lowering)
-    paths = {}
-    for name, model in models.items():
+    paths: dict[str, Path] = {}
+
+    def cache_model(name: str, model: onnx.ModelProto | ir.Model) -> None:
         proto = ir.to_proto(model) if isinstance(model, ir.Model) else model
         path = cache / f"E{config.experts}_H{config.hidden}_F{config.ffn}_{name.replace(' ', '_')}.onnx"
         path.write_bytes(proto.SerializeToString())
         paths[name] = path
+
+    batched = build_moe(dataclasses.replace(config, form="batched_mm"))
+    cache_model("batched_mm", batched)
+    cache_model("MoE op", _ort_moe_model(config))
+    if with_dense:
+        cache_model("dense", build_moe(dataclasses.replace(config, form="dense")))
+    skipping = None if compile_export else build_moe(dataclasses.replace(config, form="skipping"))
+    for lowering in ("if", "ort-moe", "native"):
+        cache_model(f"LZ {lowering}", _compiled(batched, lowering) if compile_export else _lowered(skipping, lowering))
     _say(f"built and cached in {time.perf_counter() - t0:.1f} s ({_load()})")
     return paths
 
@@ -279,6 +284,7 @@ def run_shape(
     threads: int,
     meters: list[_Copy],
     clock: str,
+    budget_s: float = 10.0,
 ) -> list:
     _say(f"timing E={config.experts} at {threads} thread(s) ({_load()})")
     # CPU time only where the work runs in this thread (one intra-op thread); see the module docstring.
@@ -293,12 +299,17 @@ def run_shape(
         variants = [Variant(name, sessions[name], feeds) for name in names]
         reference = _reference(config, feeds["hidden"])
         scale = max(float(np.abs(reference).max()), 1e-30)
+        warm = 0.0
         for v in variants:  # warm up and check each against the float64 reference
-            for _ in range(3):
+            for _ in range(2):
+                t0 = time.perf_counter()
                 out = v.session.run(["y"], v.feeds)[0]
+            warm += time.perf_counter() - t0
             v.max_diff = float(np.abs(out.astype(np.float64) - reference).max()) / scale
+        # Rounds within the row's time budget (the slow variants at 64 tokens take ~0.1-1 s a run), at least 7.
+        n_rounds = max(MIN_ROUNDS, min(rounds, int(budget_s / max(warm, 1e-9))))
         order: list[Variant | _Copy] = [*variants, *meters]
-        for _ in range(rounds):
+        for _ in range(n_rounds):
             random.shuffle(order)
             for v in order:
                 if isinstance(v, _Copy):
@@ -308,6 +319,8 @@ def run_shape(
                 v.session.run(["y"], v.feeds)
                 v.times.append(timer() - t0)
         nbytes, used = _expert_bytes(config, feeds["hidden"])
+        for v in variants:
+            v.session = None  # the rows keep the times only: a shape's sessions go before the next are made
         rows.append((config, threads, tokens, variants, nbytes, used, _load(), timer is time.thread_time))
     del sessions
     gc.collect()
@@ -397,7 +410,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="E128 k8 H512 F256 only, fewer rounds")
     p.add_argument("--e8", action="store_true", help="the E8 k2 shapes (H1024 F4096, H256 F1024) with dense")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 30, --quick 12)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds at most (default 30, --quick 12)")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=10.0,
+        help=f"seconds of timing per row: fewer rounds (at least {MIN_ROUNDS}) where the variants are slow",
+    )
     p.add_argument(
         "--threads",
         type=int,
@@ -453,7 +472,9 @@ def main(argv: list[str] | None = None) -> int:
             models = build_models(config, with_dense=args.e8, cache=Path(tmp), compile_export=args.compile)
             for threads in dict.fromkeys(args.threads):
                 clock = "thread" if args.clock == "thread" and threads == 1 else "wall"
-                rows += run_shape(config, models, args.tokens, rounds, threads, list(meters[clock]), args.clock)
+                rows += run_shape(
+                    config, models, args.tokens, rounds, threads, list(meters[clock]), args.clock, args.budget
+                )
             for path in models.values():
                 with contextlib.suppress(OSError):
                     path.unlink()
