@@ -6,11 +6,23 @@ One MoE block (``layerzero.models.moe``, E experts, top-k, softmax, renormalised
   (the E8 shapes only: on many experts it only measures how slow dense is);
 - batched_mm: what torch.onnx makes of Hugging Face's ``batched_mm`` experts (``GatherND`` of the weights of
   every (token, slot) pair, so each token reads k experts' weights even when tokens share experts);
-- LZ if / ort-moe / native: ``compile_model`` of the batched_mm export, verified, with ``moe_lowering="if"`` /
-  ``"ort-moe"`` / ``"native"`` (``ai.layerzero::MoE`` kept for liblayerzero_ort.so, ``layerzero plugins build``);
+- LZ if / ort-moe / native: the skipping form (``ai.layerzero::MoE``, what the compiler's matcher makes of the
+  batched_mm export: ``layerzero.models.moe`` form ``skipping``, same weights) lowered by ``LowerMoE`` with
+  ``"if"`` / ``"ort-moe"`` / ``"native"`` (the node kept for liblayerzero_ort.so, ``layerzero plugins build``).
+  The lowerings are deterministic functions of the matched block, so the bench builds them directly instead of
+  compiling (and verifying) the export three times per shape (~20 min at E256); every variant's output is
+  checked against ``plugins/reference.py`` (float64) on the timed input instead. ``--compile`` goes through
+  ``compile_model`` with verification as before;
 - MoE op: ``com.microsoft.MoE`` used directly (router ``Gemm`` + the op);
 - memory bound: the bytes of the experts that run on this input (the union over its tokens) ÷ the memory
-  bandwidth of a large numpy copy (read + write counted), timed in the same interleaved rounds.
+  bandwidth of a large numpy copy, read + write counted (the copy reads N bytes and writes N: 2N per copy time,
+  STREAM's convention), timed in the same interleaved rounds. That credits a read-only workload with the copy's
+  read and write traffic together: on one core of this machine a numpy read (``np.max`` of the same buffer) runs
+  at ~0.5 × that rate. So the table also gives the read bound: bytes ÷ that read's bandwidth (same rounds).
+  The issue-11 target stays on the copy bound.
+
+Models are built once per shape and cached as ``.onnx`` files in a temporary directory (removed at exit) for the
+sessions of every thread count.
 
 All sessions: ORT_ENABLE_ALL, the same intra-op threads; every shape runs at one thread and at all cores
 (``--threads``). Repetitions are interleaved round-robin (shuffled each round) over every variant and the copy,
@@ -27,6 +39,7 @@ Targets (issue 11), each printed met / NOT met; the exit status is 1 when one is
 - 1 token, E64 k8 H1024 F512 and E128 k8 H512 F256: native ≤ 1.3 × the memory bound and ≤ 0.8 × the MoE op;
 - every shape and token count: native ≤ the batched_mm export;
 - 16 and 64 tokens: native ≤ min(LZ if, MoE op);
+- every row: ``auto``'s choice without the library (``lower_moe_native.choose_by_cost``, column auto) ≤ the export;
 - native output within 1e-5 relative of the reference.
 
     python bench/moe.py            # E64 k8 H1024 F512, E128 k8 H512 F256, E256 k8 H512 F256; 1/16/64 tokens
@@ -38,13 +51,17 @@ Targets (issue 11), each printed met / NOT met; the exit status is 1 when one is
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import os
 import random
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -55,6 +72,8 @@ from onnx import TensorProto, helper, numpy_helper
 from layerzero.compile import compile_model
 from layerzero.models.moe import MoEConfig, build_moe, moe_feeds, moe_layer_weights
 from layerzero.options import CompileOptions
+from layerzero.passes.lower_moe import LowerMoE
+from layerzero.passes.lower_moe_native import BlockShape, choose_by_cost
 from layerzero.plugins import ort_library
 from layerzero.plugins.reference import moe_reference, moe_routing
 
@@ -63,12 +82,14 @@ TARGET_VS_BOUND = 1.3  # native ≤ 1.3 × the memory bound (1 token, the two is
 TARGET_VS_OP = 0.8  # native ≤ 0.8 × the MoE op (1 token, the two issue-11 shapes)
 TARGET_SHAPES = {(64, 8, 1024, 512), (128, 8, 512, 256)}
 TARGET_RELATIVE = 1e-5  # native vs the float64 reference
+MIN_ROUNDS = 7
+VARIANT_RELATIVE = 1e-4  # every variant vs the float64 reference (float32 arithmetic, other summation orders)
 
 
 @dataclasses.dataclass
 class Variant:
     name: str
-    session: ort.InferenceSession
+    session: ort.InferenceSession | None
     feeds: dict[str, np.ndarray]
     times: list[float] = dataclasses.field(default_factory=list)
     max_diff: float = 0.0
@@ -88,14 +109,22 @@ def _options(threads: int | None) -> ort.SessionOptions:
     return options
 
 
-def _session(model: onnx.ModelProto | ir.Model, threads: int | None) -> ort.InferenceSession:
+def _session(model: onnx.ModelProto | ir.Model | Path, threads: int | None) -> ort.InferenceSession:
+    if isinstance(model, Path):  # cached (weights inline: ONNX Runtime copies them into its own buffers)
+        return ort.InferenceSession(str(model), _options(threads), providers=["CPUExecutionProvider"])
     proto = ir.to_proto(model) if isinstance(model, ir.Model) else model
     return ort.InferenceSession(proto.SerializeToString(), _options(threads), providers=["CPUExecutionProvider"])
 
 
+@functools.lru_cache(maxsize=1)
+def _weights(config: MoEConfig) -> dict[str, np.ndarray]:
+    """Layer 0's weights (drawn once per shape: ~1 s per 100 M parameters)."""
+    return moe_layer_weights(config, 0)
+
+
 def _ort_moe_model(config: MoEConfig) -> onnx.ModelProto:
     """Router Gemm + ``com.microsoft.MoE`` with fc1 rows interleaved [gate_0, up_0, ...] (swiglu_fusion=1)."""
-    w = moe_layer_weights(config, 0)
+    w = _weights(config)
     e, f, h = w["w_gate"].shape
     fc1 = np.empty((e, 2 * f, h), np.float32)
     fc1[:, 0::2], fc1[:, 1::2] = w["w_gate"], w["w_up"]
@@ -136,9 +165,12 @@ def _load() -> str:
 
 
 class _Copy:
-    """A large numpy copy, timed in the same rounds as the sessions: bytes moved (read + write) per second."""
+    """A large numpy copy (or, ``read=True``, a numpy read: ``np.max``), timed in the same rounds as the sessions:
+    bytes moved per second, a copy's read + write counted."""
 
-    def __init__(self, megabytes: int = 256, clock=time.perf_counter, buffers: _Copy | None = None) -> None:
+    def __init__(
+        self, megabytes: int = 256, clock=time.perf_counter, buffers: _Copy | None = None, read: bool = False
+    ) -> None:
         if buffers is not None:  # the same buffers timed with another clock
             self.src, self.dst = buffers.src, buffers.dst
         else:
@@ -147,20 +179,24 @@ class _Copy:
             np.copyto(self.dst, self.src)  # touch every page first
         self.times: list[float] = []
         self.clock = clock
+        self.read = read
 
     def run(self) -> None:
         t0 = self.clock()
-        np.copyto(self.dst, self.src)
+        if self.read:
+            self.src.max()
+        else:
+            np.copyto(self.dst, self.src)
         self.times.append(self.clock() - t0)
 
     @property
     def bandwidth(self) -> float:
-        return 2 * self.src.nbytes / float(np.median(self.times))
+        return (1 if self.read else 2) * self.src.nbytes / float(np.median(self.times))
 
 
 def _expert_bytes(config: MoEConfig, hidden: np.ndarray) -> tuple[int, int]:
     """(bytes of the experts the input's tokens run, how many experts that is)."""
-    w = moe_layer_weights(config, 0)
+    w = _weights(config)
     logits = hidden @ w["router"].T + w["router_bias"]
     _, mask = moe_routing(logits, top_k=config.top_k, normalize=config.normalize, scoring=config.scoring)
     used = int(mask.any(axis=0).sum())
@@ -168,7 +204,7 @@ def _expert_bytes(config: MoEConfig, hidden: np.ndarray) -> tuple[int, int]:
 
 
 def _reference(config: MoEConfig, hidden: np.ndarray) -> np.ndarray:
-    w = moe_layer_weights(config, 0)
+    w = _weights(config)
     logits = hidden.astype(np.float64) @ w["router"].T.astype(np.float64) + w["router_bias"]
     y, _ = moe_reference(
         hidden.astype(np.float64),
@@ -184,36 +220,78 @@ def _reference(config: MoEConfig, hidden: np.ndarray) -> np.ndarray:
     return y
 
 
-def build_models(config: MoEConfig, with_dense: bool) -> dict[str, object]:
-    say = lambda msg: print(f"  {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    say(f"building E={config.experts} k={config.top_k} H={config.hidden} F={config.ffn}")
+def _say(msg: str) -> None:
+    print(f"  {msg}", file=sys.stderr, flush=True)
+
+
+def _lowered(skipping: onnx.ModelProto, lowering: str) -> ir.Model:
+    """The skipping form lowered with ``lowering`` (``LowerMoE``, as the compiler's pipeline does); ``skipping`` is
+    only read (its weights are shared by the lowered models)."""
+    model = ir.from_proto(skipping)
+    result = LowerMoE(lowering=lowering).call(model)
+    ops = {(n.domain, n.op_type) for n in model.graph.all_nodes()}
+    expected = {"if": ("", "If"), "ort-moe": ("com.microsoft", "MoE"), "native": ("ai.layerzero", "MoE")}[lowering]
+    if not result.modified or expected not in ops:
+        raise SystemExit(f"{lowering}: LowerMoE did not lower the block that way ({sorted(ops)})")
+    return model
+
+
+def _compiled(batched: onnx.ModelProto, lowering: str) -> ir.Model:
+    """``--compile``: the export through ``compile_model`` with verification (minutes per shape)."""
+    # Whole-model verification (a few hundred MB here): chunked verification fails on the If lowering's
+    # initializers in subgraphs (compiler/chunked.py, "Buffer containing the initializer must be owned").
+    options = CompileOptions(moe_lowering=lowering, verify=True, atol=1e-5, rtol=1e-4, chunked_verify_bytes=8 << 30)
+    result = compile_model(batched, options)
+    if not result.verification.passed:
+        raise SystemExit(f"{lowering}: verification failed")
+    ops = {(n.domain, n.op_type) for n in result.model.graph}
+    assert ("", "GatherND") not in ops, f"{lowering}: the block was not rewritten"
+    if lowering == "native":
+        assert ("ai.layerzero", "MoE") in ops, "native: the custom op is not in the compiled graph"
+    return result.model
+
+
+def build_models(config: MoEConfig, with_dense: bool, cache: Path, compile_export: bool = False) -> dict[str, Path]:
+    """Every variant of ``config`` as an ``.onnx`` file under ``cache`` (built once, reused for every thread count;
+    each written as soon as it is built, so that at most a few copies of the weights are in memory)."""
+    _say(f"building E={config.experts} k={config.top_k} H={config.hidden} F={config.ffn}")
+    t0 = time.perf_counter()
+    paths: dict[str, Path] = {}
+
+    def cache_model(name: str, model: onnx.ModelProto | ir.Model) -> None:
+        proto = ir.to_proto(model) if isinstance(model, ir.Model) else model
+        path = cache / f"E{config.experts}_H{config.hidden}_F{config.ffn}_{name.replace(' ', '_')}.onnx"
+        path.write_bytes(proto.SerializeToString())
+        paths[name] = path
+
     batched = build_moe(dataclasses.replace(config, form="batched_mm"))
-    models: dict[str, object] = {"batched_mm": batched, "MoE op": _ort_moe_model(config)}
+    cache_model("batched_mm", batched)
+    cache_model("MoE op", _ort_moe_model(config))
     if with_dense:
-        models["dense"] = build_moe(dataclasses.replace(config, form="dense"))
+        cache_model("dense", build_moe(dataclasses.replace(config, form="dense")))
+    skipping = None if compile_export else build_moe(dataclasses.replace(config, form="skipping"))
     for lowering in ("if", "ort-moe", "native"):
-        say(f"compiling ({lowering}, verified)")
-        # Whole-model verification (a few hundred MB here): chunked verification fails on the If lowering's
-        # initializers in subgraphs (compiler/chunked.py, "Buffer containing the initializer must be owned").
-        options = CompileOptions(moe_lowering=lowering, verify=True, atol=1e-5, rtol=1e-4, chunked_verify_bytes=8 << 30)
-        result = compile_model(batched, options)
-        if not result.verification.passed:
-            raise SystemExit(f"{lowering}: verification failed")
-        ops = {(n.domain, n.op_type) for n in result.model.graph}
-        assert ("", "GatherND") not in ops, f"{lowering}: the block was not rewritten"
-        if lowering == "native":
-            assert ("ai.layerzero", "MoE") in ops, "native: the custom op is not in the compiled graph"
-        models[f"LZ {lowering}"] = result.model
-    return models
+        cache_model(f"LZ {lowering}", _compiled(batched, lowering) if compile_export else _lowered(skipping, lowering))
+    _say(f"built and cached in {time.perf_counter() - t0:.1f} s ({_load()})")
+    return paths
 
 
 def run_shape(
-    config: MoEConfig, models: dict, tokens_list: list[int], rounds: int, threads: int, copy: _Copy, clock: str
+    config: MoEConfig,
+    models: dict,
+    tokens_list: list[int],
+    rounds: int,
+    threads: int,
+    meters: list[_Copy],
+    clock: str,
+    budget_s: float = 10.0,
 ) -> list:
-    print(f"  timing E={config.experts} at {threads} thread(s) ({_load()})", file=sys.stderr, flush=True)
+    _say(f"timing E={config.experts} at {threads} thread(s) ({_load()})")
     # CPU time only where the work runs in this thread (one intra-op thread); see the module docstring.
     timer = time.thread_time if clock == "thread" and threads == 1 else time.perf_counter
+    t0 = time.perf_counter()
     sessions = {name: _session(model, threads) for name, model in models.items()}
+    _say(f"sessions created in {time.perf_counter() - t0:.1f} s")
     names = [n for n in VARIANTS if n in sessions]
     rows = []
     for tokens in tokens_list:
@@ -221,12 +299,17 @@ def run_shape(
         variants = [Variant(name, sessions[name], feeds) for name in names]
         reference = _reference(config, feeds["hidden"])
         scale = max(float(np.abs(reference).max()), 1e-30)
+        warm = 0.0
         for v in variants:  # warm up and check each against the float64 reference
-            for _ in range(3):
+            for _ in range(2):
+                t0 = time.perf_counter()
                 out = v.session.run(["y"], v.feeds)[0]
+            warm += time.perf_counter() - t0
             v.max_diff = float(np.abs(out.astype(np.float64) - reference).max()) / scale
-        order: list[Variant | _Copy] = [*variants, copy]
-        for _ in range(rounds):
+        # Rounds within the row's time budget (the slow variants at 64 tokens take ~0.1-1 s a run), at least 7.
+        n_rounds = max(MIN_ROUNDS, min(rounds, int(budget_s / max(warm, 1e-9))))
+        order: list[Variant | _Copy] = [*variants, *meters]
+        for _ in range(n_rounds):
             random.shuffle(order)
             for v in order:
                 if isinstance(v, _Copy):
@@ -236,46 +319,62 @@ def run_shape(
                 v.session.run(["y"], v.feeds)
                 v.times.append(timer() - t0)
         nbytes, used = _expert_bytes(config, feeds["hidden"])
+        for v in variants:
+            v.session = None  # the rows keep the times only: a shape's sessions go before the next are made
         rows.append((config, threads, tokens, variants, nbytes, used, _load(), timer is time.thread_time))
     del sessions
     gc.collect()
     return rows
 
 
-def print_table(rows: list, copies: dict[str, _Copy], loads: tuple[str, str]) -> bool:
+def print_table(rows: list, meters: dict[str, tuple[_Copy, _Copy]], loads: tuple[str, str]) -> bool:
     print(f"\n{loads[0]} at the start, {loads[1]} at the end (1-minute load average / cores)")
-    for clock, copy in copies.items():
+    for clock, (copy, read) in meters.items():
         if copy.times:
             print(
-                f"memory bandwidth (p50 of a 256 MB numpy copy in the same rounds, read + write, {clock} clock): "
-                f"{copy.bandwidth / 1e9:.1f} GB/s"
+                f"memory bandwidth ({clock} clock, p50 in the same rounds, 256 MB): numpy copy read + write "
+                f"{copy.bandwidth / 1e9:.1f} GB/s (the bound), numpy read (np.max) {read.bandwidth / 1e9:.1f} GB/s "
+                "(the read bound)"
             )
     isa = _native_isa()
     print(f"liblayerzero_ort.so kernels: {isa}")
     header = (
         f"{'shape':<22} {'thr':>3} {'T':>3} "
         + " ".join(f"{n:>11}" for n in VARIANTS)
-        + f" {'bound':>9}  {'nat/op':>6} {'nat/bound':>9} {'nat/if':>6} {'rel err':>8}  {'clock':<6} load"
+        + f" {'bound':>9} {'read bnd':>9}  {'nat/op':>6} {'nat/bound':>9} {'nat/read':>8} {'nat/if':>6} "
+        f"{'rel err':>8} {'auto':>7}  {'clock':<6} load"
     )
     print(header)
     print("-" * len(header))
     verdicts = []
     for config, threads, tokens, variants, nbytes, used, load, cpu in rows:
-        # The bound in the row's own clock: CPU-timed rows against the CPU-timed copy.
-        bound_ms = nbytes / copies["thread" if cpu else "wall"].bandwidth * 1e3
+        # The bounds in the row's own clock: CPU-timed rows against the CPU-timed copy / read.
+        copy, read = meters["thread" if cpu else "wall"]
+        bound_ms = nbytes / copy.bandwidth * 1e3
+        read_ms = nbytes / read.bandwidth * 1e3
         p50 = {v.name: v.p50 for v in variants}
         native = p50["LZ native"]
         err = next(v.max_diff for v in variants if v.name == "LZ native")
+        worst = max(variants, key=lambda v: v.max_diff)
         shape = f"E{config.experts} k{config.top_k} H{config.hidden} F{config.ffn}"
         cells = " ".join(f"{p50[n]:>9.3f}ms" if n in p50 else f"{'-':>11}" for n in VARIANTS)
+        # auto's choice without the library (the cost model, the token count known), against what it costs.
+        auto = choose_by_cost(BlockShape(config.experts, config.top_k, config.hidden, config.ffn, tokens))
+        auto_ms = p50[f"LZ {auto}"]
         print(
-            f"{shape:<22} {threads:>3} {tokens:>3} {cells} {bound_ms:>7.3f}ms  {native / p50['MoE op']:>6.2f} "
-            f"{native / bound_ms:>9.2f} {native / p50['LZ if']:>6.2f} {err:>8.1e}  {'thread' if cpu else 'wall':<6} "
+            f"{shape:<22} {threads:>3} {tokens:>3} {cells} {bound_ms:>7.3f}ms {read_ms:>7.3f}ms  "
+            f"{native / p50['MoE op']:>6.2f} {native / bound_ms:>9.2f} {native / read_ms:>8.2f} "
+            f"{native / p50['LZ if']:>6.2f} {err:>8.1e} {auto:>7}  {'thread' if cpu else 'wall':<6} "
             f"{load.removeprefix('load ')}"
         )
         checks = [
             ("native ≤ batched_mm export", native <= p50["batched_mm"]),
             (f"rel err ≤ {TARGET_RELATIVE:g}", err <= TARGET_RELATIVE),
+            # The lowerings are built, not compiled with verification: every variant is checked here instead.
+            (
+                f"every variant's rel err ≤ {VARIANT_RELATIVE:g} (worst: {worst.name})",
+                worst.max_diff <= VARIANT_RELATIVE,
+            ),
         ]
         key = (config.experts, config.top_k, config.hidden, config.ffn)
         if tokens == 1 and key in TARGET_SHAPES:
@@ -285,6 +384,7 @@ def print_table(rows: list, copies: dict[str, _Copy], loads: tuple[str, str]) ->
             ]
         if tokens in (16, 64):
             checks.append(("native ≤ min(LZ if, MoE op)", native <= min(p50["LZ if"], p50["MoE op"])))
+        checks.append((f"auto without the library ({auto}) ≤ batched_mm export", auto_ms <= p50["batched_mm"]))
         verdicts.append((f"{shape}, {threads} thread(s), {tokens} token(s)", checks))
     print()
     all_met = True
@@ -310,7 +410,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="E128 k8 H512 F256 only, fewer rounds")
     p.add_argument("--e8", action="store_true", help="the E8 k2 shapes (H1024 F4096, H256 F1024) with dense")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 30, --quick 12)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds at most (default 30, --quick 12)")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=10.0,
+        help=f"seconds of timing per row: fewer rounds (at least {MIN_ROUNDS}) where the variants are slow",
+    )
     p.add_argument(
         "--threads",
         type=int,
@@ -325,6 +431,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=("wall", "thread"),
         default="wall",
         help="thread: one-thread rows and the copy in CPU time (a loaded machine); other rows stay wall-clock",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="build the LZ variants with compile_model (verified) from the export instead of LowerMoE directly (slow)",
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -350,19 +461,27 @@ def main(argv: list[str] | None = None) -> int:
         ]
     if args.experts:
         shapes = [c for c in shapes if c.experts in args.experts]
-    copies = {"wall": _Copy()}
+    copy = _Copy()
+    meters = {"wall": (copy, _Copy(buffers=copy, read=True))}
     if args.clock == "thread":
-        copies["thread"] = _Copy(clock=time.thread_time, buffers=copies["wall"])
-    start = _load()
+        meters["thread"] = tuple(_Copy(clock=time.thread_time, buffers=copy, read=read) for read in (False, True))
+    start, t0 = _load(), time.perf_counter()
     rows = []
-    for config in shapes:
-        models = build_models(config, with_dense=args.e8)
-        for threads in dict.fromkeys(args.threads):
-            copy = copies["thread" if args.clock == "thread" and threads == 1 else "wall"]
-            rows += run_shape(config, models, args.tokens, rounds, threads, copy, args.clock)
-        del models
-        gc.collect()
-    return 0 if print_table(rows, copies, (start, _load())) else 1
+    with tempfile.TemporaryDirectory(prefix="layerzero-bench-moe-") as tmp:
+        for config in shapes:
+            models = build_models(config, with_dense=args.e8, cache=Path(tmp), compile_export=args.compile)
+            for threads in dict.fromkeys(args.threads):
+                clock = "thread" if args.clock == "thread" and threads == 1 else "wall"
+                rows += run_shape(
+                    config, models, args.tokens, rounds, threads, list(meters[clock]), args.clock, args.budget
+                )
+            for path in models.values():
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            gc.collect()
+    met = print_table(rows, meters, (start, _load()))
+    print(f"run time {time.perf_counter() - t0:.0f} s")
+    return 0 if met else 1
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ __all__ = [
     "NATIVE_SCORINGS",
     "BlockShape",
     "choose_auto",
+    "choose_by_cost",
     "estimate_ms",
     "lower_native",
     "native_supports",
@@ -203,7 +204,12 @@ def choose_auto(node: ir.Node, ort_moe_why_not: str | None, native_present: bool
         return "native"
     if ort_moe_why_not is not None:
         return "if"
-    shape = BlockShape.of(node)
+    return choose_by_cost(BlockShape.of(node))
+
+
+def choose_by_cost(shape: BlockShape) -> str:
+    """``if`` or ``ort-moe`` for a block both can run, by ``estimate_ms`` (``bench/moe.py`` prints this choice
+    beside the measured times)."""
     if shape.experts < MANY_EXPERTS:
         # Measured at E8 (lower_moe.AUTO_CHOICE): If wins or is within 15 %, and only If follows the run-time
         # threshold input and ONNX TopK's tie order; the model was fitted on many experts.

@@ -326,6 +326,47 @@ def test_weights_are_not_copied(ort_lib, tmp_path):
     assert grown <= 1.1 * weights, f"peak RSS grew {grown / 1e6:.1f} MB for {weights / 1e6:.1f} MB of weights"
 
 
+def _huge_pages_after_session(lib: Path, model: onnx.ModelProto, **env: str) -> int:
+    """Bytes of anonymous huge pages a session creation added to a fresh process (/proc/self/smaps_rollup)."""
+    script = textwrap.dedent(
+        f"""
+        import re, sys, onnxruntime as ort
+        def huge():
+            text = open("/proc/self/smaps_rollup").read()
+            return int(re.search(r"AnonHugePages:\\s+(\\d+) kB", text).group(1)) * 1024
+        data = open(sys.argv[1], "rb").read()
+        o = ort.SessionOptions(); o.intra_op_num_threads = 1; o.register_custom_ops_library({str(lib)!r})
+        before = huge()
+        s = ort.InferenceSession(data, o, providers=["CPUExecutionProvider"])
+        print(huge() - before)
+        """
+    )
+    path = BUILD_DIR / "huge_pages_model.onnx"
+    path.write_bytes(model.SerializeToString())
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(path)], capture_output=True, text=True, env=_script_env(**env), timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def test_weights_are_backed_by_huge_pages_in_place(ort_lib):
+    # The kernel collapses the expert weights ONNX Runtime holds into 2 MB pages (MADV_COLLAPSE, Linux 6.1) at
+    # session creation: 3 tensors of 8 MB hold at least 3 whole aligned 2 MB blocks each; off with
+    # LAYERZERO_ORT_HUGEPAGES=0. (In place: test_weights_are_not_copied bounds the RSS.)
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text():
+        pytest.skip("transparent huge pages are off on this machine (/sys/kernel/mm/transparent_hugepage/enabled)")
+    release = tuple(int(p) for p in os.uname().release.split(".")[:2] if p.isdigit())
+    if release < (6, 1):
+        pytest.skip(f"Linux {os.uname().release} has no MADV_COLLAPSE (6.1+): the weights keep their small pages")
+    model, _ = moe_model(8, 512, 512, top_k=2, normalize=1)
+    on = _huge_pages_after_session(ort_lib, model)
+    off = _huge_pages_after_session(ort_lib, model, LAYERZERO_ORT_HUGEPAGES="0")
+    assert on >= 9 * (2 << 20), f"{on / 2**20:.0f} MB of huge pages after the session (expected >= 18 MB)"
+    assert off < 2 << 20, f"LAYERZERO_ORT_HUGEPAGES=0 still gave {off / 2**20:.0f} MB of huge pages"
+
+
 def _script_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
     env.update(extra)

@@ -144,6 +144,21 @@ struct MoEKernel {
     const int64_t E = shapes[0][0];
     if (E > 0 && cfg.top_k > E) fail("top_k=" + std::to_string(cfg.top_k) + " > " + std::to_string(E) + " experts");
     if (E > 0 && !lz::group_error(cfg, E).empty()) fail(lz::group_error(cfg, E));
+    // The expert weights are initializers ONNX Runtime has placed by now: back them with huge pages in place.
+    for (size_t i = 2; i < 5; ++i) {
+      int is_constant = 0;
+      const OrtValue* value = nullptr;
+      OrtStatus* s = Ort::GetApi().KernelInfoGetConstantInput_tensor(info, i, &is_constant, &value);
+      if (s != nullptr) {
+        Ort::GetApi().ReleaseStatus(s);
+        continue;
+      }
+      if (!is_constant || value == nullptr) continue;
+      Ort::ConstValue tensor(value);
+      auto shape = tensor.GetTensorTypeAndShapeInfo();
+      const size_t element = shape.GetElementType() == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 4 : 2;
+      lz::advise_huge_pages(tensor.GetTensorRawData(), shape.GetElementCount() * element);
+    }
     // The v2 optional inputs (biases, score_bias) are checked when they are read: the kernel info of an
     // optional input after an absent one did not report its element type reliably (ONNX Runtime 1.32).
   }

@@ -7,6 +7,10 @@
 #include <cstring>
 #include <numeric>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 namespace lz {
 
 bool parse_scoring(const std::string& s, Scoring* out) {
@@ -35,6 +39,30 @@ std::string group_error(const MoEConfig& cfg, int64_t experts) {
     return what + ", top_k=" + std::to_string(cfg.top_k) + ": groups of " + std::to_string(size) +
            " experts (at least 2, top_k <= topk_group x group size)";
   return "";
+}
+
+size_t advise_huge_pages(const void* data, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  static const bool enabled = [] {
+    const char* v = std::getenv("LAYERZERO_ORT_HUGEPAGES");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
+  if (!enabled || end <= begin) return 0;
+  void* start = reinterpret_cast<void*>(begin);
+  if (madvise(start, end - begin, MADV_HUGEPAGE) != 0) return 0;
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25  // Linux 6.1; older kernels answer EINVAL and khugepaged collapses later (or never)
+#endif
+  if (madvise(start, end - begin, MADV_COLLAPSE) != 0) return 0;
+  return end - begin;
+#else
+  (void)data;
+  (void)bytes;
+  return 0;
+#endif
 }
 
 float load_element(const void* p, WeightType type, int64_t i) {

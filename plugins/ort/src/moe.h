@@ -48,6 +48,14 @@ struct MoEWeights {
   WeightType b_gate_type = WeightType::f32, b_up_type = WeightType::f32, b_down_type = WeightType::f32;
 };
 
+// Back [data, data + bytes) with transparent huge pages, in place (Linux: madvise MADV_HUGEPAGE, then
+// MADV_COLLAPSE, which moves the contents of each whole 2 MB-aligned block inside the range into one huge page at
+// the same address; the old small pages are freed, so nothing is copied for good). One core streams weights
+// ~1.3x faster from huge pages (no TLB miss every 4 KB). Returns the bytes now collapsed; 0 where the kernel
+// refuses (THP off, file-backed memory, another OS): the weights stay as they were, only slower to read.
+// LAYERZERO_ORT_HUGEPAGES=0 turns it off.
+size_t advise_huge_pages(const void* data, size_t bytes);
+
 // Element i of a float32 / float16 / bfloat16 array.
 float load_element(const void* p, WeightType type, int64_t i);
 
