@@ -98,16 +98,14 @@ SPEED_TARGET = 1.15  # issue 8: every MoE family faster than its export at 1 tok
 # Why a row is where it is, where the number alone misleads (measured; printed under the speed table).
 SPEED_NOTES = {
     "jetmoe/dynamo": (
-        "jetmoe / dynamo is ≈ 1.0× because its export already skips: JetMoE's MLP and its mixture of attention "
-        "heads sort the token slots by expert and run one `Gemm` per expert on its slice of rows (empty at 1 token "
-        "for the experts not chosen), so both models read the same expert weights (onnxruntime profile at load "
-        "≈ 1: the routed experts' gate-up / down products 0.55 / 0.26 ms in both). The rest is ≈ 520 small nodes "
-        "at ≈ 3 µs, 87 per layer in the MLP blocks the compiler rewrites, the most in the attention's routed "
-        "projections, which stay as exported. A bound no MLP lowering can beat, the compiled model with each MLP "
-        "block cut down to its two routed experts' products (no router, no `If`, no weighting), measured 1.07× "
-        "and 1.08× the export (two interleaved runs, load 8-10). The model's floor is its weight traffic (≈ 38 MB "
-        "a token: 2 routed experts per layer in the MLP and in the attention, the KV projection, the LM head: "
-        "≈ 4.2 ms at the ≈ 9 GB/s one core streams here) against ≈ 6 ms measured."
+        "jetmoe / dynamo is the closest row because its export already skips: JetMoE's MLP and its mixture of "
+        "attention heads sort the token slots by expert and run one `Gemm` per expert on its slice of rows (empty "
+        "at 1 token for the experts not chosen), so both models read the same expert weights. What the compile "
+        "saves is the export's ≈ 87 small routing nodes per MLP block: with liblayerzero_ort.so built (`auto` "
+        "picks `native`, one op per block) 1.35× here and 1.54× / 1.57× in two reruns at load 2; without the "
+        "library (`auto` picks `if`) 1.01× in two runs of 21 rounds (load 2.9 and 8.8), and a model with each MLP "
+        "block cut down to its two routed experts' products measured 1.07-1.08×: without the native op, no MLP "
+        "lowering beats the export by more than noise. The attention's routed projections stay as exported."
     ),
 }
 
@@ -123,6 +121,10 @@ def _speed_notes(speed: dict[str, dict]) -> list[str]:
         "export p50 / compiled p50. Measured on a 2-core machine shared with other jobs: take ±10 % as noise.",
         "Lowering: the MoE lowering the compile chose (`auto`); load: the machine's 1-minute load average before",
         "→ after the timed rounds (· where not recorded).",
+        "These rows ran with liblayerzero_ort.so built (`layerzero plugins build --only ort`), so `auto` picks",
+        "`native` for every family but PhiMoE (its sparsemixer routing runs in the `if` form). Without the",
+        "library `auto` chooses `if` or `ort-moe` by its cost model; measured that way earlier the same day (load",
+        "3-8): 1.17-2.83× (qwen2_moe 1.17 / 1.23, gpt_oss 1.18 / 1.22 with `ort-moe`) and jetmoe 1.01× (note below).",
         "",
         "| family | exporter | config | export p50 ms | compiled p50 ms | speed-up | MoE blocks | max abs diff "
         "| lowering | load |",
