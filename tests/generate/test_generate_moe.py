@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "corpus"))
 from corpus_export import get_generate_export  # noqa: E402
 from corpus_families import FAMILIES  # noqa: E402
 
+import layerzero.runtime.generate as generate_module  # noqa: E402
 from layerzero.cli import main  # noqa: E402
 from layerzero.runtime import Engine  # noqa: E402
 
@@ -41,7 +42,9 @@ def _family(name: str):
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_moe_export_compile_generate_matches_transformers(family: str, tmp_path: Path) -> None:
+def test_moe_export_compile_generate_matches_transformers(
+    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     spec = _family(family)
     assert spec.kwargs["num_experts_per_tok"] == 2 and spec.kwargs["num_hidden_layers"] == 2
     folder = get_generate_export(spec)
@@ -54,8 +57,18 @@ def test_moe_export_compile_generate_matches_transformers(family: str, tmp_path:
     assert main(["compile", str(folder / "model.onnx"), "-o", str(bundle)]) == 0
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert {d["path"] for d in manifest["dynamic"]} == {"model.layers.0.mlp", "model.layers.1.mlp"}
-    out = Engine.load(bundle).generate(PROMPT, max_new_tokens=NEW, masks=True)
+    engine = Engine.load(bundle)
+    assert generate_module._bindable(engine)  # ONNX Runtime on the CPU: the IO-binding loop
+    out = engine.generate(PROMPT, max_new_tokens=NEW, masks=True)
     assert out.ids == expected
+    # The plain loop (run() per step, the presents fed back as numpy: the guard's) gives the same tokens, the
+    # same skipped experts and the same masks at every step.
+    monkeypatch.setattr(generate_module, "_bindable", lambda engine: False)
+    plain = engine.generate(PROMPT, max_new_tokens=NEW, masks=True)
+    assert plain.ids == expected
+    assert [(s.skipped_paths, s.masks) for s in plain.report.steps] == [
+        (s.skipped_paths, s.masks) for s in out.report.steps
+    ]
     experts = {f"model.layers.{i}.mlp.experts.{e}" for i in range(2) for e in range(EXPERTS)}
     # A decode step runs one token through top-2 of 4 experts per layer: at least 2 per layer are skipped.
     for step in out.report.steps[1:]:
