@@ -277,6 +277,7 @@ def generate(
     seed: int | None = None,
     stop_tokens: Sequence[int] | None = None,
     on_token: Callable[[int], None] | None = None,
+    on_step: Callable[[list[int | None]], None] | None = None,
     masks: bool = False,
     max_tokens: int | None = None,
     pad_token_id: int | None = None,
@@ -295,6 +296,8 @@ def generate(
         stop_tokens: Ids that end generation; None uses the eos ids recorded by ``layerzero export``;
             ``()`` never stops early.
         on_token: Called with each new id as soon as it is chosen (streaming; one prompt only).
+        on_step: Called after each step with each row's new id, None for a row that had already finished
+            (streaming a batch).
         masks: Keep each step's per-path masks in ``report.steps[i].masks``.
         max_tokens: At most this many tokens per sequence, prompt included: a longer prompt is an error,
             generation stops there (``stop_reason`` ``"max_tokens"``). None: the guard's, else no cap.
@@ -406,6 +409,7 @@ def generate(
         step_masks = {k: np.asarray(v).astype(int).tolist() for k, v in report.masks.items()} if masks else {}
         if step == 0:
             first_token_at = time.perf_counter()
+        was_done = list(done)
         for r, token in enumerate(tokens):
             if done[r]:
                 continue  # a finished row is fed a pad, as transformers does; its token is not kept
@@ -426,6 +430,8 @@ def generate(
                 done[r], stop_reason[r] = True, "stop_token"
             elif max_tokens is not None and len(prompts[r]) + len(new[r]) >= max_tokens:
                 done[r], stop_reason[r] = True, "max_tokens"
+        if on_step is not None:
+            on_step([None if finished else token for finished, token in zip(was_done, tokens, strict=True)])
         step += 1
     end = time.perf_counter()
     total = end - start
