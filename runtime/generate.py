@@ -22,6 +22,12 @@ transformers does) or at ``max_tokens`` tokens per sequence (the guard's ``max_t
 each row's real tokens, as transformers' batched ``generate``; each row stops on its own. In a batch, a step's
 ``skipped_paths`` and masks are the batch's (a path is skipped when no row's token ran it), and
 ``tokens_per_s`` is per row: the batch's throughput is the sum over rows.
+
+The loop: an ``Engine`` running ONNX Runtime on the CPU is driven through one IO binding per request
+(``_BoundSteps``): the presents stay ONNX Runtime values bound as the next step's past, the feeds are validated on
+the first step only, and the ids, mask and positions of every step are views of buffers allocated once. A
+``GuardedEngine``, another backend or device, and a single-pass model go through ``run`` each step
+(``_PlainSteps``); both give the same tokens, skipped paths and masks.
 """
 
 from __future__ import annotations
