@@ -175,11 +175,17 @@ class Engine:
                 )
             arrays[THRESHOLD_INPUT] = np.asarray(threshold, dtype=np.float32)
         values = self._backend.run(arrays)
+        return self.result_from(dict(zip(self._all_outputs, values, strict=True)), masks=masks)
+
+    def result_from(self, values: Mapping[str, np.ndarray], *, masks: bool = False) -> Result:
+        """The ``Result`` of one run from the backend's outputs by name (what ``run`` returns; the generate loop,
+        which runs the session through an IO binding, turns its outputs into reports with it)."""
         report = self.report_template()
         outputs: dict[str, np.ndarray] = {}
         dynamic: dict[str, np.ndarray] = {}
-        for name, value in zip(self._all_outputs, values, strict=True):
-            (dynamic if name in self._dynamic_outputs else outputs)[name] = value
+        for name in self._all_outputs:
+            if name in values:
+                (dynamic if name in self._dynamic_outputs else outputs)[name] = values[name]
         # Masks and router outputs -> skipped_paths (per subpath of the manifest's ``dynamic`` entries),
         # zeroed_params_ratio of this request, routing_confidence and, when asked, the masks.
         report.add_dynamic(

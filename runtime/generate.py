@@ -22,6 +22,12 @@ transformers does) or at ``max_tokens`` tokens per sequence (the guard's ``max_t
 each row's real tokens, as transformers' batched ``generate``; each row stops on its own. In a batch, a step's
 ``skipped_paths`` and masks are the batch's (a path is skipped when no row's token ran it), and
 ``tokens_per_s`` is per row: the batch's throughput is the sum over rows.
+
+The loop: an ``Engine`` running ONNX Runtime on the CPU is driven through one IO binding per request
+(``_BoundSteps``): the presents stay ONNX Runtime values bound as the next step's past, the feeds are validated on
+the first step only, and the ids, mask and positions of every step are views of buffers allocated once. A
+``GuardedEngine``, another backend or device, and a single-pass model go through ``run`` each step
+(``_PlainSteps``); both give the same tokens, skipped paths and masks.
 """
 
 from __future__ import annotations
@@ -32,15 +38,16 @@ import logging
 import re
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from layerzero.errors import InvalidInputError, UnsupportedModelError
+from layerzero.errors import InvalidInputError, LayerZeroError, UnsupportedModelError
 
 if TYPE_CHECKING:
     from layerzero.runtime.engine import Engine
     from layerzero.runtime.guard import GuardedEngine
+    from layerzero.runtime.report import Report
 
 __all__ = [
     "GENERATE_META_KEY",
@@ -158,6 +165,90 @@ def _cache_layout(engine: Engine) -> _CacheLayout | None:
     return _CacheLayout(names, spec.dtype, (shape[1], shape[3]))
 
 
+class _Steps(Protocol):
+    """Runs one forward pass of the decode loop: the step's ids, mask and positions in, its logits and report out."""
+
+    def __call__(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, Report]: ...
+
+
+class _PlainSteps:
+    """Every step through ``run`` (``Engine.run`` or the guard's): the presents come back as numpy arrays and are
+    fed as the next step's past. For a guard, a backend other than ONNX Runtime on the CPU, a single-pass model."""
+
+    def __init__(self, run: Callable[..., Any], layout: _CacheLayout | None, batch: int) -> None:
+        self._run = run
+        self._layout = layout
+        self._past: dict[str, np.ndarray] = {}
+        if layout is not None:
+            heads, head_dim = layout.shape
+            self._past = {p: np.zeros((batch, heads, 0, head_dim), dtype=layout.dtype) for p, _ in layout.names}
+
+    def __call__(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, Report]:
+        result = self._run({**feeds, **self._past}, masks=True)
+        if self._layout is not None:
+            self._past = {p: result.outputs[q] for p, q in self._layout.names}
+        return result.outputs["logits"], result.report
+
+
+class _BoundSteps:
+    """ONNX Runtime on the CPU through one IO binding per request.
+
+    The first step's feeds are validated as ``Engine.run`` does (a wrong dtype or dim is an ``InvalidInputError``);
+    then each step binds its three small inputs and the previous step's presents, which stay ONNX Runtime values
+    (no numpy array of the cache is made, no copy of it is fed back). The outputs are bound to the CPU and
+    allocated by the session: the exported graph writes each present with a ``Concat(past, new)`` of its own,
+    so a preallocated cache buffer could not be written in place; only the logits (one row per position) and the
+    masks become numpy arrays.
+    """
+
+    def __init__(self, engine: Engine, layout: _CacheLayout, batch: int) -> None:
+        backend = engine.backend
+        self._engine = engine
+        self._session = backend.session  # type: ignore[attr-defined]
+        self._run_options = getattr(backend, "_run_options", None)
+        self._label = str(engine.model_path)
+        self._layout = layout
+        self._outputs = list(backend.output_names)
+        self._binding = self._session.io_binding()
+        heads, head_dim = layout.shape
+        self._empty_past = {p: np.zeros((batch, heads, 0, head_dim), dtype=layout.dtype) for p, _ in layout.names}
+        self._first = True
+
+    def __call__(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, Report]:
+        binding = self._binding
+        if self._first:
+            arrays = self._engine.validate_feeds({**feeds, **self._empty_past})
+            self._first = False
+        else:
+            arrays = {name: np.ascontiguousarray(value) for name, value in feeds.items()}
+        for name, value in arrays.items():
+            binding.bind_cpu_input(name, value)
+        # The session allocates fresh outputs each run: the presents bound as this step's past stay valid.
+        binding.clear_binding_outputs()
+        for name in self._outputs:
+            binding.bind_output(name, "cpu")
+        try:
+            self._session.run_with_iobinding(binding, self._run_options)
+        except Exception as e:
+            from layerzero.ort_runner import first_line
+
+            kind = InvalidInputError if type(e).__name__ == "InvalidArgument" else LayerZeroError
+            raise kind(f"onnxruntime failed to run {self._label}: {first_line(e)}") from e
+        values = dict(zip(self._outputs, binding.get_outputs(), strict=True))
+        for past, present in self._layout.names:
+            binding.bind_ortvalue_input(past, values.pop(present))
+        result = self._engine.result_from({name: value.numpy() for name, value in values.items()}, masks=True)
+        return result.outputs["logits"], result.report
+
+
+def _bindable(engine: Engine) -> bool:
+    """Whether the decode loop can drive ``engine`` through an IO binding: ONNX Runtime running on the CPU."""
+    backend = engine.backend
+    if getattr(backend, "name", None) != "onnxruntime" or not hasattr(backend, "session"):
+        return False
+    return list(backend.providers)[:1] == ["CPUExecutionProvider"]
+
+
 def export_metadata(engine: Engine) -> dict[str, Any]:
     """What ``layerzero export`` recorded in the model's metadata (eos ids, vocab size, ...); {} when none."""
     import onnx
@@ -192,6 +283,7 @@ def generate(
     seed: int | None = None,
     stop_tokens: Sequence[int] | None = None,
     on_token: Callable[[int], None] | None = None,
+    on_step: Callable[[list[int | None]], None] | None = None,
     masks: bool = False,
     max_tokens: int | None = None,
     pad_token_id: int | None = None,
@@ -210,6 +302,8 @@ def generate(
         stop_tokens: Ids that end generation; None uses the eos ids recorded by ``layerzero export``;
             ``()`` never stops early.
         on_token: Called with each new id as soon as it is chosen (streaming; one prompt only).
+        on_step: Called after each step with each row's new id, None for a row that had already finished
+            (streaming a batch).
         masks: Keep each step's per-path masks in ``report.steps[i].masks``.
         max_tokens: At most this many tokens per sequence, prompt included: a longer prompt is an error,
             generation stops there (``stop_reason`` ``"max_tokens"``). None: the guard's, else no cap.
@@ -278,36 +372,37 @@ def generate(
     steps: list[list[StepReport]] = [[] for _ in prompts]
     always_skipped: set[str] | None = None  # dynamic paths no step ran
     new: list[list[int]] = [[] for _ in prompts]
-    fed: list[np.ndarray] = []  # the token columns fed after the prompt (pads for finished rows)
     done = [False] * batch
     stop_reason = ["max_new_tokens"] * batch
-    past: dict[str, np.ndarray] = {}
-    if layout is not None:
-        heads, head_dim = layout.shape
-        past = {p: np.zeros((batch, heads, 0, head_dim), dtype=layout.dtype) for p, _ in layout.names}
+    # Every token of the request in one buffer (prompt, then the columns fed after it: pads for finished rows),
+    # and the mask beside it: a step feeds views of them, nothing is concatenated per token.
+    all_ids = np.full((batch, width + max_new_tokens), pad_token_id, dtype=np.int64)
+    all_ids[:, :width] = prompt_ids_2d
+    all_mask = np.ones((batch, width + max_new_tokens), dtype=np.int64)
+    all_mask[:, :width] = prompt_mask
+    all_positions = np.zeros((batch, width + max_new_tokens), dtype=np.int64)
+    all_positions[:, :width] = prompt_positions
+    all_positions[:, width:] = lengths[:, None] + np.arange(max_new_tokens, dtype=np.int64)[None, :]
+    stepper: _Steps = (
+        _BoundSteps(base, layout, batch)
+        if guard is None and layout is not None and _bindable(base)
+        else _PlainSteps(run, layout, batch)
+    )
     start = time.perf_counter()
     first_token_at = start
     step = 0
     while step < max_new_tokens and not all(done):
-        columns = np.stack(fed, axis=1) if fed else np.zeros((batch, 0), dtype=np.int64)
-        mask = np.concatenate([prompt_mask, np.ones((batch, len(fed)), dtype=np.int64)], axis=1)
-        next_positions = lengths[:, None] + np.arange(len(fed), dtype=np.int64)[None, :]
-        if layout is None:  # single pass: the whole sequence every step
-            run_ids = np.concatenate([prompt_ids_2d, columns], axis=1)
-            positions = np.concatenate([prompt_positions, next_positions], axis=1)
-        elif not fed:
-            run_ids, positions = prompt_ids_2d, prompt_positions
-        else:
-            run_ids, positions = columns[:, -1:], next_positions[:, -1:]
-        feeds: dict[str, np.ndarray] = {
+        seen = width + step  # tokens the model has seen after this step's input
+        # The prefill and a single-pass model (no cache) run the whole sequence; a cached step its last token.
+        lo = 0 if layout is None or step == 0 else seen - 1
+        run_ids = all_ids[:, lo:seen]
+        feeds = {
             "input_ids": run_ids,
-            "attention_mask": mask,
-            "position_ids": positions,
-            **past,
+            "attention_mask": all_mask[:, :seen],
+            "position_ids": all_positions[:, lo:seen],
         }
         step_start = time.perf_counter()
-        result = run(feeds, masks=True)
-        logits = result.outputs["logits"]
+        logits, report = stepper(feeds)
         if logits.ndim != 3 or logits.shape[:2] != run_ids.shape:
             raise UnsupportedModelError(
                 f"{base.model_path}: logits have shape {list(logits.shape)}, expected "
@@ -315,19 +410,16 @@ def generate(
             )
         tokens = [_choose(logits[r, -1], temperature, top_k, top_p, rng) for r in range(batch)]
         seconds = time.perf_counter() - step_start
-        if layout is not None:
-            past = {p: result.outputs[q] for p, q in layout.names}
-        report = result.report
         skipped = set(report.skipped_paths)
         always_skipped = skipped if always_skipped is None else always_skipped & skipped
         step_masks = {k: np.asarray(v).astype(int).tolist() for k, v in report.masks.items()} if masks else {}
-        if not fed:
+        if step == 0:
             first_token_at = time.perf_counter()
-        column = np.full(batch, pad_token_id, dtype=np.int64)
+        was_done = list(done)
         for r, token in enumerate(tokens):
             if done[r]:
                 continue  # a finished row is fed a pad, as transformers does; its token is not kept
-            column[r] = token
+            all_ids[r, seen] = token
             new[r].append(token)
             steps[r].append(
                 StepReport(
@@ -344,7 +436,8 @@ def generate(
                 done[r], stop_reason[r] = True, "stop_token"
             elif max_tokens is not None and len(prompts[r]) + len(new[r]) >= max_tokens:
                 done[r], stop_reason[r] = True, "max_tokens"
-        fed.append(column)
+        if on_step is not None:
+            on_step([None if finished else token for finished, token in zip(was_done, tokens, strict=True)])
         step += 1
     end = time.perf_counter()
     total = end - start

@@ -18,9 +18,18 @@ line with the ids and the request's report (tokens/s, time to first token, skipp
 ``"stream": false`` the answer is that last object alone. An error after the stream started (the model
 failed mid-way) is a last line ``{"error": "..."}``.
 
+A batch: ``prompts`` (a list of non-empty id lists) instead of ``prompt_ids``, and optionally ``pad_token_id``
+(default: the export's pad id, else its eos). The prompts run as one left-padded batch (the tokens of
+transformers' batched greedy ``generate``), each stopping on its own. Streamed, one ``{"tokens": [...]}`` line
+per step (each prompt's new id, ``null`` for a prompt that has finished), then ``{"results": [{"ids",
+"prompt_ids", "report"}, ...]}`` in the prompts' order; with ``"stream": false`` that last object alone.
+
+    curl -N localhost:8003/v1/generate -d '{"prompts": [[1, 2, 3], [7, 8]], "max_new_tokens": 16}'
+
 Bounded and validated before any model work, each refusal a 4xx with one JSON line ``{"error": "..."}``:
 body at most ``max_request_bytes`` (413), a Content-Length (411), valid JSON object with known keys (400),
-``prompt_ids`` non-empty integers inside the vocabulary, at most ``max_prompt_tokens`` (400),
+``prompt_ids`` non-empty integers inside the vocabulary, at most ``max_prompt_tokens`` (400; the same for each of
+``prompts``, at most ``max_batch`` of them, and not both keys),
 ``max_new_tokens`` in 1..``max_new_tokens_cap`` (400), the sampling options in range (400), at most
 ``max_concurrent`` generations at once (503, ``Retry-After: 1``), a body sent within ``client_timeout_s``
 (408). The engine may be a ``GuardedEngine``: its kill switch, sampling and ``max_tokens`` apply to every
@@ -53,7 +62,18 @@ logger = logging.getLogger(__name__)
 
 GENERATE_PATH = "/v1/generate"
 _KEYS = frozenset(
-    {"prompt_ids", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids", "stream"}
+    {
+        "prompt_ids",
+        "prompts",
+        "pad_token_id",
+        "max_new_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "seed",
+        "stop_ids",
+        "stream",
+    }
 )
 
 
@@ -68,9 +88,10 @@ class GenerateServerConfig:
     max_new_tokens_cap: int = 1024
     max_concurrent: int = 4
     client_timeout_s: float = 30.0
+    max_batch: int = 16  # prompts per request
 
     def __post_init__(self) -> None:
-        for name in ("max_request_bytes", "max_prompt_tokens", "max_new_tokens_cap", "max_concurrent"):
+        for name in ("max_request_bytes", "max_prompt_tokens", "max_new_tokens_cap", "max_concurrent", "max_batch"):
             if getattr(self, name) < 1:
                 raise InvalidInputError(f"generate endpoint {name} must be >= 1, got {getattr(self, name)}")
         if not self.client_timeout_s > 0:
@@ -139,9 +160,24 @@ def parse_request(body: bytes, config: GenerateServerConfig, vocab: int | None) 
     unknown = sorted(set(doc) - _KEYS)
     if unknown:
         raise _Refused(400, f"unknown key(s) {unknown}; known: {sorted(_KEYS)}")
-    prompt = _ids(doc, "prompt_ids", vocab, config.max_prompt_tokens)
-    if not prompt:
-        raise _Refused(400, "prompt_ids is required: a non-empty list of token ids")
+    if "prompts" in doc:
+        if "prompt_ids" in doc:
+            raise _Refused(400, "give prompt_ids (one prompt) or prompts (a batch), not both")
+        batch = doc["prompts"]
+        if not isinstance(batch, list) or not batch:
+            raise _Refused(400, "prompts must be a non-empty list of token id lists")
+        if len(batch) > config.max_batch:
+            raise _Refused(400, f"prompts has {len(batch)} prompts; at most {config.max_batch} are accepted")
+        prompt: list[int] | list[list[int]] = []
+        for i, item in enumerate(batch):
+            ids = _ids({f"prompts[{i}]": item}, f"prompts[{i}]", vocab, config.max_prompt_tokens)
+            if not ids:
+                raise _Refused(400, f"prompts[{i}] must be a non-empty list of token ids")
+            prompt.append(ids)  # type: ignore[arg-type]
+    else:
+        prompt = _ids(doc, "prompt_ids", vocab, config.max_prompt_tokens) or []
+        if not prompt:
+            raise _Refused(400, "prompt_ids is required: a non-empty list of token ids (or prompts, a batch)")
     stream = doc.get("stream", True)
     if not isinstance(stream, bool):
         raise _Refused(400, f"stream must be true or false, got {json.dumps(stream)[:40]}")
@@ -153,6 +189,7 @@ def parse_request(body: bytes, config: GenerateServerConfig, vocab: int | None) 
         "top_p": _float(doc, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         "seed": _int(doc, "seed", None, 0, 2**63 - 1) if doc.get("seed") is not None else None,
         "stop_tokens": _ids(doc, "stop_ids", vocab, 1024),
+        "pad_token_id": _int(doc, "pad_token_id", None, 0, vocab - 1 if vocab is not None else None),
         "stream": stream,
     }
 
@@ -290,9 +327,10 @@ class _GenerateHandler(BaseHTTPRequestHandler):
         server = self.server_
         stream = request.pop("stream")
         prompt = request.pop("prompt_ids")
+        batch = bool(prompt) and isinstance(prompt[0], list)
         started = False
 
-        def on_token(token: int) -> None:
+        def send(doc: dict[str, Any]) -> None:
             nonlocal started
             if not started:  # headers only once the first token exists: a refusal before it is still a 4xx
                 self.send_response(200)
@@ -301,10 +339,19 @@ class _GenerateHandler(BaseHTTPRequestHandler):
                 self.send_header("Cache-Control", "no-cache")
                 self.end_headers()
                 started = True
-            self._chunk({"token": token})
+            self._chunk(doc)
 
+        def on_token(token: int) -> None:
+            send({"token": token})
+
+        def on_step(tokens: list[int | None]) -> None:
+            send({"tokens": tokens})
+
+        callbacks: dict[str, Any] = {}
+        if stream:
+            callbacks = {"on_step": on_step} if batch else {"on_token": on_token}
         try:
-            out = generate(server.engine, prompt, on_token=on_token if stream else None, **request)
+            out = generate(server.engine, prompt, **callbacks, **request)
         except InvalidInputError as exc:  # e.g. the guard's max_tokens: the request's fault
             if started:
                 self._chunk({"error": _one_line(str(exc))})
@@ -322,8 +369,10 @@ class _GenerateHandler(BaseHTTPRequestHandler):
             else:
                 self._error(500, message)
             return
-        server.count("generated_tokens", len(out.ids))
-        final = {"ids": out.ids, "prompt_ids": out.prompt_ids, "report": out.report.to_dict()}
+        outs = out if isinstance(out, list) else [out]
+        server.count("generated_tokens", sum(len(o.ids) for o in outs))
+        results = [{"ids": o.ids, "prompt_ids": o.prompt_ids, "report": o.report.to_dict()} for o in outs]
+        final = {"results": results} if batch else results[0]
         if stream:
             self._chunk(final)
             self._end_chunks()

@@ -4,6 +4,12 @@ The prompt is token ids (--prompt-ids 1,2,3) or text (--prompt "...", through th
 tokenizer.json found beside the bundle, beside its source model, or given with --tokenizer). New tokens stream
 to stdout as they come (text when there is a tokenizer, else ids); then a report: tokens/s, time to first token,
 layers zeroed, paths skipped. --json prints one JSON object instead: "ids", "text" (with a tokenizer), "report".
+
+Several prompts (--prompt or --prompt-ids repeated, or a file with one prompt per line: --prompt-file for text,
+--prompt-ids-file for ids) run as one batch: left-padded (--pad-id, default the export's pad id, else its eos),
+the same tokens as transformers' batched greedy generate; each prompt stops on its own. A batch prints one line
+per prompt at the end (its text, else its ids) and one report per prompt; --json prints one JSON object,
+{"results": [{"prompt_ids", "ids", "text", "report"}, ...]}, in the prompts' order.
 Generation stops at --max-new-tokens, at --max-tokens (prompt included; a longer prompt is an error) or at a
 stop token (--stop-ids, default the eos ids recorded at export).
 --temperature 0 (the default) is greedy; above 0 it samples, with --top-k, --top-p and --seed.
@@ -12,6 +18,8 @@ examples:
   layerzero generate model.lz --prompt-ids 1,2,3 --max-new-tokens 16
   layerzero generate model.lz --prompt "Once upon a time" --temperature 0.8 --top-p 0.9 --seed 0
   layerzero generate model.lz --prompt-ids 1,2,3 --json --masks
+  layerzero generate model.lz --prompt-ids 1,2,3 --prompt-ids 7,8 --max-new-tokens 16
+  layerzero generate model.lz --prompt-file prompts.txt --json
 """
 
 from __future__ import annotations
@@ -31,8 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     one_line_errors(p)
     p.add_argument("bundle", type=Path, help="a compiled bundle (or an exported .onnx, run uncompiled)")
     prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text (needs tokenizer.json)")
-    prompt.add_argument("--prompt-ids", help="prompt token ids, comma separated (e.g. 1,2,3)")
+    prompt.add_argument("--prompt", action="append", help="prompt text (needs tokenizer.json); repeat for a batch")
+    prompt.add_argument(
+        "--prompt-ids", action="append", help="prompt token ids, comma separated (e.g. 1,2,3); repeat for a batch"
+    )
+    prompt.add_argument("--prompt-file", type=Path, help="a text file, one prompt per line (a batch)")
+    prompt.add_argument("--prompt-ids-file", type=Path, help="a file of comma-separated ids, one prompt per line")
     p.add_argument("--max-new-tokens", type=integer(1, 1_000_000), default=32, help="at most this many new tokens")
     p.add_argument(
         "--max-tokens", type=integer(2, 10_000_000), default=None, help="at most this many tokens, prompt included"
@@ -42,6 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=number(0, 1, lo_open=True), default=1.0, help="nucleus sampling (1 = off)")
     p.add_argument("--seed", type=integer(0, 2**63 - 1), default=None, help="random seed for sampling")
     p.add_argument("--stop-ids", default=None, help="token ids that end generation (default: the model's eos)")
+    p.add_argument("--pad-id", type=integer(0), default=None, help="left-padding id of a batch (default: the export's)")
     p.add_argument("--tokenizer", type=Path, default=None, help="a tokenizer.json (or a folder holding one)")
     p.add_argument("--masks", action="store_true", help="per-token masks of every dynamic path in the report")
     p.add_argument("--json", action="store_true", help="print one JSON object: ids, text, report")
@@ -86,16 +99,11 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             raise InvalidInputError("text in/out needs the tokenizers package (pip install tokenizers)") from None
         tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    if args.prompt is not None:
-        if tokenizer is None:
-            raise InvalidInputError(
-                f"--prompt needs a tokenizer.json (none beside {args.bundle} or its source model); "
-                "give --tokenizer PATH or --prompt-ids"
-            )
-        prompt = tokenizer.encode(args.prompt).ids
-    else:
-        prompt = _ids(args.prompt_ids, "--prompt-ids")
+    prompts = _prompts(args, tokenizer)
     stops = None if args.stop_ids is None else _ids(args.stop_ids, "--stop-ids")
+    if len(prompts) > 1:
+        return _run_batch(args, engine, prompts, stops, tokenizer)
+    prompt = prompts[0]
 
     stream = not args.json
     generated: list[int] = []
@@ -142,4 +150,75 @@ def run(args: argparse.Namespace) -> int:
     if args.masks:
         for i, step in enumerate(report.steps):
             stderr.print(f"  step {i} ({step.tokens} tokens) -> {step.token_id}: skipped {step.skipped_paths}")
+    return 0
+
+
+def _lines(path: Path, option: str) -> list[str]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInputError(f"{option} {path}: cannot read it ({exc})") from None
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise InvalidInputError(f"{option} {path}: no prompt in it (one prompt per non-empty line)")
+    return lines
+
+
+def _prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
+    """The prompts as id lists, in order: from --prompt / --prompt-file text, or --prompt-ids / --prompt-ids-file."""
+    texts = args.prompt if args.prompt is not None else None
+    if args.prompt_file is not None:
+        texts = _lines(args.prompt_file, "--prompt-file")
+    if texts is not None:
+        if tokenizer is None:
+            option = "--prompt" if args.prompt is not None else "--prompt-file"
+            raise InvalidInputError(
+                f"{option} needs a tokenizer.json (none beside {args.bundle} or its source model); "
+                "give --tokenizer PATH or --prompt-ids"
+            )
+        prompts = [tokenizer.encode(text).ids for text in texts]
+        empty = [i for i, ids in enumerate(prompts) if not ids]
+        if empty:
+            raise InvalidInputError(f"prompt {empty[0] + 1} ({texts[empty[0]]!r}) encodes to no token")
+        return prompts
+    if args.prompt_ids_file is not None:
+        return [
+            _ids(line, f"--prompt-ids-file {args.prompt_ids_file}")
+            for line in _lines(args.prompt_ids_file, "--prompt-ids-file")
+        ]
+    return [_ids(text, "--prompt-ids") for text in args.prompt_ids]
+
+
+def _run_batch(
+    args: argparse.Namespace, engine: Any, prompts: list[list[int]], stops: list[int] | None, tokenizer: Any
+) -> int:
+    """Several prompts as one left-padded batch: one line per prompt, then the reports (or one JSON object)."""
+    outs = engine.generate(
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_tokens=stops,
+        masks=args.masks,
+        max_tokens=args.max_tokens,
+        pad_token_id=args.pad_id,
+    )
+    if args.json:
+        results = []
+        for out in outs:
+            doc: dict[str, Any] = {"prompt_ids": out.prompt_ids, "ids": out.ids}
+            if tokenizer is not None:
+                doc["text"] = tokenizer.decode(out.ids)
+            doc["report"] = out.report.to_dict()
+            results.append(doc)
+        sys.stdout.write(json.dumps({"results": results}) + os.linesep)
+        return 0
+    for out in outs:
+        line = tokenizer.decode(out.ids) if tokenizer is not None else ",".join(map(str, out.ids))
+        sys.stdout.write(line.replace(os.linesep, " ") + os.linesep)
+    for i, out in enumerate(outs):
+        stderr.print(f"report {i + 1}/{len(outs)}: {out.report.summary()}")
+    stderr.print(f"batch of {len(outs)}: {sum(len(o.ids) for o in outs) / outs[0].report.total_s:.1f} tok/s in all")
     return 0

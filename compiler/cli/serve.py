@@ -18,8 +18,9 @@ ones in flight are sent again (run and counted once). A front that dies is resta
 
 A bundle of a `layerzero export` model also gets a generate endpoint on --port-generate (8003):
 POST /v1/generate {"prompt_ids": [1, 2, 3], "max_new_tokens": 16} streams JSON lines, one {"token": id} per
-token, then {"ids", "report"}; bounded by --generate-max-new-tokens and --generate-max-prompt, through the
-guard (kill switch, --max-tokens caps prompt + new tokens).
+token, then {"ids", "report"}; {"prompts": [[1, 2, 3], [7, 8]], ...} runs a left-padded batch (a {"tokens": [...]}
+line per step, then {"results": [...]}); bounded by --generate-max-new-tokens and --generate-max-prompt, through
+the guard (kill switch, --max-tokens caps prompt + new tokens).
 
 The reference (for sampling, fallback, the kill switch and --max-tokens) is --reference, or else the model
 the bundle was compiled from when it is still there unchanged. Without one, the guard is off. A request

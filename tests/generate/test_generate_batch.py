@@ -8,6 +8,7 @@ one-line error, generation stops at the cap.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,26 @@ def test_guard_max_tokens_caps_generation(model_dir: Path, bundle: Path) -> None
     # An explicit max_tokens on a plain engine does the same.
     short = engine.generate(PROMPTS[1], max_new_tokens=NEW, max_tokens=5, stop_tokens=())
     assert len(short.ids) == 3 and short.report.stop_reason == "max_tokens"
+
+
+def test_cli_batch_equals_transformers_batched_greedy(
+    model_dir: Path, bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    expected = _hf_batched(model_dir, PROMPTS)
+    args = [f"--prompt-ids={','.join(map(str, p))}" for p in PROMPTS]
+    common = ["--max-new-tokens", str(NEW), "--pad-id", str(PAD)]
+    assert main(["generate", str(bundle), *args, *common, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["ids"] for r in doc["results"]] == expected
+    assert [r["prompt_ids"] for r in doc["results"]] == PROMPTS
+    assert all(r["report"]["new_tokens"] == NEW for r in doc["results"])
+    # The same prompts from a file (one per line, blank lines ignored): one line of ids per prompt, in order.
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text("\n".join(",".join(map(str, p)) for p in PROMPTS) + "\n\n")
+    assert main(["generate", str(bundle), "--prompt-ids-file", str(prompts_file), *common]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [",".join(map(str, row)) for row in expected]
+    assert captured.err.count("report ") == len(PROMPTS) and "batch of 3" in captured.err
+    # A text file needs a tokenizer (this model has none): a one-line error, exit 2.
+    assert main(["generate", str(bundle), "--prompt-file", str(prompts_file)]) == 2
+    assert "--prompt-file needs a tokenizer.json" in capsys.readouterr().err

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "corpus"))
 from corpus_export import get_generate_export  # noqa: E402
 from corpus_families import FAMILIES  # noqa: E402
 
+import layerzero.runtime.generate as generate_module  # noqa: E402
 from layerzero.cli import main  # noqa: E402
 from layerzero.runtime import Engine  # noqa: E402
 
@@ -41,7 +42,9 @@ def _family(name: str):
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_moe_export_compile_generate_matches_transformers(family: str, tmp_path: Path) -> None:
+def test_moe_export_compile_generate_matches_transformers(
+    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     spec = _family(family)
     assert spec.kwargs["num_experts_per_tok"] == 2 and spec.kwargs["num_hidden_layers"] == 2
     folder = get_generate_export(spec)
@@ -54,9 +57,43 @@ def test_moe_export_compile_generate_matches_transformers(family: str, tmp_path:
     assert main(["compile", str(folder / "model.onnx"), "-o", str(bundle)]) == 0
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert {d["path"] for d in manifest["dynamic"]} == {"model.layers.0.mlp", "model.layers.1.mlp"}
-    out = Engine.load(bundle).generate(PROMPT, max_new_tokens=NEW, masks=True)
+    engine = Engine.load(bundle)
+    assert generate_module._bindable(engine)  # ONNX Runtime on the CPU: the IO-binding loop
+    out = engine.generate(PROMPT, max_new_tokens=NEW, masks=True)
     assert out.ids == expected
+    # The plain loop (run() per step, the presents fed back as numpy: the guard's) gives the same tokens, the
+    # same skipped experts and the same masks at every step.
+    monkeypatch.setattr(generate_module, "_bindable", lambda engine: False)
+    plain = engine.generate(PROMPT, max_new_tokens=NEW, masks=True)
+    assert plain.ids == expected
+    assert [(s.skipped_paths, s.masks) for s in plain.report.steps] == [
+        (s.skipped_paths, s.masks) for s in out.report.steps
+    ]
     experts = {f"model.layers.{i}.mlp.experts.{e}" for i in range(2) for e in range(EXPERTS)}
     # A decode step runs one token through top-2 of 4 experts per layer: at least 2 per layer are skipped.
     for step in out.report.steps[1:]:
         assert set(step.skipped_paths) <= experts and len(step.skipped_paths) >= 4
+
+
+def test_qwen3_moe_batch_cli_matches_transformers_batched_greedy(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    spec = _family("qwen3_moe")
+    folder = get_generate_export(spec)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder / "hf"), local_files_only=True).eval()
+    prompts, pad = [PROMPT, [9, 8], [100, 1, 2, 3]], 0
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    expected = model.generate(
+        ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=pad,
+        eos_token_id=None,
+    )[:, width:].tolist()  # fmt: skip
+    bundle = tmp_path / "model.lz"
+    assert main(["compile", str(folder / "model.onnx"), "-o", str(bundle)]) == 0
+    capsys.readouterr()
+    args = [f"--prompt-ids={','.join(map(str, p))}" for p in prompts]
+    assert main(["generate", str(bundle), *args, "--max-new-tokens", str(NEW), "--pad-id", "0", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    assert [r["ids"] for r in results] == expected
+    # Each row alone gives its own tokens too: the batch's padding and shared expert skipping change nothing.
+    engine = Engine.load(bundle)
+    assert [engine.generate(p, max_new_tokens=NEW, stop_tokens=()).ids for p in prompts] == expected

@@ -140,6 +140,12 @@ def test_stream_equals_engine_generate(model: Path, server: GenerateServer) -> N
         ({"prompt_ids": [1], "temperature": -1}, 400, "temperature=-1"),
         ({"prompt_ids": [1], "stream": "yes"}, 400, "stream must be"),
         (b"x" * 5000, 413, "at most 4096"),
+        ({"prompts": [[1]], "prompt_ids": [1]}, 400, "not both"),
+        ({"prompts": []}, 400, "prompts must be a non-empty list"),
+        ({"prompts": [[1], []]}, 400, "prompts[1] must be a non-empty list"),
+        ({"prompts": [[1], [V]]}, 400, f"prompts[1]: token id {V} is outside"),
+        ({"prompts": [[1]] * 17}, 400, "at most 16 are accepted"),
+        ({"prompts": [[1], [2]], "pad_token_id": V}, 400, f"pad_token_id={V}"),
     ],
 )
 def test_refusals_are_one_line_4xx(server: GenerateServer, body, status: int, words: str) -> None:
@@ -176,6 +182,25 @@ def test_missing_length_unknown_path_method_and_busy(server: GenerateServer) -> 
     assert _post(server, {"prompt_ids": [1], "max_new_tokens": 1})[0] == 200
     counters = server.status()["counters"]
     assert counters["busy"] == 1 and counters["errors_4xx"] >= 4
+
+
+def test_batch_equals_engine_generate_per_prompt(model: Path, server: GenerateServer) -> None:
+    prompts = [[1, 2, 3], [5], [12, 13]]
+    engine = Engine.load(model)
+    expected = [engine.generate(p, max_new_tokens=20) for p in prompts]
+    assert [len(e.ids) for e in expected] == [12, 10, 2]  # each row stops at eos on its own step
+    status, lines, headers = _post(server, {"prompts": prompts, "max_new_tokens": 20, "pad_token_id": 0})
+    assert status == 200 and headers["Content-Type"] == "application/x-ndjson"
+    steps, final = [line["tokens"] for line in lines[:-1]], lines[-1]
+    assert len(steps) == 12 and all(len(tokens) == 3 for tokens in steps)
+    for r, e in enumerate(expected):  # a row's streamed ids, then null once it has finished
+        assert [tokens[r] for tokens in steps] == e.ids + [None] * (12 - len(e.ids))
+    assert [res["ids"] for res in final["results"]] == [e.ids for e in expected]
+    assert [res["prompt_ids"] for res in final["results"]] == prompts
+    assert [res["report"]["stop_reason"] for res in final["results"]] == ["stop_token"] * 3
+    status, lines, _ = _post(server, {"prompts": prompts, "max_new_tokens": 3, "stream": False})
+    assert status == 200 and len(lines) == 1
+    assert [res["ids"] for res in lines[0]["results"]] == [[4, 5, 6], [6, 7, 8], [14, 15]]
 
 
 def test_concurrent_requests_each_get_their_own_tokens(server: GenerateServer) -> None:
