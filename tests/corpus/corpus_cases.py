@@ -236,6 +236,12 @@ def _session(proto: onnx.ModelProto) -> ort.InferenceSession:
     options.log_severity_level = 3
     options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1
+    if any(n.domain == "ai.layerzero" for n in proto.graph.node):
+        # The compile kept ai.layerzero::MoE for liblayerzero_ort.so (`auto` picks the native lowering where the
+        # library is built): a plain session needs it registered, as Engine.load does from the manifest.
+        from layerzero.plugins.ort_library import ort_library_path, register
+
+        register(options, [str(ort_library_path())])
     return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
