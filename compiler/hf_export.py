@@ -69,6 +69,11 @@ class ExportResult:
     copied: list[str]
 
 
+#: An export larger than this keeps its weights in ``<name>.data`` beside the graph file (``_set_metadata``);
+#: the compiler's chunked verification starts at the same size.
+EXTERNAL_DATA_BYTES = 256 * 2**20
+
+
 def export_hf(
     model_dir: str | Path,
     out: str | Path,
@@ -295,9 +300,17 @@ def _eos(model: Any) -> list[int]:
 
 
 def _set_metadata(path: Path, meta: dict[str, Any]) -> None:
-    """Record what generation needs in the model's metadata (the weights stay where the exporter put them)."""
+    """Record what generation needs in the model's metadata.
+
+    Weights the exporter wrote to external data stay there. An export that kept them inside the graph file
+    and is larger than ``EXTERNAL_DATA_BYTES`` (both exporters do so up to protobuf's 2 GB) gets them moved to
+    ``<name>.data`` beside it: loading an inline file parses and copies every weight each time (verifying a
+    389 M-parameter export read its 1.5 GB file three times: 288 s, 10.9 GB peak), external data is mapped
+    (144 s, 2.5 GB peak).
+    """
     import onnx
 
+    inline_bytes = path.stat().st_size
     model = onnx.load(str(path), load_external_data=False)
     entries = {p.key: p.value for p in model.metadata_props}
     entries[GENERATE_META_KEY] = json.dumps(meta)
@@ -305,5 +318,21 @@ def _set_metadata(path: Path, meta: dict[str, Any]) -> None:
     for key, value in entries.items():
         model.metadata_props.add(key=key, value=value)
     tmp = path.with_name(f".{path.name}.tmp")
-    onnx.save(model, str(tmp))
+    external = (
+        not any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+        and inline_bytes > EXTERNAL_DATA_BYTES
+    )
+    if external:
+        data = path.with_name(f"{path.name}.data")
+        data.unlink(missing_ok=True)  # onnx appends to an existing file; this one belongs to no model now
+        onnx.save(
+            model,
+            str(tmp),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=data.name,
+            size_threshold=1024,
+        )
+    else:
+        onnx.save(model, str(tmp))
     tmp.replace(path)

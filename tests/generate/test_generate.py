@@ -120,8 +120,10 @@ def test_compiled_generate_matches_transformers_greedy(llama_dir: Path, exported
 def test_generate_cli_json_ids_and_text(llama_dir: Path, bundle: Path, capsys: pytest.CaptureFixture) -> None:
     expected = _hf_greedy(llama_dir, PROMPT)
     capsys.readouterr()
-    assert main(["generate", str(bundle), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "16",
-                 "--json"]) == 0
+    assert (
+        main(["generate", str(bundle), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "16", "--json"])
+        == 0
+    )
     doc = json.loads(capsys.readouterr().out)
     assert doc["ids"] == expected and doc["report"]["new_tokens"] == NEW
     assert doc["text"] == " ".join(f"w{i}" for i in expected)  # the tokenizer beside the source model
@@ -224,8 +226,16 @@ def test_torch_add_flag_consumed_form(tmp: Path) -> None:
     # With the mask and positions given (as `layerzero export` does), no packed-sequence check (aten::diff) runs.
     args = (ids, torch.ones_like(ids), torch.arange(ids.shape[1])[None])
     names = ["input_ids", "attention_mask", "position_ids"]
-    torch.onnx.export(model, args, str(path), dynamo=False, input_names=names, output_names=["logits"],
-                      dynamic_axes={n: {1: "seq"} for n in names}, do_constant_folding=False)
+    torch.onnx.export(
+        model,
+        args,
+        str(path),
+        dynamo=False,
+        input_names=names,
+        output_names=["logits"],
+        dynamic_axes={n: {1: "seq"} for n in names},
+        do_constant_folding=False,
+    )
     assert "model.layers.1.flag" in {t.name for t in onnx.load(str(path)).graph.initializer}
     result = compile_model(path, CompileOptions(atol=1e-5, rtol=0))
     layer_params = sum(p.numel() for p in model.model.layers[1].parameters())
@@ -247,8 +257,12 @@ def test_export_and_generate_refuse_with_reason(tmp: Path, capsys: pytest.Captur
     assert len(err.splitlines()) == 1 and "not-causal" in err
     assert main(["export", str(tmp / "missing"), "-o", str(tmp / "m.onnx")]) == 2
     plain = tmp / "plain.onnx"
-    onnx.save(onnx.parser.parse_model("<ir_version: 8, opset_import: [\"\" : 17]> g (float[2] x) => (float[2] y) "
-                                      "{ y = Relu(x) }"), str(plain))
+    onnx.save(
+        onnx.parser.parse_model(
+            '<ir_version: 8, opset_import: ["" : 17]> g (float[2] x) => (float[2] y) { y = Relu(x) }'
+        ),
+        str(plain),
+    )
     with pytest.raises(UnsupportedModelError, match="input_ids"):
         Engine.load(plain).generate([1, 2])
 
@@ -258,8 +272,51 @@ def test_torchscript_export_flag_and_generate(llama_dir: Path, tmp: Path) -> Non
     shape inference."""
     exported, flagged, lz = tmp / "ts" / "model.onnx", tmp / "ts" / "flagged.onnx", tmp / "ts.lz"
     assert main(["export", str(llama_dir), "-o", str(exported), "--exporter", "torchscript"]) == 0
-    assert Engine.load(exported).generate(PROMPT, max_new_tokens=NEW).ids == _hf_greedy(llama_dir, PROMPT)
+    assert Engine.load(exported).generate(PROMPT, max_new_tokens=NEW, stop_tokens=()).ids == _hf_greedy(
+        llama_dir, PROMPT
+    )
     assert main(["flag", str(exported), "model.layers.1.mlp", "-o", str(flagged)]) == 0
     assert main(["compile", str(flagged), "-o", str(lz)]) == 0
     out = Engine.load(lz).generate(PROMPT, max_new_tokens=NEW)
     assert out.ids == _hf_greedy(llama_dir, PROMPT, zero_mlp=1)
+
+
+def test_large_export_keeps_its_weights_in_external_data(
+    llama_dir: Path, exported: Path, tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Above EXTERNAL_DATA_BYTES the weights move to ``<name>.data`` (mapped at load, not parsed and copied);
+    the model computes exactly what the inline export does."""
+    import onnxruntime as ort
+
+    from layerzero import hf_export
+
+    monkeypatch.setattr(hf_export, "EXTERNAL_DATA_BYTES", 0)
+    out = tmp / "external" / "model.onnx"
+    out.parent.mkdir()
+    (out.parent / "model.onnx.data").write_bytes(b"stale")  # a leftover must not be appended to
+    assert main(["export", str(llama_dir), "-o", str(out)]) == 0
+    graph = onnx.load(str(out), load_external_data=False).graph
+    external = [t for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    assert external and {e.value for t in external for e in t.external_data if e.key == "location"} == {
+        "model.onnx.data"
+    }
+    assert out.stat().st_size < (out.parent / "model.onnx.data").stat().st_size
+    assert not (out.parent / ".model.onnx.tmp").exists()
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, VOCAB, (1, 5), dtype=np.int64)
+    feeds = {"input_ids": ids, "attention_mask": np.ones((1, 5), np.int64), "position_ids": np.arange(5)[None]}
+    for i in range(LAYERS):
+        for kv in ("key", "value"):
+            feeds[f"past_key_values.{i}.{kv}"] = np.zeros((1, 2, 0, 16), np.float32)
+    inline = ort.InferenceSession(str(exported), providers=["CPUExecutionProvider"]).run(["logits"], feeds)[0]
+    moved = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(["logits"], feeds)[0]
+    np.testing.assert_array_equal(moved, inline)
+    assert Engine.load(_compile(out, tmp / "external.lz")).generate(
+        PROMPT, max_new_tokens=NEW, stop_tokens=()
+    ).ids == _hf_greedy(llama_dir, PROMPT)
+
+
+def _compile(model: Path, out: Path) -> Path:
+    assert main(["compile", str(model), "-o", str(out)]) == 0
+    return out
