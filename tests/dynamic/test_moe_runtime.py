@@ -108,7 +108,8 @@ def test_report_fields(bundle: Path) -> None:
 
 def test_threshold_zero_is_exact() -> None:
     config = MoEConfig(form="batched_mm", experts=6, top_k=3)
-    result = compile_model(build_moe(config), CompileOptions(atol=1e-6, rtol=1e-6, shapes={"hidden": (32, 64)}))
+    options = CompileOptions(atol=1e-6, rtol=1e-6, shapes={"hidden": (32, 64)}, moe_lowering="if")  # a plain session
+    result = compile_model(build_moe(config), options)
     assert result.verification.passed
     session = ort.InferenceSession(ir.to_proto(result.model).SerializeToString(), providers=["CPUExecutionProvider"])
     hidden = moe_feeds(config, 32, seed=9)["hidden"]
@@ -121,7 +122,7 @@ def test_threshold_zero_is_exact() -> None:
 def test_threshold_reports_deviation_and_bounds_it(tmp_path: Path) -> None:
     config = MoEConfig(form="unrolled", experts=6, top_k=3)
     proto = build_moe(config)
-    options = dict(shapes={"hidden": (32, config.hidden)}, atol=1e-5)
+    options = dict(shapes={"hidden": (32, config.hidden)}, atol=1e-5, moe_lowering="if")  # a plain session below
     result = compile_model(proto, CompileOptions(zeroing_threshold=0.5, **options))
     deviation = result.verification.outputs[0].max_abs
     assert result.verification.passed and deviation > 1e-3  # reported, not failed
