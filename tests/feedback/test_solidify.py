@@ -44,7 +44,7 @@ def _original(model: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
 @pytest.fixture(scope="module")
 def solid(moe_case, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("solid") / "solid.lz"
-    options = CompileOptions(profile=moe_case.profile, stability_window=len(moe_case.requests))
+    options = CompileOptions(profile=moe_case.profile, stability_window=len(moe_case.requests), moe_lowering="if")
     compile_file(moe_case.model, out, options)
     return out
 
