@@ -122,18 +122,7 @@ def run(args: argparse.Namespace) -> int:
             printed = text
         sys.stdout.flush()
 
-    out = engine.generate(
-        prompt,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop_tokens=stops,
-        on_token=on_token,
-        masks=args.masks,
-        max_tokens=args.max_tokens,
-    )
+    out = engine.generate(prompt, on_token=on_token, **_generate_options(args, stops))
     text = tokenizer.decode(out.ids) if tokenizer is not None else None
     if args.json:
         doc: dict[str, Any] = {"prompt_ids": out.prompt_ids, "ids": out.ids}
@@ -189,22 +178,24 @@ def _prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
     return [_ids(text, "--prompt-ids") for text in args.prompt_ids]
 
 
+def _generate_options(args: argparse.Namespace, stops: list[int] | None) -> dict[str, Any]:
+    """The ``Engine.generate`` keywords the options give, one prompt or a batch alike."""
+    return {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "stop_tokens": stops,
+        "masks": args.masks,
+        "max_tokens": args.max_tokens,
+    }
+
 def _run_batch(
     args: argparse.Namespace, engine: Any, prompts: list[list[int]], stops: list[int] | None, tokenizer: Any
 ) -> int:
     """Several prompts as one left-padded batch: one line per prompt, then the reports (or one JSON object)."""
-    outs = engine.generate(
-        prompts,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop_tokens=stops,
-        masks=args.masks,
-        max_tokens=args.max_tokens,
-        pad_token_id=args.pad_id,
-    )
+    outs = engine.generate(prompts, pad_token_id=args.pad_id, **_generate_options(args, stops))
     if args.json:
         results = []
         for out in outs:
