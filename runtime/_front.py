@@ -42,12 +42,13 @@ import sys
 import tempfile
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import IO, Any
 
 import numpy as np
 
 from layerzero.errors import InvalidInputError, LayerZeroError
+from layerzero.runtime._http import listen_http
 from layerzero.runtime.triton_repo import IOSpec
 
 __all__ = ["REQUEST_ID", "FrontProcess", "FrontSpec", "GrpcFront", "InferenceFront", "RequestError", "Upstream"]
@@ -384,13 +385,7 @@ class InferenceFront:
         self.ranges = spec.index_ranges
         handler = type("Handler", (_FrontHandler,), {"front": self, "timeout": spec.client_timeout_s})
         host, port = spec.host, spec.http_port
-        try:
-            self._httpd = ThreadingHTTPServer((host, port), handler)
-        except OSError as e:
-            raise InvalidInputError(f"--port-http {port}: cannot listen on {host}:{port}: {e.strerror}") from e
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="layerzero-front", daemon=True)  # fmt: skip
+        self._httpd, self._thread = listen_http(host, port, handler, "layerzero-front", f"--port-http {port}")
 
     def start(self) -> None:
         self._thread.start()

@@ -55,6 +55,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from layerzero.errors import InvalidInputError, UnsupportedModelError
+from layerzero.runtime._http import listen_http
 
 __all__ = ["GENERATE_PATH", "GenerateServer", "GenerateServerConfig", "parse_request", "serve_generate"]
 
@@ -218,12 +219,7 @@ class GenerateServer:
     def start(self) -> GenerateServer:
         cfg = self.config
         handler = type("Handler", (_GenerateHandler,), {"server_": self, "timeout": cfg.client_timeout_s})
-        try:
-            self._httpd = ThreadingHTTPServer((cfg.host, cfg.port), handler)
-        except OSError as exc:
-            raise InvalidInputError(f"cannot listen on {cfg.host}:{cfg.port} for generate: {exc.strerror}") from exc
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="layerzero-generate", daemon=True)
+        self._httpd, self._thread = listen_http(cfg.host, cfg.port, handler, "layerzero-generate", "generate")
         self._thread.start()
         logger.info("generate endpoint on %s", self.url)
         return self

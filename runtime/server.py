@@ -50,7 +50,7 @@ import sysconfig
 import threading
 import time
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +67,7 @@ from layerzero.runtime._front import (
     _BodyReader,
     _one_line,
 )
+from layerzero.runtime._http import listen_http
 from layerzero.runtime.guard import GuardedEngine
 from layerzero.runtime.triton_repo import IOSpec, model_io
 
@@ -622,13 +623,7 @@ class ControlServer:
         self.ready = False
         timeout = min(10.0, server.config.client_timeout_s)
         handler = type("Handler", (_ControlHandler,), {"lz": server, "control": self, "timeout": timeout})
-        try:
-            self._httpd = ThreadingHTTPServer((host, port), handler)
-        except OSError as e:
-            raise InvalidInputError(f"cannot listen on {host}:{port} for control and /metrics: {e.strerror}") from e
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="layerzero-control", daemon=True)  # fmt: skip
+        self._httpd, self._thread = listen_http(host, port, handler, "layerzero-control", "control and /metrics")
 
     @property
     def port(self) -> int:
