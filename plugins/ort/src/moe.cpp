@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
+#include <thread>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -248,9 +249,18 @@ inline float glu(float g, float u, const MoEConfig& cfg) {
 
 size_t element_size(WeightType t) { return t == WeightType::f32 ? 4 : 2; }
 
-// Rows per work item: small enough that experts x tiles feed every thread, large enough to amortise a call.
-constexpr int64_t kFfnTile = 64;
-constexpr int64_t kHiddenTile = 64;
+// Work items are contiguous row ranges of one expert's matrices: the longer a range, the longer the sequential
+// streams the kernels read (the hardware prefetcher ramps up again at the start of every stream; the weights are
+// not in cache: a token's experts are read once). An expert's matrix is split into pieces only as far as the
+// threads need items: about kItemsPerThread per hardware thread over the active experts, never below kMinRows rows.
+constexpr int64_t kItemsPerThread = 2;
+constexpr int64_t kMinRows = 64;
+
+int64_t pieces_for(int64_t rows, size_t active) {
+  static const int64_t threads = std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency()));
+  const int64_t want = (kItemsPerThread * threads + static_cast<int64_t>(active) - 1) / static_cast<int64_t>(active);
+  return std::max<int64_t>(1, std::min<int64_t>(want, rows / kMinRows));
+}
 
 struct Active {
   int64_t expert;
@@ -258,6 +268,7 @@ struct Active {
   const float* x;               // its tokens' rows [n, H] (the input itself when every token is routed)
   int64_t x_offset;             // into the gathered buffer
   int64_t h_offset;             // into the intermediate buffer [n, F]
+  int64_t o_offset;             // into the output buffer [n, H] (its share of y before the routing weight)
 };
 
 }  // namespace
@@ -268,9 +279,9 @@ void run_experts(const float* x, int64_t tokens, const MoEWeights& w, const MoEC
   std::memset(y, 0, sizeof(float) * static_cast<size_t>(tokens * H));
   if (tokens == 0) return;
   std::vector<Active> active;
-  int64_t gathered = 0, inter = 0;
+  int64_t gathered = 0, inter = 0, outs = 0;
   for (int64_t e = 0; e < E; ++e) {
-    Active a{e, {}, nullptr, 0, 0};
+    Active a{e, {}, nullptr, 0, 0, 0};
     for (int64_t t = 0; t < tokens; ++t)
       if (mask[t * E + e]) a.tokens.push_back(t);
     if (a.tokens.empty()) continue;  // no token routed: its weights are never read
@@ -281,10 +292,13 @@ void run_experts(const float* x, int64_t tokens, const MoEWeights& w, const MoEC
     }
     a.h_offset = inter;
     inter += n * F;
+    a.o_offset = outs;
+    outs += n * H;
     active.push_back(std::move(a));
   }
   if (active.empty()) return;
-  std::vector<float> xg(static_cast<size_t>(gathered)), hbuf(static_cast<size_t>(inter));
+  std::vector<float> xg(static_cast<size_t>(gathered)), hbuf(static_cast<size_t>(inter)),
+      obuf(static_cast<size_t>(outs));
   for (Active& a : active) {
     const int64_t n = static_cast<int64_t>(a.tokens.size());
     if (n == tokens) {
@@ -301,11 +315,12 @@ void run_experts(const float* x, int64_t tokens, const MoEWeights& w, const MoEC
   const char* up = static_cast<const char*>(w.up);
   const char* down = static_cast<const char*>(w.down);
 
-  // Phase 1, items = active experts x F tiles: h[n, tile] = act(x W_gate[tile]^T) * (x W_up[tile]^T).
-  const int64_t f_tiles = (F + kFfnTile - 1) / kFfnTile;
-  parallel_for(active.size() * static_cast<size_t>(f_tiles), [&](size_t item) {
-    const Active& a = active[item / f_tiles];
-    const int64_t f0 = static_cast<int64_t>(item % f_tiles) * kFfnTile, rows = std::min(kFfnTile, F - f0);
+  // Phase 1, items = active experts x F pieces: h[n, piece] = act(x W_gate[piece]^T) * (x W_up[piece]^T).
+  const int64_t f_pieces = pieces_for(F, active.size()), f_rows = (F + f_pieces - 1) / f_pieces;
+  parallel_for(active.size() * static_cast<size_t>(f_pieces), [&](size_t item) {
+    const Active& a = active[item / f_pieces];
+    const int64_t f0 = static_cast<int64_t>(item % f_pieces) * f_rows, rows = std::min(f_rows, F - f0);
+    if (rows <= 0) return;
     const int64_t n = static_cast<int64_t>(a.tokens.size());
     const size_t offset = (static_cast<size_t>(a.expert * F + f0) * H) * esize;
     thread_local std::vector<float> g, u;
@@ -329,31 +344,35 @@ void run_experts(const float* x, int64_t tokens, const MoEWeights& w, const MoEC
       for (int64_t r = 0; r < rows; ++r) h[i * F + f0 + r] = glu(g[i * rows + r], u[i * rows + r], cfg);
   });
 
-  // Phase 2, items = H tiles; each owns y[:, tile] and adds every active expert's share in expert order (the
-  // same order at any thread count: results do not depend on threads).
-  const int64_t h_tiles = (H + kHiddenTile - 1) / kHiddenTile;
-  parallel_for(static_cast<size_t>(h_tiles), [&](size_t item) {
-    const int64_t h0 = static_cast<int64_t>(item) * kHiddenTile, rows = std::min(kHiddenTile, H - h0);
-    thread_local std::vector<float> out;
-    for (const Active& a : active) {
-      const int64_t n = static_cast<int64_t>(a.tokens.size());
-      out.resize(static_cast<size_t>(n * rows));
-      dot(down + (static_cast<size_t>(a.expert * H + h0) * F) * esize, rows, F, hbuf.data() + a.h_offset, n, F,
-          out.data(), rows);
-      if (w.b_down != nullptr) {  // v2: y += w * (down h + b_down)
-        for (int64_t r = 0; r < rows; ++r) {
-          const float bd = load_element(w.b_down, w.b_down_type, a.expert * H + h0 + r);
-          for (int64_t i = 0; i < n; ++i) out[i * rows + r] += bd;
-        }
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t t = a.tokens[i];
-        const float scale = weights[t * E + a.expert];
-        float* yt = y + t * H + h0;
-        for (int64_t r = 0; r < rows; ++r) yt[r] += scale * out[i * rows + r];
+  // Phase 2, items = active experts x H pieces: o[n, piece] = h W_down[piece]^T (+ b_down), each expert's share
+  // in its own buffer; a row's dot does not depend on how the rows are split, so neither do the results.
+  const int64_t h_pieces = pieces_for(H, active.size()), h_rows = (H + h_pieces - 1) / h_pieces;
+  parallel_for(active.size() * static_cast<size_t>(h_pieces), [&](size_t item) {
+    const Active& a = active[item / h_pieces];
+    const int64_t h0 = static_cast<int64_t>(item % h_pieces) * h_rows, rows = std::min(h_rows, H - h0);
+    if (rows <= 0) return;
+    const int64_t n = static_cast<int64_t>(a.tokens.size());
+    float* o = obuf.data() + a.o_offset + h0;  // [n, H] with row stride H
+    dot(down + (static_cast<size_t>(a.expert * H + h0) * F) * esize, rows, F, hbuf.data() + a.h_offset, n, F, o, H);
+    if (w.b_down != nullptr) {  // v2: y += w * (down h + b_down)
+      for (int64_t r = 0; r < rows; ++r) {
+        const float bd = load_element(w.b_down, w.b_down_type, a.expert * H + h0 + r);
+        for (int64_t i = 0; i < n; ++i) o[i * H + r] += bd;
       }
     }
   });
+
+  // y[t] += weight * o, the experts added in expert order (the same order at any thread count).
+  for (const Active& a : active) {
+    const int64_t n = static_cast<int64_t>(a.tokens.size());
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = a.tokens[i];
+      const float scale = weights[t * E + a.expert];
+      const float* o = obuf.data() + a.o_offset + i * H;
+      float* yt = y + t * H;
+      for (int64_t r = 0; r < H; ++r) yt[r] += scale * o[r];
+    }
+  }
 }
 
 }  // namespace lz
