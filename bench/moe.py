@@ -24,8 +24,14 @@ One MoE block (``layerzero.models.moe``, E experts, top-k, softmax, renormalised
 Models are built once per shape and cached as ``.onnx`` files in a temporary directory (removed at exit) for the
 sessions of every thread count.
 
-All sessions: ORT_ENABLE_ALL, the same intra-op threads; every shape runs at one thread and at all cores
-(``--threads``). Repetitions are interleaved round-robin (shuffled each round) over every variant and the copy,
+All sessions: ORT_ENABLE_ALL, the same intra-op threads, inputs and output bound once (IO binding, as
+LayerZero's decode loop runs a model); every shape runs at one thread and at all cores (``--threads``). The
+column floor is an ``Identity`` session run the same way in the same rounds: what a run costs before any of the
+block's work (Python, the executor; on these cold caches their code and data come from memory again: 0.1-0.3 ms here).
+The bound does not contain it; ``(nat-fl)/b`` shows the native block against the bound with it taken out
+(information only: the targets below use the whole time).
+
+Repetitions are interleaved round-robin (shuffled each round) over every variant and the copy,
 so the noise of a shared machine falls on all alike; the table gives p50 and ratios. The native output is
 checked against ``plugins/reference.py`` (float64) on the timed input. The load average is printed with each
 row (and at the start and end): a number measured on a loaded machine says so.
@@ -93,6 +99,21 @@ class Variant:
     feeds: dict[str, np.ndarray]
     times: list[float] = dataclasses.field(default_factory=list)
     max_diff: float = 0.0
+    binding: ort.IOBinding | None = None
+    y: np.ndarray | None = None
+
+    def bind(self, tokens: int, hidden: int) -> None:
+        """Inputs and the output ``y`` bound once (IO binding, as LayerZero's decode loop runs a model): a run
+        times the model, not the conversion of a feeds dict and the allocation of a result array."""
+        self.binding = self.session.io_binding()
+        for name, array in self.feeds.items():
+            self.binding.bind_cpu_input(name, array)
+        self.y = np.empty((tokens, hidden), np.float32)
+        self.binding.bind_output("y", "cpu", element_type=np.float32, shape=self.y.shape, buffer_ptr=self.y.ctypes.data)
+
+    def run(self) -> np.ndarray:
+        self.session.run_with_iobinding(self.binding)
+        return self.y
 
     @property
     def p50(self) -> float:
@@ -157,6 +178,19 @@ def _ort_moe_model(config: MoEConfig) -> onnx.ModelProto:
     return helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)], ir_version=10
     )
+
+
+def _floor_model(hidden: int) -> onnx.ModelProto:
+    """The harness floor: ``y = Identity(hidden)``, run like the variants (same session options, IO binding, same
+    rounds). What a run costs before any of the block's work: Python, the ONNX Runtime executor, and on this
+    bench's cold caches (every round streams hundreds of MB) their code and data fetched from memory again."""
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["hidden"], ["y"])],
+        "floor",
+        [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["tokens", hidden])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["tokens", hidden])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
 
 
 def _load() -> str:
@@ -291,24 +325,28 @@ def run_shape(
     timer = time.thread_time if clock == "thread" and threads == 1 else time.perf_counter
     t0 = time.perf_counter()
     sessions = {name: _session(model, threads) for name, model in models.items()}
+    floor_session = _session(_floor_model(config.hidden), threads)
     _say(f"sessions created in {time.perf_counter() - t0:.1f} s")
     names = [n for n in VARIANTS if n in sessions]
     rows = []
     for tokens in tokens_list:
         feeds = moe_feeds(config, tokens, seed=tokens)
         variants = [Variant(name, sessions[name], feeds) for name in names]
+        floor = Variant("floor", floor_session, {"hidden": feeds["hidden"]})
+        for v in (*variants, floor):
+            v.bind(tokens, config.hidden)
         reference = _reference(config, feeds["hidden"])
         scale = max(float(np.abs(reference).max()), 1e-30)
         warm = 0.0
         for v in variants:  # warm up and check each against the float64 reference
             for _ in range(2):
                 t0 = time.perf_counter()
-                out = v.session.run(["y"], v.feeds)[0]
+                out = v.run()
             warm += time.perf_counter() - t0
             v.max_diff = float(np.abs(out.astype(np.float64) - reference).max()) / scale
         # Rounds within the row's time budget (the slow variants at 64 tokens take ~0.1-1 s a run), at least 7.
         n_rounds = max(MIN_ROUNDS, min(rounds, int(budget_s / max(warm, 1e-9))))
-        order: list[Variant | _Copy] = [*variants, *meters]
+        order: list[Variant | _Copy] = [*variants, floor, *meters]
         for _ in range(n_rounds):
             random.shuffle(order)
             for v in order:
@@ -316,13 +354,13 @@ def run_shape(
                     v.run()
                     continue
                 t0 = timer()
-                v.session.run(["y"], v.feeds)
+                v.run()
                 v.times.append(timer() - t0)
         nbytes, used = _expert_bytes(config, feeds["hidden"])
-        for v in variants:
-            v.session = None  # the rows keep the times only: a shape's sessions go before the next are made
-        rows.append((config, threads, tokens, variants, nbytes, used, _load(), timer is time.thread_time))
-    del sessions
+        for v in (*variants, floor):
+            v.session = v.binding = None  # the rows keep the times only: a shape's sessions go before the next
+        rows.append((config, threads, tokens, variants, floor, nbytes, used, _load(), timer is time.thread_time))
+    del sessions, floor_session
     gc.collect()
     return rows
 
@@ -341,13 +379,14 @@ def print_table(rows: list, meters: dict[str, tuple[_Copy, _Copy]], loads: tuple
     header = (
         f"{'shape':<22} {'thr':>3} {'T':>3} "
         + " ".join(f"{n:>11}" for n in VARIANTS)
-        + f" {'bound':>9} {'read bnd':>9}  {'nat/op':>6} {'nat/bound':>9} {'nat/read':>8} {'nat/if':>6} "
+        + f" {'floor':>9} {'bound':>9} {'read bnd':>9}  {'nat/op':>6} {'nat/bound':>9} {'(nat-fl)/b':>10} "
+        f"{'nat/read':>8} {'nat/if':>6} "
         f"{'rel err':>8} {'auto':>7}  {'clock':<6} load"
     )
     print(header)
     print("-" * len(header))
     verdicts = []
-    for config, threads, tokens, variants, nbytes, used, load, cpu in rows:
+    for config, threads, tokens, variants, floor, nbytes, used, load, cpu in rows:
         # The bounds in the row's own clock: CPU-timed rows against the CPU-timed copy / read.
         copy, read = meters["thread" if cpu else "wall"]
         bound_ms = nbytes / copy.bandwidth * 1e3
@@ -362,8 +401,9 @@ def print_table(rows: list, meters: dict[str, tuple[_Copy, _Copy]], loads: tuple
         auto = choose_by_cost(BlockShape(config.experts, config.top_k, config.hidden, config.ffn, tokens))
         auto_ms = p50[f"LZ {auto}"]
         print(
-            f"{shape:<22} {threads:>3} {tokens:>3} {cells} {bound_ms:>7.3f}ms {read_ms:>7.3f}ms  "
-            f"{native / p50['MoE op']:>6.2f} {native / bound_ms:>9.2f} {native / read_ms:>8.2f} "
+            f"{shape:<22} {threads:>3} {tokens:>3} {cells} {floor.p50:>7.3f}ms {bound_ms:>7.3f}ms {read_ms:>7.3f}ms  "
+            f"{native / p50['MoE op']:>6.2f} {native / bound_ms:>9.2f} {(native - floor.p50) / bound_ms:>10.2f} "
+            f"{native / read_ms:>8.2f} "
             f"{native / p50['LZ if']:>6.2f} {err:>8.1e} {auto:>7}  {'thread' if cpu else 'wall':<6} "
             f"{load.removeprefix('load ')}"
         )
