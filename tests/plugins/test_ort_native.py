@@ -367,6 +367,21 @@ def test_weights_are_backed_by_huge_pages_in_place(ort_lib):
     assert off < 2 << 20, f"LAYERZERO_ORT_HUGEPAGES=0 still gave {off / 2**20:.0f} MB of huge pages"
 
 
+def test_stream_read_reads_every_element(ort_lib):
+    # bench/moe.py's stream column: the kernels' read pattern over regions, no arithmetic; the sum it returns
+    # shows every float of every region was read (small integers: the float32 sum is exact in any order).
+    import ctypes
+
+    fn = ctypes.CDLL(str(ort_lib)).LayerZeroOrtStreamRead
+    fn.restype = ctypes.c_float
+    rng = np.random.default_rng(0)
+    regions = [rng.integers(-4, 5, size=n).astype(np.float32) for n in (1, 7, 33, 4096, 100_003)]
+    ptrs = (ctypes.c_void_p * len(regions))(*[r.ctypes.data for r in regions])
+    sizes = (ctypes.c_int64 * len(regions))(*[r.nbytes for r in regions])
+    assert fn(ptrs, sizes, len(regions)) == float(sum(r.sum() for r in regions))
+    assert fn(ptrs, sizes, 0) == 0.0
+
+
 def _script_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
     env.update(extra)

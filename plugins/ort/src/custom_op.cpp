@@ -375,3 +375,15 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
 
 // The kernel ISA this process uses (for benchmarks and tests).
 extern "C" __attribute__((visibility("default"))) const char* LayerZeroOrtIsa() { return lz::dot_kernels().isa; }
+
+// Benchmarks (bench/moe.py): the kernels' read pattern over n regions without their arithmetic, i.e. how fast this
+// core streams the bytes a call reads at best; and huge pages for a buffer, as the kernel gives the weights.
+extern "C" __attribute__((visibility("default"))) float LayerZeroOrtStreamRead(const void* const* regions,
+                                                                               const int64_t* bytes, int64_t n) {
+  float total = 0.0f;
+  for (int64_t i = 0; i < n; ++i) total += lz::dot_kernels().stream_read(regions[i], bytes[i]);
+  return total;
+}
+extern "C" __attribute__((visibility("default"))) size_t LayerZeroOrtAdviseHugePages(const void* data, size_t bytes) {
+  return lz::advise_huge_pages(data, bytes);
+}

@@ -150,6 +150,26 @@ void dot_rows_t(const void* wv, int64_t rows, int64_t k, const float* x, int64_t
   }
 }
 
+float stream_read(const void* p, int64_t bytes) {
+  const float* w = static_cast<const float*>(p);
+  const int64_t seg = bytes / 4 / kSegments;
+  float total = 0.0f;
+#if LZ_HAVE_AVX2
+  __m256 acc[kSegments];
+  for (int s = 0; s < kSegments; ++s) acc[s] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= seg; i += 8)
+    for (int s = 0; s < kSegments; ++s) acc[s] = _mm256_add_ps(acc[s], _mm256_loadu_ps(w + s * seg + i));
+  for (int s = 0; s < kSegments; ++s) total += hsum(acc[s]);
+#else
+  int64_t i = 0;
+#endif
+  for (; i < seg; ++i)
+    for (int s = 0; s < kSegments; ++s) total += w[s * seg + i];
+  for (int64_t j = seg * kSegments; j < bytes / 4; ++j) total += w[j];  // the rows after the last whole segment
+  return total;
+}
+
 }  // namespace
 
 const DotKernels kKernels = {
@@ -159,6 +179,7 @@ const DotKernels kKernels = {
     "generic",
 #endif
     {&dot_rows_t<float>, &dot_rows_t<uint16_t>, &dot_rows_t<bf16_t>},
+    &stream_read,
 };
 
 bool available() {

@@ -14,9 +14,14 @@ enum class WeightType { f32 = 0, f16 = 1, bf16 = 2 };
 using DotRowsFn = void (*)(const void* w, int64_t rows, int64_t k, const float* x, int64_t tokens, int64_t ldx,
                            float* out, int64_t ldo);
 
+// The row kernels' read pattern without their arithmetic: `bytes` read as kSegments sequential streams (benchmarks:
+// how fast this core streams the same bytes at best); returns a sum of what was read, so the reads are kept.
+using StreamReadFn = float (*)(const void* p, int64_t bytes);
+
 struct DotKernels {
   const char* isa;
   DotRowsFn by_type[3];  // indexed by WeightType
+  StreamReadFn stream_read;
 };
 
 namespace avx2 {
