@@ -24,12 +24,18 @@ One MoE block (``layerzero.models.moe``, E experts, top-k, softmax, renormalised
 Models are built once per shape and cached as ``.onnx`` files in a temporary directory (removed at exit) for the
 sessions of every thread count.
 
-All sessions: ORT_ENABLE_ALL, the same intra-op threads, inputs and output bound once (IO binding, as
-LayerZero's decode loop runs a model); every shape runs at one thread and at all cores (``--threads``). The
-column floor is an ``Identity`` session run the same way in the same rounds: what a run costs before any of the
-block's work (Python, the executor; on these cold caches their code and data come from memory again: 0.1-0.3 ms here).
-The bound does not contain it; ``(nat-fl)/b`` shows the native block against the bound with it taken out
-(information only: the targets below use the whole time).
+All sessions: ORT_ENABLE_ALL, the same intra-op threads, workers that block rather than spin when idle (each
+session has its own pool: a worker still spinning after its session's run would take a core from the next one),
+inputs and output bound once (IO binding, as LayerZero's decode loop runs a model); every shape runs at one
+thread and at all cores (``--threads``).
+
+The column floor is an ``Identity`` session run the same way in the same rounds: what a run costs before any of
+the block's work (Python, the executor; on these cold caches their code and data come from memory again:
+0.1-0.3 ms here). The bound does not contain it; ``(nat-fl)/b`` shows the native block against the bound with it
+taken out (information only: the targets below use the whole time). The column stream (one-thread rows) is the
+native kernels' read pattern without their arithmetic over the same experts' matrices
+(``LayerZeroOrtStreamRead``): ``strm/bnd`` is how close to the bound one core streams those bytes at all,
+``nat/strm`` what the native op costs on top of that.
 
 Repetitions are interleaved round-robin (shuffled each round) over every variant and the copy,
 so the noise of a shared machine falls on all alike; the table gives p50 and ratios. The native output is
@@ -68,6 +74,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import onnx
@@ -126,6 +133,10 @@ def _options(threads: int | None) -> ort.SessionOptions:
     options.log_severity_level = 3
     if threads:
         options.intra_op_num_threads = threads
+    # Idle intra-op workers block instead of spinning: each session has its own pool, and a spinning worker of the
+    # session that ran last takes a core from the next session and from the copy (E64 1 token, 2 threads:
+    # MoE op 7.8 -> 3.9 ms, copy 15.2 -> 20.9 GB/s without spinning; one session per process does not see that).
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     ort_library.register_if_built(options)  # the native lowering's custom op
     return options
 
@@ -226,6 +237,47 @@ class _Copy:
     @property
     def bandwidth(self) -> float:
         return (1 if self.read else 2) * self.src.nbytes / float(np.median(self.times))
+
+
+class _StreamRead:
+    """The native kernels' read pattern without their arithmetic (liblayerzero_ort.so's ``LayerZeroOrtStreamRead``:
+    each matrix as 4 sequential streams) over the matrices of the experts this input runs, in the bench's copy of
+    the weights backed by huge pages as the kernel backs the session's: how fast one core streams the bytes the
+    native op reads (one-thread rows; timed in the same rounds, with the row's clock)."""
+
+    _advised: ClassVar[set[int]] = set()  # weights already backed by huge pages
+
+    def __init__(self, config: MoEConfig, hidden: np.ndarray, clock) -> None:
+        import ctypes
+
+        lib = ctypes.CDLL(str(ort_library.find_ort_library()))
+        self._read = lib.LayerZeroOrtStreamRead
+        self._read.restype = ctypes.c_float
+        advise = lib.LayerZeroOrtAdviseHugePages
+        advise.restype = ctypes.c_size_t
+        w = _weights(config)
+        matrices = [w["w_gate"], w["w_up"], w["w_down"]]
+        for m in matrices:
+            if m.ctypes.data not in self._advised:
+                advise(ctypes.c_void_p(m.ctypes.data), ctypes.c_size_t(m.nbytes))
+                self._advised.add(m.ctypes.data)
+        logits = hidden @ w["router"].T + w["router_bias"]
+        _, mask = moe_routing(logits, top_k=config.top_k, normalize=config.normalize, scoring=config.scoring)
+        regions = [m[e] for e in np.flatnonzero(mask.any(axis=0)) for m in matrices]
+        self._n = len(regions)
+        self._ptrs = (ctypes.c_void_p * self._n)(*[r.ctypes.data for r in regions])
+        self._sizes = (ctypes.c_int64 * self._n)(*[r.nbytes for r in regions])
+        self.clock = clock
+        self.times: list[float] = []
+
+    def run(self) -> None:
+        t0 = self.clock()
+        self._read(self._ptrs, self._sizes, self._n)
+        self.times.append(self.clock() - t0)
+
+    @property
+    def p50(self) -> float:
+        return float(np.median(self.times)) * 1e3
 
 
 def _expert_bytes(config: MoEConfig, hidden: np.ndarray) -> tuple[int, int]:
@@ -346,11 +398,12 @@ def run_shape(
             v.max_diff = float(np.abs(out.astype(np.float64) - reference).max()) / scale
         # Rounds within the row's time budget (the slow variants at 64 tokens take ~0.1-1 s a run), at least 7.
         n_rounds = max(MIN_ROUNDS, min(rounds, int(budget_s / max(warm, 1e-9))))
-        order: list[Variant | _Copy] = [*variants, floor, *meters]
+        stream = _StreamRead(config, feeds["hidden"], timer) if threads == 1 else None
+        order: list[Variant | _Copy | _StreamRead] = [*variants, floor, *meters, *([stream] if stream else [])]
         for _ in range(n_rounds):
             random.shuffle(order)
             for v in order:
-                if isinstance(v, _Copy):
+                if not isinstance(v, Variant):
                     v.run()
                     continue
                 t0 = timer()
@@ -359,7 +412,8 @@ def run_shape(
         nbytes, used = _expert_bytes(config, feeds["hidden"])
         for v in (*variants, floor):
             v.session = v.binding = None  # the rows keep the times only: a shape's sessions go before the next
-        rows.append((config, threads, tokens, variants, floor, nbytes, used, _load(), timer is time.thread_time))
+        cpu = timer is time.thread_time
+        rows.append((config, threads, tokens, variants, floor, stream, nbytes, used, _load(), cpu))
     del sessions, floor_session
     gc.collect()
     return rows
@@ -379,14 +433,14 @@ def print_table(rows: list, meters: dict[str, tuple[_Copy, _Copy]], loads: tuple
     header = (
         f"{'shape':<22} {'thr':>3} {'T':>3} "
         + " ".join(f"{n:>11}" for n in VARIANTS)
-        + f" {'floor':>9} {'bound':>9} {'read bnd':>9}  {'nat/op':>6} {'nat/bound':>9} {'(nat-fl)/b':>10} "
-        f"{'nat/read':>8} {'nat/if':>6} "
+        + f" {'floor':>9} {'bound':>9} {'read bnd':>9} {'stream':>9}  {'nat/op':>6} {'nat/bound':>9} "
+        f"{'(nat-fl)/b':>10} {'strm/bnd':>8} {'nat/strm':>8} {'nat/read':>8} {'nat/if':>6} "
         f"{'rel err':>8} {'auto':>7}  {'clock':<6} load"
     )
     print(header)
     print("-" * len(header))
     verdicts = []
-    for config, threads, tokens, variants, floor, nbytes, used, load, cpu in rows:
+    for config, threads, tokens, variants, floor, stream, nbytes, used, load, cpu in rows:
         # The bounds in the row's own clock: CPU-timed rows against the CPU-timed copy / read.
         copy, read = meters["thread" if cpu else "wall"]
         bound_ms = nbytes / copy.bandwidth * 1e3
@@ -401,9 +455,11 @@ def print_table(rows: list, meters: dict[str, tuple[_Copy, _Copy]], loads: tuple
         auto = choose_by_cost(BlockShape(config.experts, config.top_k, config.hidden, config.ffn, tokens))
         auto_ms = p50[f"LZ {auto}"]
         print(
-            f"{shape:<22} {threads:>3} {tokens:>3} {cells} {floor.p50:>7.3f}ms {bound_ms:>7.3f}ms {read_ms:>7.3f}ms  "
-            f"{native / p50['MoE op']:>6.2f} {native / bound_ms:>9.2f} {(native - floor.p50) / bound_ms:>10.2f} "
-            f"{native / read_ms:>8.2f} "
+            f"{shape:<22} {threads:>3} {tokens:>3} {cells} {floor.p50:>7.3f}ms {bound_ms:>7.3f}ms {read_ms:>7.3f}ms "
+            + (f"{stream.p50:>7.3f}ms  " if stream else f"{'-':>9}  ")
+            + f"{native / p50['MoE op']:>6.2f} {native / bound_ms:>9.2f} {(native - floor.p50) / bound_ms:>10.2f} "
+            + (f"{stream.p50 / bound_ms:>8.2f} {native / stream.p50:>8.2f} " if stream else f"{'-':>8} {'-':>8} ")
+            + f"{native / read_ms:>8.2f} "
             f"{native / p50['LZ if']:>6.2f} {err:>8.1e} {auto:>7}  {'thread' if cpu else 'wall':<6} "
             f"{load.removeprefix('load ')}"
         )
