@@ -60,6 +60,10 @@ class InferShapes(ir.passes.InPlacePass):
        would come back as a plain tensor, which ONNX Runtime then rejects.
     2. A value whose inferred shape differs takes that shape. Subgraphs are merged too (``model.graphs()``).
     3. Inference that fails leaves the model as it was (inference helps the passes, it is never required).
+    4. Where ONNX Runtime computes another shape than onnx infers, the shape is dropped (unknown), and so is every
+       shape computed from it: ``PRelu`` whose slope is not provably unidirectionally broadcastable to ``X`` (onnx
+       infers ``X``'s shape; ONNX Runtime broadcasts both ways: ``PRelu(x[], slope[1])`` is ``[1]``, so a pass
+       that trusted ``[]`` changed an output's shape: fuzz seed 108743).
     ``modified`` is True when a type or a shape changed.
     """
 
@@ -72,7 +76,8 @@ class InferShapes(ir.passes.InPlacePass):
         except Exception as exc:  # Case 3
             logger.info("shape inference failed, shapes left as they are: %s", exc)
             return ir.passes.PassResult(model, modified=False)
-        modified = False
+        values = [v for graph in model.graphs() for v in ir.convenience.create_value_mapping(graph).values()]
+        before = [(v.type, v.shape) for v in values]
         for graph, inferred_graph in zip(model.graphs(), inferred.graphs()):
             known = ir.convenience.create_value_mapping(inferred_graph)
             for name, value in ir.convenience.create_value_mapping(graph).items():
@@ -81,11 +86,43 @@ class InferShapes(ir.passes.InPlacePass):
                     continue
                 if other.type is not None and (value.type is None or value.type != other.type):  # Case 1
                     value.type = other.type
-                    modified = True
                 if other.shape is not None and value.shape != other.shape:  # Case 2
                     value.shape = other.shape
-                    modified = True
+        _drop_runtime_broadcasts(model)  # Case 4
+        modified = any((v.type, v.shape) != old for v, old in zip(values, before))
         return ir.passes.PassResult(model, modified=modified)
+
+
+def _unidirectional(slope: ir.Shape | None, x: ir.Shape | None) -> bool:
+    """``slope`` provably broadcasts to ``x`` without changing it (right-aligned, each dim 1 or ``x``'s)."""
+    if slope is None or x is None or len(slope) > len(x):
+        return False
+    return all((isinstance(s, int) and s == 1) or s == d for s, d in zip(reversed(list(slope)), reversed(list(x))))
+
+
+def _drop_runtime_broadcasts(model: ir.Model) -> None:
+    """Case 4: the outputs of ``PRelu`` nodes that ONNX Runtime may broadcast beyond ``X``, and every value
+    computed from them (consumers' outputs, transitively, into subgraphs), get an unknown shape."""
+    stack = [
+        node.outputs[0]
+        for graph in model.graphs()
+        for node in graph
+        if node.op_type == "PRelu"
+        and node.domain in ("", "ai.onnx")
+        and len(node.inputs) == 2
+        and node.inputs[0] is not None
+        and node.inputs[1] is not None
+        and not _unidirectional(node.inputs[1].shape, node.inputs[0].shape)
+    ]
+    seen: set[int] = set()
+    while stack:
+        value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        value.shape = None
+        for use in value.uses():
+            stack.extend(use.node.outputs)
 
 
 def infer_shapes(model: ir.Model) -> ir.Model:

@@ -92,3 +92,29 @@ def test_sequence_types_are_taken_whole(helpers) -> None:
     np.testing.assert_array_equal(
         helpers.run_ort(model, {"x": np.ones((2, 3), np.float32)})["y"], np.ones((2, 3), np.float32)
     )
+
+
+def test_prelu_that_onnxruntime_broadcasts_has_no_shape_nor_its_consumers(helpers) -> None:
+    # Case 4 (fuzz seed 108743): onnx infers PRelu's output shape as X's; ONNX Runtime broadcasts X with the slope
+    # both ways (PRelu(x[], slope[1]) is [1]). That shape, and every shape computed from it, is unknown.
+    model = helpers.parse(
+        HEADER
+        + """
+        g (float x, float[N] z, float[1, 4] a) => (y, v) <float[1] s = {0}> {
+            p = PRelu(x, s)
+            m = Mul(p, z)
+            y = Add(m, z)
+            q = PRelu(a, s)
+            v = Relu(q)
+        }
+        """
+    )
+    assert InferShapes()(model).modified
+    shapes = {v.name: v.shape for v in ir.convenience.create_value_mapping(model.graph).values()}
+    assert shapes["p"] is None and shapes["m"] is None and shapes["y"] is None
+    assert shapes["q"] == ir.Shape([1, 4]) and shapes["v"] == ir.Shape([1, 4])  # slope [1] broadcasts to [1, 4]
+    assert not InferShapes()(model).modified  # idempotent
+    ort = pytest.importorskip("onnxruntime")
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {"x": np.array(2.0, np.float32), "z": np.ones(3, np.float32), "a": np.ones((1, 4), np.float32)}
+    assert session.run(None, feeds)[0].shape == (3,)  # broadcast(p [1], z [3]): p is not [] as onnx infers
