@@ -109,13 +109,15 @@ def _original_kills_ort(seed: int) -> bool:
 
 
 def fuzz(
-    cases: int, start: int = 0, jobs: int = 1, deadline_s: float | None = None
+    cases: int, start: int = 0, jobs: int = 2, deadline_s: float | None = None
 ) -> tuple[collections.Counter, list[tuple[int, str, str]]]:
     """Run seeds ``start .. start+cases`` (stopping at ``deadline_s``); the counts and the failures.
 
     A case whose process dies (a segfault in onnxruntime on the original or the compiled model) does not hang
     or end the run: the batches in flight are rerun in fresh processes that announce each seed, the seed a
-    process dies on is counted as ``crash`` and the rest as what they are."""
+    process dies on is counted as ``crash`` and the rest as what they are. ``jobs`` 1 runs one worker process
+    too (a ``--jobs 1`` run of seeds 114800-118899 in this process ended without printing its counts; rerun in
+    a worker, 4,097 equal and none died); only ``jobs`` 0 runs the cases in this process."""
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
@@ -132,7 +134,7 @@ def fuzz(
     def late() -> bool:
         return deadline_s is not None and time.monotonic() - began > deadline_s
 
-    if jobs <= 1:
+    if jobs <= 0:
         for seed in seeds:
             if late():
                 break
