@@ -217,3 +217,110 @@ def test_a_silent_body_is_cut_off_at_the_deadline() -> None:
             status, _, answer = _read_answer(client.makefile("rb"))
         assert status == 408 and "not received in time" in json.loads(answer)["error"]
         assert timeout_s * 0.9 < time.monotonic() - started < timeout_s + 4
+
+
+# ------------------------------------------------------------------------------------- the gRPC front's checks
+
+
+def _grpc_request(ids: np.ndarray | None = None, **change: object) -> bytes:
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name=str(change.get("model", "m")))
+    tensor = request.inputs.add()
+    tensor.name, tensor.datatype = "input_ids", "INT64"
+    values = np.zeros((1, SEQ), np.int64) if ids is None else ids
+    tensor.shape.extend(values.shape)
+    if change.get("typed"):
+        tensor.contents.int64_contents.extend(int(v) for v in values.ravel())
+    else:
+        request.raw_input_contents.append(values.astype(np.int64).tobytes()[: change.get("cut")])
+    if change.get("twice"):
+        request.raw_input_contents.append(b"\0" * 8)
+    if "segment" in change:
+        request.parameters["segment"].int64_param = 3
+    request.outputs.add().name = str(change.get("output", "logits"))
+    return request.SerializeToString()
+
+
+def _grpc_outcome(front: object, raw: bytes) -> tuple[int, str]:
+    try:
+        front.validate(raw)  # type: ignore[attr-defined]
+    except RequestError as e:
+        return e.status, str(e)
+    return 200, ""
+
+
+@contextlib.contextmanager
+def _grpc_front() -> Iterator[object]:
+    from layerzero.runtime._front import GrpcFront
+
+    spec = _spec()
+    spec.grpc_port = 0
+    upstream = Upstream()
+    with _front() as http:
+        front = GrpcFront(spec, upstream, http)
+        try:
+            yield front
+        finally:
+            front.stop()
+
+
+def test_grpc_known_message_gives_what_a_fresh_front_gives() -> None:
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, ROWS, size=(1, SEQ))
+    high, low = ids.copy(), ids.copy()
+    high[0, 5], low[0, 9] = ROWS + 7, -3
+    valid = _grpc_request(ids)
+    cases = {"valid": valid, "other ids": _grpc_request(rng.integers(0, ROWS, size=(1, SEQ))),
+             "id too high": _grpc_request(high), "negative id": _grpc_request(low),
+             "raw cut short": _grpc_request(ids, cut=-8), "two raw contents": _grpc_request(ids, twice=True),
+             "typed, valid": _grpc_request(ids, typed=True), "typed, too high": _grpc_request(high, typed=True),
+             "other model": _grpc_request(ids, model="x"), "int segment": _grpc_request(ids, segment=True),
+             "unknown output": _grpc_request(ids, output="y"), "truncated": valid[:-3],
+             "one byte changed": valid[:5] + b"\xff" + valid[6:]}  # fmt: skip
+    with _grpc_front() as warm:
+        assert _grpc_outcome(warm, valid) == (200, "")
+        assert len(warm._valid_heads) == 1  # type: ignore[attr-defined]
+        got = {name: _grpc_outcome(warm, raw) for name, raw in cases.items()}
+        got_again = {name: _grpc_outcome(warm, raw) for name, raw in cases.items()}
+    with _grpc_front() as cold:
+        expected = {name: _grpc_outcome(cold, raw) for name, raw in cases.items()}
+    assert got == expected == got_again
+    assert [name for name, (status, _) in got.items() if status == 200] == ["valid", "other ids", "typed, valid"]
+
+
+def test_grpc_wire_split_decodes_as_the_whole_message() -> None:
+    """Seeded corruptions of a message: where it splits, its first part decodes (or fails) as the whole
+    does, and with the raw contents added back it is the whole message."""
+    import random
+
+    from tritonclient.grpc import service_pb2
+
+    from layerzero.runtime._front import _split_raw_contents
+
+    raw = _grpc_request(np.arange(SEQ).reshape(1, SEQ), segment=True)
+    rng, split = random.Random(0), 0
+    for _ in range(3000):
+        mutated = bytearray(raw)
+        for _ in range(rng.randint(1, 3)):
+            at = rng.randrange(len(mutated))
+            if rng.random() < 0.6:
+                mutated[at] = rng.randrange(256)
+            else:
+                del mutated[at : at + rng.randint(1, 4)]
+        parts = _split_raw_contents(bytes(mutated))
+        if parts is None:
+            continue
+        split += 1
+        decoded = []
+        for data in (bytes(mutated), parts[0]):
+            try:
+                decoded.append(service_pb2.ModelInferRequest.FromString(data))
+            except Exception:
+                decoded.append(None)
+        whole, head = decoded
+        assert (whole is None) == (head is None)
+        if head is not None:
+            head.raw_input_contents.extend(bytes(c) for c in parts[1])
+            assert head == whole
+    assert split > 500  # most corruptions still split: the property was exercised
