@@ -641,8 +641,6 @@ class GrpcFront:
         self.spec = spec
         self.upstream = upstream
         self.http = http  # its validation helpers and the model's facts
-        # Messages (without their raw tensor bytes) that passed validation, with what remains to check: validate().
-        self._valid_heads: dict[bytes, list[tuple[int | None, str | None, Any, int]]] = {}
         self._channels: dict[int, Any] = {}
         self._callables: dict[int, dict[str, Any]] = {}  # by port, then method: read without the lock
         self._lock = threading.Lock()
@@ -711,20 +709,6 @@ class GrpcFront:
         if len(raw) > self.spec.max_request_bytes:
             raise RequestError(413, f"the message is {len(raw)} bytes; at most {self.spec.max_request_bytes} "
                                     "are accepted")  # fmt: skip
-        # As over HTTP: a message whose every field but the tensors' raw bytes was seen valid before is not
-        # decoded and walked again; the raw bytes' sizes and ids are checked each time, in the same order, and
-        # any other difference takes the full path (the same error as a fresh front).
-        split = _split_raw_contents(raw)
-        if split is not None:
-            known = self._valid_heads.get(split[0])
-            contents = split[1]
-            if known is not None and len(known) == len(contents) and all(
-                size is None or size == len(data) for data, (size, _, _, _) in zip(contents, known, strict=True)
-            ):
-                for data, (_, name, dtype, count) in zip(contents, known, strict=True):
-                    if name is not None:
-                        front._check_range(name, np.frombuffer(data, dtype=dtype, count=count))
-                return
         try:
             request = service_pb2.ModelInferRequest.FromString(raw)
         except (DecodeError, RecursionError, ValueError):
@@ -745,7 +729,6 @@ class GrpcFront:
         if raw_contents and len(raw_contents) != len(request.inputs):
             raise RequestError(400, f"{len(raw_contents)} raw_input_contents for {len(request.inputs)} inputs")
         seen: set[str] = set()
-        checks: list[tuple[int | None, str | None, Any, int]] = []  # per raw input: size, ranged name, dtype, count
         for i, tensor in enumerate(request.inputs):
             spec = front.inputs.get(tensor.name)
             if spec is None:
@@ -766,11 +749,8 @@ class GrpcFront:
                 if itemsize and len(data) != count * itemsize:
                     raise RequestError(400, f"input {spec.name!r}: {len(data)} bytes of raw contents != {count} "
                                             f"elements × {itemsize}")  # fmt: skip
-                ranged = itemsize and spec.name in front.ranges
-                if ranged:
+                if itemsize and spec.name in front.ranges:
                     front._check_range(spec.name, np.frombuffer(data, dtype=spec.numpy_dtype, count=count))
-                checks.append((count * itemsize if itemsize else None, spec.name if ranged else None,
-                               spec.numpy_dtype if ranged else None, count))  # fmt: skip
                 continue
             field = _GRPC_CONTENTS.get(datatype)
             values = getattr(tensor.contents, field) if field is not None else ()
@@ -782,11 +762,6 @@ class GrpcFront:
         missing = sorted(set(front.inputs) - seen)
         if missing:
             raise RequestError(400, f"missing input(s) {missing}")
-        if split is not None and raw_contents and len(split[0]) <= _HEAD_CACHE_BYTES:
-            # Only messages whose tensors all came as raw bytes: typed contents are in the remembered bytes.
-            if len(self._valid_heads) >= _HEAD_CACHE_ENTRIES:
-                self._valid_heads.clear()
-            self._valid_heads[split[0]] = checks
 
     # ------------------------------------------------------------------------------------------ forward
 
@@ -842,59 +817,6 @@ class GrpcFront:
                     time.sleep(0.01)
                     continue
                 raise _GrpcUpstreamError.of(code, str(e.details() or "")) from None
-
-
-_RAW_INPUT_CONTENTS = 7  # the field number of ModelInferRequest.raw_input_contents
-
-
-def _split_raw_contents(raw: bytes) -> tuple[bytes, list[memoryview]] | None:
-    """A ``ModelInferRequest``'s wire bytes as (every top-level field but ``raw_input_contents``, in order; the
-    ``raw_input_contents``), without decoding the message; None where the bytes are not plain wire format (the
-    full decode then answers). Equal first parts decode to equal messages but for the raw contents: fields
-    keep their order, and protobuf's merging of repeated or embedded fields depends on nothing else."""
-    head: list[bytes] = []
-    contents: list[memoryview] = []
-    view = memoryview(raw)
-    n, i, kept_from = len(raw), 0, 0
-    while i < n:
-        start = i
-        key, i = _varint(raw, i)
-        if i < 0 or key >> 3 == 0:
-            return None
-        wire = key & 7
-        if wire == 2:
-            length, i = _varint(raw, i)
-            end = i + length if i >= 0 else -1
-        elif wire == 0:
-            end = _varint(raw, i)[1]
-        elif wire in (1, 5):
-            end = i + (8 if wire == 1 else 4)
-        else:
-            return None  # groups or nonsense: for the full decode
-        if end < 0 or end > n:
-            return None
-        if key >> 3 == _RAW_INPUT_CONTENTS:
-            if wire != 2:
-                return None
-            head.append(raw[kept_from:start])
-            contents.append(view[i:end])
-            kept_from = end
-        i = end
-    head.append(raw[kept_from:])
-    return b"".join(head), contents
-
-
-def _varint(raw: bytes, i: int) -> tuple[int, int]:
-    """The varint at ``raw[i:]`` and the offset after it; (0, -1) where it runs past the end or 10 bytes."""
-    value, shift, n = 0, 0, len(raw)
-    while i < n and shift < 70:
-        byte = raw[i]
-        value |= (byte & 0x7F) << shift
-        i += 1
-        if byte < 0x80:
-            return value, i
-        shift += 7
-    return 0, -1
 
 
 class _CallWatch:
