@@ -5,6 +5,7 @@
     python bench/serve_load.py --requests 2000 --clients 4 --protocol grpc --sample-rate 0
     python bench/serve_load.py --hostile            # 8 clients x 1,000 requests, 5 % malformed, layerzero serve
     python bench/serve_load.py --hostile --quick    # 8 clients x 125 requests
+    python bench/serve_load.py --front-only --quick # the inference front alone: its CPU per request
 
 Builds the example transformer (consumed zero flags, two blocks zeroed), compiles it, then serves the SAME
 compiled model.onnx (i) with a bare PyTriton infer function around an onnxruntime session and
@@ -452,6 +453,127 @@ def hostile(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+# ---------------------------------------------------------------------------- --front-only: the front alone
+
+
+def stand_in_triton(http_port: int, grpc_port: int, seq: int) -> None:
+    """Triton's two loopback ports as the front sees them, answering every inference at once with zero logits
+    (1, seq, VOCAB): what is left of a request's cost is the front's."""
+    import concurrent.futures
+    import json
+
+    import grpc
+    from tritonclient.grpc import service_pb2
+
+    logits = np.zeros((1, seq, VOCAB), np.float32).tobytes()
+    head = json.dumps({"model_name": "layerzero", "model_version": "1", "outputs": [{
+        "name": "logits", "datatype": "FP32", "shape": [1, seq, VOCAB],
+        "parameters": {"binary_data_size": len(logits)}}]}).encode()  # fmt: skip
+    answer = (b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nInference-Header-Content-Length: "
+              b"%d\r\nContent-Length: %d\r\n\r\n" % (len(head), len(head) + len(logits))) + head + logits  # fmt: skip
+    response = service_pb2.ModelInferResponse(model_name="layerzero", model_version="1")
+    output = response.outputs.add()
+    output.name, output.datatype = "logits", "FP32"
+    output.shape.extend([1, seq, VOCAB])
+    response.raw_output_contents.append(logits)
+    grpc_answer = response.SerializeToString()
+
+    class Handler(grpc.GenericRpcHandler):
+        def service(self, details: object) -> object:
+            return grpc.unary_unary_rpc_method_handler(lambda raw, context: grpc_answer)
+
+    grpc_server = grpc.server(concurrent.futures.ThreadPoolExecutor(16), handlers=[Handler()])
+    grpc_server.add_insecure_port(f"127.0.0.1:{grpc_port}")
+    grpc_server.start()
+
+    def connection(conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        reader = conn.makefile("rb")
+        with contextlib.suppress(OSError), conn:
+            while line := reader.readline():
+                length = 0
+                while (line := reader.readline()) not in (b"\r\n", b""):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                reader.read(length)
+                conn.sendall(answer)
+
+    with socket.create_server(("127.0.0.1", http_port)) as server:
+        while True:
+            conn, _ = server.accept()
+            threading.Thread(target=connection, args=(conn,), daemon=True).start()
+
+
+def _process_cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[-1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def front_only(args: argparse.Namespace) -> int:
+    """The inference front (its own process, as `layerzero serve` starts it) before a stand-in Triton that
+    answers at once: the same requests sent to the stand-in directly and through the front, in alternating
+    rounds; the front's CPU per request and the latency it adds. No model, no PyTriton: what the front's own
+    code costs, without Triton's and ORT's noise. Profile it with cProfile (thread CPU time) around
+    ``_FrontHandler.handle`` in a process of your own; the front's counters must equal the requests sent."""
+    from layerzero.runtime._front import FrontProcess, FrontSpec
+    from layerzero.runtime.triton_repo import IOSpec
+
+    ports = _free_ports(4)
+    stand_in = subprocess.Popen([sys.executable, __file__, "--stand-in", str(ports[0]), str(ports[1]),
+                                 "--seq", str(args.seq)], start_new_session=True)  # fmt: skip
+    spec = FrontSpec(model_name="layerzero", inputs=[IOSpec("input_ids", "TYPE_INT64", (-1, -1))],
+                     outputs=["logits"], index_ranges={"input_ids": VOCAB}, host="127.0.0.1", http_port=ports[2],
+                     grpc_port=ports[3], max_request_bytes=64 << 20, client_timeout_s=30.0, restart_wait_s=60.0,
+                     instances=args.instances)  # fmt: skip
+    front = FrontProcess(spec)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # the stand-in listens
+            try:
+                socket.create_connection(("127.0.0.1", ports[0]), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or stand_in.poll() is not None:
+                    raise RuntimeError("the stand-in Triton did not start") from None
+                time.sleep(0.1)
+        front.start()
+        front.set_triton(ports[0], ports[1], stand_in.pid)
+        assert front.pid is not None
+        direct = ports[0] if args.protocol == "http" else ports[1]
+        fronted = ports[2] if args.protocol == "http" else ports[3]
+        phases: dict[str, list[dict]] = {"stand-in direct": [], "through the front": []}
+        cpu, sent_before = 0.0, front.requests
+        load_before = os.getloadavg()[0]
+        per_round = max(args.clients, args.requests // args.rounds)
+        for r in range(args.rounds):
+            order = [("stand-in direct", direct), ("through the front", fronted)]
+            for name, port in order if r % 2 == 0 else order[::-1]:
+                before = _process_cpu(front.pid)
+                phases[name].append(load(f"127.0.0.1:{port}", args.protocol, per_round, args.clients, args.seq,
+                                         args.max_seconds / args.rounds))  # fmt: skip
+                if name == "through the front":
+                    cpu += _process_cpu(front.pid) - before
+        counted, errors = front.requests - sent_before, front.errors
+    finally:
+        front.close()
+        _stop(stand_in)
+    results = {name: summarize(p) for name, p in phases.items()}
+    through = results["through the front"]
+    warmups = 20 * args.clients * args.rounds  # load() warms each client up with 20 requests, not timed
+    print(f"\n--front-only: {through['requests']:,} requests x {args.clients} clients, {args.protocol}, seq "
+          f"{args.seq}, {os.cpu_count()} CPUs, load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+    print(f"{'':18}{'stand-in direct':>20}{'through the front':>20}{'delta':>12}")
+    for label, key in (("p50 ms", "p50"), ("p99 ms", "p99"), ("throughput req/s", "throughput")):
+        a, b = results["stand-in direct"][key], through[key]
+        print(f"{label:18}{a:>20,.3f}{b:>20,.3f}{b - a:>+12,.3f}")
+    print(f"front CPU per request: {cpu * 1e3 / max(1, through['requests'] + warmups):.3f} ms (warm-ups included)")
+    print(f"front counted {counted:,} requests ({through['requests'] + warmups:,} sent), {errors} errors")
+    ok = counted == through["requests"] + warmups and errors == 0 and through["errors"] == 0
+    print(f"target (every request answered and counted once, no error): {'met' if ok else 'NOT met'}")
+    return 0 if ok else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=10_000, help="requests per server (default 10,000)")
@@ -466,17 +588,25 @@ def main() -> int:
     parser.add_argument("--hostile", action="store_true", help="malformed requests mixed in (layerzero serve only)")
     parser.add_argument("--per-client", type=int, default=1000, help="--hostile: requests per client (default 1000)")
     parser.add_argument("--malformed-rate", type=float, default=0.05, help="--hostile: share malformed (0.05)")
+    parser.add_argument("--front-only", action="store_true",
+                        help="the inference front alone before a stand-in Triton: its CPU per request")
     parser.add_argument("--bare-server", metavar="MODEL", help=argparse.SUPPRESS)
+    parser.add_argument("--stand-in", nargs=2, type=int, metavar=("HTTP", "GRPC"), help=argparse.SUPPRESS)
     parser.add_argument("--port-http", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port-grpc", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.bare_server:
         bare_server(args.bare_server, args.port_http, args.port_grpc, args.instances)
         return 0
+    if args.stand_in:
+        stand_in_triton(*args.stand_in, args.seq)
+        return 0
     if args.hostile:
         return hostile(args)
     if args.quick:
         args.requests = min(args.requests, 1000)
+    if args.front_only:
+        return front_only(args)
 
     with tempfile.TemporaryDirectory(prefix="serve_load.") as tmp_name:
         tmp = Path(tmp_name)
