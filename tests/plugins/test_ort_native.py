@@ -283,6 +283,39 @@ def test_threads_do_not_change_the_result(ort_lib, tokens):
     assert np.array_equal(one[0], two[0]) and np.array_equal(one[1], two[1])
 
 
+# Tokens per expert at every boundary of the GEMM's token groups (3 per block: 1..9, 15, 16, 17) with k and row
+# tails (H 36, F 43), each weight dtype: top_k = E runs every expert on every token (x used in place when aligned),
+# top-2 of 8 on its routed tokens (gathered). The input also comes in at an address 4 bytes past a 32-byte
+# boundary (the kernel then gathers it onto a cache line): bitwise the same result.
+@pytest.mark.parametrize("wtype", ["float32", "float16", "bfloat16"])
+def test_token_counts_at_kernel_boundaries(ort_lib, wtype):
+    rng = np.random.default_rng(11)
+    for experts, top_k in ((4, 4), (8, 2)):
+        model, w = moe_model(experts, 43, 36, wtype=wtype, top_k=top_k, normalize=1)
+        sess = session(ort_lib, model)
+        for tokens in (*range(1, 10), 15, 16, 17):
+            x = rng.standard_normal((tokens, 36)).astype(np.float32)
+            logits = rng.standard_normal((tokens, experts)).astype(np.float32) * 2
+            ref, ref_mask = moe_reference(x, logits, *w, top_k=top_k, normalize=1)
+            buf = np.empty(tokens * 36 + 16, np.float32)
+            start = (-buf.ctypes.data % 32) // 4 + 1  # one float past a 32-byte boundary
+            shifted = buf[start : start + tokens * 36].reshape(tokens, 36)
+            shifted[...] = x
+            assert shifted.ctypes.data % 32 == 4
+            outs = [
+                sess.run_with_ort_values(
+                    ["y", "mask"],
+                    {"hidden": ort.OrtValue.ortvalue_from_numpy(v), "logits": ort.OrtValue.ortvalue_from_numpy(logits)},
+                )
+                for v in (x, shifted)
+            ]
+            (y, mask), (y_shifted, _) = ([o.numpy() for o in out] for out in outs)
+            where = f"E{experts} top_k={top_k} {wtype} T={tokens}"
+            assert np.array_equal(mask, ref_mask), where
+            assert _relative_error(y, ref.astype(np.float64)) <= 1e-5, where
+            assert np.array_equal(y, y_shifted), where
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
