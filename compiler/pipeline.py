@@ -20,6 +20,7 @@ from layerzero.passes import (
     RemoveDeadCode,
     SimplifyConcatSplit,
 )
+from layerzero.passes._graph import node_subgraphs, read_round_trip_sources
 from layerzero.passes.gated_branches import SkipGatedBranches
 from layerzero.passes.moe import SkipExperts
 from layerzero.passes.shape_inference import InferShapes
@@ -120,7 +121,25 @@ def run_static_passes(
     converged = not iteration.last_modified
     if not converged:
         logger.warning("static passes did not reach a fixpoint in %d iterations", options.max_iterations)
+    sidestep_round_trips(model)
     return PipelineResult(iteration.count, converged, iteration.modified_by, list(flags.bypassed))
+
+
+def sidestep_round_trips(model: ir.Model) -> bool:
+    """Every node with subgraphs (``If``, ``Loop``, ``Scan``; the model's own too) reads the source of a lossless
+    Cast round trip rather than its result (``read_round_trip_sources``: the same value).
+
+    onnxruntime 1.32 removes such a round trip and rewires the main graph's readers only, so a subgraph reading the
+    result fails with "Missing Input". Whether it fires depends on what feeds the round trip: fuzz seed 134274's
+    ``Cast(Cast(Expand(x, Shape(x))))`` ran, and once the static passes made it ``Cast(Cast(x))`` the model's own
+    ``If`` could not. Runs after the static passes (the last thing a compile does); returns whether anything changed.
+    """
+    changed = False
+    for graph in list(model.graphs()):
+        for node in list(graph):
+            if node_subgraphs(node):
+                changed |= read_round_trip_sources(node)
+    return changed
 
 
 def run_pass(p: ir.passes.PassBase, model: ir.Model) -> ir.passes.PassResult:

@@ -56,6 +56,18 @@ CASES: dict[str, str] = {
            mul58 = Mul (cast57, prelu43)
            add61 = Add (mul58, cast60)
         }""",
+    # Seed 134274: onnxruntime's removal of a lossless Cast round trip misses the If that reads it ("Missing Input");
+    # it did not fire on Cast(Cast(Expand(x, Shape(x)))), and the static passes made that Cast(Cast(x)).
+    "round_trip_exposed_to_the_models_own_if": """
+        <ir_version: 9, opset_import: ["" : 20]>
+        g (float[N,4] x, bool c) => (float[N,4] y) {
+           s = Shape (x)
+           e = Expand (x, s)
+           a = Cast <to: int = 11> (e)
+           b = Cast <to: int = 1> (a)
+           y = If (c) <else_branch: graph = el () => (float[N,4] eo) { eo = Relu (b) },
+                       then_branch: graph = th () => (float[N,4] tho) { tho = Neg (b) }>
+        }""",
     # Cause 3: LpNormalization p=1 folds to what onnxruntime computes (sum |x|), not sum(x).
     "fold_lp_normalization_p1": """
         <ir_version: 9, opset_import: ["" : 18]>
