@@ -261,9 +261,7 @@ class _StreamRead:
             if m.ctypes.data not in self._advised:
                 advise(ctypes.c_void_p(m.ctypes.data), ctypes.c_size_t(m.nbytes))
                 self._advised.add(m.ctypes.data)
-        logits = hidden @ w["router"].T + w["router_bias"]
-        _, mask = moe_routing(logits, top_k=config.top_k, normalize=config.normalize, scoring=config.scoring)
-        regions = [m[e] for e in np.flatnonzero(mask.any(axis=0)) for m in matrices]
+        regions = [m[e] for e in _used_experts(config, hidden) for m in matrices]
         self._n = len(regions)
         self._ptrs = (ctypes.c_void_p * self._n)(*[r.ctypes.data for r in regions])
         self._sizes = (ctypes.c_int64 * self._n)(*[r.nbytes for r in regions])
@@ -280,12 +278,17 @@ class _StreamRead:
         return float(np.median(self.times)) * 1e3
 
 
-def _expert_bytes(config: MoEConfig, hidden: np.ndarray) -> tuple[int, int]:
-    """(bytes of the experts the input's tokens run, how many experts that is)."""
+def _used_experts(config: MoEConfig, hidden: np.ndarray) -> np.ndarray:
+    """The indices of the experts the input's tokens run (the union over its tokens)."""
     w = _weights(config)
     logits = hidden @ w["router"].T + w["router_bias"]
     _, mask = moe_routing(logits, top_k=config.top_k, normalize=config.normalize, scoring=config.scoring)
-    used = int(mask.any(axis=0).sum())
+    return np.flatnonzero(mask.any(axis=0))
+
+
+def _expert_bytes(config: MoEConfig, hidden: np.ndarray) -> tuple[int, int]:
+    """(bytes of the experts the input's tokens run, how many experts that is)."""
+    used = len(_used_experts(config, hidden))
     return used * 3 * config.hidden * config.ffn * 4, used
 
 
