@@ -24,6 +24,7 @@ unauthenticated (bind it to loopback, put a proxy in front for anything else)::
     GET  /metrics                 Prometheus text (ServingMetrics, a registry of this server's own)
     GET  /status                  JSON: model, endpoints, guard state and counters
     GET  /healthz                 "ok" once Triton serves the model
+    GET  /                        the web console (runtime/console.py): live counters, kill switch, threshold
     POST /kill-switch             {"on": true} | {"on": false}   (also POST /kill-switch/on, /kill-switch/off)
     POST /threshold               {"value": 0.05, "segment": "chat"}   (segment optional: the default one)
 
@@ -677,7 +678,12 @@ class _ControlHandler(_BodyReader, BaseHTTPRequestHandler):
         self.read_body(CONTROL_MAX_BODY_BYTES)  # consumed (and capped) so that keep-alive stays in step
         path = self.path.split("?", 1)[0].rstrip("/")
         self.lz.sync_counts()  # the front's counts up to now, in /metrics and /status alike
-        if path == "/metrics":
+        if path in ("", "/console"):  # the web console (runtime/console.py)
+            from layerzero.runtime.console import console_page
+
+            page, headers = console_page()
+            self.send_whole(HTTPStatus.OK, list(headers.items()), page)
+        elif path == "/metrics":
             from layerzero.runtime.metrics import CONTENT_TYPE
 
             self._send(HTTPStatus.OK, self.lz.metrics.render(), CONTENT_TYPE)
