@@ -148,6 +148,7 @@ class ContinuousBatcher:
         self._pending: collections.deque[Ticket] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
+        self._joining = 0  # requests taken from the queue whose prefill runs now
         self._thread: threading.Thread | None = None
         # The batch: one cache tensor per past input [B, heads, L, head_dim], the mask [B, L] of each row's
         # real columns, and per row its next input id and position.
@@ -185,7 +186,8 @@ class ContinuousBatcher:
 
     @property
     def active(self) -> int:
-        return len(self._rows)
+        """Generations running: in the batch, or in their prefill."""
+        return len(self._rows) + self._joining
 
     @property
     def queued(self) -> int:
@@ -198,7 +200,8 @@ class ContinuousBatcher:
         with self._cond:
             if self._stopping or self._thread is None:
                 raise LayerZeroError("the batcher is not running")
-            free = max(0, self.max_batch - len(self._rows))  # queued requests that get a row at the next step
+            # Queued requests that get a row at the next step, besides the queue proper.
+            free = max(0, self.max_batch - len(self._rows) - self._joining)
             if len(self._pending) >= self.max_queue + free:
                 raise QueueFull(f"{len(self._pending)} generations are queued already (the limit): retry later")
             self._pending.append(ticket)
@@ -238,8 +241,11 @@ class ContinuousBatcher:
                 joining = []
                 while self._pending and len(self._rows) + len(joining) < self.max_batch:
                     joining.append(self._pending.popleft())
+                self._joining = len(joining)
             for ticket in joining:
                 self._prefill(ticket)
+                with self._cond:
+                    self._joining -= 1
             if self._rows:
                 self._decode()
         error = LayerZeroError("the batcher stopped")

@@ -90,9 +90,13 @@ class GenerateServerConfig:
     max_concurrent: int = 4
     client_timeout_s: float = 30.0
     max_batch: int = 16  # prompts per request
+    batch_rows: int = 8  # generations sharing decode steps (the continuous batch)
+    max_queue: int = 64  # generations waiting for a row; past it a 503
+    model_name: str = "model"  # the OpenAI endpoints' model id
 
     def __post_init__(self) -> None:
-        for name in ("max_request_bytes", "max_prompt_tokens", "max_new_tokens_cap", "max_concurrent", "max_batch"):
+        for name in ("max_request_bytes", "max_prompt_tokens", "max_new_tokens_cap", "max_concurrent", "max_batch",
+                     "batch_rows"):
             if getattr(self, name) < 1:
                 raise InvalidInputError(f"generate endpoint {name} must be >= 1, got {getattr(self, name)}")
         if not self.client_timeout_s > 0:
@@ -209,6 +213,20 @@ class GenerateServer:
         vocab = export_metadata(base).get("vocab_size")
         self.vocab: int | None = vocab if isinstance(vocab, int) else None
         self._slots = threading.BoundedSemaphore(self.config.max_concurrent)
+        from layerzero.runtime.batcher import ContinuousBatcher
+        from layerzero.runtime.openai_api import OpenAIRoutes
+        from layerzero.runtime.text import TextCodec
+
+        # Single-prompt generations (/v1/generate and the OpenAI endpoints) share decode steps.
+        self.batcher = ContinuousBatcher(engine, max_batch=self.config.batch_rows, max_queue=self.config.max_queue)
+        try:
+            codec = TextCodec.for_engine(base)
+        except InvalidInputError as exc:  # an unreadable tokenizer: ids still served, text endpoints refuse
+            logger.warning("no text endpoints: %s", exc)
+            codec = None
+        self.openai = OpenAIRoutes(self.batcher, codec, self.config.model_name,
+                                   max_new_tokens=self.config.max_new_tokens_cap,
+                                   max_prompt_tokens=self.config.max_prompt_tokens)  # fmt: skip
         self._lock = threading.Lock()
         self.counters = {"requests": 0, "generated_tokens": 0, "errors_4xx": 0, "errors_5xx": 0, "busy": 0}
         self._httpd: ThreadingHTTPServer | None = None
@@ -220,6 +238,7 @@ class GenerateServer:
         cfg = self.config
         handler = type("Handler", (_GenerateHandler,), {"server_": self, "timeout": cfg.client_timeout_s})
         self._httpd, self._thread = listen_http(cfg.host, cfg.port, handler, "layerzero-generate", "generate")
+        self.batcher.start()
         self._thread.start()
         logger.info("generate endpoint on %s", self.url)
         return self
@@ -232,6 +251,7 @@ class GenerateServer:
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
+        self.batcher.stop()
 
     def wait(self) -> None:
         if self._thread is not None:
@@ -283,7 +303,9 @@ class _GenerateHandler(BaseHTTPRequestHandler):
         logger.debug("generate %s - " + format, self.address_string(), *args)
 
     def do_GET(self) -> None:
-        if self.path == "/healthz":
+        if self.path.split("?", 1)[0] == "/v1/models":
+            self._send(200, self.server_.openai.get("/v1/models"), "application/json")
+        elif self.path == "/healthz":
             self._send(200, b"ok\n", "text/plain")
         elif self.path == f"{GENERATE_PATH}/status":
             self._send(200, (json.dumps(self.server_.status()) + "\n").encode(), "application/json")
@@ -292,6 +314,9 @@ class _GenerateHandler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         server = self.server_
+        if self.path in ("/v1/completions", "/v1/chat/completions"):
+            self._openai()
+            return
         if self.path != GENERATE_PATH:
             self._error(404, f"POST {self.path[:100]}: not found; POST {GENERATE_PATH}")
             return
@@ -300,6 +325,9 @@ class _GenerateHandler(BaseHTTPRequestHandler):
             request = parse_request(self._body(), server.config, server.vocab)
         except _Refused as exc:
             self._error(exc.status, str(exc))
+            return
+        if not isinstance(request["prompt_ids"][0], list):  # one prompt: the continuous batch
+            self._generate_batched(request)
             return
         if not server._slots.acquire(blocking=False):
             server.count("busy")
@@ -374,6 +402,122 @@ class _GenerateHandler(BaseHTTPRequestHandler):
             self._end_chunks()
         else:
             self._send(200, (json.dumps(final) + "\n").encode(), "application/json")
+
+    def _generate_batched(self, request: dict[str, Any]) -> None:
+        """One prompt on the server's ContinuousBatcher: its decode steps shared with the other generations."""
+        from layerzero.runtime.batcher import GenerationRequest, QueueFull
+
+        server = self.server_
+        stream = request.pop("stream")
+        tokens: list[int] = []
+        started = False
+        gone = threading.Event()
+
+        def on_token(token: int) -> None:
+            tokens.append(token)
+
+        request.pop("pad_token_id", None)  # one prompt: nothing to pad
+        job = GenerationRequest(request.pop("prompt_ids"), **request, on_token=on_token if stream else None)
+        try:
+            ticket = server.batcher.submit(job)
+        except QueueFull as exc:
+            server.count("busy")
+            self._error(503, str(exc), retry_after=1)
+            return
+        except InvalidInputError as exc:
+            self._error(400, str(exc))
+            return
+        sent = 0
+        while stream and not gone.is_set():
+            finished = ticket.done()
+            while sent < len(tokens):
+                if not started:
+                    self._start_chunks()
+                    started = True
+                self._chunk({"token": tokens[sent]})
+                sent += 1
+                if self.close_connection:  # the client went away
+                    ticket.cancel()
+                    gone.set()
+                    break
+            if finished:
+                break
+            time.sleep(0.005)
+        try:
+            out = ticket.result(timeout=None)
+        except Exception as exc:
+            status = 400 if isinstance(exc, InvalidInputError) else 500
+            if status == 500:
+                logger.error("generate failed: %s", exc)
+                server.count("errors_5xx")
+            message = _one_line(str(exc) if status == 400 else f"generation failed: {type(exc).__name__}: {exc}")
+            if started:
+                self._chunk({"error": message})
+                self._end_chunks()
+            else:
+                self._error(status, message)
+            return
+        server.count("generated_tokens", len(out.ids))
+        final = {"ids": out.ids, "prompt_ids": out.prompt_ids, "report": out.report.to_dict()}
+        if stream:
+            if not started:
+                self._start_chunks()
+            self._chunk(final)
+            self._end_chunks()
+        else:
+            self._send(200, (json.dumps(final) + "\n").encode(), "application/json")
+
+    def _start_chunks(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-ndjson")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+
+    def _openai(self) -> None:
+        """POST /v1/completions and /v1/chat/completions (runtime/openai_api.py)."""
+        from layerzero.runtime.openai_api import ApiError
+
+        server = self.server_
+        server.count("requests")
+        streaming = False
+
+        def start_stream() -> None:
+            nonlocal streaming
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.send_header("Cache-Control", "no-cache")
+            self.end_headers()
+            streaming = True
+
+        def send(data: bytes) -> bool:
+            try:
+                self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                self.wfile.flush()
+                return True
+            except OSError:
+                self.close_connection = True
+                return False
+
+        try:
+            try:
+                body = self._body()
+            except _Refused as exc:
+                raise ApiError(exc.status, str(exc)) from None
+            answer = server.openai.post(self.path, body, start_stream, send)
+        except ApiError as exc:
+            if 400 <= exc.status < 500:
+                server.count("errors_4xx")
+            if exc.status in (408, 411, 413):
+                self.close_connection = True
+            self._send(exc.status, exc.body(), "application/json",
+                       {"Retry-After": "1"} if exc.status == 503 else None)  # fmt: skip
+            return
+        if streaming:
+            self._end_chunks()
+        else:
+            self._send(200, answer, "application/json")
 
     # ------------------------------------------------------------------------------------------- wiring
 

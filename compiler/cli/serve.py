@@ -20,7 +20,11 @@ A bundle of a `layerzero export` model also gets a generate endpoint on --port-g
 POST /v1/generate {"prompt_ids": [1, 2, 3], "max_new_tokens": 16} streams JSON lines, one {"token": id} per
 token, then {"ids", "report"}; {"prompts": [[1, 2, 3], [7, 8]], ...} runs a left-padded batch (a {"tokens": [...]}
 line per step, then {"results": [...]}); bounded by --generate-max-new-tokens and --generate-max-prompt, through
-the guard (kill switch, --max-tokens caps prompt + new tokens).
+the guard (kill switch, --max-tokens caps prompt + new tokens). The same port serves the OpenAI API when the
+bundle's tokenizer.json is found (beside it or its source model): POST /v1/completions, POST
+/v1/chat/completions (the chat template of its tokenizer_config.json), GET /v1/models (the model id is
+--model-name). One-prompt generations share decode steps (continuous batching: --generate-batch rows at once,
+--generate-queue more waiting, a 503 past that).
 
 The reference (for sampling, fallback, the kill switch and --max-tokens) is --reference, or else the model
 the bundle was compiled from when it is still there unchanged. Without one, the guard is off. A request
@@ -89,6 +93,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="largest max_new_tokens a request may ask for (default 1024)")  # fmt: skip
     gen.add_argument("--generate-max-prompt", type=integer(1, 10_000_000), default=4096, metavar="N",
                      help="longest prompt in tokens (default 4096)")  # fmt: skip
+    gen.add_argument("--generate-batch", type=integer(1, 256), default=8, metavar="N",
+                     help="generations that share decode steps (default 8)")  # fmt: skip
+    gen.add_argument("--generate-queue", type=integer(0, 100_000), default=64, metavar="N",
+                     help="generations that may wait for a row; past them a 503 (default 64)")  # fmt: skip
 
 
 def parse_segments(items: list[str] | None) -> dict:
@@ -164,10 +172,14 @@ def run(args: argparse.Namespace) -> int:
     generate = contextlib.nullcontext() if args.no_generate else serve_generate(
         guard, port=args.port_generate, max_new_tokens_cap=args.generate_max_new_tokens,
         max_prompt_tokens=args.generate_max_prompt, client_timeout_s=args.client_timeout,
+        batch_rows=args.generate_batch, max_queue=args.generate_queue, model_name=args.model_name,
     )  # fmt: skip
     with server, generate as generating:
         if generating is not None:
             console.print(f"generate: POST {generating.url} (JSON lines; see layerzero.runtime.generate_server)")
+            if generating.openai.codec is not None:
+                console.print(f"OpenAI API: {generating.url.rsplit('/', 2)[0]}/v1 (completions, chat/completions, "
+                              f"models; model {args.model_name!r})")  # fmt: skip
         ends = server.endpoints()
         grpc = f", grpc {ends['grpc']}" if "grpc" in ends else ""
         console.print(f"serving {args.bundle} as {args.model_name!r}: http {ends['http']}{grpc}, "

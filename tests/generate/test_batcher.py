@@ -118,6 +118,7 @@ def test_queue_bound_and_bad_requests(engine: Engine) -> None:
         deadline = time.monotonic() + 30
         while batcher.active == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert batcher.active == 1 and batcher.queued == 0
         queued = batcher.submit(GenerationRequest([3], max_new_tokens=2, stop_tokens=()))
         with pytest.raises(QueueFull):
             batcher.submit(GenerationRequest([4], max_new_tokens=2, stop_tokens=()))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -174,7 +175,7 @@ def test_missing_length_unknown_path_method_and_busy(server: GenerateServer) -> 
     held = [server._slots.acquire(blocking=False) for _ in range(server.config.max_concurrent)]
     assert all(held)
     try:
-        status, lines, headers = _post(server, {"prompt_ids": [1]})
+        status, lines, headers = _post(server, {"prompts": [[1]]})  # a batch request takes a slot
         assert status == 503 and headers["Retry-After"] == "1" and "retry" in lines[0]["error"]
     finally:
         for _ in held:
@@ -182,6 +183,36 @@ def test_missing_length_unknown_path_method_and_busy(server: GenerateServer) -> 
     assert _post(server, {"prompt_ids": [1], "max_new_tokens": 1})[0] == 200
     counters = server.status()["counters"]
     assert counters["busy"] == 1 and counters["errors_4xx"] >= 4
+
+
+def test_single_prompts_queue_on_the_continuous_batch_and_503_past_it(model: Path) -> None:
+    from layerzero.runtime.batcher import GenerationRequest
+
+    config = GenerateServerConfig(port=0, max_new_tokens_cap=64, batch_rows=1, max_queue=1)
+    gate = threading.Event()
+    with GenerateServer(Engine.load(model), config) as server:
+        entered = threading.Event()
+
+        def hold(token: int) -> None:
+            entered.set()
+            gate.wait(30)
+
+        blocker = server.batcher.submit(GenerationRequest([1, 2], max_new_tokens=3, stop_tokens=(), on_token=hold))
+        assert entered.wait(30) and server.batcher.active == 1
+        queued: list = []
+        waiting = threading.Thread(target=lambda: queued.append(_post(server, {"prompt_ids": [5], "stream": False,
+                                                                               "max_new_tokens": 4})))
+        waiting.start()
+        while server.batcher.queued == 0:
+            time.sleep(0.01)
+        status, lines, headers = _post(server, {"prompt_ids": [7]})  # the row and the queue are taken
+        assert status == 503 and headers["Retry-After"] == "1" and "queued" in lines[0]["error"]
+        gate.set()
+        waiting.join(60)
+        blocker.result(60)
+        status, lines, _ = queued[0]
+        assert status == 200 and lines[-1]["ids"] == Engine.load(model).generate([5], max_new_tokens=4).ids
+        assert server.status()["counters"]["busy"] == 1
 
 
 def test_batch_equals_engine_generate_per_prompt(model: Path, server: GenerateServer) -> None:
