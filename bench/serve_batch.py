@@ -1,0 +1,166 @@
+"""Concurrent generations through `layerzero serve`'s generate endpoint: 8 clients against 1, side by side.
+
+A dense Llama-style model larger than this machine's L3 (random weights, seeded, ``save_pretrained``;
+``layerzero export`` with the KV cache, ``layerzero compile``) is served by the generate endpoint (the code
+``layerzero serve`` runs: ``GenerateServer`` and its ``ContinuousBatcher``) on 127.0.0.1. Each client streams
+``POST /v1/generate`` (greedy, a 32-token prompt of its own, 128 new tokens, no stop token) and records when
+each token line arrives. Rounds alternate one client alone and N clients at once (``--clients``, 8), so the
+noise of a shared machine falls on both alike.
+
+Printed per round and as medians: the solo tokens/s, the aggregate tokens/s of N clients (all new tokens / the
+wall time from the first request to the last token), their ratio, the p50 time to first token and the p50
+inter-token latency over all clients, the mean batch the batcher ran (rows per decode step). Checked: every
+client's ids equal its prompt's solo ids (greedy, from ``Engine.generate``).
+
+Target (issue 24): aggregate ≥ 4 × one client alone; the exit status is 1 when it is missed or an id differs.
+
+Sizes: ``--size l3`` (default): hidden 1024, 8 layers, 16 heads / 4 kv heads, intermediate 4096, vocab 32000
+(~210 M parameters, 0.84 GB float32: 3 × the L3); ``--size 1b``: hidden 2048, 16 layers, 32 / 8 heads,
+intermediate 8192 (1.2 B parameters, 4.9 GB; its export takes ~15 minutes here); ``--quick``: 2 layers of
+hidden 256, 32 new tokens (checks the path, not the speed). Exports are cached under
+~/.cache/layerzero/serve_batch/<size>/.
+
+    python bench/serve_batch.py                  # 8 clients vs 1, 3 rounds
+    python bench/serve_batch.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+SIZES = {
+    "quick": dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=1024, vocab_size=4096),
+    "l3": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+               intermediate_size=4096, vocab_size=32000),
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=8192, vocab_size=32000),
+}  # fmt: skip
+
+
+def _bundle(size: str) -> Path:
+    import torch
+    import transformers
+
+    from layerzero.cli import main as cli
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "layerzero" / "serve_batch" / size
+    bundle = cache / "model.lz"
+    if (bundle / "manifest.json").is_file():
+        return bundle
+    import shutil
+
+    shutil.rmtree(cache, ignore_errors=True)  # a half-made cache of an interrupted run
+    cache.mkdir(parents=True)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**SIZES[size], max_position_embeddings=4096, initializer_range=0.05,
+                                      eos_token_id=None, bos_token_id=None)  # fmt: skip
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(cache / "hf")
+    for args in (["export", str(cache / "hf"), "-o", str(cache / "onnx" / "model.onnx")],
+                 ["compile", str(cache / "onnx" / "model.onnx"), "-o", str(bundle)]):  # fmt: skip
+        if cli(args) != 0:
+            sys.exit(f"bench/serve_batch.py: `layerzero {' '.join(args)}` failed")
+    return bundle
+
+
+def _client(port: int, prompt: list[int], new: int, out: dict) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    body = json.dumps({"prompt_ids": prompt, "max_new_tokens": new, "stop_ids": [], "stream": True})
+    start = time.perf_counter()
+    conn.request("POST", "/v1/generate", body=body, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    times, ids = [], []
+    while True:
+        line = resp.readline()
+        if not line:
+            break
+        doc = json.loads(line)
+        if "token" in doc:
+            times.append(time.perf_counter())
+            ids.append(doc["token"])
+        elif "error" in doc:
+            out["error"] = doc["error"]
+    conn.close()
+    out.update(start=start, times=times, ids=ids)
+
+
+def _round(port: int, prompts: list[list[int]], new: int) -> list[dict]:
+    results = [{} for _ in prompts]
+    threads = [threading.Thread(target=_client, args=(port, p, new, r)) for p, r in zip(prompts, results)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        if "error" in r or len(r.get("ids", [])) != new:
+            sys.exit(f"bench/serve_batch.py: a client failed: {r.get('error', 'short answer')}")
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=("l3", "1b"), default="l3")
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    size, new = ("quick", 32) if args.quick else (args.size, args.new)
+
+    import numpy as np
+
+    from layerzero.runtime import Engine
+    from layerzero.runtime.generate_server import GenerateServer, GenerateServerConfig
+
+    bundle = _bundle(size)
+    engine = Engine.load(bundle)
+    vocab = SIZES[size]["vocab_size"]
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, vocab, 32).tolist() for _ in range(args.clients)]
+    solo_ids = [engine.generate(p, max_new_tokens=new, stop_tokens=()).ids for p in prompts]
+    config = GenerateServerConfig(port=0, max_new_tokens_cap=max(new, 1), max_prompt_tokens=64,
+                                  batch_rows=args.clients, max_queue=args.clients)  # fmt: skip
+    rows = []
+    wrong = 0
+    with GenerateServer(engine, config) as server:
+        _round(server.port, prompts[:1], 4)  # warm-up
+        for k in range(args.rounds):
+            solo = _round(server.port, prompts[k % len(prompts) : k % len(prompts) + 1], new)[0]
+            solo_rate = new / (solo["times"][-1] - solo["start"])
+            steps0, rows0 = server.batcher.steps_run, server.batcher.rows_stepped
+            many = _round(server.port, prompts, new)
+            mean_batch = (server.batcher.rows_stepped - rows0) / max(1, server.batcher.steps_run - steps0)
+            wall = max(r["times"][-1] for r in many) - min(r["start"] for r in many)
+            rate = len(prompts) * new / wall
+            ttft = statistics.median(r["times"][0] - r["start"] for r in many)
+            itl = statistics.median(b - a for r in many for a, b in zip(r["times"], r["times"][1:]))
+            wrong += sum(r["ids"] != want for r, want in zip(many, solo_ids))
+            wrong += solo["ids"] != solo_ids[k % len(prompts)]
+            rows.append((solo_rate, rate, rate / solo_rate, ttft, itl, mean_batch))
+            print(f"round {k + 1}: 1 client {solo_rate:7.1f} tok/s | {len(prompts)} clients {rate:7.1f} tok/s "
+                  f"= {rate / solo_rate:4.2f}x | p50 TTFT {ttft * 1e3:7.1f} ms, p50 ITL {itl * 1e3:6.1f} ms, "
+                  f"mean batch {mean_batch:.2f}", flush=True)  # fmt: skip
+    med = [statistics.median(col) for col in zip(*rows)]
+    load = os.getloadavg()[0]
+    print(f"median ({size}, {args.clients} clients, {new} new tokens, load {load:.1f}): 1 client {med[0]:.1f} "
+          f"tok/s, {args.clients} clients {med[1]:.1f} tok/s = {med[2]:.2f}x; p50 TTFT {med[3] * 1e3:.1f} ms, "
+          f"p50 ITL {med[4] * 1e3:.1f} ms")  # fmt: skip
+    ok_ids = wrong == 0
+    print(f"ids of every client equal its solo run: {'met' if ok_ids else f'NOT met ({wrong} differ)'}")
+    if args.quick:
+        return 0 if ok_ids else 1
+    ok_rate = med[2] >= 4.0
+    print(f"target aggregate >= 4.0x one client: {'met' if ok_rate else 'NOT met'} ({med[2]:.2f}x)")
+    return 0 if ok_ids and ok_rate else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
