@@ -288,12 +288,16 @@ def print_impact(impact) -> None:
         console.print(f"  unchanged by them: {', '.join(unchanged)}")
 
 
-def check_replaceable_output(path: Path, option: str) -> None:
+def check_replaceable_output(path: Path, option: str, source: Path) -> None:
     """Refuse, before the compile, an existing output that ``--force`` would not replace either: ``--force``
-    replaces only a bundle LayerZero wrote (or an empty directory), never another file or directory."""
+    replaces only a bundle LayerZero wrote (or an empty directory), never another file or directory. An output
+    that is (or holds) the source model is ``compile_file``'s to refuse, with its own message."""
     from layerzero.runtime.bundle import _check_replaceable
 
     if not os.path.lexists(path):
+        return
+    out, model = Path(os.path.realpath(path)), Path(os.path.realpath(source))
+    if model == out or model.is_relative_to(out):
         return
     try:
         _check_replaceable(Path(os.path.abspath(path)))
@@ -309,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
     from layerzero.runtime.bundle import clean_stale_temp_dirs
 
     check_output_dir(args.output, "-o")  # before the compile, not after minutes of it
-    check_replaceable_output(args.output, "-o")
+    check_replaceable_output(args.output, "-o", args.model)
     clean_stale_temp_dirs(Path(os.path.abspath(args.output)).parent, args.output.name)  # of killed compiles
     options = options_from(args)
     try:
