@@ -7,8 +7,8 @@
 
 A scope can carry a flag when ``FoldZeroFlags`` could bypass it (``passes/_layers.bypassable_layer``: one
 value leaves it, counting the unscoped nodes between its own as its own, and one entering value provably has
-that value's dtype and shape). A cache-carrying export's decoder layer
-also writes ``present.N.key/value``, so the whole layer is not bypassable there; its ``mlp`` is.
+that value's dtype and shape). A cache-carrying export's decoder layer and its ``self_attn``
+also write ``present.N.key/value``, so neither is bypassable there; its ``mlp`` is.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import numpy as np
 import onnx_ir as ir
 
 from layerzero.errors import InvalidInputError, LayerZeroError, UnsupportedModelError
-from layerzero.passes._graph import scope_of
-from layerzero.passes._layers import bypassable_layer, layer_params, scope_members
+from layerzero.passes._layers import bypassable_layer, scope_members
 from layerzero.passes._shapes import SymbolicShapes
 from layerzero.passes.zero_flags import declared_flags
+from layerzero.summary import model_scope, scope_counts
 
 __all__ = ["FLAG_SUFFIX", "FlagCandidate", "add_flags", "flaggable_scopes"]
 
@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class FlagCandidate:
-    """A scope a declared zero flag can name: its node and parameter counts."""
+    """A scope a declared zero flag can name: its node and parameter counts (``summary.scope_counts``'s, the
+    counts `layerzero inspect` shows: parameters read only inside the scope)."""
 
     scope: str
     nodes: int
@@ -42,7 +43,7 @@ class FlagCandidate:
 
 
 def _all_scopes(model: ir.Model) -> dict[ir.Node, str]:
-    return {node: scope_of(node) for node in model.graph}
+    return {node: model_scope(node) for node in model.graph}
 
 
 def _infer_shapes(model: ir.Model) -> None:
@@ -65,6 +66,7 @@ def flaggable_scopes(model: ir.Model) -> list[FlagCandidate]:
     """Every scope (and enclosing scope) of the main graph that ``FoldZeroFlags`` could bypass, in graph order."""
     _infer_shapes(model)
     scopes = _all_scopes(model)
+    counts = scope_counts(model)
     shapes = SymbolicShapes(model.graph)
     seen: dict[str, None] = {}
     for scope in scopes.values():
@@ -74,10 +76,10 @@ def flaggable_scopes(model: ir.Model) -> list[FlagCandidate]:
     for scope in seen:
         members = scope_members(model.graph, scope, scopes)
         try:
-            layer = bypassable_layer(scope, members, scope, error=UnsupportedModelError, shapes=shapes)
+            bypassable_layer(scope, members, scope, error=UnsupportedModelError, shapes=shapes)
         except LayerZeroError:
             continue
-        found.append(FlagCandidate(scope, len(layer.members), layer_params(layer.members)))
+        found.append(FlagCandidate(scope, counts.nodes.get(scope, 0), counts.params.get(scope, 0)))
     return found
 
 
@@ -104,7 +106,13 @@ def add_flags(model: ir.Model, scopes: list[str], *, value: float = 0.0, metadat
             raise InvalidInputError(f"scope {scope!r}: no node has it{hint}; `layerzero flag MODEL --list` lists them")
         if name in existing or name in model.graph.initializers or name in model.metadata_props:
             raise InvalidInputError(f"flag {name!r} is already declared in the model")
-        bypassable_layer(scope, scope_members(model.graph, scope, node_scopes), f"scope {scope!r}", shapes=shapes)
+        try:
+            bypassable_layer(scope, scope_members(model.graph, scope, node_scopes), f"scope {scope!r}", shapes=shapes)
+        except UnsupportedModelError as exc:
+            # In a cache-carrying export a decoder layer and its self_attn also write present.N.key/value.
+            raise UnsupportedModelError(
+                f"{exc}; `layerzero flag MODEL --list` lists the scopes a flag can name"
+            ) from None
         if metadata:
             model.metadata_props[name] = f"{value:g}"
         else:

@@ -256,8 +256,59 @@ def _fmt(value: Any, percent: bool = False) -> str:
     return f"{value:.1%}" if percent else f"{value:.3g}"
 
 
-def render_html(doc: dict, *, tolerance: float = 0.01, window: int | None = None, unit: str = "requests") -> str:
-    """A self-contained page: the heatmap (inline PNG) and a table of every path."""
+#: compile --profile's defaults (``layerzero compile --stability-window``, ``--stability-unit``).
+COMPILE_WINDOW, COMPILE_UNIT = 100, "requests"
+
+
+def compile_decisions(doc: dict, *, tolerance: float, window: int, unit: str) -> dict[str, str]:
+    """For each dynamic path of the profile, what ``compile --profile`` with these settings does with it:
+    ``"removes"``, or why it keeps it. The rules are ``solidify_plan.plan_solidify``'s: skipped at least
+    ``window`` consecutive ``unit``, a measured impact below ``tolerance``, and a MoE block keeps top_k experts."""
+    from layerzero.solidify_plan import SolidifyCandidate, _keep_top_k
+
+    decisions: dict[str, str] = {}
+    removed: list[SolidifyCandidate] = []
+    for record in doc["paths"]:
+        if record["kind"] == "static":
+            continue
+        stability = int((record.get("zeroing_stability") or {}).get(unit) or 0)
+        impact = (record.get("zeroing_impact") or {}).get("model")
+        if stability < window:
+            decisions[record["path"]] = f"keeps: skipped at most {stability:,} consecutive {unit} (< {window:,})"
+        elif not isinstance(impact, (int, float)):
+            decisions[record["path"]] = "keeps: impact not measured"
+        elif impact >= tolerance:
+            decisions[record["path"]] = f"keeps: impact {impact:.3g} ≥ {tolerance:g}"
+        else:
+            removed.append(
+                SolidifyCandidate(
+                    subpath=record["path"],
+                    parent=str(record.get("parent") or record["path"]),
+                    kind=record["kind"],
+                    params=int(record.get("params") or 0),
+                    stability=dict(record.get("zeroing_stability") or {}),
+                    impact=dict(record.get("zeroing_impact") or {}),
+                )
+            )
+    kept: list[SolidifyCandidate] = []
+    for c in _keep_top_k(removed, kept, doc):
+        decisions[c.subpath] = "removes"
+    for c in kept:
+        decisions[c.subpath] = f"keeps: {c.reason}"
+    return decisions
+
+
+def render_html(
+    doc: dict, *, tolerance: float = 0.01, window: int | None = COMPILE_WINDOW, unit: str = COMPILE_UNIT
+) -> str:
+    """A self-contained page: the heatmap (inline PNG) and a table of every path.
+
+    The last column says what ``layerzero compile --profile`` with ``--impact-tolerance tolerance
+    --stability-window window --stability-unit unit`` (compile's defaults: 0.01, 100, requests) does with each
+    dynamic path; ``window=None`` is compile's default window.
+    """
+    window = COMPILE_WINDOW if window is None else window
+    decisions = compile_decisions(doc, tolerance=tolerance, window=window, unit=unit)
     png = base64.b64encode(render_image(doc, "png", tolerance=tolerance)).decode("ascii")
     traffic = doc.get("traffic") if isinstance(doc.get("traffic"), dict) else {}
     source = doc.get("source") if isinstance(doc.get("source"), dict) else {}
@@ -270,12 +321,6 @@ def render_html(doc: dict, *, tolerance: float = 0.01, window: int | None = None
         stability = record["zeroing_stability"]
         impact = record.get("zeroing_impact") or {}
         model = impact.get("model")
-        removable = (
-            record["kind"] != "static"
-            and isinstance(model, (int, float))
-            and model < tolerance
-            and (window is None or stability.get(unit, 0) >= window)
-        )
         kind = record["kind"] if record["kind"] != "static" else f"static ({record.get('removed_kind', '?')})"
         cells = [
             record["path"],
@@ -288,15 +333,19 @@ def render_html(doc: dict, *, tolerance: float = 0.01, window: int | None = None
             _fmt(impact.get("block")),
             _fmt(model),
             f"{record['params']:,}",
-            "yes" if removable else "",
+            "already removed" if record["kind"] == "static" else decisions.get(record["path"], ""),
         ]
         rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
     header = [
         "path", "kind", "skip rate", "tokens run / skipped", "requests run / skipped", "stable (requests)",
-        "stable (tokens)", "impact (block)", "impact (model)", "params", "removable",
+        "stable (tokens)", "impact (block)", "impact (model)", "params", "compile --profile",
     ]  # fmt: skip
-    criterion = f"impact &lt; {tolerance:g}" + (
-        f" and skipped ≥ {window} consecutive {html.escape(unit)}" if window is not None else ""
+    settings = f"--impact-tolerance {tolerance:g} --stability-window {window} --stability-unit {html.escape(unit)}"
+    criterion = (
+        f"what <code>layerzero compile --profile PROFILE {settings}</code> does with each path: it removes a path "
+        f"skipped ≥ {window} consecutive {html.escape(unit)} whose impact (model) is &lt; {tolerance:g}, and a MoE "
+        "block keeps at least top_k experts (the ones with the largest impact stay); other windows and tolerances: "
+        "<code>layerzero report --stability-window N --impact-tolerance T</code>"
     )
     title = f"LayerZero zeroing map: {esc(str(bundle.get('path') or 'bundle'))}"
     return f"""<!DOCTYPE html>
@@ -320,7 +369,7 @@ v{esc(str(doc.get("version")))}.</p>
 <h2>Paths</h2>
 <p>Skip rate and run / skip counts in tokens and requests; stability = the longest run of consecutive skips;
 impact = the relative L2 change of the block / model output when the path alone is forced off (largest over
-the sampled requests). Removable: {criterion}.</p>
+the sampled requests). Last column, {criterion}.</p>
 <table>
 <thead><tr>{"".join(f"<th>{h}</th>" for h in header)}</tr></thead>
 <tbody>
@@ -332,7 +381,12 @@ the sampled requests). Removable: {criterion}.</p>
 
 
 def write_report(
-    doc: dict, out: str | Path, *, tolerance: float = 0.01, window: int | None = None, unit: str = "requests"
+    doc: dict,
+    out: str | Path,
+    *,
+    tolerance: float = 0.01,
+    window: int | None = COMPILE_WINDOW,
+    unit: str = COMPILE_UNIT,
 ) -> Path:
     """Write the map as ``.png``, ``.svg`` or ``.html`` (by ``out``'s suffix)."""
     out = Path(out)

@@ -23,7 +23,10 @@ class Report:
         zeroed_layers: Layers the compiler removed (``len(manifest layers.zeroed)``).
         zeroed_params_ratio: ``(params removed at compile time + skipped_params) / params_before``; the static
             part is ``1 - params_after / params_before`` from the manifest; 0.0 when unknown.
-        zeroed_paths: Scopes removed at compile time (manifest ``layers.zeroed``); the same for every request.
+        zeroed_paths: Layers removed whole at compile time (manifest ``layers.zeroed``); the same for every
+            request.
+        removed_scopes: Every scope removed at compile time (manifest ``removed``): whole layers and parts of
+            layers (an ``mlp``, a rotary encoding); a part removed counts here, not in ``zeroed_layers``.
         skipped_paths: Dynamic subpaths (e.g. ``model.layers.0.mlp.experts.3``, the manifest's ``dynamic`` entries)
             whose mask column was all zero on this request, i.e. skipped for every token; for a mask output
             without a manifest entry, its path when the whole mask was zero.
@@ -45,6 +48,7 @@ class Report:
     masks: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     skipped_params: int = 0
     params_before: int = 0
+    removed_scopes: list[str] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_manifest(cls, manifest: Mapping[str, Any]) -> Report:
@@ -55,12 +59,19 @@ class Report:
         zeroed_paths = [str(p) for p in zeroed] if isinstance(zeroed, list) else []
         total = layers.get("total")
         total_layers = total if isinstance(total, int) and not isinstance(total, bool) else 0
+        removed = manifest.get("removed")
+        removed_scopes = [
+            str(r["scope"])
+            for r in (removed if isinstance(removed, list) else [])
+            if isinstance(r, Mapping) and isinstance(r.get("scope"), str)
+        ]
         return cls(
             total_layers=total_layers,
             zeroed_layers=len(zeroed_paths),
             zeroed_params_ratio=_zeroed_params_ratio(manifest.get("stats")),
             zeroed_paths=zeroed_paths,
             params_before=_params_before(manifest.get("stats")),
+            removed_scopes=removed_scopes,
         )
 
     def add_dynamic(
@@ -115,6 +126,7 @@ class Report:
             zeroed_paths=list(self.zeroed_paths),
             skipped_paths=list(self.skipped_paths),
             masks=dict(self.masks),
+            removed_scopes=list(self.removed_scopes),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -130,12 +142,18 @@ class Report:
             "masks": {path: np.asarray(mask).tolist() for path, mask in self.masks.items()},
             "skipped_params": int(self.skipped_params),
             "params_before": int(self.params_before),
+            "removed_scopes": list(self.removed_scopes),
             "summary": self.summary(),
         }
 
     def summary(self) -> str:
-        """One line for humans, e.g. ``zeroed 1/4 layers, 23.1% of parameters; skipped 2 paths``."""
-        text = f"zeroed {self.zeroed_layers}/{self.total_layers} layers, {self.zeroed_params_ratio:.1%} of parameters"
+        """One line for humans, e.g. ``zeroed 1/4 layers, 23.1% of parameters; skipped 2 paths``.
+
+        ``zeroed N/M layers`` counts layers removed whole; scopes removed inside a layer (an ``mlp``) follow as
+        ``and K parts of layers (...)`` (the parameter share counts both).
+        """
+        text = f"zeroed {self.zeroed_layers}/{self.total_layers} layers{removed_parts(self)}"
+        text += f", {self.zeroed_params_ratio:.1%} of parameters"
         if self.skipped_paths:
             n = len(self.skipped_paths)
             text += f"; skipped {n} path{'s' if n != 1 else ''} on this request"
@@ -144,6 +162,16 @@ class Report:
         if self.fallback_triggered:
             text += "; fell back to the reference model"
         return text
+
+
+def removed_parts(report: Any) -> str:
+    """`` and 1 part of a layer (model.layers.1.mlp)`` for the scopes removed that are no whole layer, or ""."""
+    whole = set(report.zeroed_paths)
+    parts = [s for s in report.removed_scopes if s not in whole]
+    if not parts:
+        return ""
+    shown = ", ".join(parts[:3]) + (f", … {len(parts) - 3} more" if len(parts) > 3 else "")
+    return f" and {len(parts)} {'part of a layer' if len(parts) == 1 else 'parts of layers'} ({shown})"
 
 
 def _zeroed_params_ratio(stats: object) -> float:

@@ -2,7 +2,9 @@
 
 `layerzero compile` then bypasses each flagged layer (README "Zero flags"). A scope can carry a flag when it is
 a layer the compiler can bypass: one value leaves it and one entering value has that value's dtype and shape
-(the residual stream). --list shows those scopes with their node and parameter counts.
+(the residual stream). --list shows those scopes with their node and parameter counts, the counts `layerzero
+inspect` shows (parameters: the weights only that scope reads). In a cache-carrying export a decoder layer and
+its self_attn also write present.N.key/value and cannot be flagged; their mlp can.
 
 examples:
   layerzero flag model.onnx --list
@@ -19,6 +21,7 @@ from rich.table import Table
 
 from layerzero.cli._common import check_output_file, console, one_line_errors
 from layerzero.errors import InvalidInputError
+from layerzero.summary import PARAMS_CAPTION
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     model = load_model(args.model)
     if args.list:
-        table = Table(title=f"scopes a flag can name in {args.model}")
+        table = Table(title=f"scopes a flag can name in {args.model}", caption=PARAMS_CAPTION)
         for col in ("scope", "nodes", "parameters"):
             table.add_column(col, justify="left" if col == "scope" else "right")
         for c in flaggable_scopes(model):

@@ -4,12 +4,17 @@ The prompt is token ids (--prompt-ids 1,2,3) or text (--prompt "...", through th
 tokenizer.json found beside the bundle, beside its source model, or given with --tokenizer). New tokens stream
 to stdout as they come (text when there is a tokenizer, else ids); then a report: tokens/s, time to first token,
 layers zeroed, paths skipped. --json prints one JSON object instead: "ids", "text" (with a tokenizer), "report".
+The report is compact by default: "step_count" and "skipped_steps" (for each dynamic path, how many steps
+skipped it); --steps adds "steps", every step's tokens, time and skipped paths (large: about 1 MB for 128
+tokens of a 32-expert model), and --masks each step's masks too (it implies --steps).
 
 Several prompts (--prompt or --prompt-ids repeated, or a file with one prompt per line: --prompt-file for text,
 --prompt-ids-file for ids) run as one batch: left-padded (--pad-id, default the export's pad id, else its eos),
 the same tokens as transformers' batched greedy generate; each prompt stops on its own. A batch prints one line
 per prompt at the end (its text, else its ids) and one report per prompt; --json prints one JSON object,
-{"results": [{"prompt_ids", "ids", "text", "report"}, ...]}, in the prompts' order.
+{"results": [{"prompt_ids", "ids", "text", "report"}, ...]}, in the prompts' order. A row's report counts
+the steps that row took (one that stopped early has fewer), but what a step skipped is the batch's: a path
+no row's token ran ("batch_rows" in the report says how many rows shared each step).
 Generation stops at --max-new-tokens, at --max-tokens (prompt included; a longer prompt is an error) or at a
 stop token (--stop-ids, default the eos ids recorded at export).
 --temperature 0 (the default) is greedy; above 0 it samples, with --top-k, --top-p and --seed.
@@ -17,6 +22,7 @@ stop token (--stop-ids, default the eos ids recorded at export).
 examples:
   layerzero generate model.lz --prompt-ids 1,2,3 --max-new-tokens 16
   layerzero generate model.lz --prompt "Once upon a time" --temperature 0.8 --top-p 0.9 --seed 0
+  layerzero generate model.lz --prompt-ids 1,2,3 --json --steps
   layerzero generate model.lz --prompt-ids 1,2,3 --json --masks
   layerzero generate model.lz --prompt-ids 1,2,3 --prompt-ids 7,8 --max-new-tokens 16
   layerzero generate model.lz --prompt-file prompts.txt --json
@@ -56,14 +62,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-ids", default=None, help="token ids that end generation (default: the model's eos)")
     p.add_argument("--pad-id", type=integer(0), default=None, help="left-padding id of a batch (default: the export's)")
     p.add_argument("--tokenizer", type=Path, default=None, help="a tokenizer.json (or a folder holding one)")
-    p.add_argument("--masks", action="store_true", help="per-token masks of every dynamic path in the report")
+    p.add_argument(
+        "--steps",
+        action="store_true",
+        help="every step in the report: its tokens, time and skipped paths (default: per-path counts only)",
+    )
+    p.add_argument(
+        "--masks", action="store_true", help="per-token masks of every dynamic path in the report (implies --steps)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object: ids, text, report")
     p.add_argument("--backend", default="onnxruntime", help="runtime backend (default onnxruntime)")
 
 
-def _ids(text: str, option: str) -> list[int]:
+def _ids(text: str, option: str, *, allow_none: bool = False) -> list[int]:
+    """Comma-separated ids; an empty item (``1,,2``, ``1,2,``) is an error, never skipped. ``allow_none``: an
+    empty (or all-blank) ``text`` is the empty list (``--stop-ids ""``: no stop token)."""
+    items = text.replace(" ", "").split(",")
+    if allow_none and items == [""]:
+        return []
+    if "" in items:
+        position = items.index("") + 1
+        raise InvalidInputError(
+            f"{option} {text!r}: item {position} of {len(items)} is empty; expected comma-separated integers "
+            "(e.g. 1,2,3)"
+        )
     try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+        ids = [int(t) for t in items]
     except ValueError:
         raise InvalidInputError(f"{option} {text!r}: expected comma-separated integers (e.g. 1,2,3)") from None
     if any(i < 0 for i in ids):
@@ -100,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidInputError("text in/out needs the tokenizers package (pip install tokenizers)") from None
         tokenizer = Tokenizer.from_file(str(tokenizer_path))
     prompts = _prompts(args, tokenizer)
-    stops = None if args.stop_ids is None else _ids(args.stop_ids, "--stop-ids")
+    stops = None if args.stop_ids is None else _ids(args.stop_ids, "--stop-ids", allow_none=True)
     if len(prompts) > 1:
         return _run_batch(args, engine, prompts, stops, tokenizer)
     prompt = prompts[0]
@@ -128,18 +152,25 @@ def run(args: argparse.Namespace) -> int:
         doc: dict[str, Any] = {"prompt_ids": out.prompt_ids, "ids": out.ids}
         if text is not None:
             doc["text"] = text
-        doc["report"] = out.report.to_dict()
+        doc["report"] = out.report.to_dict(steps=_per_step(args))
         sys.stdout.write(json.dumps(doc) + os.linesep)
         return 0
     sys.stdout.write(os.linesep)
-    report = out.report
-    stderr.print(f"report: {report.summary()}")
+    _print_report("report", out.report, args)
+    return 0
+
+
+def _per_step(args: argparse.Namespace) -> bool:
+    return bool(args.steps or args.masks)
+
+
+def _print_report(label: str, report: Any, args: argparse.Namespace) -> None:
+    stderr.print(f"{label}: {report.summary()}")
     if report.skipped_paths:
         stderr.print("  skipped on every step: " + ", ".join(report.skipped_paths))
-    if args.masks:
+    if _per_step(args):
         for i, step in enumerate(report.steps):
             stderr.print(f"  step {i} ({step.tokens} tokens) -> {step.token_id}: skipped {step.skipped_paths}")
-    return 0
 
 
 def _lines(path: Path, option: str) -> list[str]:
@@ -202,7 +233,7 @@ def _run_batch(
             doc: dict[str, Any] = {"prompt_ids": out.prompt_ids, "ids": out.ids}
             if tokenizer is not None:
                 doc["text"] = tokenizer.decode(out.ids)
-            doc["report"] = out.report.to_dict()
+            doc["report"] = out.report.to_dict(steps=_per_step(args))
             results.append(doc)
         sys.stdout.write(json.dumps({"results": results}) + os.linesep)
         return 0
@@ -210,6 +241,6 @@ def _run_batch(
         line = tokenizer.decode(out.ids) if tokenizer is not None else ",".join(map(str, out.ids))
         sys.stdout.write(line.replace(os.linesep, " ") + os.linesep)
     for i, out in enumerate(outs):
-        stderr.print(f"report {i + 1}/{len(outs)}: {out.report.summary()}")
+        _print_report(f"report {i + 1}/{len(outs)}", out.report, args)
     stderr.print(f"batch of {len(outs)}: {sum(len(o.ids) for o in outs) / outs[0].report.total_s:.1f} tok/s in all")
     return 0

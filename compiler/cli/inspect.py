@@ -16,7 +16,7 @@ from rich.table import Table
 
 from layerzero.cli._common import console
 from layerzero.loader import load_model
-from layerzero.summary import find_moe, natural_key, summarize
+from layerzero.summary import PARAMS_CAPTION, find_moe, natural_key, summarize
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         console.print("all-zero tensors: " + ", ".join(f"{n}{d}" for n, d in s.zero_tensors))
     else:
         console.print("all-zero tensors: none")
-    scopes = Table(title="scopes")
+    scopes = Table(title="scopes", caption=PARAMS_CAPTION)
     scopes.add_column("scope")
     scopes.add_column("nodes", justify="right")
     scopes.add_column("parameters", justify="right")

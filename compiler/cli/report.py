@@ -3,7 +3,9 @@
 Reads a profile written by `layerzero profile` and writes the heatmap as PNG or SVG, or a self-contained
 HTML page (the heatmap inline and a table of every path: counts, stability, impact, parameters), chosen by
 the output's suffix. A dot marks a path whose impact is below --impact-tolerance; hatching, a layer removed
-at compile time. Needs matplotlib: pip install 'layerzero[report]'.
+at compile time. The HTML table's last column says what `layerzero compile --profile` with the same
+--impact-tolerance, --stability-window and --stability-unit (defaults as compile's: 0.01, 100, requests) does
+with each path: "removes", or why it keeps it. Needs matplotlib: pip install 'layerzero[report]'.
 
 examples:
   layerzero report profile.json -o map.png
@@ -34,8 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--stability-window",
         type=integer(1),
+        default=100,
         metavar="N",
-        help="HTML: call a path removable only when also skipped ≥ N consecutive requests (or tokens)",
+        help="HTML: the table says what compile --profile with this window does (default 100, as compile)",
     )
     p.add_argument("--force", action="store_true", help="replace OUTPUT even if it is not a LayerZero report")
     p.add_argument("--stability-unit", choices=("requests", "tokens"), default="requests", help="of --stability-window")

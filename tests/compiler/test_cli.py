@@ -58,7 +58,7 @@ def test_compile_refuses_existing_output(model_path: Path, tmp_path: Path, capsy
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     assert main(["compile", str(model_path), "-o", str(out)]) == 2
-    assert "already exists" in _error_line(capsys)
+    assert "exists and is a directory that is not a LayerZero bundle" in _error_line(capsys)
     assert (out / "keep.txt").read_text() == "mine"
 
 

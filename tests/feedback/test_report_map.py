@@ -50,7 +50,7 @@ def test_html_is_self_contained(moe_case, tmp_path: Path) -> None:
     for p in moe_case.doc["paths"]:
         assert f"<td>{p['path']}</td>" in text
     row = text[text.index("<td>layers.0.moe.experts.3</td>") :].split("</tr>")[0]
-    assert row.endswith("<td>yes</td>")  # removable: stable 6 requests, impact 0
+    assert row.endswith("<td>removes</td>")  # compile --profile --stability-window 6: stable 6 requests, impact 0
 
 
 def test_svg_and_static_cells(tmp_path: Path, moe_case) -> None:
@@ -88,3 +88,29 @@ def test_docs_picture_script(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "work" / "profile.json").read_text())
     never = [p for p in doc["paths"] if p["path"] in ("layers.0.moe.experts.7", "layers.3.moe.experts.6")]
     assert [p["tokens"]["run"] for p in never] == [0, 0] and all(p["zeroing_impact"]["model"] == 0 for p in never)
+
+
+def test_html_last_column_is_what_compile_profile_does(moe_case, tmp_path: Path) -> None:
+    """The table's verdict is compile --profile's (same rules, same defaults), not just impact < tolerance."""
+    from layerzero.options import CompileOptions
+    from layerzero.runtime.bundle import sha256_file
+    from layerzero.solidify_plan import plan_solidify
+
+    def verdicts(text: str) -> dict[str, str]:
+        rows = {}
+        for p in moe_case.doc["paths"]:
+            row = text[text.index(f"<td>{p['path']}</td>") :].split("</tr>")[0]
+            rows[p["path"]] = row.rsplit("<td>", 1)[1].removesuffix("</td>")
+        return rows
+
+    # Compile's default window is 100 requests; the profile has 6: compile --profile removes nothing, and the
+    # page says so (impact 0 alone does not make a path go).
+    default = verdicts(write_report(moe_case.doc, tmp_path / "default.html").read_text())
+    assert "removes" not in default.values()
+    assert default["layers.0.moe.experts.3"] == "keeps: skipped at most 6 consecutive requests (&lt; 100)"
+    sha = sha256_file(moe_case.model)
+    for window in (100, len(moe_case.requests)):
+        rows = verdicts(write_report(moe_case.doc, tmp_path / f"w{window}.html", window=window).read_text())
+        plan = plan_solidify(CompileOptions(profile=moe_case.profile, stability_window=window), sha)
+        assert {p for p, v in rows.items() if v == "removes"} == set(plan.subpaths)
+    assert set(plan.subpaths) == {"layers.0.moe.experts.3"}

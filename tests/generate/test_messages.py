@@ -87,5 +87,5 @@ def test_demo_help_and_comparisons_name_what_they_compare(tmp_path: Path, capsys
     assert main(["demo", "--layers", "4", "--hidden", "64", "--runs", "1", "--seq", "8"]) == 0
     out = _out(capsys)
     assert "verification passed: compiled vs the reference = the original with its bypassed layers taken out" in out
-    assert "original vs reference on logits (the bypassed layers' impact, not a compiler error)" in out
+    assert "what the removed layers contribute (removed on purpose, not a compiler error)" in out
     assert "original (flagged layers still computed) vs compiled (layers removed)" in out
