@@ -95,34 +95,14 @@ def _ids(text: str, option: str, *, allow_none: bool = False) -> list[int]:
     return ids
 
 
-def _find_tokenizer(args: argparse.Namespace, engine: Any) -> Path | None:
-    if args.tokenizer is not None:
-        path = args.tokenizer / "tokenizer.json" if args.tokenizer.is_dir() else args.tokenizer
-        if not path.is_file():
-            raise InvalidInputError(f"--tokenizer {args.tokenizer}: no tokenizer.json there")
-        return path
-    places = [Path(engine.path) if Path(engine.path).is_dir() else Path(engine.path).parent]
-    source = (engine.manifest.get("source") or {}).get("path")
-    if source:
-        places.append(Path(source).parent)
-    for place in places:
-        if (place / "tokenizer.json").is_file():
-            return place / "tokenizer.json"
-    return None
-
-
 def run(args: argparse.Namespace) -> int:
     from layerzero.runtime import Engine
 
     engine = Engine.load(args.bundle, backend=args.backend)
-    tokenizer_path = _find_tokenizer(args, engine)
-    tokenizer = None
-    if tokenizer_path is not None:
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise InvalidInputError("text in/out needs the tokenizers package (pip install tokenizers)") from None
-        tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    from layerzero.runtime.text import TextCodec
+
+    # The same tokenizer path as the server's OpenAI endpoints (runtime/text.py).
+    tokenizer = TextCodec.for_engine(engine, args.tokenizer)
     prompts = _prompts(args, tokenizer)
     stops = None if args.stop_ids is None else _ids(args.stop_ids, "--stop-ids", allow_none=True)
     if len(prompts) > 1:
@@ -196,7 +176,7 @@ def _prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
                 f"{option} needs a tokenizer.json (none beside {args.bundle} or its source model); "
                 "give --tokenizer PATH or --prompt-ids"
             )
-        prompts = [tokenizer.encode(text).ids for text in texts]
+        prompts = [tokenizer.encode(text) for text in texts]
         empty = [i for i, ids in enumerate(prompts) if not ids]
         if empty:
             raise InvalidInputError(f"prompt {empty[0] + 1} ({texts[empty[0]]!r}) encodes to no token")
