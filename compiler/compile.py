@@ -15,7 +15,6 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from layerzero import __version__
 from layerzero.chunked import run_in_chunks, weight_bytes
 from layerzero.contract import MASK_PREFIX, ROUTER_PREFIX
 from layerzero.errors import InvalidInputError, UnsupportedModelError, VerificationError
@@ -23,13 +22,13 @@ from layerzero.loader import load_model
 from layerzero.options import CompileOptions
 from layerzero.passes._dynamic import read_dynamic_paths
 from layerzero.pipeline import (
-    PipelineResult,
     bypass_declared_layers,
     lower_for_target,
     needs_dynamic_reference,
     run_dynamic_passes,
     run_static_passes,
 )
+from layerzero.result import CompileResult, PipelineResult, RemovedScope
 from layerzero.summary import ModelSummary, natural_key, summarize
 from layerzero.targets import get_target
 from layerzero.verify import (
@@ -45,7 +44,6 @@ from layerzero.verify import (
 )
 
 if TYPE_CHECKING:
-    from layerzero.solidify_plan import SolidifyPlan
     from layerzero.targets.tensorrt import TensorRTOptions
 
 __all__ = ["CompileResult", "RemovedScope", "compile_file", "compile_model"]
@@ -53,58 +51,6 @@ __all__ = ["CompileResult", "RemovedScope", "compile_file", "compile_model"]
 logger = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
-
-
-@dataclasses.dataclass
-class RemovedScope:
-    scope: str
-    kind: str  # "declared-flag" | "consumed-flag" | "folded"
-    params: int
-    nodes: int
-
-
-@dataclasses.dataclass
-class CompileResult:
-    model: ir.Model
-    options: CompileOptions
-    before: ModelSummary
-    after: ModelSummary
-    removed: list[RemovedScope]
-    pipeline: PipelineResult
-    verification: VerificationResult | None
-    seconds: float
-    # Paths solidified from a profile (layerzero.solidify_plan): what went, with the profile's numbers; the plan.
-    solidified: list[dict] = dataclasses.field(default_factory=list)
-    solidify_plan: SolidifyPlan | None = None
-
-    @property
-    def zeroed_layers(self) -> list[str]:
-        layers = set(self.before.layers)
-        return [r.scope for r in self.removed if r.scope in layers]
-
-    def manifest(self, source: Path | None, sha256: str | None) -> dict:
-        return {
-            "layerzero_version": __version__,
-            "target": self.options.target,
-            # The runtime backend that runs this bundle (Engine.load picks it from here).
-            "backend": get_target(self.options.target).backend,
-            "source": {"path": None if source is None else str(source.resolve()), "sha256": sha256},
-            "options": self.options.to_dict(),
-            "stats": {
-                "nodes_before": self.before.nodes,
-                "nodes_after": self.after.nodes,
-                "params_before": self.before.params,
-                "params_after": self.after.params,
-                "structured_params_removed": self.after.structured_params_removed,
-                "compile_seconds": round(self.seconds, 3),
-                "iterations": self.pipeline.iterations,
-            },
-            "layers": {"total": len(self.before.layers), "zeroed": self.zeroed_layers},
-            "removed": [dataclasses.asdict(r) for r in self.removed],
-            "dynamic": [d.to_dict() for d in read_dynamic_paths(self.model)],
-            "solidified": self.solidified,
-            "verification": None if self.verification is None else self.verification.to_dict(),
-        }
 
 
 def _removed_scopes(
@@ -205,6 +151,7 @@ def compile_model(
         pipeline,
         verification,
         seconds,
+        backend=target.backend,
         solidified=solidified,
         solidify_plan=plan,
     )

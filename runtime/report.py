@@ -1,4 +1,5 @@
-"""The zeroing report: what the compiler removed (static, from the manifest) and what one request skipped."""
+"""The zeroing report: what the compiler removed (static, from the manifest) and what one request skipped;
+the generation report (``Engine.generate``): the new ids, per-step skipped paths, tokens/s."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Report"]
+__all__ = ["GenerateReport", "Generation", "Report", "StepReport"]
 
 logger = logging.getLogger(__name__)
 
@@ -175,3 +176,63 @@ def _valid_entry(entry: object) -> bool:
         and isinstance(entry.get("params"), list)
         and len(entry["subpaths"]) > 0
     )
+
+
+@dataclasses.dataclass
+class StepReport:
+    """One forward pass: the tokens it ran (the prompt on the first step, then one), what it skipped."""
+
+    tokens: int
+    token_id: int  # the token it produced
+    seconds: float
+    skipped_paths: list[str]
+    masks: dict[str, list] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class GenerateReport:
+    """One request. ``tokens_per_s`` is new tokens / total time; ``decode_tokens_per_s`` leaves the prefill out.
+
+    The static part (``total_layers``, ``zeroed_layers``, ``zeroed_paths``, ``zeroed_params_ratio``) comes
+    from the bundle's manifest; ``skipped_paths`` are the dynamic paths no step of this request ran.
+    """
+
+    prompt_tokens: int
+    new_tokens: int
+    stop_reason: str  # "stop_token" | "max_new_tokens" | "max_tokens"
+    time_to_first_token_s: float
+    total_s: float
+    tokens_per_s: float
+    decode_tokens_per_s: float | None
+    cache: bool
+    total_layers: int
+    zeroed_layers: int
+    zeroed_paths: list[str]
+    zeroed_params_ratio: float
+    skipped_paths: list[str]
+    steps: list[StepReport]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def summary(self) -> str:
+        decode = f", decode {self.decode_tokens_per_s:.1f} tok/s" if self.decode_tokens_per_s else ""
+        return (
+            f"{self.new_tokens} new tokens ({self.stop_reason}) in {self.total_s * 1e3:.1f} ms: "
+            f"{self.tokens_per_s:.1f} tok/s{decode}, first token {self.time_to_first_token_s * 1e3:.1f} ms; "
+            f"{self.zeroed_layers}/{self.total_layers} layers zeroed, "
+            f"{self.zeroed_params_ratio:.1%} of parameters removed, "
+            f"{len(self.skipped_paths)} paths skipped on every step"
+        )
+
+
+@dataclasses.dataclass
+class Generation:
+    """The generated ids (new tokens only), the prompt, and the report."""
+
+    ids: list[int]
+    prompt_ids: list[int]
+    report: GenerateReport
