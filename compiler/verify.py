@@ -245,7 +245,7 @@ def make_inputs(
                 value = np.asarray(rng.standard_normal(shape)).astype(dtype)
         else:
             raise UnsupportedModelError(f"input {inp.name!r}: cannot generate values of type {dtype}")
-        feeds[inp.name] = np.asarray(value, dtype=dtype)  # issue 14 cause 7: a rank-0 input is a 0-d array
+        feeds[inp.name] = np.asarray(value, dtype=dtype)  # a rank-0 input is a 0-d array, never a numpy scalar
     _continue_cache(feeds, shapes)
     return feeds
 
