@@ -282,3 +282,35 @@ def test_no_module_refers_to_a_missing_design_note() -> None:
         and str(p.relative_to(ROOT)) not in _CITES_MISSING_DESIGN_NOTE
     )
     assert not citing, f"{citing} cite {missing}, which is not in the repository (docs/architecture.md is)"
+
+
+def _flags_defined(path: Path) -> set[str]:
+    """The ``--flags`` a module's ``add_argument`` calls define."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return {
+        arg.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument"
+        for arg in node.args
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.startswith("--")
+    }
+
+
+#: A verb's flag that shares a shared flag's name but means something else: (module, flag).
+_SAME_NAME_OTHER_MEANING = {
+    ("generate.py", "--max-tokens"),  # where generation stops (prompt included), not the guard's routing bound
+}
+
+
+def test_shared_cli_flags_have_one_definition() -> None:
+    # A flag compiler/cli/_common.py defines (--force, --device, --moe-lowering, the guard's, ...) is defined
+    # nowhere else: every verb that has it calls the shared definition.
+    shared = _flags_defined(ROOT / "compiler" / "cli" / "_common.py")
+    assert {"--force", "--device", "--moe-lowering", "--impact-tolerance", "--reference"} <= shared
+    again = {
+        p.name: flags
+        for p in _sources("compiler/cli")
+        if p.name != "_common.py"
+        and (flags := sorted(f for f in _flags_defined(p) & shared if (p.name, f) not in _SAME_NAME_OTHER_MEANING))
+    }
+    assert not again, f"defined again outside compiler/cli/_common.py: {again}"
