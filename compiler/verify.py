@@ -2,14 +2,15 @@
 
 Two pieces, as in Polygraphy: *runners*, which run one model on feeds (``Runner.run(feeds) -> (names,
 outputs)``: ``OrtRunner``, the whole model in one session; ``layerzero.chunked.ChunkedRunner``, a few layers at
-a time), made for a verification by one ``Runners`` (``verification_runners`` picks whole-model or chunked from
-the compiled model's weights), and the ``Comparator``, which decides which outputs are compared (the user's:
-``contract.is_runtime_output`` ones are left out), with which tolerances, and words the failure.
-``compile.verify_compiled`` and its per-pass bisection use the two and never ask how a model is run.
+a time), made for a verification by one ``Runners`` (``verification_runners`` picks ``WholeModelRunners`` or
+``ChunkedRunners`` from the compiled model's weights), and the ``Comparator``, which decides which outputs are
+compared (the user's: ``contract.is_runtime_output`` ones are left out), with which tolerances, and words the
+failure. ``compile.verify_compiled`` and its per-pass bisection use the two and never ask how a model is run.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import decimal
 import logging
@@ -27,6 +28,7 @@ from layerzero.contract import is_runtime_output
 from layerzero.errors import InvalidInputError, LayerZeroError, UnsupportedModelError, VerificationError
 
 __all__ = [
+    "ChunkedRunners",
     "Comparator",
     "InputSet",
     "OrtRunner",
@@ -34,6 +36,7 @@ __all__ = [
     "Runner",
     "Runners",
     "VerificationResult",
+    "WholeModelRunners",
     "compare_outputs",
     "comparison_points",
     "input_sets",
@@ -410,16 +413,31 @@ class OrtRunner:
         return run_model(self.model, feeds)
 
 
-class Runners:
-    """How one verification runs its models: the whole model in one session, each model saved under ``workdir``.
+class Runners(abc.ABC):
+    """How one verification runs its models: ``original()`` the untouched source; ``of(model, name)`` a model the
+    compile made (the compiled graph, the bypassed reference); ``checkpoint(model)`` a pipeline checkpoint of the
+    per-pass bisection.
 
-    ``original()`` runs the untouched source; ``of(model, name)`` a model the compile made (the compiled graph,
-    the bypassed reference); ``checkpoint(model)`` a pipeline checkpoint of the per-pass bisection (in memory).
-    ``all_input_sets``: every input set is affordable; ``bisect_skipped``: why no bisection can run (None: it can).
+    ``all_input_sets``: every input set is affordable (else two: ``input_sets(full=False)``);
+    ``bisect_skipped``: why the per-pass bisection does not run (None: it does).
     """
 
-    all_input_sets = True
+    all_input_sets: bool = True
     bisect_skipped: str | None = None
+
+    @abc.abstractmethod
+    def original(self) -> Runner: ...
+
+    @abc.abstractmethod
+    def of(self, model: ir.Model, name: str) -> Runner: ...
+
+    @abc.abstractmethod
+    def checkpoint(self, model: ir.Model) -> Runner: ...
+
+
+class WholeModelRunners(Runners):
+    """Whole models in one session each (``OrtRunner``): the source from its file (or serialised proto), the
+    compile's models saved under ``workdir``, bisection checkpoints serialised in memory."""
 
     def __init__(self, workdir: Path, source: Path | None, original_proto: onnx.ModelProto | None) -> None:
         self.workdir, self.source, self.original_proto = workdir, source, original_proto
@@ -437,9 +455,9 @@ class Runners:
 
 
 class ChunkedRunners(Runners):
-    """Models over the chunked-verification budget run a few layers at a time (``ChunkedRunner``, chunks of
-    ``budget_bytes``): verification never holds all the weights. Each set costs a pass over all of them, so two
-    input sets run, and no per-pass bisection (it would run the pipeline's every checkpoint that way)."""
+    """Models over the chunked-verification budget, a few layers at a time (``ChunkedRunner``, chunks of
+    ``budget_bytes``): verification never holds all the weights. Each run costs a pass over all of them, so
+    two input sets run, and no per-pass bisection (a run for every checkpoint of the pipeline)."""
 
     all_input_sets = False
     bisect_skipped = "pass bisection skipped (weights over --chunked-verify-bytes)"
@@ -454,7 +472,7 @@ class ChunkedRunners(Runners):
         return ChunkedRunner(model, self.budget_bytes)
 
     def checkpoint(self, model: ir.Model) -> Runner:
-        raise VerificationError(self.bisect_skipped)
+        return ChunkedRunner(model, self.budget_bytes)
 
 
 def verification_runners(
@@ -466,10 +484,10 @@ def verification_runners(
     load_original: Callable[[], ir.Model],
 ) -> Runners:
     """The runners of one verification: chunked (chunks of half ``chunked_verify_bytes``) when the compiled
-    model's weights exceed ``chunked_verify_bytes``, else whole models (``Runners``, files under ``workdir``)."""
+    model's weights exceed ``chunked_verify_bytes``, else whole models (files under ``workdir``)."""
     if weight_bytes(compiled) > chunked_verify_bytes:
         return ChunkedRunners(load_original, chunked_verify_bytes // 2)
-    return Runners(workdir, source, original_proto)
+    return WholeModelRunners(workdir, source, original_proto)
 
 
 @dataclasses.dataclass

@@ -15,7 +15,7 @@ from layerzero.contract import MASK_PREFIX, ROUTER_PREFIX
 from layerzero.errors import VerificationError
 from layerzero.models import TransformerConfig, build_transformer, example_feeds
 from layerzero.options import CompileOptions
-from layerzero.verify import ChunkedRunners, Comparator, OrtRunner, Runners, verification_runners
+from layerzero.verify import ChunkedRunners, Comparator, OrtRunner, WholeModelRunners, verification_runners
 
 
 def _parse(text: str) -> onnx.ModelProto:
@@ -30,7 +30,7 @@ def test_whole_model_and_chunked_runners_give_the_same_outputs(tmp_path: Path) -
     whole_names, whole = OrtRunner(proto.SerializeToString()).run(feeds)
     # A budget below any one weight: one chunk per top-level node that reads a weight.
     chunk_names, chunks = ChunkedRunner(model, budget_bytes=1).run(feeds)
-    saved_names, saved = Runners(tmp_path, None, proto).of(model, "m").run(feeds)
+    saved_names, saved = WholeModelRunners(tmp_path, None, proto).of(model, "m").run(feeds)
     assert whole_names == chunk_names == saved_names == [o.name for o in proto.graph.output]
     for a, b, c in zip(whole, chunks, saved):
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6)
@@ -46,7 +46,7 @@ def test_verification_runners_are_chunked_above_the_budget_only(tmp_path: Path) 
     whole = verification_runners(model, size, tmp_path, None, proto, lambda: ir.from_proto(proto))
     assert isinstance(chunked, ChunkedRunners) and chunked.budget_bytes == (size - 1) // 2
     assert not chunked.all_input_sets and chunked.bisect_skipped is not None
-    assert type(whole) is Runners and whole.all_input_sets and whole.bisect_skipped is None
+    assert isinstance(whole, WholeModelRunners) and whole.all_input_sets and whole.bisect_skipped is None
 
 
 def test_comparator_compares_the_user_outputs_only() -> None:
