@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import onnx
@@ -21,7 +21,7 @@ from layerzero.errors import InvalidInputError, UnsupportedModelError
 from layerzero.ort_runner import create_session
 from layerzero.passes._graph import node_subgraphs
 
-__all__ = ["run_in_chunks", "weight_bytes"]
+__all__ = ["ChunkedRunner", "run_in_chunks", "weight_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,22 @@ _EMBED_LIMIT = 1 << 16  # initializers smaller than this travel inside the chunk
 
 def weight_bytes(model: ir.Model) -> int:
     return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+
+
+class ChunkedRunner:
+    """A verification runner (``layerzero.verify.Runner``): ``run_in_chunks`` of one model with one budget.
+
+    ``model`` is the model, or a function that loads it afresh for every run (the untouched original, whose
+    weights then live only as long as one run).
+    """
+
+    def __init__(self, model: ir.Model | Callable[[], ir.Model], budget_bytes: int) -> None:
+        self.model = model
+        self.budget_bytes = budget_bytes
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> tuple[list[str], list[np.ndarray]]:
+        model = self.model if isinstance(self.model, ir.Model) else self.model()
+        return run_in_chunks(model, feeds, self.budget_bytes)
 
 
 def _reads(node: ir.Node) -> Iterator[ir.Value]:

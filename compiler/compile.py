@@ -15,37 +15,33 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from layerzero import __version__
-from layerzero.chunked import run_in_chunks, weight_bytes
-from layerzero.contract import MASK_PREFIX, ROUTER_PREFIX
 from layerzero.errors import InvalidInputError, UnsupportedModelError, VerificationError
 from layerzero.loader import load_model
 from layerzero.options import CompileOptions
 from layerzero.passes._dynamic import read_dynamic_paths
 from layerzero.pipeline import (
-    PipelineResult,
     bypass_declared_layers,
     lower_for_target,
     needs_dynamic_reference,
     run_dynamic_passes,
     run_static_passes,
 )
+from layerzero.result import CompileResult, PipelineResult, RemovedScope
 from layerzero.summary import ModelSummary, natural_key, summarize
 from layerzero.targets import get_target
 from layerzero.verify import (
+    Comparator,
     InputSet,
     OutputComparison,
+    Runners,
     VerificationResult,
-    compare_outputs,
     input_sets,
     make_inputs,
     merge_comparisons,
-    pass_hint,
-    run_model,
+    verification_runners,
 )
 
 if TYPE_CHECKING:
-    from layerzero.solidify_plan import SolidifyPlan
     from layerzero.targets.tensorrt import TensorRTOptions
 
 __all__ = ["CompileResult", "RemovedScope", "compile_file", "compile_model"]
@@ -53,58 +49,6 @@ __all__ = ["CompileResult", "RemovedScope", "compile_file", "compile_model"]
 logger = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
-
-
-@dataclasses.dataclass
-class RemovedScope:
-    scope: str
-    kind: str  # "declared-flag" | "consumed-flag" | "folded"
-    params: int
-    nodes: int
-
-
-@dataclasses.dataclass
-class CompileResult:
-    model: ir.Model
-    options: CompileOptions
-    before: ModelSummary
-    after: ModelSummary
-    removed: list[RemovedScope]
-    pipeline: PipelineResult
-    verification: VerificationResult | None
-    seconds: float
-    # Paths solidified from a profile (layerzero.solidify_plan): what went, with the profile's numbers; the plan.
-    solidified: list[dict] = dataclasses.field(default_factory=list)
-    solidify_plan: SolidifyPlan | None = None
-
-    @property
-    def zeroed_layers(self) -> list[str]:
-        layers = set(self.before.layers)
-        return [r.scope for r in self.removed if r.scope in layers]
-
-    def manifest(self, source: Path | None, sha256: str | None) -> dict:
-        return {
-            "layerzero_version": __version__,
-            "target": self.options.target,
-            # The runtime backend that runs this bundle (Engine.load picks it from here).
-            "backend": get_target(self.options.target).backend,
-            "source": {"path": None if source is None else str(source.resolve()), "sha256": sha256},
-            "options": self.options.to_dict(),
-            "stats": {
-                "nodes_before": self.before.nodes,
-                "nodes_after": self.after.nodes,
-                "params_before": self.before.params,
-                "params_after": self.after.params,
-                "structured_params_removed": self.after.structured_params_removed,
-                "compile_seconds": round(self.seconds, 3),
-                "iterations": self.pipeline.iterations,
-            },
-            "layers": {"total": len(self.before.layers), "zeroed": self.zeroed_layers},
-            "removed": [dataclasses.asdict(r) for r in self.removed],
-            "dynamic": [d.to_dict() for d in read_dynamic_paths(self.model)],
-            "solidified": self.solidified,
-            "verification": None if self.verification is None else self.verification.to_dict(),
-        }
 
 
 def _removed_scopes(
@@ -205,6 +149,7 @@ def compile_model(
         pipeline,
         verification,
         seconds,
+        backend=target.backend,
         solidified=solidified,
         solidify_plan=plan,
     )
@@ -229,44 +174,43 @@ def verify_compiled(
     is the inputs' fault, exit 2). A compiled model onnxruntime cannot load or run where the original runs
     is a compiler bug (``VerificationError``, exit 1), and so is a mismatch: both name the pass whose
     output first diverges, found by re-running the pipeline on a fresh copy of the source (``_bisect``).
+
+    Models run through the verification's runners (``layerzero.verify.verification_runners``: whole models, or
+    a few layers at a time above ``chunked_verify_bytes``) and are judged by one ``Comparator``.
     """
+    comparator = Comparator(options.atol, options.rtol, options.zeroing_threshold, options.max_deviation)
+
+    def load_original() -> ir.Model:
+        return load_model(source_path) if source_path is not None else ir.from_proto(original_proto)
+
     with tempfile.TemporaryDirectory(prefix=f"layerzero-verify-{os.getpid()}-") as tmp:
-        tmpdir = Path(tmp)
         if source_path is not None:
             header = onnx.load(str(source_path), load_external_data=False)
         else:
             header = original_proto
-        chunked = weight_bytes(compiled) > options.chunked_verify_bytes
+        runners = verification_runners(
+            compiled, options.chunked_verify_bytes, Path(tmp), source_path, original_proto, load_original
+        )
         if options.sample_inputs is not None:
             sets = [InputSet(str(options.sample_inputs), _sample_inputs(header, options))]
         else:
             # Big models run a few layers at a time, each set costing a pass over all weights: two sets.
-            sets = input_sets(header, options.shapes, options.seed, full=not chunked)
-
-        def load_original() -> ir.Model:
-            return load_model(source_path) if source_path is not None else ir.from_proto(original_proto)
-
-        def run(model: ir.Model | None, name: str, feeds: dict) -> tuple[list[str], list[np.ndarray]]:
-            # model None: the untouched original, run from its file when there is one.
-            if chunked:
-                # Large models run a few layers at a time: verification never holds all the weights.
-                return run_in_chunks(model or load_original(), feeds, options.chunked_verify_bytes // 2)
-            if model is None:
-                return run_model(source_path if source_path is not None else original_proto.SerializeToString(), feeds)
-            return run_model(_save(model, tmpdir / f"{name}.onnx"), feeds)
+            sets = input_sets(header, options.shapes, options.seed, full=runners.all_input_sets)
 
         # The original on every set; a set it cannot run on is no test of the compiler (the default must run).
+        original = runners.original()
         names: list[str] = []
         originals: list[tuple[InputSet, list[np.ndarray]]] = []
         for k, input_set in enumerate(sets):
             try:
-                names, outs = run(None, "original", input_set.feeds)
+                names, outs = original.run(input_set.feeds)
             except (InvalidInputError, UnsupportedModelError):
                 if k == 0:
                     raise
                 logger.info("verification: the original cannot run on the %s inputs; set skipped", input_set.label)
                 continue
             originals.append((input_set, outs))
+        del original
         impact = None
         references: list[list[np.ndarray]] = [outs for _, outs in originals]
         if pipeline.bypassed or needs_dynamic_reference(options) or options.solidify:
@@ -276,45 +220,28 @@ def verify_compiled(
                 from layerzero.solidify_plan import force_off_reference
 
                 force_off_reference(reference, options)  # the solidified paths forced off
-            saved = reference if chunked else _save(reference, tmpdir / "reference.onnx")
-            references = []
-            for input_set, _ in originals:
-                if chunked:
-                    references.append(run(reference, "reference", input_set.feeds)[1])
-                else:
-                    references.append(run_model(saved, input_set.feeds)[1])
-            del reference
-            impact = compare_outputs(names, originals[0][1], references[0], options.atol, options.rtol)
-        compiled_path = None if chunked else _save(compiled, tmpdir / "compiled.onnx")
+            run_reference = runners.of(reference, "reference")
+            references = [run_reference.run(input_set.feeds)[1] for input_set, _ in originals]
+            del reference, run_reference
+            impact = comparator.compare_all(names, originals[0][1], references[0])
+        run_compiled = runners.of(compiled, "compiled")
         per_set: list[list[OutputComparison]] = []
         for (input_set, _), reference_outputs in zip(originals, references):
             try:
-                if chunked:
-                    compiled_names, out_compiled = run_in_chunks(
-                        compiled, input_set.feeds, options.chunked_verify_bytes // 2
-                    )
-                else:
-                    compiled_names, out_compiled = run_model(compiled_path, input_set.feeds)
+                compiled_names, out_compiled = run_compiled.run(input_set.feeds)
             except (InvalidInputError, UnsupportedModelError) as exc:
                 # The original ran on these inputs: the compiler made a model the runtime cannot run.
-                culprit = _bisect(load_original, options, input_set, reference_outputs, names, chunked)
+                culprit = _bisect(load_original, options, input_set, reference_outputs, names, runners, comparator)
                 raise VerificationError(
                     f"the compiled model fails in onnxruntime on the {input_set.label} inputs "
                     f"{input_set.shapes()} where the original runs ({exc}); {culprit}"
                 ) from None
-            user = [i for i, n in enumerate(compiled_names) if not n.startswith((MASK_PREFIX, ROUTER_PREFIX))]
-            compiled_names = [compiled_names[i] for i in user]
-            out_compiled = [out_compiled[i] for i in user]
-            if compiled_names != names:
-                raise VerificationError(f"compiled model outputs {compiled_names} differ from the original's {names}")
-            per_set.append(compare_outputs(names, reference_outputs, out_compiled, options.atol, options.rtol))
+            per_set.append(comparator.compare(names, reference_outputs, compiled_names, out_compiled))
+        del run_compiled
         outputs = merge_comparisons(per_set)
-    if options.zeroing_threshold > 0:
-        # Skipping below a threshold changes the output on purpose: report the deviation, fail only
-        # above --max-deviation.
-        bound = options.max_deviation
-        for o in outputs:
-            o.passed = bound is None or o.max_abs <= bound
+    # Skipping below a threshold changes the output on purpose: report the deviation, fail only
+    # above --max-deviation.
+    comparator.judge(outputs)
     result = VerificationResult(
         passed=all(o.passed for o in outputs),
         atol=options.atol,
@@ -327,19 +254,10 @@ def verify_compiled(
         max_deviation=options.max_deviation,
     )
     if not result.passed:
-        worst = max((o for o in outputs if not o.passed), key=lambda o: (o.needed_atol, o.max_abs))
-        k = next(
-            (i for i, comps in enumerate(per_set) for o in comps if o.name == worst.name and not o.passed),
-            0,
-        )
+        worst, k = comparator.worst(outputs, per_set)
         failing = originals[k][0]
-        culprit = _bisect(load_original, options, failing, references[k], names, chunked)
-        raise VerificationError(
-            f"verification failed: output {worst.name!r} differs by max abs {worst.max_abs:.3g} "
-            f"(max rel {worst.max_rel:.3g}) on the {failing.label} inputs {failing.shapes()}; {culprit}; "
-            f"{pass_hint(result, worst)}",
-            result=result,
-        )
+        culprit = _bisect(load_original, options, failing, references[k], names, runners, comparator)
+        raise VerificationError(comparator.mismatch(result, worst, failing, culprit), result=result)
     return result
 
 
@@ -349,28 +267,26 @@ def _bisect(
     input_set: InputSet,
     reference_outputs: list[np.ndarray],
     names: list[str],
-    chunked: bool,
+    runners: Runners,
+    comparator: Comparator,
 ) -> str:
     """Which pass made the model diverge: a phrase for the error message.
 
     Re-runs the pipeline (static, dynamic, static again, as ``compile_model``) on a fresh copy of the
-    source and checks the model after every pass that changed it: the culprit is the first pass after the
-    last checkpoint that agreed with the reference (the source itself is a checkpoint; with declared flags
-    it disagrees until FoldZeroFlags has run). A checkpoint ORT cannot load or run disagrees.
+    source and checks the model after every pass that changed it (``runners.checkpoint``, judged by
+    ``comparator``): the culprit is the first pass after the last checkpoint that agreed with the reference
+    (the source itself is a checkpoint; with declared flags it disagrees until FoldZeroFlags has run). A
+    checkpoint ORT cannot load or run disagrees. Runners that cannot bisect say why (``bisect_skipped``).
     """
-    if chunked:
-        return "pass bisection skipped (weights over --chunked-verify-bytes)"
+    if runners.bisect_skipped is not None:
+        return runners.bisect_skipped
 
     def agrees(model: ir.Model) -> bool:
         try:
-            got_names, got = run_model(ir.to_proto(model).SerializeToString(), input_set.feeds)
+            got_names, got = runners.checkpoint(model).run(input_set.feeds)
         except (InvalidInputError, UnsupportedModelError):
             return False
-        user = [i for i, n in enumerate(got_names) if not n.startswith((MASK_PREFIX, ROUTER_PREFIX))]
-        if [got_names[i] for i in user] != names:
-            return False
-        comparisons = compare_outputs(names, reference_outputs, [got[i] for i in user], options.atol, options.rtol)
-        return all(o.passed for o in comparisons)
+        return comparator.agrees(names, reference_outputs, got_names, got)
 
     culprit: str | None = None
     model = load_original()
@@ -409,11 +325,6 @@ def _sample_inputs(header: onnx.ModelProto, options: CompileOptions) -> dict[str
             return {k: np.asarray(data[k]) for k in data.files}
     except (OSError, ValueError) as exc:
         raise InvalidInputError(f"{path}: cannot read sample inputs (.npz expected): {exc}") from None
-
-
-def _save(model: ir.Model, path: Path) -> Path:
-    ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=1 << 20)
-    return path
 
 
 def compile_file(

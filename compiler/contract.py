@@ -4,9 +4,9 @@ A leaf module (standard library only): passes, the compiler, the runtime and ser
 here, so each exists once.
 
 - A dynamic pass (MoE expert skipping, gated branches, group masks) makes its skip decision a graph output
-  ``layerzero::mask::<path>`` (DESIGN.md: one mechanism, no side channel) and records one ``DynamicPath`` in
-  the model metadata ``layerzero.dynamic`` (a JSON list); the compiler copies that list into the bundle
-  manifest's ``dynamic`` section, the runtime reads it to turn masks into the per-request report.
+  ``layerzero::mask::<path>`` (one mechanism, no side channel: ``docs/architecture.md``) and records one
+  ``DynamicPath`` in the model metadata ``layerzero.dynamic`` (a JSON list); the compiler copies that list into
+  the bundle manifest's ``dynamic`` section, the runtime reads it to turn masks into the per-request report.
   Mask layout: shape ``[..., len(subpaths)]`` (``[T, E]`` for a MoE block: token × expert), or ``[...]`` when
   there is one subpath (a gate: ``[T]`` or ``[]``; a group: ``[]``). True / nonzero = that subpath RUNS.
 - ``layerzero::router::<path>`` (optional), shape ``[T]``: each token's top-1 routing probability.

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from layerzero.errors import InvalidInputError
+from layerzero.targets.registry import TARGETS
 
 __all__ = ["DEVICES", "MOE_LOWERINGS", "STABILITY_UNITS", "CompileOptions"]
 
@@ -87,8 +88,6 @@ class CompileOptions:
             self.max_deviation = _finite("max_deviation", self.max_deviation)
         if not isinstance(self.flag_pattern, str) or not self.flag_pattern:
             raise InvalidInputError(f"option flag_pattern: expected a non-empty pattern, got {self.flag_pattern!r}")
-        from layerzero.targets import TARGETS  # the registry's names; importing it imports no target
-
         _check_choice("target", self.target, TARGETS)
         _check_choice("moe_lowering", self.moe_lowering, MOE_LOWERINGS)
         _check_choice("device", self.device, DEVICES)

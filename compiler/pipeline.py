@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -26,6 +25,7 @@ from layerzero.passes.moe import SkipExperts
 from layerzero.passes.shape_inference import InferShapes
 from layerzero.passes.solidify_paths import DropExperts, RemoveSkippedBranches
 from layerzero.passes.structured_zeros import RemoveStructuredZeros
+from layerzero.result import PipelineResult
 
 if TYPE_CHECKING:
     from layerzero.targets.base import Target
@@ -41,14 +41,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class PipelineResult:
-    iterations: int
-    converged: bool
-    modified_by: dict[str, int]  # pass name -> iterations in which it changed the model
-    bypassed: list[BypassedLayer]
 
 
 class _Iteration(ir.passes.InPlacePass):

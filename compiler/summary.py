@@ -7,6 +7,7 @@ import dataclasses
 
 import onnx_ir as ir
 
+from layerzero.contract import MOE_DOMAIN, MOE_OP
 from layerzero.passes import declared_flags, flag_regex, uniform_of_constant
 from layerzero.passes._graph import common_scope, layer_of, scope_of
 from layerzero.passes._layers import initializer_size
@@ -194,7 +195,7 @@ def find_moe(model: ir.Model) -> list[MoEFinding]:
 
     InferShapes()(model)
     # A compiled model (a bundle's model.onnx): the blocks compile rewrote are recorded in its metadata; their
-    # skipping form (per-expert If, ai.layerzero::MoE, com.microsoft::MoE) is no dense block the matcher knows.
+    # skipping form (per-expert If, our MoE op, com.microsoft::MoE) is no dense block the matcher knows.
     rewritten = [
         MoEFinding(d.path, True, "rewritten by compile into its skipping form: " + _rewritten_detail(d))
         for d in read_dynamic_paths(model)
@@ -203,7 +204,7 @@ def find_moe(model: ir.Model) -> list[MoEFinding]:
     covered = [f.scope for f in rewritten]
     # A lowered MoE op with no metadata entry (a graph lowered by hand or the entry lost) is rewritten too.
     for node in model.graph:
-        if node.op_type == "MoE" and node.domain in ("ai.layerzero", "com.microsoft"):
+        if node.op_type == MOE_OP and node.domain in (MOE_DOMAIN, "com.microsoft"):
             scope = model_scope(node)
             if not any(_related(scope, c) for c in covered):
                 rewritten.append(MoEFinding(scope, True, f"rewritten: a {node.domain}::MoE node ({node.name})"))

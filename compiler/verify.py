@@ -1,23 +1,42 @@
-"""Numerical verification: run the reference and the compiled model with ORT and compare outputs."""
+"""Numerical verification: run the reference and the compiled model with ORT and compare outputs.
+
+Two pieces, as in Polygraphy: *runners*, which run one model on feeds (``Runner.run(feeds) -> (names,
+outputs)``: ``OrtRunner``, the whole model in one session; ``layerzero.chunked.ChunkedRunner``, a few layers at
+a time), made for a verification by one ``Runners`` (``verification_runners`` picks ``WholeModelRunners`` or
+``ChunkedRunners`` from the compiled model's weights), and the ``Comparator``, which decides which outputs are
+compared (the user's: ``contract.is_runtime_output`` ones are left out), with which tolerances, and words the
+failure. ``compile.verify_compiled`` and its per-pass bisection use the two and never ask how a model is run.
+"""
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import decimal
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 
-from layerzero.errors import InvalidInputError, LayerZeroError, UnsupportedModelError
+from layerzero.chunked import ChunkedRunner, weight_bytes
+from layerzero.contract import is_runtime_output
+from layerzero.errors import InvalidInputError, LayerZeroError, UnsupportedModelError, VerificationError
 
 __all__ = [
+    "ChunkedRunners",
+    "Comparator",
     "InputSet",
+    "OrtRunner",
     "OutputComparison",
+    "Runner",
+    "Runners",
     "VerificationResult",
+    "WholeModelRunners",
     "compare_outputs",
     "comparison_points",
     "input_sets",
@@ -26,6 +45,7 @@ __all__ = [
     "pass_hint",
     "run_model",
     "tolerance_at_least",
+    "verification_runners",
 ]
 
 logger = logging.getLogger(__name__)
@@ -228,7 +248,7 @@ def make_inputs(
                 value = np.asarray(rng.standard_normal(shape)).astype(dtype)
         else:
             raise UnsupportedModelError(f"input {inp.name!r}: cannot generate values of type {dtype}")
-        feeds[inp.name] = np.asarray(value, dtype=dtype)  # issue 14 cause 7: a rank-0 input is a 0-d array
+        feeds[inp.name] = np.asarray(value, dtype=dtype)  # a rank-0 input is a 0-d array, never a numpy scalar
     _continue_cache(feeds, shapes)
     return feeds
 
@@ -372,3 +392,169 @@ def run_model(model: str | Path | bytes, feeds: Mapping[str, np.ndarray]) -> tup
             f"onnxruntime failed to run the model on the sample inputs: {first[0] if first else exc}"
         ) from None
     return names, outputs
+
+
+class Runner(Protocol):
+    """Runs one model: ``run(feeds)`` returns its output names and outputs, in the graph's order.
+
+    A model ONNX Runtime cannot load or run on ``feeds`` raises ``InvalidInputError`` or ``UnsupportedModelError``.
+    """
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> tuple[list[str], list[np.ndarray]]: ...
+
+
+class OrtRunner:
+    """The whole model (a file or serialised bytes) in one ONNX Runtime session on the CPU (``run_model``)."""
+
+    def __init__(self, model: str | Path | bytes) -> None:
+        self.model = model
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> tuple[list[str], list[np.ndarray]]:
+        return run_model(self.model, feeds)
+
+
+class Runners(abc.ABC):
+    """How one verification runs its models: ``original()`` the untouched source; ``of(model, name)`` a model the
+    compile made (the compiled graph, the bypassed reference); ``checkpoint(model)`` a pipeline checkpoint of the
+    per-pass bisection.
+
+    ``all_input_sets``: every input set is affordable (else two: ``input_sets(full=False)``);
+    ``bisect_skipped``: why the per-pass bisection does not run (None: it does).
+    """
+
+    all_input_sets: bool = True
+    bisect_skipped: str | None = None
+
+    @abc.abstractmethod
+    def original(self) -> Runner: ...
+
+    @abc.abstractmethod
+    def of(self, model: ir.Model, name: str) -> Runner: ...
+
+    @abc.abstractmethod
+    def checkpoint(self, model: ir.Model) -> Runner: ...
+
+
+class WholeModelRunners(Runners):
+    """Whole models in one session each (``OrtRunner``): the source from its file (or serialised proto), the
+    compile's models saved under ``workdir``, bisection checkpoints serialised in memory."""
+
+    def __init__(self, workdir: Path, source: Path | None, original_proto: onnx.ModelProto | None) -> None:
+        self.workdir, self.source, self.original_proto = workdir, source, original_proto
+
+    def original(self) -> Runner:
+        return OrtRunner(self.source if self.source is not None else self.original_proto.SerializeToString())
+
+    def of(self, model: ir.Model, name: str) -> Runner:
+        path = self.workdir / f"{name}.onnx"
+        ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=1 << 20)
+        return OrtRunner(path)
+
+    def checkpoint(self, model: ir.Model) -> Runner:
+        return OrtRunner(ir.to_proto(model).SerializeToString())
+
+
+class ChunkedRunners(Runners):
+    """Models over the chunked-verification budget, a few layers at a time (``ChunkedRunner``, chunks of
+    ``budget_bytes``): verification never holds all the weights. Each run costs a pass over all of them, so
+    two input sets run, and no per-pass bisection (a run for every checkpoint of the pipeline)."""
+
+    all_input_sets = False
+    bisect_skipped = "pass bisection skipped (weights over --chunked-verify-bytes)"
+
+    def __init__(self, load_original: Callable[[], ir.Model], budget_bytes: int) -> None:
+        self.load_original, self.budget_bytes = load_original, budget_bytes
+
+    def original(self) -> Runner:
+        return ChunkedRunner(self.load_original, self.budget_bytes)
+
+    def of(self, model: ir.Model, name: str) -> Runner:
+        return ChunkedRunner(model, self.budget_bytes)
+
+    def checkpoint(self, model: ir.Model) -> Runner:
+        return ChunkedRunner(model, self.budget_bytes)
+
+
+def verification_runners(
+    compiled: ir.Model,
+    chunked_verify_bytes: int,
+    workdir: Path,
+    source: Path | None,
+    original_proto: onnx.ModelProto | None,
+    load_original: Callable[[], ir.Model],
+) -> Runners:
+    """The runners of one verification: chunked (chunks of half ``chunked_verify_bytes``) when the compiled
+    model's weights exceed ``chunked_verify_bytes``, else whole models (files under ``workdir``)."""
+    if weight_bytes(compiled) > chunked_verify_bytes:
+        return ChunkedRunners(load_original, chunked_verify_bytes // 2)
+    return WholeModelRunners(workdir, source, original_proto)
+
+
+@dataclasses.dataclass
+class Comparator:
+    """What verification compares, and how: the user's outputs (never ``contract.is_runtime_output`` ones, the
+    masks and router outputs the compiler adds), each within ``atol + rtol * |reference|``; with a zeroing
+    threshold > 0 the compiled model deviates on purpose and an output passes when its max abs deviation is at
+    most ``max_deviation`` (None: reported, never failed)."""
+
+    atol: float
+    rtol: float
+    zeroing_threshold: float = 0.0
+    max_deviation: float | None = None
+
+    @staticmethod
+    def user_outputs(names: list[str], outputs: list[np.ndarray]) -> tuple[list[str], list[np.ndarray]]:
+        """``names`` and ``outputs`` without the runtime's outputs."""
+        keep = [i for i, n in enumerate(names) if not is_runtime_output(n)]
+        return [names[i] for i in keep], [outputs[i] for i in keep]
+
+    def compare_all(
+        self, names: list[str], expected: list[np.ndarray], got: list[np.ndarray]
+    ) -> list[OutputComparison]:
+        """Every output of two runs of the same outputs (``names``) at the tolerances."""
+        return compare_outputs(names, expected, got, self.atol, self.rtol)
+
+    def compare(
+        self, names: list[str], expected: list[np.ndarray], got_names: list[str], got: list[np.ndarray]
+    ) -> list[OutputComparison]:
+        """The compiled run's user outputs against the reference's (``names``, ``expected``).
+
+        Raises:
+            VerificationError: the compiled model's user outputs are not the original's.
+        """
+        got_names, got = self.user_outputs(got_names, got)
+        if got_names != names:
+            raise VerificationError(f"compiled model outputs {got_names} differ from the original's {names}")
+        return self.compare_all(names, expected, got)
+
+    def agrees(self, names: list[str], expected: list[np.ndarray], got_names: list[str], got: list[np.ndarray]) -> bool:
+        """Whether a run matches the reference at the tolerances (same user outputs, each within them)."""
+        try:
+            return all(o.passed for o in self.compare(names, expected, got_names, got))
+        except VerificationError:
+            return False
+
+    def judge(self, outputs: list[OutputComparison]) -> None:
+        """With a zeroing threshold > 0, an output passes by ``max_deviation`` instead of the tolerances."""
+        if self.zeroing_threshold > 0:
+            for o in outputs:
+                o.passed = self.max_deviation is None or o.max_abs <= self.max_deviation
+
+    @staticmethod
+    def worst(outputs: list[OutputComparison], per_set: list[list[OutputComparison]]) -> tuple[OutputComparison, int]:
+        """The failing output that needs the largest tolerance, and the first input set it fails on."""
+        worst = max((o for o in outputs if not o.passed), key=lambda o: (o.needed_atol, o.max_abs))
+        k = next(
+            (i for i, comps in enumerate(per_set) for o in comps if o.name == worst.name and not o.passed),
+            0,
+        )
+        return worst, k
+
+    @staticmethod
+    def mismatch(result: VerificationResult, worst: OutputComparison, input_set: InputSet, culprit: str) -> str:
+        """The one-line failure: which output, by how much, on which inputs, which pass, what would pass."""
+        return (
+            f"verification failed: output {worst.name!r} differs by max abs {worst.max_abs:.3g} "
+            f"(max rel {worst.max_rel:.3g}) on the {input_set.label} inputs {input_set.shapes()}; {culprit}; "
+            f"{pass_hint(result, worst)}"
+        )

@@ -1,7 +1,8 @@
 """Graph helpers shared by the passes: traversal, insertion, constants, value replacement, scopes.
 
-Private to ``layerzero.passes`` (DESIGN.md: passes import nothing of ours but ``passes/_*.py``
-and the leaf ``layerzero.errors``).
+Private to ``layerzero.passes``, whose modules import nothing of ours but ``layerzero.passes``,
+``layerzero.contract``, ``layerzero.errors`` and ``layerzero.ort_runner`` (``docs/architecture.md``; checked by
+``tests/compiler/test_architecture.py``).
 """
 
 from __future__ import annotations

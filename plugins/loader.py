@@ -20,7 +20,7 @@ Where a library is looked for, in order: the path in ``LAYERZERO_PLUGIN_DIR`` (a
 passed in, then the default build directory (``$XDG_CACHE_HOME/layerzero/plugins``, i.e.
 ``~/.cache/layerzero/plugins``).
 
-This module imports nothing of ours (DESIGN.md: ``plugins`` is a leaf); its errors are ``PluginError``.
+This module imports nothing of ours (``docs/architecture.md``: ``plugins`` is a leaf); its errors are ``PluginError``.
 """
 
 from __future__ import annotations

@@ -120,6 +120,7 @@ class _Row:
     first_token_at: float
     stop_reason: str = ""
     skipped: set[str] | None = None  # dynamic paths no step of this request ran
+    batch_rows: int = 1  # the most rows a step of this request ran with
 
 
 class ContinuousBatcher:
@@ -329,6 +330,7 @@ class ContinuousBatcher:
         logits = result.outputs["logits"]
         keep = []
         for i, row in enumerate(self._rows):
+            row.batch_rows = max(row.batch_rows, batch)
             self._emit(row, logits[i, -1], 1, seconds, result.report)
             if row.stop_reason:
                 self._finish(row)
@@ -408,5 +410,7 @@ class ContinuousBatcher:
             zeroed_params_ratio=template.zeroed_params_ratio,
             skipped_paths=sorted(row.skipped or ()),
             steps=row.steps,
+            removed_scopes=list(template.removed_scopes),
+            batch_rows=row.batch_rows,
         )
         row.ticket._finish(Generation(ids=row.new, prompt_ids=row.ticket.prompt, report=report))

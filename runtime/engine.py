@@ -35,7 +35,7 @@ from layerzero.runtime.bundle import check_external_data, read_bundle
 from layerzero.runtime.report import Report, index_dynamic
 
 if TYPE_CHECKING:
-    from layerzero.runtime.generate import Generation
+    from layerzero.runtime.report import Generation
 
 __all__ = ["MASK_PREFIX", "ROUTER_PREFIX", "THRESHOLD_INPUT", "Engine", "Result"]
 

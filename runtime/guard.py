@@ -24,10 +24,9 @@ Per request, in this order:
    threshold. At threshold 0 there is nothing to back off: the fallbacks come from the compiled model itself
    (a fault, or a too-loose compile), which is logged once per window; the kill switch is the remedy.
    A model without the ``layerzero::threshold`` input records the change but cannot act on it (logged once).
-   NOTE: issue #5 asked to *raise* the threshold by 20 % on a rising fallback rate. Under LayerZero's
-   threshold (``CompileOptions.zeroing_threshold``: skip an expert or gated branch whose weight is below
-   threshold × the token's largest weight) a higher threshold skips *more*, which would feed the deviation
-   that caused the fallbacks (a runaway loop). The guard moves the threshold the safe way.
+   The threshold only ever goes down: under LayerZero's threshold (``CompileOptions.zeroing_threshold``: skip
+   an expert or gated branch whose weight is below threshold × the token's largest weight) a higher threshold
+   skips *more*, which would feed the deviation that caused the fallbacks (a runaway loop).
 
 Whenever the returned outputs come from the reference, ``report.fallback_triggered`` is True and
 ``result.route`` says why. A reference-served request's report is the compiled model's static report (no

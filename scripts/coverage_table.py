@@ -158,7 +158,7 @@ def _speed_notes(speed: dict[str, dict]) -> list[str]:
             if slower
             else "none"
         )
-        + ". Below the 1.15× target of issue 8: "
+        + ". Below the 1.15× target: "
         + (", ".join(f"{k} ({speed[k]['speedup']:.2f}×)" for k in sorted(below)) if below else "none")
         + ". Not measured: "
         + (", ".join(unmeasured) if unmeasured else "none")

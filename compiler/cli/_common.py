@@ -14,10 +14,19 @@ import numpy as np
 from rich.console import Console
 
 from layerzero.errors import InvalidInputError
+from layerzero.options import DEVICES, MOE_LOWERINGS, STABILITY_UNITS, CompileOptions
 
 __all__ = [
     "MAX_DIM",
     "MAX_ELEMENTS",
+    "add_device",
+    "add_flag_pattern",
+    "add_force",
+    "add_guard_arguments",
+    "add_impact_tolerance",
+    "add_moe_lowering",
+    "add_stability_unit",
+    "add_stability_window",
     "check_output_dir",
     "check_output_file",
     "console",
@@ -103,6 +112,64 @@ port = integer(1, 65535)
 fraction = number(0, 1)
 #: A finite number > 0 (a bound, a window).
 positive = number(0, lo_open=True)
+
+
+# The flags several verbs share: one definition each (type, default, choices from ``layerzero.options``), used by
+# every verb that has the flag; ``help`` says what the flag does for that verb where that differs.
+_Parser = argparse.ArgumentParser | argparse._ArgumentGroup
+
+
+def add_force(p: _Parser, help: str) -> None:
+    """``--force``: replace an existing output (``help``: which one, and when)."""
+    p.add_argument("--force", action="store_true", help=help)
+
+
+def add_device(p: _Parser, help: str = "execution device (default cpu)") -> None:
+    """``--device`` (``DEVICES``, default cpu)."""
+    p.add_argument("--device", choices=DEVICES, default=CompileOptions.device, help=help)
+
+
+def add_flag_pattern(p: _Parser) -> None:
+    """``--flag-pattern``: the names of zero flags (``CompileOptions.flag_pattern``)."""
+    default = CompileOptions.flag_pattern
+    p.add_argument("--flag-pattern", default=default, help=f"names of zero flags; '*' is the scope (default {default})")
+
+
+def add_moe_lowering(p: _Parser) -> None:
+    """``--moe-lowering`` (``MOE_LOWERINGS``, ``CompileOptions.moe_lowering``)."""
+    p.add_argument(
+        "--moe-lowering",
+        choices=MOE_LOWERINGS,
+        default=CompileOptions.moe_lowering,
+        help="MoE blocks on onnxruntime: per-expert If subgraphs, com.microsoft.MoE, the liblayerzero_ort.so "
+        "custom op (layerzero plugins build), or auto (default: native when built, else measured)",
+    )
+
+
+def add_impact_tolerance(p: _Parser, help: str) -> None:
+    """``--impact-tolerance T`` (``CompileOptions.impact_tolerance``, 0.01); ``help`` should name the default."""
+    default = CompileOptions.impact_tolerance
+    p.add_argument("--impact-tolerance", type=number(0), default=default, metavar="T", help=help)
+
+
+def add_stability_window(p: _Parser, help: str, *, default: int | None = CompileOptions.stability_window) -> None:
+    """``--stability-window N`` (an integer >= 1; ``default`` None: not set)."""
+    p.add_argument("--stability-window", type=integer(1), default=default, metavar="N", help=help)
+
+
+def add_stability_unit(p: _Parser, help: str) -> None:
+    """``--stability-unit`` (``STABILITY_UNITS``, ``CompileOptions.stability_unit``)."""
+    p.add_argument("--stability-unit", choices=STABILITY_UNITS, default=CompileOptions.stability_unit, help=help)
+
+
+def add_guard_arguments(p: _Parser) -> None:
+    """The guard's reference and sampling (``serve``, ``triton-export``): ``--reference``, ``--no-reference``,
+    ``--sample-rate``, ``--fallback-bound``, ``--max-tokens``."""
+    p.add_argument("--reference", type=Path, metavar="MODEL", help="the reference model (default: the source)")
+    p.add_argument("--no-reference", action="store_true", help="no reference model (guard off)")
+    p.add_argument("--sample-rate", type=fraction, help="fraction of requests compared (default 0.01 with a reference)")
+    p.add_argument("--fallback-bound", type=positive, default=0.05, help="relative L2 error bound (default 0.05)")
+    p.add_argument("--max-tokens", type=integer(1), help="requests with more tokens go to the reference")
 
 
 def parse_shapes(items: list[str] | None) -> dict[str, tuple[int, ...]]:

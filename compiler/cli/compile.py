@@ -36,7 +36,22 @@ import json
 import os
 from pathlib import Path
 
-from layerzero.cli._common import check_output_dir, console, integer, number, one_line_errors, parse_shapes, progress
+from layerzero.cli._common import (
+    add_device,
+    add_flag_pattern,
+    add_force,
+    add_impact_tolerance,
+    add_moe_lowering,
+    add_stability_unit,
+    add_stability_window,
+    check_output_dir,
+    console,
+    integer,
+    number,
+    one_line_errors,
+    parse_shapes,
+    progress,
+)
 from layerzero.compile import CompileResult, compile_file
 from layerzero.errors import InvalidInputError, VerificationError
 from layerzero.options import CompileOptions
@@ -47,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     one_line_errors(p)
     p.add_argument("model", type=Path, help="the .onnx model to compile")
     p.add_argument("-o", "--output", type=Path, required=True, help="the bundle directory to write")
-    p.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
+    add_force(p, "replace OUTPUT if it exists")
     p.add_argument("--shape", action="append", metavar="NAME:D0,D1", help="dims of a dynamic input for verification")
     p.add_argument("--inputs", type=Path, metavar="NPZ", help="sample inputs for verification (.npz)")
     p.add_argument("--atol", type=number(0), default=1e-4, help="absolute tolerance (default 1e-4)")
@@ -59,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not fold x*0 to 0 (x*0 is NaN when x is NaN or Inf)",
     )
-    p.add_argument("--flag-pattern", default="*.flag", help="names of zero flags; '*' is the scope (default *.flag)")
+    add_flag_pattern(p)
     p.add_argument(
         "--groups",
         type=Path,
@@ -80,35 +95,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="D",
         help="with --threshold > 0: fail verification when an output deviates by more than D (max abs)",
     )
-    p.add_argument(
-        "--moe-lowering",
-        choices=("auto", "if", "ort-moe", "native"),
-        default="auto",
-        help="MoE blocks on onnxruntime: per-expert If subgraphs, com.microsoft.MoE, the liblayerzero_ort.so "
-        "custom op (layerzero plugins build), or auto (default: native when built, else measured)",
-    )
+    add_moe_lowering(p)
     solid = p.add_argument_group("solidify (--profile)")
     solid.add_argument("--profile", type=Path, metavar="JSON", help="a profile of a bundle of this model")
-    solid.add_argument(
-        "--stability-window",
-        type=integer(1),
-        default=100,
-        metavar="N",
-        help="remove paths skipped at least N consecutive requests (or tokens) in the profile (default 100)",
+    add_stability_window(
+        solid, "remove paths skipped at least N consecutive requests (or tokens) in the profile (default 100)"
     )
-    solid.add_argument(
-        "--stability-unit",
-        choices=("requests", "tokens"),
-        default="requests",
-        help="what --stability-window counts (default requests)",
-    )
-    solid.add_argument(
-        "--impact-tolerance",
-        type=number(0),
-        default=0.01,
-        metavar="T",
-        help="... and whose measured impact on the output (relative L2) is below T (default 0.01)",
-    )
+    add_stability_unit(solid, "what --stability-window counts (default requests)")
+    add_impact_tolerance(solid, "... and whose measured impact on the output (relative L2) is below T (default 0.01)")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     add_target_arguments(p)
 
@@ -118,11 +112,9 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
     from layerzero.targets.tensorrt import PRECISIONS
 
     p.add_argument("--target", choices=TARGETS, default="onnxruntime", help="what the bundle runs on")
-    p.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default="cpu",
-        help="where an onnxruntime bundle runs: cuda lowers MoE to com.microsoft.MoE only (never per-expert If) "
+    add_device(
+        p,
+        "where an onnxruntime bundle runs: cuda lowers MoE to com.microsoft.MoE only (never per-expert If) "
         "and the runtime picks the CUDA provider (pip install 'layerzero[gpu]')",
     )
     trt = p.add_argument_group("--target tensorrt")

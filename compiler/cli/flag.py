@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from layerzero.cli._common import check_output_file, console, one_line_errors
+from layerzero.cli._common import add_force, check_output_file, console, one_line_errors
 from layerzero.errors import InvalidInputError
 from layerzero.summary import PARAMS_CAPTION
 
@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", type=Path, help="the flagged .onnx file to write")
     p.add_argument("--metadata", action="store_true", help="declare the flags as metadata entries, not initializers")
     p.add_argument("--list", action="store_true", help="list the scopes a flag can name and exit")
-    p.add_argument("--force", action="store_true", help="replace an existing output file")
+    add_force(p, "replace an existing output file")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,14 +14,14 @@ from pathlib import Path
 
 from rich.table import Table
 
-from layerzero.cli._common import console
+from layerzero.cli._common import add_flag_pattern, console
 from layerzero.loader import load_model
 from layerzero.summary import PARAMS_CAPTION, find_moe, natural_key, summarize
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", type=Path, help="an .onnx model (or a bundle's model.onnx)")
-    p.add_argument("--flag-pattern", default="*.flag", help="names of zero flags; '*' is the scope")
+    add_flag_pattern(p)
     p.add_argument("--depth", type=int, default=2, help="show scopes up to this many levels below a layer")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 

@@ -27,6 +27,7 @@ from rich.table import Table
 
 from layerzero.calibration import load_requests, profile_bundle
 from layerzero.cli._common import (
+    add_force,
     check_output_file,
     console,
     integer,
@@ -51,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="measure impact on the first N requests (default 8; 0: counters only)",
     )
-    p.add_argument("--force", action="store_true", help="replace OUTPUT even if it is not a profile")
+    add_force(p, "replace OUTPUT even if it is not a profile")
     p.add_argument("--top", type=integer(0), default=10, metavar="K", help="paths shown in the summary (default 10)")
 
 

@@ -17,7 +17,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from layerzero.cli._common import check_output_file, console, integer, number, one_line_errors
+from layerzero.cli._common import (
+    add_force,
+    add_impact_tolerance,
+    add_stability_unit,
+    add_stability_window,
+    check_output_file,
+    console,
+    one_line_errors,
+)
 from layerzero.report_map import is_report, write_report
 from layerzero.runtime.path_stats import load_profile
 
@@ -26,22 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     one_line_errors(p)
     p.add_argument("profile", type=Path, help="a profile written by `layerzero profile`")
     p.add_argument("-o", "--output", type=Path, required=True, help="map.png, map.svg or map.html")
-    p.add_argument(
-        "--impact-tolerance",
-        type=number(0),
-        default=0.01,
-        metavar="T",
-        help="mark paths whose impact is below T (default 0.01, as compile --profile)",
-    )
-    p.add_argument(
-        "--stability-window",
-        type=integer(1),
-        default=100,
-        metavar="N",
-        help="HTML: the table says what compile --profile with this window does (default 100, as compile)",
-    )
-    p.add_argument("--force", action="store_true", help="replace OUTPUT even if it is not a LayerZero report")
-    p.add_argument("--stability-unit", choices=("requests", "tokens"), default="requests", help="of --stability-window")
+    add_impact_tolerance(p, "mark paths whose impact is below T (default 0.01, as compile --profile)")
+    add_stability_window(p, "HTML: the table says what compile --profile with this window does (default 100, as "
+                            "compile)")
+    add_force(p, "replace OUTPUT even if it is not a LayerZero report")
+    add_stability_unit(p, "of --stability-window")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from layerzero.cli._common import (
+    add_device,
+    add_force,
     check_output_file,
     console,
     one_line_errors,
@@ -41,9 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", action="append", metavar="NAME=VALUES", help="an input, e.g. input_ids=1,2,3")
     p.add_argument("--inputs", type=Path, metavar="NPZ", help="inputs from an .npz file")
     p.add_argument("--save", type=Path, metavar="NPZ", help="write the outputs to an .npz file")
-    p.add_argument("--force", action="store_true", help="--save: replace a file that is not an outputs .npz")
+    add_force(p, "--save: replace a file that is not an outputs .npz")
     p.add_argument("--masks", action="store_true", help="include per-token skip masks in the report")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="execution device (default cpu)")
+    add_device(p)
     p.add_argument("--json", action="store_true", help="print outputs and report as JSON")
 
 

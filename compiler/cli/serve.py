@@ -45,7 +45,16 @@ import logging
 import sys
 from pathlib import Path
 
-from layerzero.cli._common import console, fraction, integer, one_line_errors, port, positive
+from layerzero.cli._common import (
+    add_device,
+    add_guard_arguments,
+    console,
+    fraction,
+    integer,
+    one_line_errors,
+    port,
+    positive,
+)
 from layerzero.errors import InvalidInputError
 
 logger = logging.getLogger(__name__)
@@ -69,18 +78,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="no standby Triton (half the memory; a restart is a cold start, seconds)")  # fmt: skip
     p.add_argument("--client-timeout", type=positive, default=30.0, metavar="S",
                    help="seconds a client may take to send one request (default 30)")  # fmt: skip
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="execution device (default cpu)")
+    add_device(p)
     g = p.add_argument_group("guard")
-    g.add_argument("--reference", type=Path, metavar="MODEL", help="the reference model (default: the source)")
-    g.add_argument("--no-reference", action="store_true", help="serve without a reference (guard off)")
-    g.add_argument("--sample-rate", type=fraction, help="fraction of requests compared (default 0.01 with a reference)")
-    g.add_argument("--fallback-bound", type=positive, default=0.05, help="relative L2 error bound (default 0.05)")
+    add_guard_arguments(g)
     g.add_argument("--window-seconds", type=positive, default=300.0, help="fallback-rate window (default 300)")
     g.add_argument("--backoff-above", type=fraction, default=0.05, help="fallback rate that backs off the threshold")
     g.add_argument("--min-window-requests", type=integer(1), default=100, help="sampled requests before a back-off")
     g.add_argument("--no-auto-backoff", action="store_true", help="never change the zeroing threshold automatically")
     g.add_argument("--threshold", type=fraction, help="starting zeroing threshold (default: the compiled one)")
-    g.add_argument("--max-tokens", type=integer(1), help="requests with more tokens go to the reference")
     g.add_argument("--token-input", help="the input whose last axis counts tokens (default: first integer input)")
     g.add_argument("--segment", action="append", metavar="NAME:KEY=V,...",
                    help="a segment's settings, e.g. chat:sample_rate=0.1,threshold=0.02")  # fmt: skip

@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from layerzero.cli._common import console, fraction, integer, one_line_errors, positive
+from layerzero.cli._common import add_force, add_guard_arguments, console, integer, one_line_errors
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,14 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("repo", type=Path, help="the model repository directory (created if missing)")
     p.add_argument("--name", default="layerzero", help="the Python-backend model's name (default layerzero)")
     p.add_argument("--onnx-name", help="the onnxruntime-backend model's name (default NAME_onnx)")
-    p.add_argument("--reference", type=Path, metavar="MODEL", help="the reference model (default: the source)")
-    p.add_argument("--no-reference", action="store_true", help="no reference (guard off)")
-    p.add_argument("--sample-rate", type=fraction, help="guard sample rate (default 0.01 with a reference)")
-    p.add_argument("--fallback-bound", type=positive, default=0.05, help="relative L2 error bound (default 0.05)")
-    p.add_argument("--max-tokens", type=integer(1), help="requests with more tokens go to the reference")
+    add_guard_arguments(p)
     p.add_argument("--instances", type=integer(1, 64), default=1, help="Python-backend instances (default 1)")
     p.add_argument("--gpu", action="store_true", help="run the onnxruntime model on the GPU (KIND_GPU)")
-    p.add_argument("--force", action="store_true", help="replace the two models if they exist")
+    add_force(p, "replace the two models if they exist")
 
 
 def run(args: argparse.Namespace) -> int:

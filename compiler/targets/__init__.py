@@ -3,8 +3,9 @@
 - ``onnxruntime`` (default, ``onnxruntime.py``): the compiled graph for ONNX Runtime.
 - ``tensorrt`` (``tensorrt.py``): plugin nodes for TensorRT's ONNX parser and an engine plan.
 
-A new target is one module here plus one line in ``TARGET_CLASSES``. Entries are ``"module:Class"`` references
-imported on first use, so importing this package (``layerzero compile --help``) imports no toolkit;
+A new target is one module here plus one line in ``TARGET_CLASSES`` (``registry.py``, a leaf, so that
+``CompileOptions`` checks a name without importing the ``Target`` interface). Entries are ``"module:Class"``
+references imported on first use, so importing this package (``layerzero compile --help``) imports no toolkit;
 ``tests/compiler/test_targets.py`` resolves every entry, so a typo fails the tests.
 """
 
@@ -14,20 +15,12 @@ import importlib
 from typing import TYPE_CHECKING
 
 from layerzero.errors import InvalidInputError, LayerZeroError
+from layerzero.targets.registry import TARGET_CLASSES, TARGETS
 
 if TYPE_CHECKING:
     from layerzero.targets.base import Target
 
 __all__ = ["PRECISIONS", "TARGETS", "TARGET_CLASSES", "get_target"]
-
-#: target name -> "module:Class" of its ``Target`` subclass.
-TARGET_CLASSES: dict[str, str] = {
-    "onnxruntime": "layerzero.targets.onnxruntime:OnnxRuntimeTarget",
-    "tensorrt": "layerzero.targets.tensorrt:TensorRTTarget",
-}
-
-#: Names accepted by ``CompileOptions.target`` / ``layerzero compile --target``.
-TARGETS = tuple(TARGET_CLASSES)
 
 #: ``--target tensorrt --precision``: here, not in ``tensorrt.py``, so that building the CLI imports no toolkit.
 PRECISIONS = ("fp32", "fp16", "bf16")

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     import onnx_ir as ir
 
-    from layerzero.compile import CompileResult
     from layerzero.options import CompileOptions
+    from layerzero.result import CompileResult
 
 __all__ = ["Progress", "Target"]
 

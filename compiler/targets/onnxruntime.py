@@ -20,8 +20,8 @@ from layerzero.targets.base import Progress, Target
 if TYPE_CHECKING:
     import onnx_ir as ir
 
-    from layerzero.compile import CompileResult
     from layerzero.options import CompileOptions
+    from layerzero.result import CompileResult
 
 __all__ = ["OnnxRuntimeTarget"]
 

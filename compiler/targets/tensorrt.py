@@ -51,8 +51,8 @@ from layerzero.targets import PRECISIONS
 from layerzero.targets.base import Progress, Target
 
 if TYPE_CHECKING:
-    from layerzero.compile import CompileResult
     from layerzero.options import CompileOptions
+    from layerzero.result import CompileResult
 
 __all__ = [
     "PLAN_NAME",

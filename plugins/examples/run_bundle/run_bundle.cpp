@@ -469,6 +469,7 @@ std::string library_path(const std::string& name, const std::string& lib_dir) {
 struct Report {
   int64_t total_layers = 0;
   std::vector<std::string> zeroed_paths;
+  std::vector<std::string> removed_scopes;  // every scope removed at compile time: whole layers and parts
   double zeroed_params_ratio = 0.0;
   int64_t params_before = 0;
   std::vector<std::string> skipped_paths;
@@ -486,6 +487,10 @@ Report static_report(const Json& manifest) {
       for (const auto& p : zeroed->items) r.zeroed_paths.push_back(p.kind == Json::String ? p.str : "");
     if (const Json* total = layers->get("total"); is_int(total)) r.total_layers = static_cast<int64_t>(total->num);
   }
+  if (const Json* removed = manifest.get("removed"); removed && removed->kind == Json::Array)
+    for (const auto& entry : removed->items)
+      if (const Json* scope = entry.get("scope"); scope && scope->kind == Json::String)
+        r.removed_scopes.push_back(scope->str);
   if (const Json* stats = manifest.get("stats"); stats && stats->kind == Json::Object) {
     const Json* before = stats->get("params_before");
     const Json* after = stats->get("params_after");
@@ -496,11 +501,25 @@ Report static_report(const Json& manifest) {
   return r;
 }
 
+// " and 1 part of a layer (model.layers.1.mlp)" for the removed scopes that are no whole layer, or "".
+std::string removed_parts(const Report& r) {
+  std::vector<std::string> parts;
+  for (const auto& s : r.removed_scopes)
+    if (std::find(r.zeroed_paths.begin(), r.zeroed_paths.end(), s) == r.zeroed_paths.end()) parts.push_back(s);
+  if (parts.empty()) return "";
+  std::string shown;
+  for (size_t i = 0; i < parts.size() && i < 3; ++i) shown += (i ? ", " : "") + parts[i];
+  if (parts.size() > 3) shown += ", \u2026 " + std::to_string(parts.size() - 3) + " more";
+  return " and " + std::to_string(parts.size()) + (parts.size() == 1 ? " part of a layer (" : " parts of layers (") +
+         shown + ")";
+}
+
 std::string summary(const Report& r) {
   char buf[256];
-  std::snprintf(buf, sizeof buf, "zeroed %zu/%lld layers, %.1f%% of parameters", r.zeroed_paths.size(),
-                static_cast<long long>(r.total_layers), r.zeroed_params_ratio * 100.0);
-  std::string text = buf;
+  std::snprintf(buf, sizeof buf, "zeroed %zu/%lld layers", r.zeroed_paths.size(), static_cast<long long>(r.total_layers));
+  std::string text = buf + removed_parts(r);
+  std::snprintf(buf, sizeof buf, ", %.1f%% of parameters", r.zeroed_params_ratio * 100.0);
+  text += buf;
   if (!r.skipped_paths.empty()) {
     size_t n = r.skipped_paths.size();
     text += "; skipped " + std::to_string(n) + (n != 1 ? " paths" : " path") + " on this request";
@@ -697,7 +716,9 @@ int run(const Args& args) {
   if (report.has_confidence) write_double(out, report.routing_confidence);
   else out << "null";
   out << ", \"masks\": {" << masks_json.str() << "}, \"skipped_params\": " << report.skipped_params
-      << ", \"params_before\": " << report.params_before << ", \"summary\": ";
+      << ", \"params_before\": " << report.params_before << ", \"removed_scopes\": ";
+  write_list(report.removed_scopes);
+  out << ", \"summary\": ";
   write_string(out, summary(report));
   out << "}, \"latency_ms\": ";
   write_double(out, ms);
