@@ -41,7 +41,8 @@ def test_compile_takes_its_defaults_from_compile_options() -> None:
 def test_report_defaults_are_compiles() -> None:
     # The report's table says what `compile --profile` does, so its window defaults to compile's.
     args = _parse("report", "p.json", "-o", "map.html")
-    assert args.stability_window == CompileOptions.stability_window and args.impact_tolerance == 0.01 and args.stability_unit == "requests"
+    assert args.stability_window == CompileOptions.stability_window and args.impact_tolerance == 0.01
+    assert args.stability_unit == "requests"
     args = _parse("report", "p.json", "-o", "map.html", "--stability-window", "7", "--force")
     assert args.stability_window == 7 and args.force is True
 
