@@ -264,7 +264,7 @@ def compile_decisions(doc: dict, *, tolerance: float, window: int, unit: str) ->
     """For each dynamic path of the profile, what ``compile --profile`` with these settings does with it:
     ``"removes"``, or why it keeps it. The rules are ``solidify_plan.plan_solidify``'s: skipped at least
     ``window`` consecutive ``unit``, a measured impact below ``tolerance``, and a MoE block keeps top_k experts."""
-    from layerzero.solidify_plan import SolidifyCandidate, _keep_top_k
+    from layerzero.solidify_plan import SolidifyCandidate, keep_top_k
 
     decisions: dict[str, str] = {}
     removed: list[SolidifyCandidate] = []
@@ -291,7 +291,7 @@ def compile_decisions(doc: dict, *, tolerance: float, window: int, unit: str) ->
                 )
             )
     kept: list[SolidifyCandidate] = []
-    for c in _keep_top_k(removed, kept, doc):
+    for c in keep_top_k(removed, kept, doc):
         decisions[c.subpath] = "removes"
     for c in kept:
         decisions[c.subpath] = f"keeps: {c.reason}"

@@ -37,7 +37,14 @@ from layerzero.passes._moe import find_moe_blocks
 from layerzero.passes.shape_inference import InferShapes
 from layerzero.runtime.path_stats import load_profile
 
-__all__ = ["SolidifyCandidate", "SolidifyPlan", "force_off_reference", "plan_solidify", "solidified_records"]
+__all__ = [
+    "SolidifyCandidate",
+    "SolidifyPlan",
+    "force_off_reference",
+    "keep_top_k",
+    "plan_solidify",
+    "solidified_records",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -128,13 +135,13 @@ def plan_solidify(options: CompileOptions, source_sha256: str | None) -> Solidif
         elif impact >= tolerance:
             candidate.reason = f"impact {impact:.3g} >= tolerance {tolerance:g}"
         (kept if candidate.reason else removed).append(candidate)
-    removed = carried + _keep_top_k(removed, kept, doc)
+    removed = carried + keep_top_k(removed, kept, doc)
     return SolidifyPlan(
         path, window, unit, tolerance, int((doc.get("traffic") or {}).get("requests") or 0), removed, kept
     )
 
 
-def _keep_top_k(removed: list[SolidifyCandidate], kept: list[SolidifyCandidate], doc: dict) -> list[SolidifyCandidate]:
+def keep_top_k(removed: list[SolidifyCandidate], kept: list[SolidifyCandidate], doc: dict) -> list[SolidifyCandidate]:
     """A MoE block keeps at least top_k experts: the candidates with the largest impact stay."""
     experts: dict[str, int] = {}
     for record in doc["paths"]:

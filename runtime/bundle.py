@@ -49,6 +49,7 @@ __all__ = [
     "Bundle",
     "check_external_data",
     "check_integrity",
+    "check_replaceable",
     "clean_stale_temp_dirs",
     "fingerprint_files",
     "publish_staged",
@@ -139,7 +140,7 @@ def write_bundle(
     if os.path.lexists(out):
         if not overwrite:
             raise InvalidInputError(f"{out} already exists; pass overwrite=True (--force) to replace it")
-        _check_replaceable(out)
+        check_replaceable(out)
 
     full_manifest = _complete_manifest(manifest)
     libraries = _custom_op_libraries(model)
@@ -232,11 +233,11 @@ def publish_staged(staging: Path, out: Path, *, overwrite: bool) -> None:
     """
     _fsync_tree(staging)
     if out.exists():
-        _check_replaceable(out)
+        check_replaceable(out)
     _move_into_place(staging, out, overwrite=overwrite)
 
 
-def _check_replaceable(out: Path) -> None:
+def check_replaceable(out: Path) -> None:
     # overwrite=True deletes what is there: make sure it is a bundle (or nothing), never e.g. a home dir.
     # NOTE: the first check runs outside the swap lock, where a concurrent writer's swap (out -> aside, new -> out)
     # can make `out` vanish for a moment: what is gone needs no protecting; the check under the lock decides.
@@ -293,7 +294,7 @@ def _move_into_place(tmp: Path, out: Path, *, overwrite: bool) -> None:
             os.rename(tmp, out)
             _fsync_dir(out.parent)
             return
-        _check_replaceable(out)  # again, under the lock: another writer may have put something else there
+        check_replaceable(out)  # again, under the lock: another writer may have put something else there
         # Reserve a unique name for the old bundle, then swap: old -> aside, new -> out, delete aside.
         aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
         os.rmdir(aside)

@@ -284,7 +284,7 @@ def check_replaceable_output(path: Path, option: str, source: Path) -> None:
     """Refuse, before the compile, an existing output that ``--force`` would not replace either: ``--force``
     replaces only a bundle LayerZero wrote (or an empty directory), never another file or directory. An output
     that is (or holds) the source model is ``compile_file``'s to refuse, with its own message."""
-    from layerzero.runtime.bundle import _check_replaceable
+    from layerzero.runtime.bundle import check_replaceable
 
     if not os.path.lexists(path):
         return
@@ -292,7 +292,7 @@ def check_replaceable_output(path: Path, option: str, source: Path) -> None:
     if model == out or model.is_relative_to(out):
         return
     try:
-        _check_replaceable(Path(os.path.abspath(path)))
+        check_replaceable(Path(os.path.abspath(path)))
     except InvalidInputError:
         what = "a directory" if os.path.isdir(path) else "a file"
         raise InvalidInputError(
