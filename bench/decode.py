@@ -211,9 +211,9 @@ def bundle(prepared: dict[str, Any], lowering: str, say, verify: bool = True) ->
 
 def prefill_logits(engine: Engine, prompt: list[int]) -> Any:
     """The logits of one forward pass over the prompt (empty past): the short numerical check of a variant."""
-    from layerzero.runtime.generate import _cache_layout
+    from layerzero.runtime.generate import cache_layout
 
-    layout = _cache_layout(engine)
+    layout = cache_layout(engine)
     n = len(prompt)
     feeds = {
         "input_ids": np.asarray([prompt], dtype=np.int64),

@@ -38,8 +38,8 @@ from layerzero.runtime.generate import (
     GenerateReport,
     Generation,
     StepReport,
-    _cache_layout,
-    _choose,
+    cache_layout,
+    choose_token,
     export_metadata,
 )
 
@@ -134,7 +134,7 @@ class ContinuousBatcher:
         self._guard = engine if isinstance(engine, GuardedEngine) else None
         self.engine: Engine = self._guard.engine if self._guard is not None else engine
         self._run = self._guard.run if self._guard is not None else self.engine.run
-        layout = _cache_layout(self.engine)
+        layout = cache_layout(self.engine)
         if layout is None:
             raise UnsupportedModelError(
                 f"{self.engine.model_path}: continuous batching needs a KV-cache export (`layerzero export` "
@@ -343,7 +343,7 @@ class ContinuousBatcher:
 
     def _emit(self, row: _Row, logits: np.ndarray, tokens: int, seconds: float, report: Any) -> None:
         r = row.ticket.request
-        token = _choose(logits, r.temperature, r.top_k, r.top_p, row.rng)
+        token = choose_token(logits, r.temperature, r.top_k, r.top_p, row.rng)
         row.new.append(token)
         row.steps.append(StepReport(tokens=tokens, token_id=token, seconds=seconds,
                                     skipped_paths=list(report.skipped_paths)))  # fmt: skip

@@ -159,7 +159,7 @@ def write_bundle(
     except OSError as e:
         raise InvalidInputError(f"cannot write the bundle {out}: {e.strerror or e}") from None
     try:
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700: a Triton service account could not read it
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700: a Triton service account could not read it
         _save_model(model, tmp / model_file, external_threshold_bytes)
         full_manifest["integrity"] = fingerprint_files(tmp, model_file)
         manifest_text = json.dumps(full_manifest, indent=2) + "\n"
@@ -269,7 +269,7 @@ def check_replaceable(out: Path) -> None:
 
 
 @contextlib.contextmanager
-def _locked(directory: Path) -> Iterator[None]:
+def locked(directory: Path) -> Iterator[None]:
     # An exclusive flock on the parent directory itself (no lock file left behind) serialises the swaps of
     # concurrent writers to one output: each sees a consistent `out`, the last one wins, nothing is left aside.
     try:
@@ -287,7 +287,7 @@ def _locked(directory: Path) -> Iterator[None]:
 
 def _move_into_place(tmp: Path, out: Path, *, overwrite: bool) -> None:
     aside: Path | None = None
-    with _locked(out.parent):
+    with locked(out.parent):
         if not (overwrite and os.path.lexists(out)):
             if os.path.lexists(out):  # appeared since the check above
                 raise InvalidInputError(f"{out} already exists; pass overwrite=True (--force) to replace it")
@@ -308,7 +308,7 @@ def _move_into_place(tmp: Path, out: Path, *, overwrite: bool) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _umask() -> int:
+def current_umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

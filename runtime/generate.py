@@ -53,9 +53,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GENERATE_META_KEY",
+    "CacheLayout",
     "GenerateReport",
     "Generation",
     "StepReport",
+    "cache_layout",
+    "choose_token",
     "export_metadata",
     "generate",
     "stop_tokens_of",
@@ -70,13 +73,13 @@ _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 
 
 @dataclasses.dataclass(frozen=True)
-class _CacheLayout:
+class CacheLayout:
     names: list[tuple[str, str]]  # (past input, present output) per tensor, in layer order
     dtype: np.dtype
     shape: tuple[int, int]  # (kv_heads, head_dim)
 
 
-def _cache_layout(engine: Engine) -> _CacheLayout | None:
+def cache_layout(engine: Engine) -> CacheLayout | None:
     specs = {s.name: s for s in engine.input_specs}
     for name in ("input_ids", "attention_mask", "position_ids"):
         if name not in specs:
@@ -104,7 +107,7 @@ def _cache_layout(engine: Engine) -> _CacheLayout | None:
             f"{engine.model_path}: {spec.name!r} should be [batch, kv_heads, past, head_dim] with static heads "
             f"and head_dim, it is {spec.describe()}"
         )
-    return _CacheLayout(names, spec.dtype, (shape[1], shape[3]))
+    return CacheLayout(names, spec.dtype, (shape[1], shape[3]))
 
 
 class _Steps(Protocol):
@@ -117,7 +120,7 @@ class _PlainSteps:
     """Every step through ``run`` (``Engine.run`` or the guard's): the presents come back as numpy arrays and are
     fed as the next step's past. For a guard, a backend other than ONNX Runtime on the CPU, a single-pass model."""
 
-    def __init__(self, run: Callable[..., Any], layout: _CacheLayout | None, batch: int) -> None:
+    def __init__(self, run: Callable[..., Any], layout: CacheLayout | None, batch: int) -> None:
         self._run = run
         self._layout = layout
         self._past: dict[str, np.ndarray] = {}
@@ -143,7 +146,7 @@ class _BoundSteps:
     masks become numpy arrays.
     """
 
-    def __init__(self, engine: Engine, layout: _CacheLayout, batch: int) -> None:
+    def __init__(self, engine: Engine, layout: CacheLayout, batch: int) -> None:
         backend = engine.backend
         self._engine = engine
         self._session = backend.session  # type: ignore[attr-defined]
@@ -282,7 +285,7 @@ def generate(
                 f"the prompt has {longest} tokens, the limit is max_tokens={max_tokens} tokens per sequence "
                 f"(prompt and new tokens) for {base.model_path}: shorten the prompt"
             )
-    layout = _cache_layout(base)
+    layout = cache_layout(base)
     meta = export_metadata(base)
     vocab = meta.get("vocab_size")
     for prompt in prompts:
@@ -349,7 +352,7 @@ def generate(
                 f"{base.model_path}: logits have shape {list(logits.shape)}, expected "
                 f"[{batch}, {run_ids.shape[1]}, vocab]"
             )
-        tokens = [_choose(logits[r, -1], temperature, top_k, top_p, rng) for r in range(batch)]
+        tokens = [choose_token(logits[r, -1], temperature, top_k, top_p, rng) for r in range(batch)]
         seconds = time.perf_counter() - step_start
         step_masks = {k: np.asarray(v).astype(int).tolist() for k, v in report.masks.items()} if masks else {}
         if step == 0:
@@ -407,7 +410,7 @@ def generate(
     return out[0] if single else out
 
 
-def _choose(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> int:
+def choose_token(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> int:
     """Greedy or sampled next token from one position's logits (see the module doc)."""
     if temperature == 0:
         return int(np.argmax(logits))

@@ -203,13 +203,13 @@ class GenerateServer:
     """The generate endpoint of one engine (``Engine`` or ``GuardedEngine``); see the module doc."""
 
     def __init__(self, engine: Any, config: GenerateServerConfig | None = None) -> None:
-        from layerzero.runtime.generate import _cache_layout, export_metadata
+        from layerzero.runtime.generate import cache_layout, export_metadata
         from layerzero.runtime.guard import GuardedEngine
 
         self.engine = engine
         self.config = config or GenerateServerConfig()
         base = engine.engine if isinstance(engine, GuardedEngine) else engine
-        _cache_layout(base)  # UnsupportedModelError now, not on the first request, for a model that cannot generate
+        cache_layout(base)  # UnsupportedModelError now, not on the first request, for a model that cannot generate
         vocab = export_metadata(base).get("vocab_size")
         self.vocab: int | None = vocab if isinstance(vocab, int) else None
         self._slots = threading.BoundedSemaphore(self.config.max_concurrent)

@@ -489,15 +489,15 @@ class _staged:
         return self.tmp
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
-        from layerzero.runtime.bundle import _locked, _umask
+        from layerzero.runtime.bundle import current_umask, locked
 
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return
-        self.tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; Triton's account must read it
+        self.tmp.chmod(0o777 & ~current_umask())  # mkdtemp makes 0700; Triton's account must read it
         old = None
         try:
-            with _locked(self.target.parent):  # concurrent exports to one repo: one swap at a time
+            with locked(self.target.parent):  # concurrent exports to one repo: one swap at a time
                 if os.path.lexists(self.target):
                     if not (self.overwrite and _is_exported(self.target)):
                         raise InvalidInputError(f"{self.target} already exists (pass --force to replace it)")

@@ -23,7 +23,7 @@ pytest.importorskip("onnxscript", reason="torch.onnx.export(dynamo=True) needs o
 from layerzero.cli import main  # noqa: E402
 from layerzero.errors import InvalidInputError, UnsupportedModelError  # noqa: E402
 from layerzero.runtime import Engine  # noqa: E402
-from layerzero.runtime.generate import _choose  # noqa: E402
+from layerzero.runtime.generate import choose_token  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
@@ -162,10 +162,10 @@ def test_stop_tokens_and_sampling(llama_dir: Path, bundle: Path) -> None:
 def test_choose_top_k_top_p() -> None:
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
     rng = np.random.default_rng(0)
-    assert _choose(logits, 0.0, 0, 1.0, rng) == 0
-    assert {_choose(logits, 1.0, 0, 0.5, rng) for _ in range(50)} == {0}  # 0.5 alone reaches p = 0.5
-    assert {_choose(logits, 1.0, 0, 0.8, rng) for _ in range(200)} == {0, 1}
-    assert {_choose(logits, 1.0, 3, 1.0, rng) for _ in range(300)} == {0, 1, 2}
+    assert choose_token(logits, 0.0, 0, 1.0, rng) == 0
+    assert {choose_token(logits, 1.0, 0, 0.5, rng) for _ in range(50)} == {0}  # 0.5 alone reaches p = 0.5
+    assert {choose_token(logits, 1.0, 0, 0.8, rng) for _ in range(200)} == {0, 1}
+    assert {choose_token(logits, 1.0, 3, 1.0, rng) for _ in range(300)} == {0, 1, 2}
 
 
 def test_flag_removes_its_layer(llama_dir: Path, exported: Path, tmp: Path, capsys: pytest.CaptureFixture) -> None:
