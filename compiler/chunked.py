@@ -39,13 +39,15 @@ class ChunkedRunner:
     weights then live only as long as one run).
     """
 
-    def __init__(self, model: ir.Model | Callable[[], ir.Model], budget_bytes: int) -> None:
+    def __init__(self, model: ir.Model | Callable[[], ir.Model], budget_bytes: int,
+                 on_chunk: Callable[[int, int], None] | None = None) -> None:  # fmt: skip
         self.model = model
         self.budget_bytes = budget_bytes
+        self.on_chunk = on_chunk
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> tuple[list[str], list[np.ndarray]]:
         model = self.model if isinstance(self.model, ir.Model) else self.model()
-        return run_in_chunks(model, feeds, self.budget_bytes)
+        return run_in_chunks(model, feeds, self.budget_bytes, self.on_chunk)
 
 
 def _reads(node: ir.Node) -> Iterator[ir.Value]:
@@ -103,9 +105,11 @@ def _weight_array(value: ir.Value) -> np.ndarray | None:
 
 
 def run_in_chunks(
-    model: ir.Model, feeds: Mapping[str, np.ndarray], budget_bytes: int
+    model: ir.Model, feeds: Mapping[str, np.ndarray], budget_bytes: int,
+    on_chunk: Callable[[int, int], None] | None = None,
 ) -> tuple[list[str], list[np.ndarray]]:
-    """Outputs of ``model`` on ``feeds``, computed chunk by chunk (see the module docstring)."""
+    """Outputs of ``model`` on ``feeds``, computed chunk by chunk (see the module docstring); ``on_chunk(k, n)``
+    is called before chunk k of n (1-based: progress)."""
     graph = model.graph
     nodes = list(graph)
     owner = _top_level_owner(graph)
@@ -140,6 +144,8 @@ def run_in_chunks(
         needed.update(v.name for node in chunk for v in node_reads[node] if v.name)
     needed_after.reverse()
     for index, chunk in enumerate(chunks):
+        if on_chunk is not None:
+            on_chunk(index + 1, len(chunks))
         _run_chunk(model, chunk, index, position, owner, inits, node_reads, env, opsets)
         # Activations no later chunk reads are dropped as we go.
         needed = needed_after[index]

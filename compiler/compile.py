@@ -48,7 +48,9 @@ __all__ = ["CompileResult", "RemovedScope", "compile_file", "compile_model"]
 
 logger = logging.getLogger(__name__)
 
-Progress = Callable[[str], None]
+#: What a long compile reports as it goes: ``say(message)``, or ``say(message, done=k, total=n)`` for counted work
+#: (verification's model runs; a chunked run also names its chunk). The CLI draws it as a bar on a terminal.
+Progress = Callable[..., None]
 
 
 def _removed_scopes(
@@ -138,7 +140,7 @@ def compile_model(
         say("verifying")
         # What ONNX Runtime runs in place of the compiled graph (TensorRT: the onnxruntime lowering of its MoE nodes).
         checked = target.verification_model(model, options)
-        verification = verify_compiled(source_path, original_proto, checked, pipeline, options)
+        verification = verify_compiled(source_path, original_proto, checked, pipeline, options, progress=say)
     seconds = time.perf_counter() - start
     return CompileResult(
         model,
@@ -161,6 +163,7 @@ def verify_compiled(
     compiled: ir.Model,
     pipeline: PipelineResult,
     options: CompileOptions,
+    progress: Progress | None = None,
 ) -> VerificationResult:
     """Compare the compiled model with the reference on several input sets; raise on any mismatch.
 
@@ -179,6 +182,17 @@ def verify_compiled(
     a few layers at a time above ``chunked_verify_bytes``) and are judged by one ``Comparator``.
     """
     comparator = Comparator(options.atol, options.rtol, options.zeroing_threshold, options.max_deviation)
+    say = progress or (lambda *_a, **_k: None)
+    # Progress: one unit per model run (the original, the reference and the compiled model on each set).
+    state = {"what": "", "done": 0, "total": 1}
+
+    def tell(chunk: tuple[int, int] | None = None) -> None:
+        where = f", chunk {chunk[0]}/{chunk[1]}" if chunk else ""
+        say(f"verifying: {state['what']}{where}", done=state["done"], total=state["total"])
+
+    def running(what: str) -> None:
+        state["what"] = what
+        tell()
 
     def load_original() -> ir.Model:
         return load_model(source_path) if source_path is not None else ir.from_proto(original_proto)
@@ -189,7 +203,8 @@ def verify_compiled(
         else:
             header = original_proto
         runners = verification_runners(
-            compiled, options.chunked_verify_bytes, Path(tmp), source_path, original_proto, load_original
+            compiled, options.chunked_verify_bytes, Path(tmp), source_path, original_proto, load_original,
+            on_chunk=lambda i, n: tell((i, n)),
         )
         if options.sample_inputs is not None:
             sets = [InputSet(str(options.sample_inputs), _sample_inputs(header, options))]
@@ -197,13 +212,17 @@ def verify_compiled(
             # Big models run a few layers at a time, each set costing a pass over all weights: two sets.
             sets = input_sets(header, options.shapes, options.seed, full=runners.all_input_sets)
 
+        reference_runs = bool(pipeline.bypassed or needs_dynamic_reference(options) or options.solidify)
+        state["total"] = len(sets) * (3 if reference_runs else 2)
         # The original on every set; a set it cannot run on is no test of the compiler (the default must run).
         original = runners.original()
         names: list[str] = []
         originals: list[tuple[InputSet, list[np.ndarray]]] = []
         for k, input_set in enumerate(sets):
+            running(f"the original on the {input_set.label} inputs")
             try:
                 names, outs = original.run(input_set.feeds)
+                state["done"] += 1
             except (InvalidInputError, UnsupportedModelError):
                 if k == 0:
                     raise
@@ -213,7 +232,8 @@ def verify_compiled(
         del original
         impact = None
         references: list[list[np.ndarray]] = [outs for _, outs in originals]
-        if pipeline.bypassed or needs_dynamic_reference(options) or options.solidify:
+        state["total"] = state["done"] + len(originals) * (2 if reference_runs else 1)
+        if reference_runs:
             reference = load_original()
             bypass_declared_layers(reference, options)
             if options.solidify:
@@ -221,14 +241,20 @@ def verify_compiled(
 
                 force_off_reference(reference, options)  # the solidified paths forced off
             run_reference = runners.of(reference, "reference")
-            references = [run_reference.run(input_set.feeds)[1] for input_set, _ in originals]
+            references = []
+            for input_set, _ in originals:
+                running(f"the reference on the {input_set.label} inputs")
+                references.append(run_reference.run(input_set.feeds)[1])
+                state["done"] += 1
             del reference, run_reference
             impact = comparator.compare_all(names, originals[0][1], references[0])
         run_compiled = runners.of(compiled, "compiled")
         per_set: list[list[OutputComparison]] = []
         for (input_set, _), reference_outputs in zip(originals, references):
+            running(f"the compiled model on the {input_set.label} inputs")
             try:
                 compiled_names, out_compiled = run_compiled.run(input_set.feeds)
+                state["done"] += 1
             except (InvalidInputError, UnsupportedModelError) as exc:
                 # The original ran on these inputs: the compiler made a model the runtime cannot run.
                 culprit = _bisect(load_original, options, input_set, reference_outputs, names, runners, comparator)

@@ -462,17 +462,18 @@ class ChunkedRunners(Runners):
     all_input_sets = False
     bisect_skipped = "pass bisection skipped (weights over --chunked-verify-bytes)"
 
-    def __init__(self, load_original: Callable[[], ir.Model], budget_bytes: int) -> None:
-        self.load_original, self.budget_bytes = load_original, budget_bytes
+    def __init__(self, load_original: Callable[[], ir.Model], budget_bytes: int,
+                 on_chunk: Callable[[int, int], None] | None = None) -> None:  # fmt: skip
+        self.load_original, self.budget_bytes, self.on_chunk = load_original, budget_bytes, on_chunk
 
     def original(self) -> Runner:
-        return ChunkedRunner(self.load_original, self.budget_bytes)
+        return ChunkedRunner(self.load_original, self.budget_bytes, self.on_chunk)
 
     def of(self, model: ir.Model, name: str) -> Runner:
-        return ChunkedRunner(model, self.budget_bytes)
+        return ChunkedRunner(model, self.budget_bytes, self.on_chunk)
 
     def checkpoint(self, model: ir.Model) -> Runner:
-        return ChunkedRunner(model, self.budget_bytes)
+        return ChunkedRunner(model, self.budget_bytes, self.on_chunk)
 
 
 def verification_runners(
@@ -482,11 +483,13 @@ def verification_runners(
     source: Path | None,
     original_proto: onnx.ModelProto | None,
     load_original: Callable[[], ir.Model],
+    on_chunk: Callable[[int, int], None] | None = None,
 ) -> Runners:
     """The runners of one verification: chunked (chunks of half ``chunked_verify_bytes``) when the compiled
-    model's weights exceed ``chunked_verify_bytes``, else whole models (files under ``workdir``)."""
+    model's weights exceed ``chunked_verify_bytes``, else whole models (files under ``workdir``). A chunked
+    run calls ``on_chunk(k, n)`` before each of its ``n`` chunks (progress)."""
     if weight_bytes(compiled) > chunked_verify_bytes:
-        return ChunkedRunners(load_original, chunked_verify_bytes // 2)
+        return ChunkedRunners(load_original, chunked_verify_bytes // 2, on_chunk)
     return WholeModelRunners(workdir, source, original_proto)
 
 

@@ -224,12 +224,23 @@ def parse_feeds(npz: Path | None, items: list[str] | None) -> dict[str, np.ndarr
 
 @contextlib.contextmanager
 def progress(description: str, enabled: bool = True) -> Iterator:
-    """A status spinner on stderr; yields a function that updates its text."""
+    """Progress on stderr when it is a terminal (nothing when piped): yields ``say(message, done=None,
+    total=None)``; a message alone is a stage (a spinner and the elapsed time), ``done`` / ``total`` draw a bar
+    (verification's model runs, a chunked run's chunks)."""
     if not enabled or not stderr.is_terminal:
-        yield lambda _msg: None
+        yield lambda *_a, **_k: None
         return
-    with stderr.status(description) as status:
-        yield lambda msg: status.update(f"{description}: {msg}")
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())  # fmt: skip
+    with Progress(*columns, console=stderr, transient=True) as bar:
+        task = bar.add_task(description, total=None)
+
+        def say(message: str, done: int | None = None, total: int | None = None) -> None:
+            bar.update(task, description=f"{description}: {message}", completed=done or 0, total=total)
+
+        yield say
 
 
 def _nearest_existing(path: Path) -> Path:
