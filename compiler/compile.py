@@ -90,7 +90,7 @@ def compile_model(
     """
     options = options or CompileOptions()
     target = get_target(options.target)
-    say = progress or (lambda _msg: None)
+    say = progress or (lambda *_a, **_k: None)
     start = time.perf_counter()
     say("loading")
     if isinstance(source, (str, Path)):

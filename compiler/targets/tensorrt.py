@@ -323,7 +323,7 @@ def write_tensorrt_bundle(
     """
     from layerzero.runtime import bundle as bundle_io
 
-    say = progress or (lambda _msg: None)
+    say = progress or (lambda *_a, **_k: None)
     trt = require_tensorrt()
     out = Path(os.path.abspath(out))
     if out.exists() and not overwrite:
