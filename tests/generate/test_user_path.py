@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="export tests need torch (pip install -e '.[export]')")
 transformers = pytest.importorskip("transformers", reason="export tests need transformers")
 pytest.importorskip("onnxscript", reason="torch.onnx.export(dynamo=True) needs onnxscript")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "corpus"))  # corpus_export, corpus_families
 
 from layerzero.cli import main  # noqa: E402
 from layerzero.errors import InvalidInputError  # noqa: E402
@@ -306,3 +309,54 @@ def test_readme_use_commands_run_on_an_export(
     profile = json.loads((work / "profile.json").read_text())
     assert profile["traffic"]["tokens"] == 15
     assert re.search(r"model\.layers\.1\.mlp", json.dumps(profile["paths"]))
+
+
+# ------------------------------------------------------------ the same on the corpus's Qwen2 and Qwen3-MoE
+
+
+def _corpus_family(name: str):  # the export corpus's family table (tests/corpus/corpus_families.py)
+    import dataclasses
+
+    from corpus_families import FAMILIES
+
+    family = FAMILIES[name]
+    kwargs = {**family.kwargs, "initializer_range": 0.2, "eos_token_id": None, "bos_token_id": None}
+    return dataclasses.replace(family, name=f"{name}_generate", kwargs=kwargs)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_no_cache_dynamo_export_of_other_families(family: str, tmp_path: Path) -> None:
+    from corpus_export import build_model
+
+    spec = _corpus_family(family)
+    model = build_model(spec, "dynamo")
+    model.save_pretrained(tmp_path / "hf")
+    out = tmp_path / "model.onnx"
+    assert main(["export", str(tmp_path / "hf"), "-o", str(out), "--no-cache"]) == 0
+    ids = [[5, 17, 99, 3, 42, 7]]
+    engine = Engine.load(out)
+    got = engine.run(engine.first_step_feeds({"input_ids": np.array(ids)})).outputs["logits"]
+    np.testing.assert_allclose(got, _hf_logits(tmp_path / "hf", ids), rtol=1e-4, atol=1e-4)
+
+
+def test_moe_bundle_runs_and_profiles_on_input_ids_alone(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Qwen3-MoE (dynamic experts): run with input_ids only computes transformers' logits; profile on text counts
+    every expert and measures impact through the force-off variant (which gets the same filled feeds)."""
+    from corpus_export import get_generate_export
+
+    folder = get_generate_export(_corpus_family("qwen3_moe"))
+    bundle = tmp_path / "moe.lz"
+    assert main(["compile", str(folder / "model.onnx"), "-o", str(bundle)]) == 0
+    capsys.readouterr()
+    assert main(["run", str(bundle), "--input", "input_ids=5,17,99,3", "--json"]) == 0
+    logits = np.array(json.loads(capsys.readouterr().out)["outputs"]["logits"]["values"])
+    np.testing.assert_allclose(logits, _hf_logits(folder / "hf", [[5, 17, 99, 3]]), rtol=1e-4, atol=1e-4)
+    data = tmp_path / "calib.npz"
+    np.savez(data, input_ids=np.random.default_rng(2).integers(0, 128, (3, 1, 4)))
+    out = tmp_path / "profile.json"
+    assert main(["profile", str(bundle), "--data", str(data), "-o", str(out), "--impact-samples", "2"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["traffic"]["tokens"] == 12 and doc["impact"]["samples"] == 2
+    experts = [p for p in doc["paths"] if ".experts." in p["path"]]
+    assert len(experts) == 8 and all(p["tokens"]["run"] + p["tokens"]["skipped"] == 12 for p in experts)
+    assert any(isinstance(p["zeroing_impact"]["model"], float) for p in experts)
