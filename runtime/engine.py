@@ -188,7 +188,14 @@ class Engine:
         if "input_ids" not in out or not {"input_ids", "attention_mask", "position_ids"} <= names.keys():
             return out
         ids = out["input_ids"]
-        ids = ids if hasattr(ids, "ndim") else np.asarray(ids)
+        try:
+            ids = ids if hasattr(ids, "ndim") else np.asarray(ids)
+            mask = None if "attention_mask" not in out else np.asarray(out["attention_mask"])
+        except (ValueError, TypeError):  # ragged lists: said in one line naming the input, as validate_feeds does
+            for name in ("input_ids", "attention_mask"):
+                if name in out:
+                    _check_feed(names[name], out[name])
+            return out
         if ids.ndim == 1 and names["input_ids"].rank == 2:
             out["input_ids"] = ids = ids.reshape(1, -1)
         if ids.ndim != 2:
@@ -209,7 +216,7 @@ class Engine:
         if "attention_mask" not in out:
             out["attention_mask"] = np.ones((batch, past + seq), dtype=names["attention_mask"].dtype)
         if "position_ids" not in out:
-            mask = np.asarray(out["attention_mask"])
+            mask = np.asarray(out["attention_mask"]) if mask is None else mask
             if mask.ndim == 2 and mask.shape[0] == batch and mask.shape[1] >= seq:
                 # As the generate loop (and transformers): positions count the real tokens, pads sit at 0.
                 keep = mask != 0
@@ -230,8 +237,9 @@ class Engine:
                 with the compiled default. A model without that input raises ``InvalidInputError``.
 
         Raises:
-            InvalidInputError: a feed is unknown, missing, or has the wrong dtype, rank or static dim (the
-                message names the input), or the backend rejected the feeds.
+            InvalidInputError: a feed is unknown, missing, or has the wrong dtype, rank or static dim, a named
+                dim another input gives another size, a mask not past + seq long, an ``input_ids`` value
+                outside the vocabulary (the message names the input), or the backend rejected the feeds.
             LayerZeroError: the backend failed while running.
         """
         arrays = self.validate_feeds(feeds)

@@ -134,6 +134,8 @@ def test_first_step_feeds_fill_what_is_not_given(tmp_path: Path) -> None:
                                             "attention_mask": [[1, 1]]}))  # fmt: skip
     with pytest.raises(InvalidInputError, match=r"'input_ids': shape \[1, 0\] has no token"):
         engine.run(engine.first_step_feeds({"input_ids": np.zeros((1, 0), np.int64)}))
+    with pytest.raises(InvalidInputError, match=r"input 'input_ids': cannot make an array"):  # ragged rows
+        engine.first_step_feeds({"input_ids": [[1, 2], [3]]})
 
 
 def test_first_step_feeds_leave_other_models_alone(tmp_path: Path) -> None:
