@@ -3,7 +3,9 @@
 The counters are the runtime's (``layerzero.runtime.path_stats.Profiler``: it only needs the bundle's
 ``Engine``). The impact needs the force-off variant of the compiled model, built here in memory
 (``layerzero.passes.force_off.ExposeForceOff``) and run as a second ``Engine`` on the first
-``impact_samples`` requests: per request one run with nothing forced off, then one per subpath.
+``impact_samples`` requests: per request one run with nothing forced off, then one per subpath. A request
+to a causal LM export may hold ``input_ids`` alone: the rest is filled as a generation's first step
+(``Engine.first_step_feeds``).
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ def load_requests(path: str | Path) -> list[dict[str, np.ndarray]]:
         return [_read_npz(f) for f in files]
     if not path.is_file():
         raise InvalidInputError(f"{path}: calibration data not found (an .npz file or a directory of them)")
+    arrays = _read_npz(path)  # its errors name the file already
     try:
-        requests = list(iter_requests(_read_npz(path)))
+        requests = list(iter_requests(arrays))
     except InvalidInputError as exc:
         raise InvalidInputError(f"{path}: {exc}") from None
     if not requests:
@@ -97,6 +100,8 @@ def profile_bundle(
     """Count every request on the bundle, measure impact on the first ``impact_samples``; the profile."""
     tick = on_progress or (lambda _stage, _done, _total: None)
     engine = Engine.load(bundle)
+    # A causal LM export is profiled on text: a request of input_ids alone runs as the first step of a generation.
+    requests = [engine.first_step_feeds(feeds) for feeds in requests]
     profiler = Profiler(engine)
     total = len(requests)
     for i, feeds in enumerate(requests):

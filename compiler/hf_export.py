@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -81,11 +82,18 @@ def export_hf(
     cache: bool = True,
     exporter: str = "dynamo",
     opset: int | None = None,
+    force: bool = False,
 ) -> ExportResult:
     """Export the causal LM saved (``save_pretrained``) in ``model_dir`` to ``out``.
 
+    Nothing the export did not write is written over (checked before any work): an existing ``out`` is replaced
+    only with ``force`` and only when it is a model ``export_hf`` wrote (its metadata says so), and ``<out>.data``
+    only when it is that model's external data; the tokenizer files and ``generation_config.json`` copied beside
+    ``out`` never replace a different file there (an identical one is left as it is), ``force`` or not.
+
     Raises:
-        InvalidInputError: ``model_dir`` is not a Hugging Face model folder, or a bad option.
+        InvalidInputError: ``model_dir`` is not a Hugging Face model folder, a bad option, or an output that would
+            replace a file the export did not write.
         UnsupportedModelError: transformers cannot load it as a causal LM, or the exporter failed
             (the message carries the exporter's reason, on one line).
     """
@@ -94,6 +102,7 @@ def export_hf(
         raise InvalidInputError(f"exporter {exporter!r}: choose one of {', '.join(EXPORTERS)}")
     if not (model_dir / "config.json").is_file():
         raise InvalidInputError(f"{model_dir}: no config.json (a folder written by save_pretrained expected)")
+    stale_data, to_copy = _check_outputs(model_dir, out, force)
     try:
         import torch
         import transformers
@@ -162,12 +171,112 @@ def export_hf(
         "eos_token_id": _eos(model),
     }
     _set_metadata(out, meta)
+    if stale_data is not None and stale_data.name not in _external_locations(out):
+        stale_data.unlink(missing_ok=True)  # the replaced export's weights; the new one keeps its own inside
     copied = []
-    for name in TOKENIZER_FILES:
-        if (model_dir / name).is_file() and (model_dir / name).resolve() != (out.parent / name).resolve():
-            shutil.copyfile(model_dir / name, out.parent / name)
+    for name in to_copy:
+        target = out.parent / name
+        if not os.path.lexists(target):  # checked up front; a file that appeared since is not ours either
+            _copy_new(model_dir / name, target)
             copied.append(name)
     return ExportResult(out, meta["model_type"], layers, cache, exporter, input_names, output_names, copied)
+
+
+def _check_outputs(model_dir: Path, out: Path, force: bool) -> tuple[Path | None, list[str]]:
+    """Refuse, before any work, an export that would write over a file it did not write (see ``export_hf``).
+
+    Returns the existing ``<out>.data`` that belongs to the export being replaced (or None), and the names of
+    the files to copy beside ``out`` (those not there yet, or there with the same bytes).
+    """
+    data = out.with_name(f"{out.name}.data")
+    stale_data = None
+    if os.path.lexists(out):
+        if out.is_dir():
+            raise InvalidInputError(f"-o {out}: is a directory; give a file name")
+        if not force:
+            raise InvalidInputError(
+                f"-o {out}: exists; pass --force to replace it (only a model layerzero export wrote)"
+            )
+        if not _is_export(out):
+            raise InvalidInputError(
+                f"-o {out}: exists and is not a model layerzero export wrote; --force replaces only such a model: "
+                "choose another output path"
+            )
+        if data.name in _external_locations(out):
+            stale_data = data
+    if os.path.lexists(data) and stale_data is None:
+        raise InvalidInputError(
+            f"{data}: exists and is not the weights of a model layerzero export wrote at -o {out}; it would be "
+            "replaced by the export's external data: choose another output name"
+        )
+    to_copy = []
+    for name in TOKENIZER_FILES:
+        source, target = model_dir / name, out.parent / name
+        if not source.is_file() or source.resolve() == target.resolve():
+            continue
+        if os.path.lexists(target):
+            if not (target.is_file() and _same_bytes(source, target)):
+                raise InvalidInputError(
+                    f"{target}: exists and differs from {source}; layerzero export copies {name} beside the model "
+                    "and never replaces a file there: export into another directory"
+                )
+            continue  # the same file: left as it is
+        to_copy.append(name)
+    return stale_data, to_copy
+
+
+def _is_export(path: Path) -> bool:
+    """Whether ``path`` is a model ``export_hf`` wrote (the metadata entry it records); weights are not read."""
+    import onnx
+
+    try:
+        if not path.is_file() or path.stat().st_size > 2**31:
+            return False  # an inline ONNX file is under protobuf's 2 GB; a larger file is no export of ours
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # not ONNX at all: not ours
+        return False
+    return any(p.key == GENERATE_META_KEY for p in model.metadata_props)
+
+
+def _external_locations(path: Path) -> set[str]:
+    """The external-data files ``path``'s initializers name."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    return {
+        e.value
+        for t in model.graph.initializer
+        if t.data_location == onnx.TensorProto.EXTERNAL
+        for e in t.external_data
+        if e.key == "location"
+    }
+
+
+def _same_bytes(a: Path, b: Path) -> bool:
+    if a.stat().st_size != b.stat().st_size:
+        return False
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            chunk = fa.read(1 << 20)
+            if chunk != fb.read(1 << 20):
+                return False
+            if not chunk:
+                return True
+
+
+def _copy_new(source: Path, target: Path) -> None:
+    """Copy ``source`` to a ``target`` that does not exist: written beside it, then linked in place (``os.link``
+    fails if a file appeared there meanwhile: nothing is replaced)."""
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    shutil.copyfile(source, tmp)
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        raise InvalidInputError(f"{target}: appeared during the export; not replaced") from None
+    except OSError:  # a filesystem without hard links: the existence was checked just before
+        shutil.copyfile(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _one_line(e: BaseException) -> str:
@@ -238,11 +347,13 @@ def _export_dynamo(
 ) -> None:
     batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
     total, past = torch.export.Dim("total"), torch.export.Dim("past")
-    shapes: tuple = ({0: batch, 1: seq}, {0: batch, 1: total}, {0: batch, 1: seq})
     if cache:
+        shapes: tuple = ({0: batch, 1: seq}, {0: batch, 1: total}, {0: batch, 1: seq})
         shapes += (tuple({0: batch, 2: past} for _ in args[3:]),)
     else:
-        shapes += ((),)
+        # No past: the mask is as long as the ids (one dim, or the export finds total == seq and refuses), and
+        # the empty ``*past`` takes no entry (torch.export counts it as no input: 3 inputs, 3 shapes).
+        shapes = ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 1: seq})
     program = torch.onnx.export(
         model,
         args,
@@ -270,7 +381,7 @@ def _export_torchscript(
 ) -> None:
     axes = {
         "input_ids": {0: "batch", 1: "seq"},
-        "attention_mask": {0: "batch", 1: "total"},
+        "attention_mask": {0: "batch", 1: "total" if cache else "seq"},  # no past: as long as the ids
         "position_ids": {0: "batch", 1: "seq"},
         "logits": {0: "batch", 1: "seq"},
     }

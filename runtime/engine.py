@@ -11,7 +11,11 @@ section, whose mask column is all zero on this request), ``zeroed_params_ratio``
 when asked, ``Report.masks``.
 
 Feeds are checked against the model's inputs before anything runs, so a wrong name, dtype, rank or static
-dim is an ``InvalidInputError`` naming the input, not a backend stack trace. Python lists and scalars are
+dim is an ``InvalidInputError`` naming the input, not a backend stack trace; so is a named dim (``batch``,
+``seq``) that two inputs give different values, an ``attention_mask`` whose length is not past + seq (a model
+with ``past_key_values.*`` inputs), and an ``input_ids`` value outside the vocabulary (the rows of the embedding
+``Gather`` it indexes, else the ``vocab_size`` ``layerzero export`` recorded, else the logits' last dim): ONNX
+Runtime's ``Gather`` would wrap -1 to the last row and answer without a word. Python lists and scalars are
 converted to the input's dtype when that is lossless (ints to any int/float type that holds them exactly;
 floats to any float type, rounding as a float literal would, but not overflowing to inf). numpy arrays (and
 other objects with a dtype) must already have the input's dtype: a silent float64 -> float32 cast hides bugs.
@@ -20,6 +24,7 @@ other objects with a dtype) must already have the input's dtype: a silent float6
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -29,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from layerzero.contract import MASK_PREFIX, ROUTER_PREFIX, THRESHOLD_INPUT
-from layerzero.errors import InvalidInputError
+from layerzero.errors import InvalidInputError, UnsupportedModelError
 from layerzero.runtime.backends.base import Backend, TensorSpec, get_backend
 from layerzero.runtime.bundle import check_external_data, read_bundle
 from layerzero.runtime.report import Report, index_dynamic
@@ -71,6 +76,7 @@ class Engine:
         self._template = Report.from_manifest(self._manifest)
         self._dynamic_index = index_dynamic(self._manifest.get("dynamic"))  # once, not per request
         self._has_threshold: bool | None = None
+        self._vocab: tuple[int | None] | None = None  # (rows of input_ids,) once read from the graph
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, backend: str | None = None, **backend_options: Any) -> Engine:
@@ -146,11 +152,80 @@ class Engine:
     def has_threshold_input(self) -> bool:
         """Whether the model reads its zeroing threshold from ``layerzero::threshold`` (``run(threshold=)``)."""
         if self._has_threshold is None:
-            import onnx
+            self._read_graph()
+        return bool(self._has_threshold)
 
-            graph = onnx.load(str(self._model_path), load_external_data=False).graph
-            self._has_threshold = any(i.name == THRESHOLD_INPUT for i in graph.input)
-        return self._has_threshold
+    @property
+    def vocab_size(self) -> int | None:
+        """How many token ids ``input_ids`` takes (``0 <= id < vocab_size``); None when the model has no such
+        input or it cannot be told (see the module doc)."""
+        if self._vocab is None:
+            self._read_graph()
+        return self._vocab[0] if self._vocab else None
+
+    def _read_graph(self) -> None:
+        """What the graph itself tells (read once, weights not loaded): the threshold input, the vocabulary."""
+        model = _graph_of(self._model_path)
+        self._has_threshold = model is not None and any(i.name == THRESHOLD_INPUT for i in model.graph.input)
+        spec = self._specs.get("input_ids")
+        ids = model is not None and spec is not None and spec.dtype.kind in "iu"
+        self._vocab = (_token_rows(model, "input_ids") if ids else None,)
+
+    def first_step_feeds(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
+        """``feeds`` completed as the first step of a generation would be, for a causal LM (``layerzero export``).
+
+        Of the inputs the caller did not give: ``attention_mask`` is ones over past + seq, ``position_ids`` count
+        the tokens the mask keeps (``past .. past + seq - 1`` under an all-ones mask; as the generate loop), and
+        the ``past_key_values.*`` an empty past ``[batch, kv_heads, 0, head_dim]`` (the generate loop's prefill
+        past, read from the inputs' specs). A given input is used as is; a 1-D ``input_ids`` is one sequence
+        ``[1, seq]``. Any other model, or feeds without ``input_ids``, come back unchanged (``run`` then names
+        what is missing).
+        """
+        from layerzero.runtime.generate import _cache_layout
+
+        out = dict(feeds)
+        names = self._specs
+        if "input_ids" not in out or not {"input_ids", "attention_mask", "position_ids"} <= names.keys():
+            return out
+        ids = out["input_ids"]
+        try:
+            ids = ids if hasattr(ids, "ndim") else np.asarray(ids)
+            mask = None if "attention_mask" not in out else np.asarray(out["attention_mask"])
+        except (ValueError, TypeError):  # ragged lists: said in one line naming the input, as validate_feeds does
+            for name in ("input_ids", "attention_mask"):
+                if name in out:
+                    _check_feed(names[name], out[name])
+            return out
+        if ids.ndim == 1 and names["input_ids"].rank == 2:
+            out["input_ids"] = ids = ids.reshape(1, -1)
+        if ids.ndim != 2:
+            return out  # validate_feeds names the rank
+        try:
+            layout = _cache_layout(self)
+        except UnsupportedModelError:
+            layout = None
+        batch, seq = (int(d) for d in ids.shape)
+        past = 0
+        if layout is not None:
+            given = [out[p] for p, _ in layout.names if p in out]
+            if not given:  # an empty past, as the generate loop's prefill; a partial one is the caller's to finish
+                heads, head_dim = layout.shape
+                out.update({p: np.zeros((batch, heads, 0, head_dim), dtype=layout.dtype) for p, _ in layout.names})
+            elif np.ndim(given[0]) == 4:
+                past = int(np.shape(given[0])[2])
+        if "attention_mask" not in out:
+            out["attention_mask"] = np.ones((batch, past + seq), dtype=names["attention_mask"].dtype)
+        if "position_ids" not in out:
+            mask = np.asarray(out["attention_mask"]) if mask is None else mask
+            if mask.ndim == 2 and mask.shape[0] == batch and mask.shape[1] >= seq:
+                # As the generate loop (and transformers): positions count the real tokens, pads sit at 0.
+                keep = mask != 0
+                positions = np.where(keep, np.cumsum(keep, axis=1) - 1, 0)[:, mask.shape[1] - seq :]
+                out["position_ids"] = positions.astype(names["position_ids"].dtype)
+            else:  # a mask of the wrong shape: validate_feeds names it, not a missing position_ids
+                positions = np.arange(past, past + seq, dtype=names["position_ids"].dtype)
+                out["position_ids"] = np.broadcast_to(positions, (batch, seq)).copy()
+        return out
 
     def run(self, feeds: Mapping[str, Any], *, masks: bool = False, threshold: float | None = None) -> Result:
         """Validate ``feeds``, run the model, and return the user outputs and this request's report.
@@ -162,8 +237,9 @@ class Engine:
                 with the compiled default. A model without that input raises ``InvalidInputError``.
 
         Raises:
-            InvalidInputError: a feed is unknown, missing, or has the wrong dtype, rank or static dim (the
-                message names the input), or the backend rejected the feeds.
+            InvalidInputError: a feed is unknown, missing, or has the wrong dtype, rank or static dim, a named
+                dim another input gives another size, a mask not past + seq long, an ``input_ids`` value
+                outside the vocabulary (the message names the input), or the backend rejected the feeds.
             LayerZeroError: the backend failed while running.
         """
         arrays = self.validate_feeds(feeds)
@@ -220,7 +296,19 @@ class Engine:
         missing = [spec for name, spec in self._specs.items() if name not in feeds]
         if missing:
             raise InvalidInputError("missing input " + ", ".join(f"{s.name!r} ({s.describe()})" for s in missing))
-        return {name: _check_feed(spec, feeds[name]) for name, spec in self._specs.items()}
+        arrays = {name: _check_feed(spec, feeds[name]) for name, spec in self._specs.items()}
+        _check_named_dims(self._specs, arrays)
+        _check_cache_lengths(self._specs, arrays)
+        ids = arrays.get("input_ids")
+        if ids is not None and ids.size and ids.dtype.kind in "iu" and self.vocab_size is not None:
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= self.vocab_size:
+                bad = low if low < 0 else high
+                raise InvalidInputError(
+                    f"input 'input_ids': token id {bad} is outside the vocabulary [0, {self.vocab_size}) of "
+                    f"{self._model_path}"
+                )
+        return arrays
 
     def _describe_inputs(self) -> str:
         return ", ".join(f"{s.name!r} ({s.describe()})" for s in self._specs.values()) or "(none)"
@@ -303,6 +391,85 @@ def _check_feed(spec: TensorSpec, value: Any) -> np.ndarray:
                 f"(shape {list(array.shape)}, expected {spec.describe()})"
             )
     return array
+
+
+def _check_named_dims(specs: Mapping[str, TensorSpec], arrays: Mapping[str, np.ndarray]) -> None:
+    """A named dim (``batch``, ``seq``) is one size across the inputs: ONNX Runtime would fail deep inside the graph
+    (``Shape mismatch attempting to re-use buffer``), or broadcast and answer."""
+    seen: dict[str, tuple[str, int]] = {}  # dim name -> (the first input giving it, its size)
+    for name, spec in specs.items():
+        if spec.shape is None:
+            continue
+        for axis, dim in enumerate(spec.shape):
+            if not isinstance(dim, str):
+                continue
+            got = int(arrays[name].shape[axis])
+            first = seen.setdefault(dim, (name, got))
+            if first[1] != got:
+                expected = [first[1] if d == dim else s for d, s in zip(spec.shape, arrays[name].shape, strict=True)]
+                raise InvalidInputError(
+                    f"input {name!r}: shape {list(arrays[name].shape)}, expected {expected} ({spec.describe()}: "
+                    f"{dim} is {first[1]}, as in {first[0]!r})"
+                )
+
+
+def _check_cache_lengths(specs: Mapping[str, TensorSpec], arrays: Mapping[str, np.ndarray]) -> None:
+    """A causal LM with a KV cache (inputs ``input_ids``, ``attention_mask``, ``past_key_values.*`` as
+    ``layerzero export`` names them): at least one token, and a mask as long as past + seq."""
+    pasts = [n for n in specs if n.startswith("past_key_values.") and arrays[n].ndim == 4]
+    ids, mask = arrays.get("input_ids"), arrays.get("attention_mask")
+    if not pasts or ids is None or mask is None or ids.ndim != 2 or mask.ndim != 2:
+        return
+    if ids.shape[1] == 0:
+        raise InvalidInputError(f"input 'input_ids': shape {list(ids.shape)} has no token; give at least one")
+    past, seq = int(arrays[pasts[0]].shape[2]), int(ids.shape[1])
+    if mask.shape[1] != past + seq:
+        raise InvalidInputError(
+            f"input 'attention_mask': shape {list(mask.shape)}, expected {[mask.shape[0], past + seq]} (its length "
+            f"is past + seq: {past} in {pasts[0]!r} + {seq} in 'input_ids')"
+        )
+
+
+def _graph_of(path: Path) -> Any:
+    """The model's ONNX proto without its weights' data (dims only); None when ``path`` is not an ONNX file."""
+    import onnx
+
+    try:
+        return onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # a TensorRT plan, a broken file: the backend already loaded it, nothing to learn here
+        logger.debug("%s: not read as ONNX (%s)", path, e)
+        return None
+
+
+def _token_rows(model: Any, name: str) -> int | None:
+    """The ids ``name`` may hold: the rows of the weight it indexes (``Gather(W, ids)``, axis 0, an embedding), else
+    the ``vocab_size`` of the export's metadata, else the static last dim of a ``logits`` output."""
+    from layerzero.runtime.generate import GENERATE_META_KEY
+
+    graph = model.graph
+    rows = {t.name: int(t.dims[0]) for t in graph.initializer if len(t.dims) >= 1}
+    limits = []
+    for node in graph.node:
+        if name not in node.input or node.op_type in ("Shape", "Size"):  # Shape reads the ids' shape only
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        if node.op_type == "Gather" and axis == 0 and list(node.input).index(name) == 1 and node.input[0] in rows:
+            limits.append(rows[node.input[0]])
+    if limits:
+        return min(limits)
+    for prop in model.metadata_props:
+        if prop.key == GENERATE_META_KEY:
+            try:
+                vocab = json.loads(prop.value).get("vocab_size")
+            except (ValueError, AttributeError):
+                vocab = None
+            if isinstance(vocab, int) and vocab > 0:
+                return vocab
+    for output in graph.output:
+        dims = output.type.tensor_type.shape.dim
+        if output.name == "logits" and dims and dims[-1].HasField("dim_value") and dims[-1].dim_value > 0:
+            return int(dims[-1].dim_value)
+    return None
 
 
 def _same_string_kind(got: np.dtype, want: np.dtype) -> bool:

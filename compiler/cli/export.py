@@ -4,7 +4,10 @@ The model gets inputs input_ids, attention_mask, position_ids and past_key_value
 logits and present.N.key/value (a KV cache carried in and out); --no-cache exports one pass (logits only).
 MoE models use the batched_mm experts implementation; the TorchScript exporter uses eager attention. The
 tokenizer files and generation_config.json are copied beside the model. A model the exporter cannot take is
-refused with the exporter's reason (exit 2).
+refused with the exporter's reason (exit 2). Nothing is written over a file export did not write (checked
+before any work, exit 2): an existing OUTPUT is replaced only with --force and only when it is a model
+layerzero export wrote (so is its OUTPUT.data); a different tokenizer or generation_config.json beside it is
+never replaced (export into another directory).
 
 examples:
   layerzero export ./tiny-llama -o llama.onnx
@@ -34,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="torch.onnx exporter (default dynamo; torchscript is faster to export and uses eager attention)",
     )
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default: the exporter's)")
+    p.add_argument("--force", action="store_true", help="replace OUTPUT if it is a model layerzero export wrote")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,7 +49,9 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"-o {args.output}: is a directory; give a file name")
     check_output_dir(args.output, "-o")
     start = time.perf_counter()
-    result = export_hf(args.model_dir, args.output, cache=not args.no_cache, exporter=args.exporter, opset=args.opset)
+    result = export_hf(
+        args.model_dir, args.output, cache=not args.no_cache, exporter=args.exporter, opset=args.opset, force=args.force
+    )
     seconds = time.perf_counter() - start
     kind = "cache-carrying" if result.cache else "single-pass"
     console.print(

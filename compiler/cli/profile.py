@@ -9,7 +9,9 @@ Writes a JSON profile (versioned; it names the bundle's model sha256 and its sou
 `layerzero compile --profile` solidifies and `layerzero report` draws.
 
 --data is an .npz whose arrays have a leading request axis, one per input name ([R, ...]), or a directory
-of .npz files, one request each (file-name order).
+of .npz files, one request each (file-name order). For a causal LM that `layerzero export` wrote, input_ids
+alone will do ([R, 1, seq] or [R, seq]): attention_mask, position_ids and an empty past are filled as the first
+step of a generation.
 
 examples:
   layerzero profile model.lz --data calib.npz -o profile.json

@@ -3,7 +3,9 @@
 Prints each output (shape, dtype, values, abbreviated) and the zeroing report. Inputs come from an
 .npz file and/or NAME=VALUES items; a flat list given for an input of higher rank gets leading
 dims of 1 (input_ids=1,2,3 feeds a [batch, seq] input as [1, 3]); values take the input's dtype
-(x=0.5,1.5 feeds a float32 input; flag=1 a scalar bool one). --save writes an .npz atomically; it never
+(x=0.5,1.5 feeds a float32 input; flag=1 a scalar bool one). A causal LM that `layerzero export` wrote runs
+as the first step of a generation: attention_mask, position_ids and past_key_values.* not given are filled
+(ones, 0..seq-1, an empty past), so input_ids=1,2,3 alone runs it. --save writes an .npz atomically; it never
 replaces the bundle's files or its source model, nor (without --force) a file that is not such an .npz.
 
 examples:
@@ -100,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     if not feeds and engine.input_specs:
         names = ", ".join(s.describe() for s in engine.input_specs)
         raise InvalidInputError(f"no inputs given; the model expects {names} (use --input or --inputs)")
-    feeds = _fit_ranks(engine, feeds)
+    # A causal LM export is run as its first generation step: the mask, positions and empty past not given are filled.
+    feeds = engine.first_step_feeds(_fit_ranks(engine, feeds))
     start = time.perf_counter()
     result = engine.run(feeds, masks=args.masks)
     ms = (time.perf_counter() - start) * 1e3

@@ -293,8 +293,15 @@ def test_large_export_keeps_its_weights_in_external_data(
     monkeypatch.setattr(hf_export, "EXTERNAL_DATA_BYTES", 0)
     out = tmp / "external" / "model.onnx"
     out.parent.mkdir()
-    (out.parent / "model.onnx.data").write_bytes(b"stale")  # a leftover must not be appended to
+    (out.parent / "model.onnx.data").write_bytes(b"stale")  # not the export's: refused, never appended to
+    assert main(["export", str(llama_dir), "-o", str(out)]) == 2
+    assert (out.parent / "model.onnx.data").read_bytes() == b"stale"
+    (out.parent / "model.onnx.data").unlink()
     assert main(["export", str(llama_dir), "-o", str(out)]) == 0
+    # Replaced with --force (its own export): the new weights are written, not appended to the old ones.
+    size = (out.parent / "model.onnx.data").stat().st_size
+    assert main(["export", str(llama_dir), "-o", str(out), "--force"]) == 0
+    assert (out.parent / "model.onnx.data").stat().st_size == size
     graph = onnx.load(str(out), load_external_data=False).graph
     external = [t for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
     assert external and {e.value for t in external for e in t.external_data if e.key == "location"} == {
