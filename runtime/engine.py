@@ -181,7 +181,7 @@ class Engine:
         ``[1, seq]``. Any other model, or feeds without ``input_ids``, come back unchanged (``run`` then names
         what is missing).
         """
-        from layerzero.runtime.generate import _cache_layout
+        from layerzero.runtime.generate import cache_layout
 
         out = dict(feeds)
         names = self._specs
@@ -201,7 +201,7 @@ class Engine:
         if ids.ndim != 2:
             return out  # validate_feeds names the rank
         try:
-            layout = _cache_layout(self)
+            layout = cache_layout(self)
         except UnsupportedModelError:
             layout = None
         batch, seq = (int(d) for d in ids.shape)
