@@ -44,6 +44,7 @@ import onnx_ir as ir
 
 from layerzero.passes._graph import NameFactory, const_array, make_constant, rename_output
 from layerzero.passes._lattice import ELEMENTWISE_BINARY, UNARY, UNARY_ATTR
+from layerzero.passes._scope import Scopes
 
 __all__ = ["PARAMS_REMOVED_KEY", "RemoveStructuredZeros"]
 
@@ -611,6 +612,7 @@ class _Rewriter:
     def __init__(self, root: ir.Graph, names: NameFactory) -> None:
         self.root = root
         self.names = names
+        self.scopes = Scopes(root)
 
     def constant(self, hint: str, array: np.ndarray) -> ir.Value:
         return make_constant(self.root, self.names, f"{hint}_lz_narrowed", np.ascontiguousarray(array))
@@ -702,7 +704,7 @@ class _Rewriter:
                 name=self.names(f"{node.name}_lz_shape"),
             )
             concat.outputs[0].name = self.names(f"{node.name}_lz_shape")
-            node.graph.insert_before(node, [head, concat])
+            self.scopes.insert_before(node, [head, concat])
             node.replace_input_with(1, concat.outputs[0])
         _set_last_dim(node.outputs[0], size)
 
@@ -867,7 +869,7 @@ class RemoveStructuredZeros(ir.passes.InPlacePass):
         new_out = add.outputs[0]
         new_out.name = rewriter.names(f"{out.name}_lz_row")
         new_out.shape, new_out.type = out.shape, out.type
-        node.graph.insert_after(node, add)
+        rewriter.scopes.insert_after(node, add)
         for user, index in list(out.uses()):
             if user is not add:
                 user.replace_input_with(index, new_out)
@@ -926,7 +928,7 @@ class RemoveStructuredZeros(ir.passes.InPlacePass):
         new.shape, new.type = original_shape, original_type
         producer = target.producer()
         assert producer is not None and producer.graph is not None
-        producer.graph.insert_after(producer, nodes)
+        rewriter.scopes.insert_after(producer, nodes)
         for user, index in list(target.uses()):
             if user is not pad:
                 user.replace_input_with(index, new)
@@ -1006,7 +1008,7 @@ class RemoveStructuredZeros(ir.passes.InPlacePass):
         if a.shape is not None:
             sliced.shape = a.shape
             _set_last_dim(sliced, len(live))
-        node.graph.insert_before(node, cut)
+        rewriter.scopes.insert_before(node, cut)
         node.replace_input_with(0, sliced)
         raw = const_array(node.inputs[1])
         assert raw is not None

@@ -10,6 +10,7 @@ import onnx_ir as ir
 from layerzero.passes._graph import NameFactory, const_array, make_constant, replace_value
 from layerzero.passes._lattice import transfer, uniform_of_constant
 from layerzero.passes._rows import MAX_ROW_ELEMENTS, transfer_row
+from layerzero.passes._scope import Scopes
 from layerzero.passes._shapes import SymbolicShapes
 
 __all__ = ["PropagateUniforms"]
@@ -70,9 +71,10 @@ class PropagateUniforms(ir.passes.InPlacePass):
         graphs = list(model.graphs())
         shapes = SymbolicShapes(root, graphs)
         use_shape_range = dict(model.opset_imports).get("", 18) >= 15
+        scopes = Scopes(root)
         modified = False
         for graph in graphs:
-            rewriter = _GraphRewriter(graph, root, names, shapes, self.assume_finite, use_shape_range)
+            rewriter = _GraphRewriter(graph, root, names, shapes, self.assume_finite, use_shape_range, scopes)
             modified |= rewriter.run()
         return ir.passes.PassResult(model, modified=modified)
 
@@ -86,9 +88,11 @@ class _GraphRewriter:
         shapes: SymbolicShapes,
         assume_finite: bool,
         use_shape_range: bool,
+        scopes: Scopes,
     ) -> None:
         self.graph = graph
         self.root = root
+        self.scopes = scopes
         self.names = names
         self.shapes = shapes
         self.position = {node: i for i, node in enumerate(graph)}
@@ -232,7 +236,7 @@ class _GraphRewriter:
         new.name = self.names(f"{value.name}_row")
         new.shape = value.shape
         new.type = value.type
-        self.graph.insert_before(producer, node)
+        self.scopes.insert_before(producer, node)
         replace_value(value, new, self.names)
         return True
 
@@ -340,9 +344,12 @@ class _GraphRewriter:
         return index is not None and index < self.position.get(anchor, -1)
 
     def _shape_tensor(self, dims: list[int | tuple[ir.Value, int]], before: ir.Node) -> ir.Value:
+        """The shape tensor of ``dims``, computed before ``before`` (a cached one when it is, Case 4's rows and
+        Case 1's uniforms are materialised in two sweeps: a shape made for a later node is not reused earlier)."""
         key = tuple(d if isinstance(d, int) else (id(d[0]), d[1]) for d in dims)
-        if key in self._shape_cache:
-            return self._shape_cache[key]
+        cached = self._shape_cache.get(key)
+        if cached is not None and self.scopes.visible(cached, before):
+            return cached
         if all(isinstance(d, int) for d in dims):
             shape = make_constant(self.root, self.names, "lz_shape", np.array(dims, dtype=np.int64))
             self._shape_cache[key] = shape
@@ -383,7 +390,7 @@ class _GraphRewriter:
             concat.outputs[0].name = self.names("lz_shape")
             new_nodes.append(concat)
             shape = concat.outputs[0]
-        self.graph.insert_before(before, new_nodes)
+        self.scopes.insert_before(before, new_nodes)
         self._shape_cache[key] = shape
         return shape
 
@@ -408,6 +415,6 @@ class _GraphRewriter:
         new.name = self.names(f"{value.name}_uniform")
         new.shape = value.shape
         new.type = value.type
-        self.graph.insert_before(anchor, node)
+        self.scopes.insert_before(anchor, node)
         replace_value(value, new, self.names)
         return True
