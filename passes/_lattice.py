@@ -1,4 +1,4 @@
-"""The uniform-value lattice (DESIGN.md): unknown · uniform(c) · constant.
+"""The uniform-value lattice: unknown · uniform(c) · constant (docs/architecture.md, the static passes).
 
 A value is *uniform* when every element equals one scalar ``c``; its shape is the value's own
 (inferred, possibly symbolic) shape. This module holds the transfer functions: given the uniform
@@ -123,7 +123,7 @@ def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def _pow(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
     """ONNX Runtime's Pow: ``std::pow`` in double, cast to the base's type.
 
-    numpy refuses integers to negative integer powers (issue 14, cause 1); ORT gives the truncated
+    numpy refuses integers to negative integer powers; ORT gives the truncated
     double (2 ** -1 -> 0). A result that does not fit the integer type (0 ** -1) is implementation
     defined in C++: we give up on it.
     """
@@ -471,7 +471,7 @@ def _softmax(node: ir.Node, op: str, c: np.ndarray | None) -> np.ndarray | None:
 
 
 def _matmul_integer(node: ir.Node, ins: list[np.ndarray | None]) -> np.ndarray | None:
-    """MatMulInteger(a, b, a_zero_point, b_zero_point) = sum_k (a - azp)(b - bzp) (issue 14, cause 4).
+    """MatMulInteger(a, b, a_zero_point, b_zero_point) = sum_k (a - azp)(b - bzp): a zero point is no bias.
 
     Zero when either centred operand is zero (a uniform equal to its zero point); (ca - azp)(cb - bzp) K
     when both are uniform and K is static. Integers: no finiteness hazard.

@@ -1,4 +1,4 @@
-"""Structured zeros: the rows, columns and blocks of weights that pruning tools leave zero (issue 8, item 3).
+"""Structured zeros: the rows, columns and blocks of weights that pruning tools leave zero.
 
 A weight that is zero only in some rows or columns is kept whole by the value lattice (it is no uniform). This pass
 slices such weights so the MatMuls shrink, working from the operands: the contraction axis of ``MatMul`` / ``Gemm``,
