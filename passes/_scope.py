@@ -33,14 +33,15 @@ class ScopeError(AssertionError):
 class Scopes:
     """The owner of each subgraph of ``root`` and the order of each graph's nodes, for placing new nodes.
 
-    Orders are recomputed when the graph changed under them (a graph's length, or a node it no longer holds);
-    an owner map is rebuilt when a graph made after it (a new ``If``) is met.
+    A graph's order is computed once and again only when a node it lacks is asked about (one inserted since):
+    inserting nodes keeps the order of the others, so positions of older nodes stay comparable. The owner map is
+    rebuilt when a graph made after it (a new ``If``) is met.
     """
 
     def __init__(self, root: ir.Graph) -> None:
         self.root = root
         self._owners: dict[int, ir.Node] | None = None
-        self._order: dict[int, tuple[int, dict[ir.Node, int]]] = {}
+        self._order: dict[int, dict[ir.Node, int]] = {}
 
     # ---------------------------------------------------------------------------------------------- queries
     def owner(self, graph: ir.Graph) -> ir.Node | None:
@@ -71,11 +72,11 @@ class Scopes:
     def _position(self, node: ir.Node) -> int:
         graph = node.graph
         assert graph is not None
-        cached = self._order.get(id(graph))
-        if cached is None or cached[0] != len(graph) or node not in cached[1]:
-            cached = (len(graph), {n: i for i, n in enumerate(graph)})
-            self._order[id(graph)] = cached
-        return cached[1][node]
+        order = self._order.get(id(graph))
+        if order is None or node not in order:
+            order = {n: i for i, n in enumerate(graph)}
+            self._order[id(graph)] = order
+        return order[node]
 
     def precedes(self, a: ir.Node, b: ir.Node) -> bool:
         """True when ``a`` comes before ``b`` in their (common) graph."""
