@@ -196,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--generator", type=int, default=None, help="generator version (default: the latest)")
+    parser.add_argument(
+        "--deadline-s", type=float, default=None, help="stop starting cases after this many seconds (counts what ran)"
+    )
     parser.add_argument("--minimize", action="store_true", help="minimise one failure per distinct message")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -206,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --generator {version} is not one of {sorted(OPS_BY_VERSION)}", file=sys.stderr)
         return 2
     began = time.monotonic()
-    counts, failures = fuzz(args.cases, args.start, args.jobs, version=version)
+    counts, failures = fuzz(args.cases, args.start, args.jobs, deadline_s=args.deadline_s, version=version)
     total = sum(counts.values())
     print(f"{total} cases (generator version {version}) in {time.monotonic() - began:.0f} s")
     for kind, label in LABELS.items():
