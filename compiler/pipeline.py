@@ -122,7 +122,7 @@ def sidestep_round_trips(model: ir.Model) -> bool:
     Cast round trip rather than its result (``read_round_trip_sources``: the same value).
 
     onnxruntime 1.32 removes such a round trip and rewires the main graph's readers only, so a subgraph reading the
-    result fails with "Missing Input". Whether it fires depends on what feeds the round trip: fuzz seed 134274's
+    result fails with "Missing Input". Whether it fires depends on what feeds the round trip:
     ``Cast(Cast(Expand(x, Shape(x))))`` ran, and once the static passes made it ``Cast(Cast(x))`` the model's own
     ``If`` could not. Runs after the static passes (the last thing a compile does); returns whether anything changed.
     """

@@ -1,4 +1,4 @@
-"""The uniform-value lattice (DESIGN.md): unknown · uniform(c) · constant.
+"""The uniform-value lattice: unknown · uniform(c) · constant (docs/architecture.md, the static passes).
 
 A value is *uniform* when every element equals one scalar ``c``; its shape is the value's own
 (inferred, possibly symbolic) shape. This module holds the transfer functions: given the uniform
@@ -8,14 +8,26 @@ scalars of a node's inputs (None = unknown), the uniform scalars of its outputs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+from collections.abc import Callable
 
 import numpy as np
 import onnx_ir as ir
 
 from layerzero.passes._graph import const_array
 
-__all__ = ["ELEMENTWISE_BINARY", "UNARY", "UNARY_ATTR", "UNIFORM_META_KEY", "transfer", "uniform_of_constant"]
+__all__ = [
+    "ABSORBING",
+    "ELEMENTWISE_BINARY",
+    "TRANSFERS",
+    "UNARY",
+    "UNARY_ATTR",
+    "UNIFORM_META_KEY",
+    "Absorbing",
+    "transfer",
+    "uniform_of_constant",
+]
 
 UNIFORM_META_KEY = "layerzero.uniform"
 _PROBE = 4096  # elements looked at before reading a whole tensor (keeps memory-mapped weights cold)
@@ -111,7 +123,7 @@ def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def _pow(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
     """ONNX Runtime's Pow: ``std::pow`` in double, cast to the base's type.
 
-    numpy refuses integers to negative integer powers (issue 14, cause 1); ORT gives the truncated
+    numpy refuses integers to negative integer powers; ORT gives the truncated
     double (2 ** -1 -> 0). A result that does not fit the integer type (0 ** -1) is implementation
     defined in C++: we give up on it.
     """
@@ -254,8 +266,11 @@ def transfer(node: ir.Node, ins: list[np.ndarray | None], *, assume_finite: bool
         return outs
     op = node.op_type
     first = node.outputs[0]
+    rule = TRANSFERS.get(op)
+    if rule is None:
+        return outs
     with np.errstate(all="ignore"):
-        result = _transfer_first(node, op, ins, assume_finite)
+        result = rule(node, _Ins(ins), assume_finite)
     if result is None:
         return outs
     if op == "Split":
@@ -264,76 +279,159 @@ def transfer(node: ir.Node, ins: list[np.ndarray | None], *, assume_finite: bool
     return outs
 
 
-def _transfer_first(node: ir.Node, op: str, ins: list[np.ndarray | None], assume_finite: bool) -> np.ndarray | None:
-    def known(k: int) -> np.ndarray | None:
-        return ins[k] if k < len(ins) else None
+class _Ins(list):
+    """The inputs' uniform scalars; ``at(k)`` is None past the end (an absent optional input)."""
 
-    if op in _UNARY:
-        return None if known(0) is None else _UNARY[op](known(0))
-    if op in _UNARY_ATTR:
-        return None if known(0) is None else np.asarray(_UNARY_ATTR[op](node, known(0)))
-    if op == "Clip":
-        return _clip(node, ins)
-    if op in ("Softmax", "LogSoftmax"):
-        return _softmax(node, op, known(0))
-    if op in _BINARY:
-        a, b = known(0), known(1)
-        # x * 0 -> 0 (NOTE: NaN/Inf * 0 is NaN; folded only under assume_finite, verification guards it)
-        if op == "Mul" and assume_finite and (_is_zero(a) or _is_zero(b)):
-            return np.zeros((), dtype=(a if a is not None else b).dtype)
-        if op == "And" and (_is_zero(a) or _is_zero(b)):  # x and false -> false
-            return np.asarray(False)
-        if op == "Or" and ((a is not None and bool(a)) or (b is not None and bool(b))):  # x or true -> true
-            return np.asarray(True)
+    def at(self, k: int) -> np.ndarray | None:
+        return self[k] if k < len(self) else None
+
+
+def _is_true(c: np.ndarray | None) -> bool:
+    return c is not None and bool(c)
+
+
+@dataclasses.dataclass(frozen=True)
+class Absorbing:
+    """``op`` is ``value(c)`` whatever its other operand when operand ``operand`` is ``c`` with ``test(c)``.
+
+    ``finite``: only under ``assume_finite`` (``NaN * 0`` is NaN; verification guards it)."""
+
+    op: str
+    operand: int
+    test: Callable[[np.ndarray | None], bool]
+    value: Callable[[np.ndarray], np.ndarray]
+    finite: bool = False
+
+
+def _both_orders(op: str, test: Callable, value: Callable, finite: bool = False) -> tuple[Absorbing, Absorbing]:
+    """The rule with the absorbing operand second, then first (the op commutes)."""
+    return Absorbing(op, 1, test, value, finite), Absorbing(op, 0, test, value, finite)
+
+
+def _zero_like(c: np.ndarray) -> np.ndarray:
+    return np.zeros((), dtype=c.dtype)
+
+
+# One row per rule: an operand that decides the result alone. Checked before the operands' own transfer.
+ABSORBING: tuple[Absorbing, ...] = (
+    *_both_orders("Mul", _is_zero, _zero_like, finite=True),  # x * 0 -> 0, 0 * x -> 0
+    *_both_orders("And", _is_zero, lambda c: np.asarray(False)),  # x and false -> false, false and x -> false
+    *_both_orders("Or", _is_true, lambda c: np.asarray(True)),  # x or true -> true, true or x -> true
+)
+_ABSORBING_BY_OP: dict[str, tuple[Absorbing, ...]] = {}
+for _rule in ABSORBING:
+    _ABSORBING_BY_OP[_rule.op] = (*_ABSORBING_BY_OP.get(_rule.op, ()), _rule)
+
+
+def _binary(op: str) -> Transfer:
+    def rule(node: ir.Node, ins: _Ins, assume_finite: bool) -> np.ndarray | None:
+        a, b = ins.at(0), ins.at(1)
+        for absorbing in _ABSORBING_BY_OP.get(op, ()):
+            c = (a, b)[absorbing.operand]
+            if (assume_finite or not absorbing.finite) and absorbing.test(c):
+                return absorbing.value(c)  # type: ignore[arg-type]
         if a is None or b is None:
             return None
         return _BINARY[op](a, b)
-    if op in _VARIADIC:
+
+    return rule
+
+
+def _variadic(op: str) -> Transfer:
+    def rule(node: ir.Node, ins: _Ins, assume_finite: bool) -> np.ndarray | None:
         if any(c is None for c in ins):
             return None
         acc = ins[0]
         for c in ins[1:]:
             acc = _VARIADIC[op](acc, c)
         return acc
-    if op == "Mean":
-        return None if any(c is None for c in ins) else np.mean(np.stack(ins))
-    if op == "Where":
-        cond, a, b = known(0), known(1), known(2)
-        if cond is not None:
-            return a if bool(cond) else b
-        if a is not None and b is not None and a == b:
-            return a
-        return None
-    if op == "MatMulInteger":
-        return _matmul_integer(node, ins)
-    if op in ("MatMul", "Gemm", "Conv", "Einsum"):
-        return _transfer_contraction(node, op, ins, assume_finite)
-    if op in _DATA_MOVEMENT:
-        return known(0)
-    if op == "Concat":
-        if ins and all(c is not None for c in ins) and all(c == ins[0] for c in ins):
-            return ins[0]
-        return None
-    if op in ("ReduceSum", "CumSum"):  # a sum of zeros is zero
-        return known(0) if _is_zero(known(0)) else None
-    if op == "Pad":
-        c = known(0)
-        mode = node.attributes.get_string("mode", "constant")
-        if c is None:
-            return None
-        if mode != "constant":  # edge / reflect / wrap copy elements of the uniform input
-            return c
-        if len(node.inputs) > 2 and node.inputs[2] is not None:
-            # NOTE: a run-time constant_value (computed, or an overridable initializer) is unknown,
-            # never 0 (issue 14, cause 5).
-            pad_value = known(2)
-        else:
-            pad_value = node.attributes.get("value").value if "value" in node.attributes else 0
-        return c if pad_value is not None and pad_value == c else None
-    if op == "ConstantOfShape":
-        attr = node.attributes.get("value")
-        return np.float32(0.0) if attr is None else np.asarray(attr.value.numpy()).reshape(-1)[0]
+
+    return rule
+
+
+def _unary(op: str) -> Transfer:
+    return lambda node, ins, assume_finite: None if ins.at(0) is None else _UNARY[op](ins.at(0))
+
+
+def _unary_attr(op: str) -> Transfer:
+    return lambda node, ins, assume_finite: None if ins.at(0) is None else np.asarray(_UNARY_ATTR[op](node, ins.at(0)))
+
+
+def _contraction(op: str) -> Transfer:
+    return lambda node, ins, assume_finite: _transfer_contraction(node, op, ins, assume_finite)
+
+
+def _mean(node: ir.Node, ins: _Ins, assume_finite: bool) -> np.ndarray | None:
+    return None if any(c is None for c in ins) else np.mean(np.stack(ins))
+
+
+def _where(node: ir.Node, ins: _Ins, assume_finite: bool) -> np.ndarray | None:
+    cond, a, b = ins.at(0), ins.at(1), ins.at(2)
+    if cond is not None:
+        return a if bool(cond) else b
+    if a is not None and b is not None and a == b:
+        return a
     return None
+
+
+def _concat(node: ir.Node, ins: _Ins, assume_finite: bool) -> np.ndarray | None:
+    if ins and all(c is not None for c in ins) and all(c == ins[0] for c in ins):
+        return ins[0]
+    return None
+
+
+def _sum_of_zeros(node: ir.Node, ins: _Ins, assume_finite: bool) -> np.ndarray | None:
+    return ins.at(0) if _is_zero(ins.at(0)) else None
+
+
+def _pad(node: ir.Node, ins: _Ins, assume_finite: bool) -> np.ndarray | None:
+    c = ins.at(0)
+    mode = node.attributes.get_string("mode", "constant")
+    if c is None:
+        return None
+    if mode != "constant":  # edge / reflect / wrap copy elements of the uniform input
+        return c
+    if len(node.inputs) > 2 and node.inputs[2] is not None:
+        # NOTE: a run-time constant_value (computed, or an overridable initializer) is unknown, never 0.
+        pad_value = ins.at(2)
+    else:
+        pad_value = node.attributes.get("value").value if "value" in node.attributes else 0
+    return c if pad_value is not None and pad_value == c else None
+
+
+def _constant_of_shape(node: ir.Node, ins: _Ins, assume_finite: bool) -> np.ndarray | None:
+    attr = node.attributes.get("value")
+    return np.float32(0.0) if attr is None else np.asarray(attr.value.numpy()).reshape(-1)[0]
+
+
+def _first(node: ir.Node, ins: _Ins, assume_finite: bool) -> np.ndarray | None:
+    return ins.at(0)
+
+
+# (node, the inputs' uniform scalars, assume_finite) -> the first output's uniform scalar, or None.
+Transfer = Callable[[ir.Node, _Ins, bool], "np.ndarray | None"]
+
+# The transfer function of each op: one row per op (or per family of ops sharing one). An op's rule is a row here.
+TRANSFERS: dict[str, Transfer] = {
+    **{op: _unary(op) for op in _UNARY},  # f(uniform c) -> uniform f(c)
+    **{op: _unary_attr(op) for op in _UNARY_ATTR},  # f_attrs(uniform c) -> uniform f_attrs(c)
+    "Clip": lambda node, ins, assume_finite: _clip(node, ins),  # Clip(c, lo, hi) -> min(max(c, lo), hi)
+    "Softmax": lambda node, ins, assume_finite: _softmax(node, "Softmax", ins.at(0)),  # Softmax(c) -> 1/n
+    "LogSoftmax": lambda node, ins, assume_finite: _softmax(node, "LogSoftmax", ins.at(0)),  # LogSoftmax(c) -> -log n
+    **{op: _binary(op) for op in _BINARY},  # a op b -> uniform (a op b); ABSORBING first
+    **{op: _variadic(op) for op in _VARIADIC},  # Sum / Max / Min(c1, c2, ...) -> the fold of the c's
+    "Mean": _mean,  # Mean(c1, ..., cn) -> their mean
+    "Where": _where,  # Where(c, a, b) -> a or b; Where(x, c, c) -> c
+    "MatMulInteger": lambda node, ins, assume_finite: _matmul_integer(node, ins),  # (a-azp)(b-bzp) K
+    # MatMul / Gemm / Conv / Einsum with a zero operand -> 0 (+ bias); MatMul(a, b) -> a b K
+    **{op: _contraction(op) for op in ("MatMul", "Gemm", "Conv", "Einsum")},
+    **{op: _first for op in _DATA_MOVEMENT},  # Reshape / Slice / ReduceMax / ...(uniform c) -> c
+    "Concat": _concat,  # Concat(c, c, ...) -> c
+    "ReduceSum": _sum_of_zeros,  # ReduceSum(0) -> 0
+    "CumSum": _sum_of_zeros,  # CumSum(0) -> 0
+    "Pad": _pad,  # Pad(c) with c (or edge / reflect) -> c
+    "ConstantOfShape": _constant_of_shape,  # ConstantOfShape(value=c) -> c
+}
 
 
 def _clip(node: ir.Node, ins: list[np.ndarray | None]) -> np.ndarray | None:
@@ -373,7 +471,7 @@ def _softmax(node: ir.Node, op: str, c: np.ndarray | None) -> np.ndarray | None:
 
 
 def _matmul_integer(node: ir.Node, ins: list[np.ndarray | None]) -> np.ndarray | None:
-    """MatMulInteger(a, b, a_zero_point, b_zero_point) = sum_k (a - azp)(b - bzp) (issue 14, cause 4).
+    """MatMulInteger(a, b, a_zero_point, b_zero_point) = sum_k (a - azp)(b - bzp): a zero point is no bias.
 
     Zero when either centred operand is zero (a uniform equal to its zero point); (ca - azp)(cb - bzp) K
     when both are uniform and K is static. Integers: no finiteness hazard.

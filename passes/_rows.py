@@ -1,4 +1,4 @@
-"""Row constants in the value lattice (DESIGN.md): a constant tensor broadcast over the leading axes.
+"""Row constants in the value lattice (passes/_lattice.py): a constant tensor broadcast over the leading axes.
 
 A value is a *row* ``R`` when it equals ``broadcast(R, shape(value))`` with ``R.ndim <= rank(value)``:
 what ``x @ 0 + b`` is (``b`` over every token). A uniform is the row of rank 0. This module holds

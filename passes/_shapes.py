@@ -1,4 +1,4 @@
-"""Symbolic shapes derived from a node's own operands (DESIGN.md "The value lattice").
+"""Symbolic shapes derived from a node's own operands, for the value lattice (passes/_lattice.py).
 
 Shape inference names the dims of graph inputs, but TorchScript exports leave almost every
 intermediate dim unnamed (``unk__N``), so two dims that are the same run-time size carry different

@@ -17,6 +17,7 @@ from layerzero.passes._graph import (
     release_subgraphs,
     replace_value,
 )
+from layerzero.passes._scope import Scopes
 
 __all__ = ["FoldConstants"]
 
@@ -68,25 +69,26 @@ class FoldConstants(ir.passes.InPlacePass):
         root = model.graph
         names = NameFactory(root)
         opsets = dict(model.opset_imports)
+        scopes = Scopes(root)
         modified = False
         for graph in list(model.graphs()):
             # Fold, then inline the Ifs whose condition that made constant, then fold what they brought along.
             while True:
                 modified |= self._fold_graph(root, graph, names, opsets)
-                if not self._fold_ifs(graph, names):
+                if not self._fold_ifs(graph, names, scopes):
                     break
                 modified = True
         return ir.passes.PassResult(model, modified=modified)
 
     # Case 3, over a FIFO (no quadratic pop(0)): a nested If an inlined branch brings along folds on this run.
-    def _fold_ifs(self, graph: ir.Graph, names: NameFactory) -> bool:
+    def _fold_ifs(self, graph: ir.Graph, names: NameFactory, scopes: Scopes) -> bool:
         pending = collections.deque(node for node in graph if node.op_type == "If")
         inlined_any = False
         while pending:
             node = pending.popleft()
             if node.graph is not graph or node.domain not in ("", "ai.onnx"):
                 continue
-            inlined = self._fold_if(graph, node, names)
+            inlined = self._fold_if(graph, node, names, scopes)
             if inlined is not None:
                 inlined_any = True
                 pending.extend(n for n in inlined if n.op_type == "If")
@@ -217,7 +219,7 @@ class FoldConstants(ir.passes.InPlacePass):
         return results
 
     # Case 3
-    def _fold_if(self, graph: ir.Graph, node: ir.Node, names: NameFactory) -> list[ir.Node] | None:
+    def _fold_if(self, graph: ir.Graph, node: ir.Node, names: NameFactory, scopes: Scopes) -> list[ir.Node] | None:
         """The nodes inlined into ``graph`` (None when the condition is not a constant)."""
         cond = const_array(node.inputs[0])
         if cond is None or cond.size != 1:
@@ -232,11 +234,12 @@ class FoldConstants(ir.passes.InPlacePass):
                     out.name = names(out.name)
             if inner.name:
                 inner.name = names(inner.name)
-        graph.insert_before(node, body)
         for name, init in list(branch.initializers.items()):
             branch.initializers.pop(name)
             init.name = names(name)
             graph.register_initializer(init)
+        # The body reads what the branch saw: values computed before the If, and its own initializers (moved first).
+        scopes.insert_before(node, body)
         branch_outputs = list(branch.outputs)
         branch.outputs.clear()  # first, so that a branch output may take the If output's name
         for if_out, branch_out in zip(node.outputs, branch_outputs):

@@ -63,7 +63,7 @@ class InferShapes(ir.passes.InPlacePass):
     4. Where ONNX Runtime computes another shape than onnx infers, the shape is dropped (unknown), and so is every
        shape computed from it: ``PRelu`` whose slope is not provably unidirectionally broadcastable to ``X`` (onnx
        infers ``X``'s shape; ONNX Runtime broadcasts both ways: ``PRelu(x[], slope[1])`` is ``[1]``, so a pass
-       that trusted ``[]`` changed an output's shape: fuzz seed 108743).
+       that trusted ``[]`` changed an output's shape).
     ``modified`` is True when a type or a shape changed.
     """
 

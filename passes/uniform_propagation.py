@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import onnx_ir as ir
@@ -10,9 +12,10 @@ import onnx_ir as ir
 from layerzero.passes._graph import NameFactory, const_array, make_constant, replace_value
 from layerzero.passes._lattice import transfer, uniform_of_constant
 from layerzero.passes._rows import MAX_ROW_ELEMENTS, transfer_row
+from layerzero.passes._scope import Scopes
 from layerzero.passes._shapes import SymbolicShapes
 
-__all__ = ["PropagateUniforms"]
+__all__ = ["IDENTITIES", "Identity", "PropagateUniforms"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +36,54 @@ def _is_zero(c: np.ndarray | None) -> bool:
     return c is not None and not bool(c)
 
 
+def _is_true(c: np.ndarray | None) -> bool:
+    return c is not None and bool(c)
+
+
+def _always(c: np.ndarray | None) -> bool:
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """``op``'s output is its input ``result`` when input ``operand`` is a uniform with ``test`` (Case 2).
+
+    ``operand`` None: always (the data-movement ops, when shape and dtype are kept). The rewrite also needs the
+    output's shape and dtype to equal that input's (broadcasting keeps x), checked by the pass."""
+
+    op: str
+    operand: int | None
+    test: Callable[[np.ndarray | None], bool]
+    result: int
+
+
+def _both_orders(op: str, test: Callable[[np.ndarray | None], bool]) -> tuple[Identity, Identity]:
+    """The identity with the constant second, then first (the op commutes)."""
+    return Identity(op, 1, test, 0), Identity(op, 0, test, 1)
+
+
+# One row per identity, tried in order (the first that holds wins). Adding an op's identity is one row.
+IDENTITIES: tuple[Identity, ...] = (
+    *_both_orders("Add", _is_zero),  # x + 0 -> x, 0 + x -> x
+    Identity("Sub", 1, _is_zero, 0),  # x - 0 -> x
+    *_both_orders("Mul", _is_one),  # x * 1 -> x, 1 * x -> x
+    Identity("Div", 1, _is_one, 0),  # x / 1 -> x
+    Identity("Pow", 1, _is_one, 0),  # x ** 1 -> x
+    Identity("Where", 0, _is_true, 1),  # Where(true, x, y) -> x
+    Identity("Where", 0, _is_zero, 2),  # Where(false, y, x) -> x
+    *_both_orders("And", _is_true),  # x and true -> x, true and x -> x
+    *_both_orders("Or", _is_zero),  # x or false -> x, false or x -> x
+    Identity("Reshape", None, _always, 0),  # Reshape(x, shape of x) -> x
+    Identity("Expand", None, _always, 0),  # Expand(x, shape of x) -> x
+    Identity("Cast", None, _always, 0),  # Cast(x, to its own dtype) -> x
+    Identity("Identity", None, _always, 0),  # Identity(x) -> x
+    Identity("CastLike", None, _always, 0),  # CastLike(x, a value of its dtype) -> x
+)
+_IDENTITIES_BY_OP: dict[str, tuple[Identity, ...]] = {}
+for _rule in IDENTITIES:
+    _IDENTITIES_BY_OP[_rule.op] = (*_IDENTITIES_BY_OP.get(_rule.op, ()), _rule)
+
+
 class PropagateUniforms(ir.passes.InPlacePass):
     """Track which values are uniform (every element equal) or rows, and rewrite what that proves.
 
@@ -46,10 +97,11 @@ class PropagateUniforms(ir.passes.InPlacePass):
        its dims at run time (graph inputs first, else computed values before it that stay), so the
        value keeps its (dynamic) shape. Its producer chain dies. Uniform sources: all-equal
        constants (including all-zero weights) and ConstantOfShape. No carrier: logged, kept.
-    2. An op whose output provably equals one input is bypassed: ``x + 0``, ``0 + x``, ``x - 0``,
-       ``x * 1``, ``1 * x``, ``x / 1``, ``x ** 1``, ``Where(true, x, y)``, ``Where(false, y, x)``,
-       ``x and true``, ``x or false``; and Reshape/Expand/Cast/Identity that keep shape and dtype.
-       Only when the output's dtype and shape provably equal the input's (broadcasting keeps x).
+    2. An op whose output provably equals one input is bypassed (the table ``IDENTITIES``): ``x + 0``,
+       ``0 + x``, ``x - 0``, ``x * 1``, ``1 * x``, ``x / 1``, ``x ** 1``, ``Where(true, x, y)``,
+       ``Where(false, y, x)``, ``x and true``, ``x or false``; and Reshape/Expand/Cast/Identity/CastLike that
+       keep shape and dtype. Only when the output's dtype and shape provably equal the input's (broadcasting
+       keeps x).
     3. ``x * 0``, ``MatMul(x, 0)``, ``Gemm``/``Conv`` with zero weights and Einsum with a zero
        operand are 0 only when x is finite: they fold under ``assume_finite`` (default on).
     4. Row constants (``x @ 0 + b``, ``act(row)``, ``MatMul(row, W)``, norms, a cached table of equal
@@ -70,9 +122,10 @@ class PropagateUniforms(ir.passes.InPlacePass):
         graphs = list(model.graphs())
         shapes = SymbolicShapes(root, graphs)
         use_shape_range = dict(model.opset_imports).get("", 18) >= 15
+        scopes = Scopes(root)
         modified = False
         for graph in graphs:
-            rewriter = _GraphRewriter(graph, root, names, shapes, self.assume_finite, use_shape_range)
+            rewriter = _GraphRewriter(graph, root, names, shapes, self.assume_finite, use_shape_range, scopes)
             modified |= rewriter.run()
         return ir.passes.PassResult(model, modified=modified)
 
@@ -86,9 +139,11 @@ class _GraphRewriter:
         shapes: SymbolicShapes,
         assume_finite: bool,
         use_shape_range: bool,
+        scopes: Scopes,
     ) -> None:
         self.graph = graph
         self.root = root
+        self.scopes = scopes
         self.names = names
         self.shapes = shapes
         self.position = {node: i for i, node in enumerate(graph)}
@@ -232,7 +287,7 @@ class _GraphRewriter:
         new.name = self.names(f"{value.name}_row")
         new.shape = value.shape
         new.type = value.type
-        self.graph.insert_before(producer, node)
+        self.scopes.insert_before(producer, node)
         replace_value(value, new, self.names)
         return True
 
@@ -245,33 +300,19 @@ class _GraphRewriter:
     def _alias_target(self, node: ir.Node, ins: list[np.ndarray | None]) -> ir.Value | None:
         if node.domain not in ("", "ai.onnx") or len(node.outputs) != 1:
             return None
-        op, inputs = node.op_type, node.inputs
+        inputs = node.inputs
         candidate: ir.Value | None = None
-        if op == "Add" and len(inputs) == 2:
-            candidate = inputs[0] if _is_zero(ins[1]) else inputs[1] if _is_zero(ins[0]) else None
-        elif op == "Sub" and _is_zero(ins[1]):
-            candidate = inputs[0]
-        elif op == "Mul":
-            candidate = inputs[0] if _is_one(ins[1]) else inputs[1] if _is_one(ins[0]) else None
-        elif op in ("Div", "Pow") and _is_one(ins[1]):
-            candidate = inputs[0]
-        elif op == "Where" and ins[0] is not None:
-            candidate = inputs[1] if bool(ins[0]) else inputs[2]
-        elif op == "And" and ins[1] is not None and bool(ins[1]):
-            candidate = inputs[0]
-        elif op == "And" and ins[0] is not None and bool(ins[0]):
-            candidate = inputs[1]
-        elif op == "Or" and _is_zero(ins[1]):
-            candidate = inputs[0]
-        elif op == "Or" and _is_zero(ins[0]):
-            candidate = inputs[1]
-        elif op in ("Reshape", "Expand", "Cast", "Identity", "CastLike") and inputs:
-            candidate = inputs[0]
+        for rule in _IDENTITIES_BY_OP.get(node.op_type, ()):
+            if rule.result < len(inputs) and (
+                rule.operand is None or (rule.operand < len(ins) and rule.test(ins[rule.operand]))
+            ):
+                candidate = inputs[rule.result]
+                break
         if candidate is None:
             return None
         candidate = self._resolve(candidate)
         out = node.outputs[0]
-        if out.is_graph_output() and op == "Identity":
+        if out.is_graph_output() and node.op_type == "Identity":
             return None  # a graph output keeps its name through an Identity: nothing to gain
         return candidate if self.shapes.same_shape(out, candidate) else None
 
@@ -340,9 +381,12 @@ class _GraphRewriter:
         return index is not None and index < self.position.get(anchor, -1)
 
     def _shape_tensor(self, dims: list[int | tuple[ir.Value, int]], before: ir.Node) -> ir.Value:
+        """The shape tensor of ``dims``, computed before ``before`` (a cached one when it is, Case 4's rows and
+        Case 1's uniforms are materialised in two sweeps: a shape made for a later node is not reused earlier)."""
         key = tuple(d if isinstance(d, int) else (id(d[0]), d[1]) for d in dims)
-        if key in self._shape_cache:
-            return self._shape_cache[key]
+        cached = self._shape_cache.get(key)
+        if cached is not None and self.scopes.visible(cached, before):
+            return cached
         if all(isinstance(d, int) for d in dims):
             shape = make_constant(self.root, self.names, "lz_shape", np.array(dims, dtype=np.int64))
             self._shape_cache[key] = shape
@@ -383,7 +427,7 @@ class _GraphRewriter:
             concat.outputs[0].name = self.names("lz_shape")
             new_nodes.append(concat)
             shape = concat.outputs[0]
-        self.graph.insert_before(before, new_nodes)
+        self.scopes.insert_before(before, new_nodes)
         self._shape_cache[key] = shape
         return shape
 
@@ -408,6 +452,6 @@ class _GraphRewriter:
         new.name = self.names(f"{value.name}_uniform")
         new.shape = value.shape
         new.type = value.type
-        self.graph.insert_before(anchor, node)
+        self.scopes.insert_before(anchor, node)
         replace_value(value, new, self.names)
         return True

@@ -6,6 +6,12 @@ Shape/ConstantOfShape, Pad, Softmax, LayerNormalization, If with a constant or a
 constants that are often all-zero, all-one, uniform or have zero rows, an opset in 17–20, value_info present
 or absent, and 1–3 outputs (sometimes one value listed twice). Shapes are tracked symbolically so that most
 graphs are valid; the harness counts (and skips) the ones that are not.
+
+Versions (``generate(seed, version)``; a seed's graph never changes within a version, so a reported seed replays):
+1. the ops above;
+2. (the default) also ``If`` nodes whose branches read outer values: shape chains of outer values inside a branch
+   (``Shape``/``Gather``/``Concat``/``Reshape``/``Expand``, ``ConstantOfShape``, uniforms and zero-weight rows made
+   there, a nested ``If``), and outer ``Reshape``/``Expand`` fed by the shape of a branch output.
 """
 
 from __future__ import annotations
@@ -18,7 +24,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["Generated", "Val", "generate"]
+__all__ = ["VERSION", "Generated", "Val", "generate"]
+
+# The generator version a plain ``generate(seed)`` draws from (module docstring).
+VERSION = 2
 
 FLOAT = TensorProto.FLOAT
 INT64 = TensorProto.INT64
@@ -555,6 +564,105 @@ def op_if(b: _Builder, pool: list[Val]) -> list[Val]:
     return [Val(out, FLOAT, x.shape)]
 
 
+def _cond(b: _Builder, x: Val) -> str:
+    if b.chance(0.5):
+        return b.const(np.array(b.chance(0.5)), "cond")
+    s = b.op("ReduceSum", [x.name], keepdims=0)
+    return b.op(b.pick(["Greater", "Less"]), [s, b.const(np.array(b.pick([0.0, 1.0]), np.float32))])
+
+
+def _shape_of(b: _Builder, x: Val) -> str:
+    """``Shape(x)``, sometimes rebuilt from its dims: ``Concat(Gather(Shape(x), [i]), ...)`` or of two slices."""
+    shape = b.op("Shape", [x.name])
+    rank = len(x.shape)
+    if rank == 0 or b.chance(0.4):
+        return shape
+    if b.chance(0.5):
+        pieces = [b.op("Gather", [shape, b.i64([i])], axis=0) for i in range(rank)]
+    else:
+        cut = int(b.rng.integers(0, rank + 1))
+        pieces = [b.op("Slice", [shape, b.i64([0]), b.i64([cut])]), b.op("Slice", [shape, b.i64([cut]), b.i64([rank])])]
+    return b.op("Concat", pieces, axis=0)
+
+
+def _scoped_step(b: _Builder, pool: list[Val], cur: Val, depth: int) -> Val:
+    """One step inside a branch that keeps ``cur``'s shape, reading ``cur`` or other outer values."""
+    kinds = ["unary", "reshape", "expand", "fill", "mul0", "outer", "row", "outer_shape"]
+    if depth == 0:
+        kinds.append("nested")
+    kind = b.pick(kinds)
+    same = [v for v in _floats(pool) if v.shape == cur.shape]
+    if kind == "unary":
+        return Val(b.op(b.pick(["Relu", "Neg", "Tanh", "Identity"]), [cur.name]), FLOAT, cur.shape)
+    if kind == "reshape":  # flatten, then back through the (rebuilt) shape of an outer value of that shape
+        flat = b.op("Reshape", [cur.name, b.i64([-1])])
+        return Val(b.op("Reshape", [flat, _shape_of(b, b.pick(same))]), FLOAT, cur.shape)
+    if kind == "expand":  # a constant (often uniform) expanded to an outer value's run-time shape
+        last = cur.shape[-1] if cur.shape and isinstance(cur.shape[-1], int) else 1
+        c = b.const(b.fconst(b.pick([(), (1,), (last,)])))
+        e = b.op("Expand", [c, _shape_of(b, b.pick(same))])
+        return Val(b.op(b.pick(["Add", "Mul", "Sub"]), [cur.name, e]), FLOAT, cur.shape)
+    if kind == "fill":
+        value = numpy_helper.from_array(np.array([b.pick([0.0, 1.0, 2.0])], np.float32))
+        f = b.op("ConstantOfShape", [_shape_of(b, b.pick(same))], value=value)
+        return Val(b.op(b.pick(["Add", "Mul"]), [f, cur.name]), FLOAT, cur.shape)
+    if kind == "mul0":  # a uniform made inside the branch, read next to another outer value
+        z = b.op("Mul", [cur.name, b.const(np.zeros((), np.float32))])
+        return Val(b.op("Add", [z, b.pick(same).name]), FLOAT, cur.shape)
+    if kind == "outer":
+        return Val(b.op(b.pick(["Add", "Mul", "Max"]), [cur.name, b.pick(same).name]), FLOAT, cur.shape)
+    if kind == "row" and cur.shape and isinstance(cur.shape[-1], int):  # x @ 0 + b: a row made inside the branch
+        k = cur.shape[-1]
+        m = b.op("MatMul", [cur.name, b.const(np.zeros((k, k), np.float32), "w")])
+        r = b.op("Add", [m, b.const(b.fconst((k,)), "bias")])
+        return Val(b.op(b.pick(["Add", "Mul"]), [r, b.pick(same).name]), FLOAT, cur.shape)
+    if kind == "outer_shape":  # the shape of a value made inside the branch feeds a reshape of an outer value
+        inner = b.op("Relu", [cur.name])
+        return Val(b.op("Reshape", [b.pick(same).name, b.op("Shape", [inner])]), FLOAT, cur.shape)
+    if kind == "nested":
+        return _scoped_if(b, [*pool, cur], cur, depth + 1)
+    return cur
+
+
+def _scoped_branch(b: _Builder, pool: list[Val], x: Val, name: str, depth: int) -> onnx.GraphProto:
+    outer_nodes, outer_inits = b.nodes, b.initializers
+    b.nodes, b.initializers = [], []
+    try:
+        cur = x
+        for _ in range(int(b.rng.integers(1, 4))):
+            cur = _scoped_step(b, pool, cur, depth)
+        out = b.op("Identity", [cur.name]) if not b.nodes or b.chance(0.3) else cur.name
+        return helper.make_graph(
+            b.nodes, name, [], [helper.make_tensor_value_info(out, FLOAT, list(x.shape))], b.initializers
+        )
+    finally:
+        b.nodes, b.initializers = outer_nodes, outer_inits
+
+
+def _scoped_if(b: _Builder, pool: list[Val], x: Val, depth: int = 0) -> Val:
+    cond = _cond(b, x)
+    then_branch = _scoped_branch(b, pool, x, b.fresh("then"), depth)
+    else_branch = _scoped_branch(b, pool, x, b.fresh("else"), depth)
+    return Val(b.op("If", [cond], then_branch=then_branch, else_branch=else_branch), FLOAT, x.shape)
+
+
+def op_if_scoped(b: _Builder, pool: list[Val]) -> list[Val]:
+    """An If whose branches read outer values (version 2); its output's shape sometimes feeds outer ops."""
+    x = b.pick(_floats(pool))
+    if b.chance(0.3):  # an outer uniform the branches read
+        pool = [*pool, Val(b.op("Mul", [x.name, b.const(np.zeros((), np.float32))]), FLOAT, x.shape)]
+    out = _scoped_if(b, pool, x)
+    new = [out]
+    same = [v for v in _floats(pool) if v.shape == x.shape]
+    if b.chance(0.4):
+        last = x.shape[-1] if x.shape and isinstance(x.shape[-1], int) else 1
+        c = b.const(b.fconst(b.pick([(), (last,)])))
+        new.append(Val(b.op("Expand", [c, _shape_of(b, out)]), FLOAT, x.shape))
+    if b.chance(0.4):
+        new.append(Val(b.op("Reshape", [b.pick(same).name, _shape_of(b, out)]), FLOAT, x.shape))
+    return new
+
+
 def op_gated(b: _Builder, pool: list[Val]) -> list[Val]:
     """x + g * f(x) with a gate g: what the gated-branch rewrite matches."""
     cands = [v for v in _floats(pool) if len(v.shape) >= 2 and isinstance(v.shape[-1], int)]
@@ -599,10 +707,15 @@ OPS: list[tuple[Callable[[_Builder, list[Val]], list[Val]], float]] = [
     (op_if, 1.5),
     (op_gated, 1),
 ]
+# Version 2: version 1's ops (the same order) and If nodes whose branches read outer values.
+OPS_BY_VERSION = {1: OPS, 2: [*OPS, (op_if_scoped, 2)]}
 
 
-def generate(seed: int) -> onnx.ModelProto:
-    """A random model for ``seed`` (deterministic)."""
+def generate(seed: int, version: int = VERSION) -> onnx.ModelProto:
+    """A random model for ``seed`` (deterministic for each generator ``version``)."""
+    if version not in OPS_BY_VERSION:
+        raise ValueError(f"generator version {version} is not one of {sorted(OPS_BY_VERSION)}")
+    ops = OPS_BY_VERSION[version]
     rng = np.random.default_rng(seed)
     opset = int(rng.integers(17, 21))
     b = _Builder(rng, opset)
@@ -618,12 +731,12 @@ def generate(seed: int) -> onnx.ModelProto:
         sources.append(Val(b.const(b.fconst(shape), "k"), FLOAT, shape))
     pool.extend(sources)
     target = int(rng.integers(5, 41))
-    weights = np.array([w for _, w in OPS])
+    weights = np.array([w for _, w in ops])
     weights /= weights.sum()
     tries = 0
     while len(b.nodes) < target and tries < 200:
         tries += 1
-        maker = OPS[int(rng.choice(len(OPS), p=weights))][0]
+        maker = ops[int(rng.choice(len(ops), p=weights))][0]
         try:
             new = maker(b, pool)
         except (ValueError, IndexError):  # pick() from an empty candidate list

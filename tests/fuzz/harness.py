@@ -4,7 +4,9 @@ Outcomes (``Outcome.kind``):
 - ``equal``: every output equal within float rounding on every input-size set, interface identical;
 - ``differ``: an output differs, or the interface (input/output names, order, element types) changed;
 - ``exception``: ``compile_model`` raised;
-- ``cannot_run``: ORT cannot load or run the compiled model;
+- ``cannot_run``: a node of the compiled model reads a value its scope does not define before it (a node before
+  the producer of its input, a subgraph reading a value of another branch: not valid ONNX, even where ORT sorts a
+  graph itself), or ORT cannot load or run the compiled model;
 - ``invalid``: the generated model itself is invalid (checker or ORT refuses it) or computes non-finite values
   (``assume_finite`` folds ``x * 0`` on purpose, so those are not compared).
 """
@@ -24,7 +26,7 @@ from layerzero.compile import compile_model
 from layerzero.options import CompileOptions
 from layerzero.passes._dynamic import MASK_PREFIX, ROUTER_PREFIX
 
-__all__ = ["KINDS", "Outcome", "check_model", "make_feeds", "run_ort"]
+__all__ = ["KINDS", "Outcome", "check_model", "make_feeds", "run_ort", "scope_problem"]
 
 KINDS = ("equal", "differ", "exception", "cannot_run", "invalid")
 ATOL = 1e-4
@@ -106,6 +108,26 @@ def _close(a: np.ndarray, b: np.ndarray) -> str | None:
     return f"max abs {float(np.nanmax(np.abs(a64 - b64))):.3g}"
 
 
+def scope_problem(graph: onnx.GraphProto, outer: frozenset[str] = frozenset()) -> str | None:
+    """The first node (or graph output) that reads a name not defined before it in its graph or in the graphs
+    enclosing it (a subgraph sees the outer names defined before the node that owns it); None when there is none."""
+    defined = set(outer) | {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    for node in graph.node:
+        for name in node.input:
+            if name and name not in defined:
+                return f"input {name!r} of {node.op_type} {node.name or node.output[0]!r} in graph {graph.name!r}"
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+                problem = scope_problem(sub, frozenset(defined))
+                if problem is not None:
+                    return problem
+        defined.update(o for o in node.output if o)
+    for out in graph.output:
+        if out.name not in defined:
+            return f"output {out.name!r} of graph {graph.name!r}"
+    return None
+
+
 def check_model(model: onnx.ModelProto, seed: int = 0, options: CompileOptions | None = None) -> Outcome:
     """Run one differential case on ``model``."""
     try:
@@ -130,6 +152,9 @@ def check_model(model: onnx.ModelProto, seed: int = 0, options: CompileOptions |
         return Outcome("exception", f"{type(exc).__name__}: {str(exc)[:200]} ({tb.filename}:{tb.lineno})")
     if _interface(compiled) != _interface(model):
         return Outcome("differ", f"interface {_interface(model)} -> {_interface(compiled)}")
+    problem = scope_problem(compiled.graph)
+    if problem is not None:
+        return Outcome("cannot_run", f"scope: {problem}")
     try:
         session = _session(compiled.SerializeToString())
     except Exception as exc:

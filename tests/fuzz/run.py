@@ -1,5 +1,8 @@
 """The differential fuzzer's long run: ``python -m tests.fuzz.run --cases 100000 [--start 0] [--jobs 2]``.
 
+``--generator V`` picks the generator version (``tests/fuzz/generator.py``; default the latest): a seed reported
+by a run of an older version replays with that version.
+
 Prints the counts (equal / differ / compiler exception / compiled model cannot run / invalid generated) and,
 with ``--minimize``, each distinct failure minimised, in ONNX text, ready to paste into
 ``tests/fuzz/test_regressions.py``.
@@ -35,8 +38,8 @@ LABELS = {
 }
 
 
-def run_case(seed: int) -> tuple[int, str, str]:
-    """(seed, kind, detail) of one seeded case."""
+def run_case(seed: int, version: int | None = None) -> tuple[int, str, str]:
+    """(seed, kind, detail) of one seeded case (generator ``version``, default the latest)."""
     import logging
 
     logging.disable(logging.WARNING)
@@ -44,14 +47,14 @@ def run_case(seed: int) -> tuple[int, str, str]:
         import signal
 
         os.kill(os.getpid(), signal.SIGSEGV)
-    from tests.fuzz.generator import generate
+    from tests.fuzz.generator import VERSION, generate
     from tests.fuzz.harness import check_model
 
-    outcome = check_model(generate(seed), seed)
+    outcome = check_model(generate(seed, VERSION if version is None else version), seed)
     return seed, outcome.kind, outcome.detail
 
 
-def _run_isolated(seeds: list[int]) -> list[tuple[int, str, str]]:
+def _run_isolated(seeds: list[int], version: int | None = None) -> list[tuple[int, str, str]]:
     """Run ``seeds`` in fresh interpreters, one at a time, each announcing a seed before running it: a process
     that dies names the seed it died on (``crash``), and the rest continue in a new process."""
     import json
@@ -61,13 +64,17 @@ def _run_isolated(seeds: list[int]) -> list[tuple[int, str, str]]:
     left = list(seeds)
     script = (
         f"import json, sys; sys.path.insert(0, {str(_ROOT)!r}); from tests.fuzz.run import run_case\n"
+        "version = json.loads(sys.argv[2])\n"
         "for seed in json.loads(sys.argv[1]):\n"
         "    print('start', seed, flush=True)\n"
-        "    print('done', json.dumps(run_case(seed)), flush=True)\n"
+        "    print('done', json.dumps(run_case(seed, version)), flush=True)\n"
     )
     while left:
         proc = subprocess.run(
-            [sys.executable, "-c", script, json.dumps(left)], capture_output=True, text=True, timeout=3600
+            [sys.executable, "-c", script, json.dumps(left), json.dumps(version)],
+            capture_output=True,
+            text=True,
+            timeout=3600,
         )
         started = None
         for line in proc.stdout.splitlines():
@@ -83,7 +90,7 @@ def _run_isolated(seeds: list[int]) -> list[tuple[int, str, str]]:
         if started is None:  # died outside any case: count the first left seed so nothing is silent
             started = left[0]
         how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
-        if _original_kills_ort(started):
+        if _original_kills_ort(started, version):
             # onnxruntime's own bug on the generated model (its graph optimiser dies loading it, e.g. seed
             # 45712): not a case about the compiler, counted as invalid like any model ORT refuses.
             results.append((started, "invalid", f"onnxruntime dies loading the generated model ({how})"))
@@ -94,24 +101,25 @@ def _run_isolated(seeds: list[int]) -> list[tuple[int, str, str]]:
     return results
 
 
-def _original_kills_ort(seed: int) -> bool:
+def _original_kills_ort(seed: int, version: int | None = None) -> bool:
     """Whether creating the ORT session of the generated (uncompiled) model alone kills the process."""
     import subprocess
 
     code = (
         f"import sys; sys.path.insert(0, {str(_ROOT)!r})\n"
-        "from tests.fuzz.generator import generate\n"
+        "from tests.fuzz.generator import VERSION, generate\n"
         "from tests.fuzz.harness import _session\n"
-        f"_session(generate({seed}).SerializeToString())\n"
+        f"_session(generate({seed}, {version!r} or VERSION).SerializeToString())\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     return proc.returncode < 0
 
 
 def fuzz(
-    cases: int, start: int = 0, jobs: int = 2, deadline_s: float | None = None
+    cases: int, start: int = 0, jobs: int = 2, deadline_s: float | None = None, version: int | None = None
 ) -> tuple[collections.Counter, list[tuple[int, str, str]]]:
-    """Run seeds ``start .. start+cases`` (stopping at ``deadline_s``); the counts and the failures.
+    """Run seeds ``start .. start+cases`` (stopping at ``deadline_s``) of generator ``version`` (default the
+    latest); the counts and the failures.
 
     A case whose process dies (a segfault in onnxruntime on the original or the compiled model) does not hang
     or end the run: the batches in flight are rerun in fresh processes that announce each seed, the seed a
@@ -138,7 +146,7 @@ def fuzz(
         for seed in seeds:
             if late():
                 break
-            record(run_case(seed))
+            record(run_case(seed, version))
     else:
         batch = 8
         batches = [seeds[i : i + batch] for i in range(0, len(seeds), batch)]
@@ -152,7 +160,7 @@ def fuzz(
                 while (pending or running) and not late():
                     while pending and len(running) < 2 * jobs:
                         chunk = pending.pop()
-                        running[pool.submit(_run_batch, chunk)] = chunk
+                        running[pool.submit(_run_batch, chunk, version)] = chunk
                     done = next(iter(_wait_any(running)))
                     chunk = running.pop(done)
                     try:
@@ -164,15 +172,15 @@ def fuzz(
                         running.clear()
                         break
             for chunk in broken:  # in fresh processes: the seed a process dies on is named and counted
-                for result in _run_isolated(chunk):
+                for result in _run_isolated(chunk, version):
                     record(result)
     failures.sort()
     return counts, failures
 
 
-def _run_batch(seeds: list[int]) -> list[tuple[int, str, str]]:
+def _run_batch(seeds: list[int], version: int | None = None) -> list[tuple[int, str, str]]:
     os.nice(0)
-    return [run_case(seed) for seed in seeds]
+    return [run_case(seed, version) for seed in seeds]
 
 
 def _wait_any(futures: dict) -> set:
@@ -187,13 +195,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", type=int, default=int(os.environ.get("LAYERZERO_FUZZ_CASES", "2000")))
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--generator", type=int, default=None, help="generator version (default: the latest)")
+    parser.add_argument(
+        "--deadline-s", type=float, default=None, help="stop starting cases after this many seconds (counts what ran)"
+    )
     parser.add_argument("--minimize", action="store_true", help="minimise one failure per distinct message")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from tests.fuzz.generator import OPS_BY_VERSION, VERSION
+
+    version = VERSION if args.generator is None else args.generator
+    if version not in OPS_BY_VERSION:
+        print(f"error: --generator {version} is not one of {sorted(OPS_BY_VERSION)}", file=sys.stderr)
+        return 2
     began = time.monotonic()
-    counts, failures = fuzz(args.cases, args.start, args.jobs)
+    counts, failures = fuzz(args.cases, args.start, args.jobs, deadline_s=args.deadline_s, version=version)
     total = sum(counts.values())
-    print(f"{total} cases in {time.monotonic() - began:.0f} s")
+    print(f"{total} cases (generator version {version}) in {time.monotonic() - began:.0f} s")
     for kind, label in LABELS.items():
         print(f"  {label:28s} {counts[kind]}")
     seen: set[str] = set()
@@ -206,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             from tests.fuzz.harness import Outcome
             from tests.fuzz.minimize import minimize, to_text
 
-            small = minimize(generate(seed), Outcome(kind, detail), seed)
+            small = minimize(generate(seed, version), Outcome(kind, detail), seed)
             print(f"--- seed {seed} minimised ({len(small.graph.node)} nodes):\n{to_text(small)}\n---")
     return 0 if counts["differ"] + counts["exception"] + counts["cannot_run"] + counts["crash"] == 0 else 1
 

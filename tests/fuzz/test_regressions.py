@@ -68,6 +68,40 @@ CASES: dict[str, str] = {
            y = If (c) <else_branch: graph = el () => (float[N,4] eo) { eo = Relu (b) },
                        then_branch: graph = th () => (float[N,4] tho) { tho = Neg (b) }>
         }""",
+    # Issue 20: a shape tensor PropagateUniforms built for a row (Case 4, before `z`) was reused for the uniform `u`
+    # (Case 1, earlier): its ConstantOfShape, which the If's branches read, came before the shape's Concat.
+    "shape_reused_before_its_producer_if_reads_it": """
+        <ir_version: 9, opset_import: ["" : 18]>
+        g (float[N,4] x, bool c) => (float[N,8] y, float[N,4] z)
+           <float zero = {0}, float[4,4] w = {0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0}, float[4] b = {1,2,3,4}>
+        {
+           u = Mul (x, zero)
+           y = If (c) <else_branch: graph = el () => (float[N,8] eo) { eo = Concat <axis: int = 1> (u, x) },
+                       then_branch: graph = th () => (float[N,8] tho) { tho = Concat <axis: int = 1> (x, u) }>
+           m = MatMul (x, w)
+           r = Add (m, b)
+           z = Relu (r)
+        }""",
+    # Issue 20, the same cause inside a branch of an If nothing reads: RemoveDeadCode emptied the branch from its end
+    # and met the shape's Concat while the ConstantOfShape before it still read it (a compiler exception).
+    "shape_reused_before_its_producer_in_a_dead_branch": """
+        <ir_version: 9, opset_import: ["" : 18]>
+        g (float[N,4] x, bool c) => (float[N,4] y)
+           <float zero = {0}, float[4,4] w = {0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0}, float[4] b = {1,2,3,4}>
+        {
+           y = Relu (x)
+           d1, d2 = If (c) <else_branch: graph = el () => (float[N,8] eo, float[N,4] ez) {
+                                u = Mul (x, zero)
+                                eo = Concat <axis: int = 1> (u, x)
+                                m = MatMul (x, w)
+                                r = Add (m, b)
+                                ez = Relu (r)
+                            },
+                            then_branch: graph = th () => (float[N,8] tho, float[N,4] tz) {
+                                tho = Concat <axis: int = 1> (x, x)
+                                tz = Neg (x)
+                            }>
+        }""",
     # Cause 3: LpNormalization p=1 folds to what onnxruntime computes (sum |x|), not sum(x).
     "fold_lp_normalization_p1": """
         <ir_version: 9, opset_import: ["" : 18]>

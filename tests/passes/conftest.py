@@ -1,4 +1,4 @@
-"""Shared helpers of the pass tests: ONNX text in, ORT out, and ``check``, the test shape of one pass.
+"""Shared helpers of the pass tests: ONNX text in, ORT out, and the ``check`` of one pass (``check_pass``).
 
 Tests reach the helpers through the ``helpers`` fixture (the functions below): ``from conftest import``
 breaks as soon as a sibling test folder gets its own ``conftest.py``, since they share one module name.
@@ -175,7 +175,7 @@ def check_pass(
     run: bool = True,
     reference: ir.Model | onnx.ModelProto | str | None = None,
 ) -> PassCheck:
-    """The test shape of a pass (``docs/architecture.md``, "Where things go"): apply one pass and check it.
+    """The pass tests' shape: apply one pass and check it.
 
     - ``modified`` is the pass's honest report, and the node count changes by exactly ``delta``;
     - with ``dce_delta``, RemoveDeadCode then runs and the count is ``dce_delta`` off the original
