@@ -655,7 +655,67 @@ def _zeros_like_logits(w: Walk, value: ir.Value, router: Router) -> None:
         w.nodes.append(shape_of)
         w.shareable.add(shape_of)
         return
+    if _rows_by_experts(w, source, router):
+        return
     need(same_shape(value, router.logits), f"{what} does not have the router logits' shape")
+
+
+def _rows_by_experts(w: Walk, shape: ir.Value, router: Router) -> bool:
+    """Whether ``shape`` is ``[T, E]`` built as TorchScript writes ``torch.zeros(x.shape[0], E)``:
+    ``Concat(Unsqueeze(Gather(Shape(x), 0)), [E])`` with ``x`` a value the logits are computed from row by row
+    (``_same_rows``). The shape's nodes join the walk as shareable."""
+    concat = shape.producer()
+    if concat is None or concat.op_type != "Concat" or concat.domain not in STD or len(concat.inputs) != 2:
+        return False
+    if const_ints(concat.inputs[1]) != [router.experts]:
+        return False
+    nodes = [concat]
+    rows = concat.inputs[0]
+    producer = rows.producer()
+    if producer is not None and producer.op_type == "Unsqueeze" and sorted_axes(axes_of(producer), 1) == [0]:
+        nodes.append(producer)
+        rows = producer.inputs[0]
+        producer = rows.producer()
+    if producer is None or producer.op_type != "Gather" or attr_of(producer, "axis", 0) != 0:
+        return False
+    if const_ints(producer.inputs[1]) != [0]:
+        return False
+    nodes.append(producer)
+    shape_of = producer.inputs[0].producer()
+    if shape_of is None or shape_of.op_type != "Shape" or attr_of(shape_of, "start", 0) != 0:
+        return False
+    if not _same_rows(shape_of.inputs[0], router.logits):
+        return False
+    nodes.append(shape_of)
+    w.nodes.extend(n for n in nodes if n not in w.nodes)
+    w.shareable.update(nodes)
+    return True
+
+
+def _same_rows(x: ir.Value, logits: ir.Value, depth: int = 6) -> bool:
+    """Whether ``logits`` has the rows of ``x``: ``x`` itself, or computed from it by ``MatMul`` / ``Gemm``
+    (its first operand), ``Cast`` / ``Identity``, a ``Reshape`` to ``[-1, H]`` of a ``[T, H]`` value, or the
+    scores' ``Softmax`` / ``Sigmoid`` over the last axis."""
+    value = logits
+    for _ in range(depth):
+        if rank_of(value) != 2:
+            return False  # Shape(x)[0] is the rows of a [T, H] value only
+        if value is x:
+            return True
+        node = value.producer()
+        if node is None or node.domain not in STD:
+            return False
+        if node.op_type == "Reshape":
+            dims, h = reshape_dims(node), static_dim(node.inputs[0], 1)
+            if rank_of(node.inputs[0]) != 2 or dims is None or len(dims) != 2 or h is None or dims[1] != h:
+                return False
+        elif node.op_type == "Gemm":
+            if attr_of(node, "transA", 0):
+                return False
+        elif node.op_type not in ("MatMul", "Cast", "Identity"):
+            return False
+        value = node.inputs[0]
+    return value is x and rank_of(x) == 2
 
 
 def _one_hot_times(w: Walk, hot_value: ir.Value, weights_value: ir.Value, router: Router) -> int:

@@ -32,6 +32,9 @@ FORMS = {
     "batched_mm-gelu-opset20": MoEConfig(form="batched_mm", activation="gelu", opset=20),
     "dense-scatter-einsum": MoEConfig(form="dense"),
     "dense-onehot-sum": MoEConfig(form="dense", routing="onehot", combine="sum"),
+    # Qwen3-MoE's dense experts through TorchScript: zeros of Concat(Shape(x)[0], [E]) scattered into (issue 20).
+    "dense-scatter-rows": MoEConfig(form="dense", routing="scatter-rows"),
+    "unrolled-scatter-rows-1-token": MoEConfig(form="unrolled", routing="scatter-rows", top_k=1),
     "dense-fused-relu-sigmoid": MoEConfig(
         form="dense", fused_gate_up=True, activation="relu", scoring="sigmoid", normalize=False
     ),
