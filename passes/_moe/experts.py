@@ -14,7 +14,8 @@ Variants:
 - projection (which block shape reads the weights): ``batched_projection`` (``GatherND`` / ``Gather`` of
   stacked weights per (token, slot), batched ``MatMul``, ``Squeeze``: ``[E, out, in]`` times the tokens as
   columns, or, transposed (GPT-OSS), the tokens as rows times ``[E, in, out]``), ``stacked_projection``
-  (``MatMul`` by stacked ``[E, in, out]``), ``linear_projection`` (one expert's ``MatMul`` / ``Gemm``),
+  (``MatMul`` by stacked ``[E, in, out]``), ``linear_projection`` (one expert's ``MatMul`` / ``Gemm`` by a
+  constant, or by ``weight[e]`` of a stacked constant left unfolded: ``selected_weight``),
   ``sorted_projection`` (JetMoE: rows sorted by expert, ``Split`` by the experts' counts, one ``Gemm`` per
   expert, ``Concat``);
 - bias (each projection's own form, optional): ``Add`` of the per-slot bias rows (``GatherND`` / ``Gather`` of
@@ -545,7 +546,7 @@ def linear_projection(w: Walk) -> Projection:
     def projection(value: ir.Value, what: str) -> tuple[np.ndarray, np.ndarray | None, ir.Value]:
         value, bias = _biased(w, value, what, lambda b: bias_part(b, what))
         node = w.node(value, ("MatMul", "Gemm"), what)
-        weight = const_weight(node.inputs[1], 2, f"{what}: weight")
+        weight = selected_weight(w, node.inputs[1], f"{what}: weight")
         if node.op_type == "Gemm":
             need(
                 attr_of(node, "transA", 0) == 0 and attr_of(node, "alpha", 1.0) == 1.0,
@@ -569,6 +570,60 @@ def linear_projection(w: Walk) -> Projection:
         return np.ascontiguousarray(weight)[None], bias, node.inputs[0]
 
     return projection
+
+
+def selected_weight(w: Walk, value: ir.Value, what: str) -> np.ndarray:
+    """One expert's 2-D weight: a constant, or ``weight[e]`` of a stacked constant left unfolded (torch's
+    ``select``, JetMoE's ``self.weight[i]``): ``Gather(W, e, axis 0)`` with a scalar ``e``, ``Squeeze(Gather(W,
+    [e]) | Slice(W, [e], [e + 1]), 0)``, each also under ``Transpose(perm [1, 0])``. The selecting nodes join
+    the block (they go with it)."""
+    if const_array(value) is not None:
+        return const_weight(value, 2, what)
+    nodes: list[ir.Node] = []
+    transposed = False
+    node = value.producer()
+    if node is not None and node.op_type == "Transpose" and node.domain in STD:
+        perm = attr_of(node, "perm")
+        need(perm is not None and list(perm) == [1, 0], f"{what}: {value.name} is Transpose with perm {perm}")
+        nodes.append(node)
+        transposed, value = True, node.inputs[0]
+        node = value.producer()
+    squeeze = None
+    if node is not None and node.op_type == "Squeeze" and node.domain in STD:
+        need(axes_of(node) == [0], f"{what}: {value.name} is a Squeeze of other axes than 0")
+        squeeze = node
+        nodes.append(node)
+        node = node.inputs[0].producer()
+    need(
+        node is not None and node.op_type in ("Gather", "Slice") and node.domain in STD,
+        f"{what}: {value.name} is not a constant weight",
+    )
+    stacked = const_weight(node.inputs[0], 3, f"{what}: the stacked weights of {value.name}")
+    experts = stacked.shape[0]
+    if node.op_type == "Gather":
+        index = const_array(node.inputs[1])
+        need(attr_of(node, "axis", 0) == 0, f"{what}: Gather {node.name} is not along the experts axis")
+        need(
+            index is not None and index.size == 1 and index.ndim == (0 if squeeze is None else 1),
+            f"{what}: Gather {node.name} does not select one expert by a constant index",
+        )
+        e = int(index.reshape(-1)[0])
+    else:
+        starts, ends = const_ints(node.inputs[1]), const_ints(node.inputs[2])
+        axes = const_ints(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else [0]
+        steps = const_ints(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else [1]
+        need(
+            squeeze is not None and starts is not None and ends is not None and len(starts) == 1
+            and axes in ([0], [-3]) and steps == [1],
+            f"{what}: Slice {node.name} does not select one expert of the stacked weights",
+        )  # fmt: skip
+        e = starts[0] + experts if starts[0] < 0 else starts[0]
+        need(ends[0] == e + 1, f"{what}: Slice {node.name} selects experts {starts[0]}..{ends[0]}, not one")
+    need(-experts <= e < experts, f"{what}: expert {e} of {experts} stacked weights")
+    nodes.append(node)
+    w.nodes.extend(n for n in nodes if n not in w.nodes)
+    weight = stacked[e]
+    return weight.T if transposed else weight
 
 
 def sorted_projection(w: Walk, experts: int, sizes: list[ir.Value]) -> Projection:
