@@ -25,7 +25,7 @@ __all__ = ["MoEMatch", "Rejection", "find_moe_blocks"]
 @dataclasses.dataclass
 class MoEMatch:
     path: str
-    form: str  # "batched_mm" | "dense" | "unrolled"
+    form: str  # a name of combine.FORMS: "batched_mm" | "dense" | "unrolled" | "sorted" | "input_scaled"
     router: Router
     hidden: ir.Value  # [T, H]
     output: ir.Value  # [T, H]: what the block's consumers read
@@ -42,6 +42,10 @@ class MoEMatch:
     b_down: np.ndarray | None = None
     activation_alpha: float = 1.702
     activation_limit: float = 7.0
+    # Llama 4 (form "input_scaled", top-1): the expert reads its token scaled by the routing weight, ``y_t =
+    # expert_e(sigmoid(l_te) · x_t)``. The skipping form computes it as ``MoE(x · sigmoid(max_e l_te))`` with
+    # the chosen expert's weight 1 (softmax scores, ``normalize``: the top-1 probability over itself).
+    input_scale: bool = False
 
     @property
     def experts(self) -> int:
@@ -62,10 +66,11 @@ class Rejection:
     node: str = ""  # "<op_type> <name>"
 
 
-def combination_ends(router: Router, depth: int = 12) -> list[ir.Node]:
-    """Nodes downstream of the router that may combine the experts' outputs, nearest first."""
+def combination_ends(router: Router, depth: int = 16) -> list[ir.Node]:
+    """Nodes downstream of the router that may combine the experts' outputs, nearest first (from the router's
+    own routing matrix too, where it builds one: Llama 4)."""
     seen: set[ir.Node] = set()
-    frontier = [router.values, router.indices]
+    frontier = [router.values, router.indices, *([router.matrix] if router.matrix is not None else [])]
     ends: list[ir.Node] = []
     for _ in range(depth):
         nxt = []

@@ -3,7 +3,9 @@
 Variants:
 - scores (``ROUTER_VARIANTS``): ``TopK(Softmax(logits, -1) | Sigmoid(logits), k)`` (Mixtral, Qwen-MoE, OLMoE),
   or ``Softmax(TopK(logits, k).values)`` (GraniteMoE, JetMoE, GPT-OSS: the same weights as the first with
-  ``normalize``), ``TopK`` over the last axis, ``largest=1``, logits ``[T, E]``;
+  ``normalize``), ``TopK`` over the last axis, ``largest=1``, logits ``[T, E]``; or (``topk-sigmoid``,
+  Llama 4) ``Sigmoid(ScatterElements(full(-inf), TopK(logits).indices, TopK(logits).values))``: the router's own
+  ``[T, E]`` matrix (``Router.matrix``), which scales the experts' inputs;
 - chosen by biased, group-limited scores, weighed by the unbiased ones (``biased-select``: DeepSeek-V3,
   GLM4-MoE, dots1 with sigmoid scores, Ernie-4.5-MoE with softmax scores)::
 
@@ -89,6 +91,9 @@ class Router:
     nodes: list[ir.Node] = dataclasses.field(default_factory=list)
     routing: str = "topk"  # "sparsemixer": PhiMoE (``topk`` is then the first ArgMax)
     jitter_eps: float = 0.01
+    # ``topk-sigmoid`` (Llama 4): the routing matrix [T, E] the router builds itself (the sigmoid of the top-k
+    # logits scattered into -inf), which scales each expert's INPUT, not its output.
+    matrix: ir.Value | None = None
 
 
 def _scores_then_topk(topk: ir.Node) -> tuple[ir.Node, ir.Value, ir.Value, bool]:
@@ -166,6 +171,58 @@ def _biased_select(topk: ir.Node) -> tuple[ir.Node, ir.Value, ir.Value, bool, di
     extra["nodes"].extend(weight_nodes)
     extra["routed_scaling_factor"] = scaling
     return scores, scores.inputs[0], values, normalized, extra
+
+
+def _topk_then_sigmoid(topk: ir.Node) -> tuple[ir.Node, ir.Value, ir.Value, bool, dict]:
+    """``Sigmoid(ScatterElements(full(-inf), TopK(logits).indices, TopK(logits).values, axis 1))`` (Llama 4):
+    the router's own ``[T, E]`` matrix, ``sigmoid`` of the chosen logits and 0 elsewhere (through same-type
+    ``Cast``s, TorchScript's ``.float()`` / ``.to(dtype)``). The weights are the sigmoid of the top-k logits,
+    which is the top-k of the sigmoid scores (a monotone function)."""
+    values, indices = topk.outputs
+    scatters = [
+        u for u, i in values.uses() if i == 2 and u.op_type == "ScatterElements" and u.domain in STD
+    ]
+    need(len(scatters) == 1, "router: the top-k logits are not scattered into a routing matrix")
+    scatter = scatters[0]
+    need(
+        scatter.inputs[1] is indices
+        and attr_of(scatter, "axis", 0) in (-1, 1)
+        and attr_of(scatter, "reduction", "none") == "none",
+        f"router: ScatterElements {scatter.name} does not put the top-k logits at their experts",
+    )
+    nodes: list[ir.Node] = [scatter]
+    need(
+        _filled(scatter.inputs[0], nodes) == -np.inf,
+        f"router: ScatterElements {scatter.name} does not scatter into -inf (the sigmoid's 0)",
+    )
+    fill = scatter.inputs[0].producer()
+    shape = None if fill is None or not fill.inputs else fill.inputs[-1].producer()
+    need(
+        (shape is not None and shape.op_type == "Shape" and shape.inputs[0] is topk.inputs[0] and not shape.attributes)
+        or same_shape(scatter.inputs[0], topk.inputs[0]),
+        f"router: the -inf matrix of {scatter.name} does not have the logits' shape",
+    )
+    value = scatter.outputs[0]
+    for _ in range(3):
+        users = [u for u, _ in value.uses()]
+        if len(users) != 1 or not _same_type_cast(users[0]):
+            break
+        nodes.append(users[0])
+        value = users[0].outputs[0]
+    users = [u for u, _ in value.uses()]
+    need(
+        len(users) == 1 and users[0].op_type == "Sigmoid" and users[0].domain in STD,
+        f"router: the routing matrix {value.name} is not read by one Sigmoid",
+    )
+    sigmoid = users[0]
+    matrix = sigmoid.outputs[0]
+    for _ in range(3):
+        users = [u for u, _ in matrix.uses()]
+        if len(users) != 1 or not _same_type_cast(users[0]):
+            break
+        nodes.append(users[0])
+        matrix = users[0].outputs[0]
+    return sigmoid, topk.inputs[0], values, False, {"nodes": nodes, "matrix": matrix}
 
 
 def _same_type_cast(node: ir.Node) -> bool:
@@ -399,6 +456,7 @@ ROUTER_VARIANTS = {
     "biased-select": _biased_select,
     "scores-topk": _scores_then_topk,
     "topk-softmax": _topk_then_softmax,
+    "topk-sigmoid": _topk_then_sigmoid,
 }
 
 
@@ -408,6 +466,16 @@ def router_candidate(topk: ir.Node, hops: int = 6) -> bool:
     A candidate no variant matches is reported with the reason, not passed over in silence."""
     if any(u.op_type == "Softmax" and u.domain in STD for u, _ in topk.outputs[0].uses()):
         return True
+    for user, _ in topk.outputs[0].uses():  # Llama 4: the top-k logits scattered, then a Sigmoid
+        if user.op_type == "ScatterElements" and user.domain in STD:
+            value = user.outputs[0]
+            for _ in range(3):
+                readers = [u for u, _ in value.uses()]
+                if any(u.op_type == "Sigmoid" for u in readers):
+                    return True
+                if len(readers) != 1 or readers[0].op_type != "Cast":
+                    break
+                value = readers[0].outputs[0]
     frontier = [topk.inputs[0]] if topk.inputs and topk.inputs[0] is not None else []
     for _ in range(hops):
         producers = [v.producer() for v in frontier if v is not None]
