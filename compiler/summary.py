@@ -147,5 +147,5 @@ def find_moe(model: ir.Model) -> list[MoEFinding]:
         )
         for m in matches
     ]
-    found += [MoEFinding(r.scope, False, r.reason, r.node) for r in rejections]
+    found += [MoEFinding(r.path, False, r.reason, r.node) for r in rejections]
     return sorted(found, key=lambda f: natural_key(f.scope))

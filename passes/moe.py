@@ -11,7 +11,7 @@ import onnx_ir as ir
 from layerzero.errors import InvalidInputError
 from layerzero.passes._dynamic import MASK_PREFIX, MOE_DOMAIN, MOE_OP, ROUTER_PREFIX, DynamicPath, record_dynamic_path
 from layerzero.passes._graph import NAME_SCOPES_KEY, NameFactory, make_constant, replace_value
-from layerzero.passes._moe import MoEMatch, Rejection, Router, find_moe_blocks
+from layerzero.passes._moe import MoEMatch, Refusal, Router, find_moe_blocks
 
 __all__ = ["MOE_DOMAIN", "MOE_OP", "SkipExperts"]
 
@@ -64,7 +64,7 @@ class SkipExperts(ir.passes.InPlacePass):
             raise InvalidInputError(f"zeroing_threshold={zeroing_threshold!r}; expected a finite number >= 0")
         self.zeroing_threshold = float(zeroing_threshold)
         self.rewritten: list[tuple[str, str]] = []  # (path, form)
-        self.rejected: list[Rejection] = []
+        self.rejected: list[Refusal] = []  # kind "moe": path (the block's scope), reason, node
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -73,7 +73,8 @@ class SkipExperts(ir.passes.InPlacePass):
         opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
         if matches and opset < _MIN_OPSET:
             for m in matches:
-                self.rejected.append(Rejection(m.path, f"model opset {opset} < {_MIN_OPSET} (convert the model first)"))
+                reason = f"model opset {opset} < {_MIN_OPSET} (convert the model first)"
+                self.rejected.append(Refusal(m.path, reason, kind="moe"))
             matches = []
         names = NameFactory(graph)
         used_paths: set[str] = set()
@@ -100,7 +101,7 @@ class SkipExperts(ir.passes.InPlacePass):
             )
         for r in self.rejected:
             logger.info(
-                "MoE candidate at %s: not rewritten (at node %s): %s", r.scope or "(no scope)", r.node or "?", r.reason
+                "MoE candidate at %s: not rewritten (at node %s): %s", r.path or "(no scope)", r.node or "?", r.reason
             )
         if matches:
             model.opset_imports[MOE_DOMAIN] = 1

@@ -39,12 +39,14 @@ from layerzero.passes._moe.experts import (
 from layerzero.passes._moe.router import Router, routing_matrix, routing_weights
 from layerzero.passes._moe.walk import (
     STD,
+    Attempts,
     NoMatch,
     Walk,
     attr_of,
     axes_of,
     commuted,
     const_ints,
+    furthest_of,
     need,
     rank_of,
     reshape_dims,
@@ -100,16 +102,14 @@ def match_batched_mm(w: Walk, end: ir.Node, router: Router) -> dict:
     )
     hidden_size = shape[2]
     mul = w.node(reshape.inputs[0], "Mul", "batched_mm: expert output × routing weight")
-    reason, down_value = "batched_mm: no factor is the flattened routing weights", None
+    attempts, down_value = Attempts(), None
     for other, weight_value in commuted(mul):
-        try:
+        with attempts.trying():
             normalize = w.attempt(lambda v=weight_value: _flat_weights(w, v, router))
-        except NoMatch as exc:
-            reason = str(exc)
-            continue
-        down_value = other
-        break
-    need(down_value is not None, reason)
+            down_value = other
+            break
+    if down_value is None:
+        raise furthest_of(attempts, "batched_mm: no factor is the flattened routing weights", ties="last")
     ffn = expert_ffn(w, down_value, batched_projection(w, router))
     need(
         ffn.w_down.shape[1] == hidden_size,
@@ -419,16 +419,14 @@ def match_sorted(w: Walk, end: ir.Node, router: Router) -> dict:
     else:
         hidden_dims = None
     mul = w.node(updates, "Mul", "sorted: expert output × routing weight")
-    reason, found = "sorted: no factor is the sorted routing weights", None
+    attempts, found = Attempts(), None
     for y, weight in commuted(mul):
-        try:
+        with attempts.trying():
             normalize = w.attempt(lambda v=weight: _sorted_weights(w, v, router, order))
-        except NoMatch as exc:
-            reason = str(exc)
-            continue
-        found = (y, normalize)
-        break
-    need(found is not None, reason)
+            found = (y, normalize)
+            break
+    if found is None:
+        raise furthest_of(attempts, "sorted: no factor is the sorted routing weights", ties="last")
     y, normalize = found
     sizes: list[ir.Value] = []
     ffn = expert_ffn(w, y, sorted_projection(w, router.experts, sizes))

@@ -38,6 +38,7 @@ from layerzero.passes._graph import const_array
 from layerzero.passes._moe.router import Router
 from layerzero.passes._moe.walk import (
     STD,
+    Attempts,
     NoMatch,
     Walk,
     attr_of,
@@ -46,6 +47,7 @@ from layerzero.passes._moe.walk import (
     const_ints,
     const_scalar,
     const_weight,
+    furthest_of,
     near,
     need,
     rank_of,
@@ -188,14 +190,13 @@ def _gelu_erf(w: Walk, value: ir.Value) -> tuple[str, ir.Value]:
 def act_times_up(w: Walk, value: ir.Value) -> tuple[str, ir.Value, ir.Value]:
     """``value = act(gate) * up`` → ``(act, gate, up)``."""
     mul = w.node(value, "Mul", "expert FFN: act(gate) × up")
-    reason = "expert FFN: neither factor of act(gate) × up is an activation"
+    attempts = Attempts()
     for a, up in commuted(mul):
-        try:
+        with attempts.trying():
             act, gate = w.attempt(lambda a=a: _activation(w, a))
             return act, gate, up
-        except NoMatch as exc:
-            reason = f"expert FFN: {exc}"
-    raise NoMatch(reason)
+    best = furthest_of(attempts, "neither factor of act(gate) × up is an activation", ties="last")
+    raise NoMatch(f"expert FFN: {best.reason}", *best.nodes, progress=best.progress)
 
 
 def _act_times_up(w: Walk, value: ir.Value) -> Gating:
@@ -288,7 +289,8 @@ GATED_UNITS: dict[str, Callable[[Walk, ir.Value], Gating]] = {
 
 
 def gated_unit(w: Walk, value: ir.Value) -> Gating:
-    """The first of ``GATED_UNITS`` that matches ``value``; else NoMatch with each variant's reason."""
+    """The first of ``GATED_UNITS`` that matches ``value``; else the NoMatch of the variant that got furthest
+    (each variant's reason where they got equally far)."""
     producer = value.producer()
     if producer is None or producer.op_type != "Mul" or producer.domain not in STD:
         found = "a graph input or constant" if producer is None else f"{producer.op_type} ({producer.name})"
@@ -297,13 +299,11 @@ def gated_unit(w: Walk, value: ir.Value) -> Gating:
             f"expert FFN: the down projection reads {found}, not a gated unit (act(gate) × up or swiglu_oai); "
             "experts with one projection (JetMoE's attention experts) are no MoE FFN"
         )
-    reasons = []
+    attempts = Attempts()
     for part in GATED_UNITS.values():
-        try:
+        with attempts.trying():
             return w.attempt(lambda p=part: p(w, value))
-        except NoMatch as exc:
-            reasons.append(str(exc))
-    raise NoMatch("; ".join(reasons))
+    raise furthest_of(attempts)
 
 
 def _row_selection(w: Walk, value: ir.Value) -> tuple[ir.Value, Callable[[int], np.ndarray] | None]:
@@ -448,17 +448,15 @@ def _biased(
     add = value.producer()
     if add is None or add.op_type != "Add" or add.domain not in STD:
         return value, None
-    reasons = []
+    attempts = Attempts()
     for p, b in commuted(add):
-        try:
+        with attempts.trying():
             bias = w.attempt(lambda b=b: bias_part(b))
-        except NoMatch as exc:
-            reasons.append(str(exc))
-            continue
-        if add not in w.nodes:
-            w.nodes.append(add)
-        return p, bias
-    raise NoMatch(f"{what}: an Add whose operands are no bias: {'; '.join(reasons)}")
+            if add not in w.nodes:
+                w.nodes.append(add)
+            return p, bias
+    best = furthest_of(attempts)
+    raise NoMatch(f"{what}: an Add whose operands are no bias: {best.reason}", *best.nodes, progress=best.progress)
 
 
 def _flat_indices(w: Walk, value: ir.Value, router: Router, rows: bool) -> None:

@@ -36,6 +36,7 @@ import onnx_ir as ir
 from layerzero.passes._graph import const_array, same_shape
 from layerzero.passes._moe.walk import (
     STD,
+    Attempts,
     NoMatch,
     Walk,
     attr_of,
@@ -43,6 +44,7 @@ from layerzero.passes._moe.walk import (
     commuted,
     const_ints,
     const_scalar,
+    furthest_of,
     near,
     need,
     rank_of,
@@ -116,7 +118,12 @@ def _topk_then_softmax(topk: ir.Node) -> tuple[ir.Node, ir.Value, ir.Value, bool
         "router: the top-k logits are not read by one Softmax",
     )
     scores = users[0]
-    need(attr_of(scores, "axis", -1) in (-1, 1), "router: the Softmax of the top-k logits is not over the k axis")
+    need(
+        attr_of(scores, "axis", -1) in (-1, 1),
+        "router: the Softmax of the top-k logits is not over the k axis",
+        topk,
+        scores,
+    )
     return scores, topk.inputs[0], scores.outputs[0], True
 
 
@@ -136,6 +143,8 @@ def _biased_select(topk: ir.Node) -> tuple[ir.Node, ir.Value, ir.Value, bool, di
     need(
         scores is not None and scores.op_type in ("Softmax", "Sigmoid") and scores.domain in STD,
         f"router: GatherElements {gather.name} does not gather Softmax or Sigmoid scores",
+        topk,
+        gather,
     )
     if scores.op_type == "Softmax":
         need(attr_of(scores, "axis", -1) in (-1, 1), "router: Softmax is not over the experts axis")
@@ -189,11 +198,15 @@ def _topk_then_sigmoid(topk: ir.Node) -> tuple[ir.Node, ir.Value, ir.Value, bool
         and attr_of(scatter, "axis", 0) in (-1, 1)
         and attr_of(scatter, "reduction", "none") == "none",
         f"router: ScatterElements {scatter.name} does not put the top-k logits at their experts",
+        topk,
+        scatter,
     )
     nodes: list[ir.Node] = [scatter]
     need(
         _filled(scatter.inputs[0], nodes) == -np.inf,
         f"router: ScatterElements {scatter.name} does not scatter into -inf (the sigmoid's 0)",
+        topk,
+        scatter,
     )
     fill = scatter.inputs[0].producer()
     shape = None if fill is None or not fill.inputs else fill.inputs[-1].producer()
@@ -201,6 +214,8 @@ def _topk_then_sigmoid(topk: ir.Node) -> tuple[ir.Node, ir.Value, ir.Value, bool
         (shape is not None and shape.op_type == "Shape" and shape.inputs[0] is topk.inputs[0] and not shape.attributes)
         or same_shape(scatter.inputs[0], topk.inputs[0]),
         f"router: the -inf matrix of {scatter.name} does not have the logits' shape",
+        topk,
+        scatter,
     )
     value = scatter.outputs[0]
     for _ in range(3):
@@ -213,6 +228,8 @@ def _topk_then_sigmoid(topk: ir.Node) -> tuple[ir.Node, ir.Value, ir.Value, bool
     need(
         len(users) == 1 and users[0].op_type == "Sigmoid" and users[0].domain in STD,
         f"router: the routing matrix {value.name} is not read by one Sigmoid",
+        topk,
+        *nodes,
     )
     sigmoid = users[0]
     matrix = sigmoid.outputs[0]
@@ -636,14 +653,15 @@ def match_router(topk: ir.Node) -> Router:
     if topk.op_type == "ArgMax":
         return match_sparsemixer(topk)
     need(topk.op_type == "TopK" and topk.domain in STD, "not a TopK")
-    reasons, found = [], None
+    attempts, found = Attempts(), None
     for name, part in ROUTER_VARIANTS.items():
-        try:
+        with attempts.trying():
             found = (name, *part(topk))
             break
-        except NoMatch as exc:
-            reasons.append(str(exc))
-    need(found is not None, "; ".join(reasons))
+    if found is None:
+        # The variant that got furthest (matched most of its nodes) says why; where none got past the TopK,
+        # each variant's reason.
+        raise furthest_of(attempts)
     variant, scores, logits, values, normalized, *more = found
     extra = more[0] if more else {}
     rank = rank_of(logits)
@@ -699,12 +717,11 @@ def routing_matrix(w: Walk, value: ir.Value, router: Router) -> int:
     need(sorted_axes(axes_of(node), 3) == [1], "routing matrix: the one-hot sum is not over the top-k axis")
     need(attr_of(node, "keepdims", 1) == 0, "routing matrix: the one-hot sum keeps the top-k axis")
     mul = w.node(node.inputs[0], "Mul", "routing matrix: one-hot × weights")
+    attempts = Attempts()
     for hot_value, weights_value in commuted(mul):
-        try:
+        with attempts.trying():
             return w.attempt(lambda h=hot_value, v=weights_value: _one_hot_times(w, h, v, router))
-        except NoMatch as exc:
-            reason = str(exc)
-    raise NoMatch(reason)
+    raise furthest_of(attempts, ties="last")
 
 
 def _zeros_like_logits(w: Walk, value: ir.Value, router: Router) -> None:

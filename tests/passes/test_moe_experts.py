@@ -312,7 +312,7 @@ def test_clamps_that_differ_are_refused_with_the_reason() -> None:
     assert not result.modified and len(skip.rejected) == 1
     rejection = skip.rejected[0]
     assert "up is not clamped to [-7.0, 7.0]" in rejection.reason, rejection.reason
-    assert rejection.scope == "model.layers.0.mlp.experts" or rejection.node
+    assert rejection.path == "model.layers.0.mlp.experts" or rejection.node
 
 
 # --- semantics: reference, ORT MoE support, native refusal ------------------------------------------------------
