@@ -59,9 +59,12 @@ class MoEMatch:
         return [int(sum(a[e].size for a in arrays if a is not None)) for e in range(self.experts)]
 
 
-def combination_ends(router: Router, depth: int = 16) -> list[ir.Node]:
-    """Nodes downstream of the router that may combine the experts' outputs, nearest first (from the router's
-    own routing matrix too, where it builds one: Llama 4)."""
+def combination_ends(router: Router, depth: int | None = None) -> list[ir.Node]:
+    """Nodes downstream of the router that may combine the experts' outputs, nearest first, within ``depth``
+    hops (12; 16 from a router that builds its own routing matrix, Llama 4, whose experts' sum lies 13 hops
+    past it in a TorchScript export)."""
+    if depth is None:
+        depth = 12 if router.matrix is None else 16
     seen: set[ir.Node] = set()
     frontier = [router.values, router.indices, *([router.matrix] if router.matrix is not None else [])]
     ends: list[ir.Node] = []
