@@ -13,7 +13,9 @@ Forms (``MoEConfig.form``):
   times, ``GatherND`` of the stacked ``[E, 2F, H]`` gate/up and ``[E, H, F]`` down weights per (token, slot),
   batched ``MatMul``, weighted, ``ReduceSum`` over the k slots).
 - ``dense``: every expert on every token (``MatMul`` of ``[T, H]`` by stacked ``[E, H, F]``), combined with a
-  ``[T, E]`` routing matrix built by ``ScatterElements`` or ``OneHot`` (``routing``), by ``Einsum`` or
+  ``[T, E]`` routing matrix built by ``ScatterElements`` (into zeros of ``Shape(logits)``, or of
+  ``Concat(Shape(x)[0], [E])`` as TorchScript writes ``torch.zeros``: ``scatter-rows``) or ``OneHot``
+  (``routing``), by ``Einsum`` or
   ``Transpose``/``Mul``/``ReduceSum`` (``combine``).
 - ``unrolled``: one FFN per expert (``MatMul`` by ``[H, F]``), each scaled by its column of the routing matrix,
   summed with ``Add``.
@@ -47,7 +49,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 FORMS = ("batched_mm", "dense", "unrolled", "skipping")
-_ROUTINGS = ("scatter", "onehot")
+_ROUTINGS = ("scatter", "scatter-rows", "onehot")
 _COMBINES = ("einsum", "sum")
 _SCORINGS = ("softmax", "sigmoid")
 _ACTIVATIONS = ("silu", "gelu", "relu")
@@ -69,7 +71,9 @@ class MoEConfig:
     scoring: str = "softmax"
     activation: str = "silu"
     form: str = "batched_mm"
-    routing: str = "scatter"  # dense / unrolled: how the [T, E] routing matrix is built
+    # dense / unrolled: how the [T, E] routing matrix is built; "scatter-rows" scatters into zeros of shape
+    # Concat(Shape(x)[0], [E]), as TorchScript writes torch.zeros(x.shape[0], E)
+    routing: str = "scatter"
     combine: str = "einsum"  # dense: how expert outputs are combined with it
     fused_gate_up: bool = False  # dense / unrolled: one [.., 2F] projection split in two (batched_mm: always)
     never_routed: tuple[int, ...] = ()
@@ -184,6 +188,8 @@ def _router(g: _Graph, config: MoEConfig, path: str, x: str, w: dict[str, np.nda
     scope = f"{path}.gate"
     weight = g.init(f"{path}.gate.weight", w["router"])
     bias = g.init(f"{path}.gate.bias", w["router_bias"])
+    if config.routing == "scatter-rows":  # TorchScript's gate reads hidden.view(-1, H): rows of a new symbol
+        x = g.op(scope, "Reshape", [x, g.const(scope, _i64(-1, config.hidden))])
     logits = g.op(scope, "Gemm", [x, weight, bias], transB=1)
     probs = (
         g.op(scope, "Softmax", [logits], axis=-1) if config.scoring == "softmax" else g.op(scope, "Sigmoid", [logits])
@@ -222,15 +228,17 @@ def _batched_mm(g: _Graph, config: MoEConfig, path: str, x: str, w: dict[str, np
     return g.op(scope, "ReduceSum", [out, g.const(scope, _i64(1))], keepdims=0)
 
 
-def _routing_matrix(g: _Graph, config: MoEConfig, path: str, logits: str, weights: str, indices: str) -> str:
+def _routing_matrix(
+    g: _Graph, config: MoEConfig, path: str, x: str, logits: str, weights: str, indices: str
+) -> str:
     scope = f"{path}.gate"
-    if config.routing == "scatter":
-        zeros = g.op(
-            scope,
-            "ConstantOfShape",
-            [g.op(scope, "Shape", [logits])],
-            value=numpy_helper.from_array(np.zeros(1, np.float32)),
-        )
+    if config.routing in ("scatter", "scatter-rows"):
+        shape = g.op(scope, "Shape", [logits])
+        if config.routing == "scatter-rows":
+            rows = g.op(scope, "Gather", [g.op(scope, "Shape", [x]), g.const(scope, np.array(0, np.int64))], axis=0)
+            rows = g.op(scope, "Unsqueeze", [rows, g.const(scope, _i64(0))])
+            shape = g.op(scope, "Concat", [rows, g.const(scope, _i64(config.experts))], axis=0)
+        zeros = g.op(scope, "ConstantOfShape", [shape], value=numpy_helper.from_array(np.zeros(1, np.float32)))
         return g.op(scope, "ScatterElements", [zeros, indices, weights], axis=1)
     hot = g.op(
         scope,
@@ -271,7 +279,7 @@ def _ffn(
 
 def _dense(g: _Graph, config: MoEConfig, path: str, x: str, w: dict[str, np.ndarray]) -> str:
     logits, weights, indices, _ = _router(g, config, path, x, w)
-    matrix = _routing_matrix(g, config, path, logits, weights, indices)  # [T, E]
+    matrix = _routing_matrix(g, config, path, x, logits, weights, indices)  # [T, E]
     scope = f"{path}.experts"
     gate_t, up_t = w["w_gate"].transpose(0, 2, 1), w["w_up"].transpose(0, 2, 1)  # [E, H, F]
     if config.fused_gate_up:
@@ -289,7 +297,7 @@ def _dense(g: _Graph, config: MoEConfig, path: str, x: str, w: dict[str, np.ndar
 
 def _unrolled(g: _Graph, config: MoEConfig, path: str, x: str, w: dict[str, np.ndarray]) -> str:
     logits, weights, indices, _ = _router(g, config, path, x, w)
-    matrix = _routing_matrix(g, config, path, logits, weights, indices)
+    matrix = _routing_matrix(g, config, path, x, logits, weights, indices)
     total = None
     for e in range(config.experts):
         scope = f"{path}.experts.{e}"

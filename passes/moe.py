@@ -11,7 +11,7 @@ import onnx_ir as ir
 from layerzero.errors import InvalidInputError
 from layerzero.passes._dynamic import MASK_PREFIX, MOE_DOMAIN, MOE_OP, ROUTER_PREFIX, DynamicPath, record_dynamic_path
 from layerzero.passes._graph import NAME_SCOPES_KEY, NameFactory, make_constant, replace_value
-from layerzero.passes._moe import MoEMatch, Rejection, Router, find_moe_blocks
+from layerzero.passes._moe import MoEMatch, Refusal, Router, find_moe_blocks
 
 __all__ = ["MOE_DOMAIN", "MOE_OP", "SkipExperts"]
 
@@ -64,7 +64,7 @@ class SkipExperts(ir.passes.InPlacePass):
             raise InvalidInputError(f"zeroing_threshold={zeroing_threshold!r}; expected a finite number >= 0")
         self.zeroing_threshold = float(zeroing_threshold)
         self.rewritten: list[tuple[str, str]] = []  # (path, form)
-        self.rejected: list[Rejection] = []
+        self.rejected: list[Refusal] = []  # kind "moe": path (the block's scope), reason, node
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -73,7 +73,8 @@ class SkipExperts(ir.passes.InPlacePass):
         opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
         if matches and opset < _MIN_OPSET:
             for m in matches:
-                self.rejected.append(Rejection(m.path, f"model opset {opset} < {_MIN_OPSET} (convert the model first)"))
+                reason = f"model opset {opset} < {_MIN_OPSET} (convert the model first)"
+                self.rejected.append(Refusal(m.path, reason, kind="moe"))
             matches = []
         names = NameFactory(graph)
         used_paths: set[str] = set()
@@ -100,7 +101,7 @@ class SkipExperts(ir.passes.InPlacePass):
             )
         for r in self.rejected:
             logger.info(
-                "MoE candidate at %s: not rewritten (at node %s): %s", r.scope or "(no scope)", r.node or "?", r.reason
+                "MoE candidate at %s: not rewritten (at node %s): %s", r.path or "(no scope)", r.node or "?", r.reason
             )
         if matches:
             model.opset_imports[MOE_DOMAIN] = 1
@@ -118,14 +119,20 @@ class SkipExperts(ir.passes.InPlacePass):
             for part, array in (("w_gate", m.w_gate), ("w_up", m.w_up), ("w_down", m.w_down))
         ]
         inputs, routing_attributes = _routing_v2(graph, names, path, router)
+        hidden, scoring, before = m.hidden, router.scoring, []
+        if m.input_scale:
+            # Llama 4 (top-1): the expert reads x · sigmoid(top logit); its weight is then 1, the top-1 softmax
+            # probability normalised over itself (p / (p + 1e-20) == 1 for p >= 1 / E).
+            before = _scaled_hidden(names, path, m.hidden, router.logits, opset)
+            hidden, scoring = before[-1].outputs[0], "softmax"
         node = ir.Node(
             MOE_DOMAIN,
             MOE_OP,
-            [m.hidden, router.logits, *weights, *_v2_inputs(_expert_biases(graph, names, path, m), inputs)],
+            [hidden, router.logits, *weights, *_v2_inputs(_expert_biases(graph, names, path, m), inputs)],
             attributes=[
                 ir.AttrInt64("top_k", router.top_k),
                 ir.AttrInt64("normalize", m.normalize),
-                ir.AttrString("scoring", router.scoring),
+                ir.AttrString("scoring", scoring),
                 ir.AttrString("activation", m.activation),
                 ir.AttrFloat32("zeroing_threshold", self.zeroing_threshold),
                 ir.AttrString("path", path),
@@ -171,7 +178,7 @@ class SkipExperts(ir.passes.InPlacePass):
         confidence.name = names(ROUTER_PREFIX + path)
         confidence.dtype = router.logits.dtype
         confidence.shape = ir.Shape([tokens]) if tokens is not None else None
-        graph.insert_after(end, [node, scores, *([axes_node] if opset >= 18 else []), top1])
+        graph.insert_after(end, [*before, node, scores, *([axes_node] if opset >= 18 else []), top1])
         replace_value(m.output, y, names)
         graph.outputs.extend([mask, confidence])
         _remove_dead(graph, [*m.nodes, end, router.topk, router.scores, *router.nodes])
@@ -189,7 +196,8 @@ class SkipExperts(ir.passes.InPlacePass):
                     "experts": m.experts,
                     "top_k": router.top_k,
                     "normalize": m.normalize,
-                    "scoring": router.scoring,
+                    "scoring": scoring,
+                    **({"input_scale": "sigmoid(top-1 logit)"} if m.input_scale else {}),
                     "activation": m.activation,
                     **({"expert_biases": True} if _has_biases(m) else {}),
                     "hidden": int(m.w_gate.shape[2]),
@@ -201,6 +209,32 @@ class SkipExperts(ir.passes.InPlacePass):
             ),
         )
         return y
+
+
+def _scaled_hidden(names: NameFactory, path: str, hidden: ir.Value, logits: ir.Value, opset: int) -> list[ir.Node]:
+    """``hidden · Sigmoid(ReduceMax(logits, -1, keepdims))``: each token scaled by the sigmoid of its top logit
+    (Llama 4's top-1 weighting of the expert's input); the last node's output is the scaled hidden state."""
+    nodes: list[ir.Node] = []
+    if opset >= 18:
+        minus_one = ir.AttrTensor("value", ir.tensor(np.array([-1], np.int64)))
+        axes_node = ir.Node("", "Constant", [], attributes=[minus_one])
+        axes_node.name = names(f"/{path}/input_scale/Constant")
+        axes_node.outputs[0].name = names(f"{path}.input_scale.axes")
+        top = ir.Node("", "ReduceMax", [logits, axes_node.outputs[0]], attributes=[ir.AttrInt64("keepdims", 1)])
+        nodes.append(axes_node)
+    else:
+        top = ir.Node(
+            "", "ReduceMax", [logits], attributes=[ir.AttrInt64s("axes", [-1]), ir.AttrInt64("keepdims", 1)]
+        )
+    top.name = names(f"/{path}/input_scale/ReduceMax")
+    weight = ir.Node("", "Sigmoid", [top.outputs[0]], name=names(f"/{path}/input_scale/Sigmoid"))
+    scaled = ir.Node("", "Mul", [hidden, weight.outputs[0]], name=names(f"/{path}/input_scale/Mul"))
+    for n, what in ((top, "top_logit"), (weight, "weight"), (scaled, "hidden")):
+        out = n.outputs[0]
+        out.name = names(f"{path}.input_scale.{what}")
+        out.dtype = hidden.dtype
+    scaled.outputs[0].shape = hidden.shape
+    return [*nodes, top, weight, scaled]
 
 
 def _has_biases(m: MoEMatch) -> bool:

@@ -4,16 +4,17 @@
 - ``router``: scores, top-k, normalisation, the routing matrix;
 - ``experts``: the per-expert FFN (activation, gate/up fused or not, the projection variants);
 - ``combine``: how expert outputs are combined, one matcher per block shape (``FORMS``: rules as data);
-- ``blocks``: the search from each router, the block check, and the rejections with their reasons.
+- ``blocks``: the search from each router, the block check, and the refusals with their reasons.
 
-Every check that fails raises ``NoMatch`` saying which; the attempt that got furthest is the reason a router
-is no block.
+Every check that fails raises ``NoMatch`` saying which (``passes/_match.py``, the passes' one failure
+vocabulary); the attempt that got furthest is the reason a router is no block, recorded as a ``Refusal`` of
+kind ``"moe"``.
 """
 
 from __future__ import annotations
 
-from layerzero.passes._moe.blocks import MoEMatch, Rejection, find_moe_blocks
+from layerzero.passes._match import NoMatch, Refusal
+from layerzero.passes._moe.blocks import MoEMatch, find_moe_blocks
 from layerzero.passes._moe.router import Router, match_router
-from layerzero.passes._moe.walk import NoMatch
 
-__all__ = ["MoEMatch", "NoMatch", "Rejection", "Router", "find_moe_blocks", "match_router"]
+__all__ = ["MoEMatch", "NoMatch", "Refusal", "Router", "find_moe_blocks", "match_router"]

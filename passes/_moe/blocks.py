@@ -3,8 +3,9 @@
 A candidate is a router (``router.match_router``). Downstream of it the search collects the nodes that may
 combine the experts' outputs (``combination_ends``), tries the forms ``combine.FORMS`` lists for each, and
 checks the block (``check_block``): no intermediate value read outside it, weight shapes and dtypes that
-fit. A router that is no block becomes a ``Rejection`` naming the block's scope, the node where the
-furthest attempt failed, and the check that failed.
+fit. A router that is no block becomes a ``Refusal`` (``passes/_match.py``, kind ``"moe"``) naming the block's
+scope, the node where the furthest attempt (``furthest``: of every form tried at every end) failed, and the
+check that failed.
 """
 
 from __future__ import annotations
@@ -15,17 +16,18 @@ import numpy as np
 import onnx_ir as ir
 
 from layerzero.passes._graph import common_scope, scope_of
+from layerzero.passes._match import Refusal, furthest
 from layerzero.passes._moe.combine import FORMS
 from layerzero.passes._moe.router import Router, match_router, router_candidate, sparsemixer_head
-from layerzero.passes._moe.walk import STD, NoMatch, Walk, need, static_dim
+from layerzero.passes._moe.walk import STD, NoMatch, Walk, label, need, static_dim
 
-__all__ = ["MoEMatch", "Rejection", "find_moe_blocks"]
+__all__ = ["MoEMatch", "Refusal", "find_moe_blocks"]
 
 
 @dataclasses.dataclass
 class MoEMatch:
     path: str
-    form: str  # "batched_mm" | "dense" | "unrolled"
+    form: str  # a name of combine.FORMS: "batched_mm" | "dense" | "unrolled" | "sorted" | "input_scaled"
     router: Router
     hidden: ir.Value  # [T, H]
     output: ir.Value  # [T, H]: what the block's consumers read
@@ -42,6 +44,10 @@ class MoEMatch:
     b_down: np.ndarray | None = None
     activation_alpha: float = 1.702
     activation_limit: float = 7.0
+    # Llama 4 (form "input_scaled", top-1): the expert reads its token scaled by the routing weight, ``y_t =
+    # expert_e(sigmoid(l_te) · x_t)``. The skipping form computes it as ``MoE(x · sigmoid(max_e l_te))`` with
+    # the chosen expert's weight 1 (softmax scores, ``normalize``: the top-1 probability over itself).
+    input_scale: bool = False
 
     @property
     def experts(self) -> int:
@@ -53,19 +59,14 @@ class MoEMatch:
         return [int(sum(a[e].size for a in arrays if a is not None)) for e in range(self.experts)]
 
 
-@dataclasses.dataclass
-class Rejection:
-    """A router that is no block: the block's scope, why, and the node where the furthest attempt stopped."""
-
-    scope: str
-    reason: str
-    node: str = ""  # "<op_type> <name>"
-
-
-def combination_ends(router: Router, depth: int = 12) -> list[ir.Node]:
-    """Nodes downstream of the router that may combine the experts' outputs, nearest first."""
+def combination_ends(router: Router, depth: int | None = None) -> list[ir.Node]:
+    """Nodes downstream of the router that may combine the experts' outputs, nearest first, within ``depth``
+    hops (12; 16 from a router that builds its own routing matrix, Llama 4, whose experts' sum lies 13 hops
+    past it in a TorchScript export)."""
+    if depth is None:
+        depth = 12 if router.matrix is None else 16
     seen: set[ir.Node] = set()
-    frontier = [router.values, router.indices]
+    frontier = [router.values, router.indices, *([router.matrix] if router.matrix is not None else [])]
     ends: list[ir.Node] = []
     for _ in range(depth):
         nxt = []
@@ -122,10 +123,11 @@ def check_block(match: MoEMatch, shareable: set[ir.Node]) -> None:
     need(match.router.logits.dtype == x.dtype, "router logits and hidden state differ in dtype")
 
 
-def find_moe_blocks(graph: ir.Graph) -> tuple[list[MoEMatch], list[Rejection]]:
-    """Every MoE block of ``graph`` (not its subgraphs) and, for each router that is no block, why."""
+def find_moe_blocks(graph: ir.Graph) -> tuple[list[MoEMatch], list[Refusal]]:
+    """Every MoE block of ``graph`` (not its subgraphs) and, for each router that is no block, why: a
+    ``Refusal`` of kind ``"moe"`` (path: the block's scope; node: where the furthest attempt stopped)."""
     matches: list[MoEMatch] = []
-    rejections: list[Rejection] = []
+    rejections: list[Refusal] = []
     claimed: set[ir.Node] = set()
     # Router heads: TopK candidates, and the first ArgMax of a PhiMoE sparsemixer (no TopK).
     heads = [
@@ -135,11 +137,12 @@ def find_moe_blocks(graph: ir.Graph) -> tuple[list[MoEMatch], list[Rejection]]:
         try:
             router = match_router(topk)
         except NoMatch as exc:
-            where = f"{topk.op_type} {topk.name}"
-            rejections.append(Rejection(block_scope([topk]) or topk.name or "", str(exc), where))
+            failure = NoMatch(exc.reason, topk)  # reported at the router's head
+            rejections.append(Refusal.of(block_scope([topk]) or topk.name or "", failure, kind="moe"))
             continue
         ends = combination_ends(router)
-        failures: list[tuple[int, str, ir.Node, str]] = []  # (nodes matched before failing, reason, end)
+        failures: list[NoMatch] = []  # each form's deepest failure at each end, its progress the nodes matched
+        ends_of: dict[int, ir.Node] = {}  # id(failure) -> the end it was tried at
         found = None
         for end in ends:
             if end in claimed:
@@ -165,27 +168,31 @@ def find_moe_blocks(graph: ir.Graph) -> tuple[list[MoEMatch], list[Rejection]]:
                 except NoMatch as exc:
                     found = None
                     w.note(exc)
-                    depth, why, where = w.deepest
+                    deepest = w.deepest
+                    why = deepest.reason
                     reason = why if why.startswith(form) else f"{form}: {why}"
-                    failures.append((depth, reason, end, where or f"{end.op_type} {end.name}"))
+                    failure = NoMatch(reason, *(deepest.nodes or (end,)), progress=deepest.progress)
+                    failures.append(failure)
+                    ends_of[id(failure)] = end
             if found is not None:
                 break
         if found is None:
-            scope, where = block_scope([topk]), f"{topk.op_type} {topk.name}"
-            if failures:
-                # The attempt that got furthest says best why this is no block.
-                _, reason, end, where = max(failures, key=lambda f: f[0])
-                scope = block_scope([topk, end]) or scope
+            # The attempt that got furthest says best why this is no block.
+            best = furthest(failures)
+            if best is not None:
+                scope = block_scope([topk, ends_of[id(best)]]) or block_scope([topk])
             else:
-                reason = (
+                scope = block_scope([topk])
+                best = NoMatch(
                     "no combination of expert outputs downstream of the router (a ReduceSum over the top-k slots, "
-                    "an Einsum / ReduceSum with a routing matrix, or a sum of per-expert outputs)"
+                    "an Einsum / ReduceSum with a routing matrix, or a sum of per-expert outputs)",
+                    topk,
                 )
-            rejections.append(Rejection(scope, reason, where))
+            rejections.append(Refusal.of(scope, best, kind="moe"))
             continue
         claimed.update(found.nodes)
         matches.append(found)
     # The group-limit TopKs of a matched router (DeepSeek-V3 style) are parts of it, not routers of their own.
-    parts = {f"TopK {n.name}" for m in matches for n in m.router.nodes if n.op_type == "TopK"}
+    parts = {label(n) for m in matches for n in m.router.nodes if n.op_type == "TopK"}
     rejections = [r for r in rejections if r.node not in parts]
     return matches, rejections

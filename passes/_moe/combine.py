@@ -14,6 +14,8 @@
    the experts' token counts (``ReduceSum`` of a ``ScatterElements`` one-hot of the indices), one ``Gemm``
    per expert (``experts.sorted_projection``), scaled by the sorted routing weights and added back into the
    tokens' rows with ``ScatterND(reduction="add")``.
+5. ``input_scaled`` (Llama 4): every expert on every token repeated ``E`` times, each token's INPUT scaled by
+   the router's own matrix (``match_input_scaled``), summed over the experts; top-1 routing only.
 
 ``FORMS`` (rules as data) says which shapes a combining node may end: each is tried in order.
 """
@@ -37,12 +39,14 @@ from layerzero.passes._moe.experts import (
 from layerzero.passes._moe.router import Router, routing_matrix, routing_weights
 from layerzero.passes._moe.walk import (
     STD,
+    Attempts,
     NoMatch,
     Walk,
     attr_of,
     axes_of,
     commuted,
     const_ints,
+    furthest_of,
     need,
     rank_of,
     reshape_dims,
@@ -51,7 +55,7 @@ from layerzero.passes._moe.walk import (
     zeros_node,
 )
 
-__all__ = ["FORMS", "match_batched_mm", "match_dense", "match_sorted", "match_unrolled"]
+__all__ = ["FORMS", "match_batched_mm", "match_dense", "match_input_scaled", "match_sorted", "match_unrolled"]
 
 
 def _repeated_tokens(w: Walk, value: ir.Value, top_k: int, hidden_size: int) -> ir.Value:
@@ -98,16 +102,14 @@ def match_batched_mm(w: Walk, end: ir.Node, router: Router) -> dict:
     )
     hidden_size = shape[2]
     mul = w.node(reshape.inputs[0], "Mul", "batched_mm: expert output × routing weight")
-    reason, down_value = "batched_mm: no factor is the flattened routing weights", None
+    attempts, down_value = Attempts(), None
     for other, weight_value in commuted(mul):
-        try:
+        with attempts.trying():
             normalize = w.attempt(lambda v=weight_value: _flat_weights(w, v, router))
-        except NoMatch as exc:
-            reason = str(exc)
-            continue
-        down_value = other
-        break
-    need(down_value is not None, reason)
+            down_value = other
+            break
+    if down_value is None:
+        raise furthest_of(attempts, "batched_mm: no factor is the flattened routing weights", ties="last")
     ffn = expert_ffn(w, down_value, batched_projection(w, router))
     need(
         ffn.w_down.shape[1] == hidden_size,
@@ -417,16 +419,14 @@ def match_sorted(w: Walk, end: ir.Node, router: Router) -> dict:
     else:
         hidden_dims = None
     mul = w.node(updates, "Mul", "sorted: expert output × routing weight")
-    reason, found = "sorted: no factor is the sorted routing weights", None
+    attempts, found = Attempts(), None
     for y, weight in commuted(mul):
-        try:
+        with attempts.trying():
             normalize = w.attempt(lambda v=weight: _sorted_weights(w, v, router, order))
-        except NoMatch as exc:
-            reason = str(exc)
-            continue
-        found = (y, normalize)
-        break
-    need(found is not None, reason)
+            found = (y, normalize)
+            break
+    if found is None:
+        raise furthest_of(attempts, "sorted: no factor is the sorted routing weights", ties="last")
     y, normalize = found
     sizes: list[ir.Value] = []
     ffn = expert_ffn(w, y, sorted_projection(w, router.experts, sizes))
@@ -463,10 +463,114 @@ def _sorted_weights(w: Walk, value: ir.Value, router: Router, order: ir.Value) -
     return routing_weights(w, flat.inputs[0], router)
 
 
+def _ones_expand(w: Walk, value: ir.Value) -> ir.Value:
+    """Through ``Expand(v, ones)`` of at most ``rank(v)`` ones (an identity: torch's ``repeat`` writes it before
+    its ``Tile``): a constant, or ``ConstantOfShape(Shape(s), 1)`` of a static length."""
+    node = value.producer()
+    if node is None or node.op_type != "Expand" or node.domain not in STD:
+        return value
+    rank = rank_of(node.inputs[0])
+    shape = const_ints(node.inputs[1])
+    fill = node.inputs[1].producer()
+    nodes = [node]
+    if shape is None and fill is not None and fill.op_type == "ConstantOfShape":
+        attr = fill.attributes.get("value")
+        one = attr is not None and attr.value.numpy().reshape(-1).tolist() == [1]
+        length = static_ints(w, fill.inputs[0])
+        if one and length is not None and len(length) == 1:
+            shape = [1] * length[0]
+            nodes.append(fill)
+    if rank is None or shape is None or len(shape) > rank or any(d != 1 for d in shape):
+        return value
+    w.nodes.extend(n for n in nodes if n not in w.nodes)
+    w.shareable.update(nodes[1:])
+    return node.inputs[0]
+
+
+def _shape_computation(w: Walk, value: ir.Value, depth: int = 6) -> None:
+    """Accept the nodes computing a reshape's target (``Shape`` / ``Gather`` / ``Unsqueeze`` / ``Squeeze`` /
+    ``Concat`` / ``Cast``, as TorchScript builds it) into the walk as shareable: one may read a value inside
+    the block (``Shape`` of the experts' output) and goes with it."""
+    node = value.producer()
+    if depth == 0 or node is None or node.domain not in STD:
+        return
+    if node.op_type not in ("Shape", "Gather", "Unsqueeze", "Squeeze", "Concat", "Cast"):
+        return
+    if node not in w.nodes:
+        w.nodes.append(node)
+    w.shareable.add(node)
+    if node.op_type != "Shape":
+        for v in node.inputs:
+            if v is not None:
+                _shape_computation(w, v, depth - 1)
+
+
+def match_input_scaled(w: Walk, end: ir.Node, router: Router) -> dict:
+    """Llama 4: ``ReduceSum(Reshape(experts(Reshape(Tile(x, [E, 1]) * Reshape(Transpose(M), [-1, 1]), [E, T, H])),
+    [E, T, H]), axis 0)``: every expert on every token, each token's input scaled by its column of the router's
+    matrix ``M`` (``Router.matrix``: the sigmoid of the chosen logit, 0 elsewhere; an expert without biases maps
+    0 to 0). With top-1 routing that is the one chosen expert on ``x · sigmoid(top logit)`` (``input_scale``)."""
+    what = "input_scaled"
+    need(router.matrix is not None, f"{what}: the router builds no routing matrix of its own (Llama 4's)")
+    need(end.op_type == "ReduceSum", f"{what}: the combination is not a ReduceSum")
+    need(sorted_axes(axes_of(end), 3) == [0], f"{what}: ReduceSum is not over the experts axis")
+    need(attr_of(end, "keepdims", 1) == 0, f"{what}: ReduceSum keeps the experts axis")
+    value, outer = end.inputs[0], None
+    for _ in range(2):  # [E, T, H] → [E·T, H] → [E, T, H] (TorchScript), or [E, T, H] → [E, T, H] (dynamo)
+        producer = value.producer()
+        if producer is None or producer.op_type != "Reshape":
+            break
+        reshape = w.node(value, "Reshape", f"{what}: the experts' outputs")
+        outer = outer or reshape_dims(reshape)
+        _shape_computation(w, reshape.inputs[1])
+        value = reshape.inputs[0]
+    ffn = expert_ffn(w, value, stacked_projection(w))
+    experts, hidden_size = ffn.w_gate.shape[0], ffn.w_down.shape[1]
+    need(experts == router.experts, f"{what}: {experts} experts' weights for {router.experts} router experts")
+    need(rank_of(value) == 3, f"{what}: the experts' outputs are not [E, T, H]")
+    need(
+        outer is None or (len(outer) == 3 and outer[0] == experts and outer[2] == hidden_size),
+        f"{what}: the experts' outputs are not summed as [E, T, H]",
+    )
+    need(ffn.b_gate is None and ffn.b_up is None and ffn.b_down is None, f"{what}: experts with biases see 0 ≠ 0")
+    split = w.node(ffn.x, "Reshape", f"{what}: the experts' inputs")
+    dims = reshape_dims(split)
+    need(
+        dims is not None and len(dims) == 3 and dims[0] == experts and dims[2] == hidden_size,
+        f"{what}: the experts' inputs are not reshaped to [E, T, H]",
+    )
+    mul = w.node(split.inputs[0], "Mul", f"{what}: the tokens × their routing weights")
+    found = None
+    for rep_value, col_value in commuted(mul):
+        col = col_value.producer()
+        if col is None or col.op_type != "Reshape" or col.domain not in STD:
+            continue
+        col_dims = reshape_dims(col)
+        tr = col.inputs[0].producer()
+        if col_dims is None or len(col_dims) != 2 or col_dims[1] != 1 or tr is None or tr.op_type != "Transpose":
+            continue
+        if list(attr_of(tr, "perm", [1, 0])) != [1, 0] or tr.inputs[0] is not router.matrix:
+            continue
+        tile = rep_value.producer()
+        if tile is None or tile.op_type != "Tile" or tile.domain not in STD:
+            continue
+        found = (col, tr, tile)
+        break
+    need(found is not None, f"{what}: the experts' inputs are not the tokens repeated E times × the routing matrix")
+    col, tr, tile = found
+    w.nodes.extend(n for n in found if n not in w.nodes)
+    repeats = static_ints(w, tile.inputs[1])
+    need(repeats == [experts, 1], f"{what}: the tokens are not repeated {experts} times (Tile by {repeats})")
+    x = _ones_expand(w, tile.inputs[0])
+    need(rank_of(x) == 2, f"{what}: the hidden state is not [T, H]")
+    need(router.top_k == 1, f"{what}: top-{router.top_k} routing scales each expert's input by its own weight")
+    return {"hidden": x, "normalize": 1, "input_scale": True, **ffn.fields()}
+
+
 # The op that ends a block -> the block shapes it may end, tried in order.
 FORMS: dict[str, tuple[tuple[str, Callable[[Walk, ir.Node, Router], dict]], ...]] = {
     "Einsum": (("dense", match_dense),),
-    "ReduceSum": (("batched_mm", match_batched_mm), ("dense", match_dense)),
+    "ReduceSum": (("batched_mm", match_batched_mm), ("dense", match_dense), ("input_scaled", match_input_scaled)),
     "Add": (("unrolled", match_unrolled),),
     "Sum": (("unrolled", match_unrolled),),
     "ScatterND": (("sorted", match_sorted),),

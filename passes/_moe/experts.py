@@ -14,7 +14,8 @@ Variants:
 - projection (which block shape reads the weights): ``batched_projection`` (``GatherND`` / ``Gather`` of
   stacked weights per (token, slot), batched ``MatMul``, ``Squeeze``: ``[E, out, in]`` times the tokens as
   columns, or, transposed (GPT-OSS), the tokens as rows times ``[E, in, out]``), ``stacked_projection``
-  (``MatMul`` by stacked ``[E, in, out]``), ``linear_projection`` (one expert's ``MatMul`` / ``Gemm``),
+  (``MatMul`` by stacked ``[E, in, out]``), ``linear_projection`` (one expert's ``MatMul`` / ``Gemm`` by a
+  constant, or by ``weight[e]`` of a stacked constant left unfolded: ``selected_weight``),
   ``sorted_projection`` (JetMoE: rows sorted by expert, ``Split`` by the experts' counts, one ``Gemm`` per
   expert, ``Concat``);
 - bias (each projection's own form, optional): ``Add`` of the per-slot bias rows (``GatherND`` / ``Gather`` of
@@ -37,6 +38,7 @@ from layerzero.passes._graph import const_array
 from layerzero.passes._moe.router import Router
 from layerzero.passes._moe.walk import (
     STD,
+    Attempts,
     NoMatch,
     Walk,
     attr_of,
@@ -45,6 +47,7 @@ from layerzero.passes._moe.walk import (
     const_ints,
     const_scalar,
     const_weight,
+    furthest_of,
     near,
     need,
     rank_of,
@@ -187,14 +190,13 @@ def _gelu_erf(w: Walk, value: ir.Value) -> tuple[str, ir.Value]:
 def act_times_up(w: Walk, value: ir.Value) -> tuple[str, ir.Value, ir.Value]:
     """``value = act(gate) * up`` → ``(act, gate, up)``."""
     mul = w.node(value, "Mul", "expert FFN: act(gate) × up")
-    reason = "expert FFN: neither factor of act(gate) × up is an activation"
+    attempts = Attempts()
     for a, up in commuted(mul):
-        try:
+        with attempts.trying():
             act, gate = w.attempt(lambda a=a: _activation(w, a))
             return act, gate, up
-        except NoMatch as exc:
-            reason = f"expert FFN: {exc}"
-    raise NoMatch(reason)
+    best = furthest_of(attempts, "neither factor of act(gate) × up is an activation", ties="last")
+    raise NoMatch(f"expert FFN: {best.reason}", *best.nodes, progress=best.progress)
 
 
 def _act_times_up(w: Walk, value: ir.Value) -> Gating:
@@ -287,7 +289,8 @@ GATED_UNITS: dict[str, Callable[[Walk, ir.Value], Gating]] = {
 
 
 def gated_unit(w: Walk, value: ir.Value) -> Gating:
-    """The first of ``GATED_UNITS`` that matches ``value``; else NoMatch with each variant's reason."""
+    """The first of ``GATED_UNITS`` that matches ``value``; else the NoMatch of the variant that got furthest
+    (each variant's reason where they got equally far)."""
     producer = value.producer()
     if producer is None or producer.op_type != "Mul" or producer.domain not in STD:
         found = "a graph input or constant" if producer is None else f"{producer.op_type} ({producer.name})"
@@ -296,13 +299,11 @@ def gated_unit(w: Walk, value: ir.Value) -> Gating:
             f"expert FFN: the down projection reads {found}, not a gated unit (act(gate) × up or swiglu_oai); "
             "experts with one projection (JetMoE's attention experts) are no MoE FFN"
         )
-    reasons = []
+    attempts = Attempts()
     for part in GATED_UNITS.values():
-        try:
+        with attempts.trying():
             return w.attempt(lambda p=part: p(w, value))
-        except NoMatch as exc:
-            reasons.append(str(exc))
-    raise NoMatch("; ".join(reasons))
+    raise furthest_of(attempts)
 
 
 def _row_selection(w: Walk, value: ir.Value) -> tuple[ir.Value, Callable[[int], np.ndarray] | None]:
@@ -447,17 +448,15 @@ def _biased(
     add = value.producer()
     if add is None or add.op_type != "Add" or add.domain not in STD:
         return value, None
-    reasons = []
+    attempts = Attempts()
     for p, b in commuted(add):
-        try:
+        with attempts.trying():
             bias = w.attempt(lambda b=b: bias_part(b))
-        except NoMatch as exc:
-            reasons.append(str(exc))
-            continue
-        if add not in w.nodes:
-            w.nodes.append(add)
-        return p, bias
-    raise NoMatch(f"{what}: an Add whose operands are no bias: {'; '.join(reasons)}")
+            if add not in w.nodes:
+                w.nodes.append(add)
+            return p, bias
+    best = furthest_of(attempts)
+    raise NoMatch(f"{what}: an Add whose operands are no bias: {best.reason}", *best.nodes, progress=best.progress)
 
 
 def _flat_indices(w: Walk, value: ir.Value, router: Router, rows: bool) -> None:
@@ -545,7 +544,7 @@ def linear_projection(w: Walk) -> Projection:
     def projection(value: ir.Value, what: str) -> tuple[np.ndarray, np.ndarray | None, ir.Value]:
         value, bias = _biased(w, value, what, lambda b: bias_part(b, what))
         node = w.node(value, ("MatMul", "Gemm"), what)
-        weight = const_weight(node.inputs[1], 2, f"{what}: weight")
+        weight = selected_weight(w, node.inputs[1], f"{what}: weight")
         if node.op_type == "Gemm":
             need(
                 attr_of(node, "transA", 0) == 0 and attr_of(node, "alpha", 1.0) == 1.0,
@@ -569,6 +568,60 @@ def linear_projection(w: Walk) -> Projection:
         return np.ascontiguousarray(weight)[None], bias, node.inputs[0]
 
     return projection
+
+
+def selected_weight(w: Walk, value: ir.Value, what: str) -> np.ndarray:
+    """One expert's 2-D weight: a constant, or ``weight[e]`` of a stacked constant left unfolded (torch's
+    ``select``, JetMoE's ``self.weight[i]``): ``Gather(W, e, axis 0)`` with a scalar ``e``, ``Squeeze(Gather(W,
+    [e]) | Slice(W, [e], [e + 1]), 0)``, each also under ``Transpose(perm [1, 0])``. The selecting nodes join
+    the block (they go with it)."""
+    if const_array(value) is not None:
+        return const_weight(value, 2, what)
+    nodes: list[ir.Node] = []
+    transposed = False
+    node = value.producer()
+    if node is not None and node.op_type == "Transpose" and node.domain in STD:
+        perm = attr_of(node, "perm")
+        need(perm is not None and list(perm) == [1, 0], f"{what}: {value.name} is Transpose with perm {perm}")
+        nodes.append(node)
+        transposed, value = True, node.inputs[0]
+        node = value.producer()
+    squeeze = None
+    if node is not None and node.op_type == "Squeeze" and node.domain in STD:
+        need(axes_of(node) == [0], f"{what}: {value.name} is a Squeeze of other axes than 0")
+        squeeze = node
+        nodes.append(node)
+        node = node.inputs[0].producer()
+    need(
+        node is not None and node.op_type in ("Gather", "Slice") and node.domain in STD,
+        f"{what}: {value.name} is not a constant weight",
+    )
+    stacked = const_weight(node.inputs[0], 3, f"{what}: the stacked weights of {value.name}")
+    experts = stacked.shape[0]
+    if node.op_type == "Gather":
+        index = const_array(node.inputs[1])
+        need(attr_of(node, "axis", 0) == 0, f"{what}: Gather {node.name} is not along the experts axis")
+        need(
+            index is not None and index.size == 1 and index.ndim == (0 if squeeze is None else 1),
+            f"{what}: Gather {node.name} does not select one expert by a constant index",
+        )
+        e = int(index.reshape(-1)[0])
+    else:
+        starts, ends = const_ints(node.inputs[1]), const_ints(node.inputs[2])
+        axes = const_ints(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else [0]
+        steps = const_ints(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else [1]
+        need(
+            squeeze is not None and starts is not None and ends is not None and len(starts) == 1
+            and axes in ([0], [-3]) and steps == [1],
+            f"{what}: Slice {node.name} does not select one expert of the stacked weights",
+        )  # fmt: skip
+        e = starts[0] + experts if starts[0] < 0 else starts[0]
+        need(ends[0] == e + 1, f"{what}: Slice {node.name} selects experts {starts[0]}..{ends[0]}, not one")
+    need(-experts <= e < experts, f"{what}: expert {e} of {experts} stacked weights")
+    nodes.append(node)
+    w.nodes.extend(n for n in nodes if n not in w.nodes)
+    weight = stacked[e]
+    return weight.T if transposed else weight
 
 
 def sorted_projection(w: Walk, experts: int, sizes: list[ir.Value]) -> Projection:

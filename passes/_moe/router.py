@@ -3,7 +3,9 @@
 Variants:
 - scores (``ROUTER_VARIANTS``): ``TopK(Softmax(logits, -1) | Sigmoid(logits), k)`` (Mixtral, Qwen-MoE, OLMoE),
   or ``Softmax(TopK(logits, k).values)`` (GraniteMoE, JetMoE, GPT-OSS: the same weights as the first with
-  ``normalize``), ``TopK`` over the last axis, ``largest=1``, logits ``[T, E]``;
+  ``normalize``), ``TopK`` over the last axis, ``largest=1``, logits ``[T, E]``; or (``topk-sigmoid``,
+  Llama 4) ``Sigmoid(ScatterElements(full(-inf), TopK(logits).indices, TopK(logits).values))``: the router's own
+  ``[T, E]`` matrix (``Router.matrix``), which scales the experts' inputs;
 - chosen by biased, group-limited scores, weighed by the unbiased ones (``biased-select``: DeepSeek-V3,
   GLM4-MoE, dots1 with sigmoid scores, Ernie-4.5-MoE with softmax scores)::
 
@@ -34,6 +36,7 @@ import onnx_ir as ir
 from layerzero.passes._graph import const_array, same_shape
 from layerzero.passes._moe.walk import (
     STD,
+    Attempts,
     NoMatch,
     Walk,
     attr_of,
@@ -41,6 +44,7 @@ from layerzero.passes._moe.walk import (
     commuted,
     const_ints,
     const_scalar,
+    furthest_of,
     near,
     need,
     rank_of,
@@ -89,6 +93,9 @@ class Router:
     nodes: list[ir.Node] = dataclasses.field(default_factory=list)
     routing: str = "topk"  # "sparsemixer": PhiMoE (``topk`` is then the first ArgMax)
     jitter_eps: float = 0.01
+    # ``topk-sigmoid`` (Llama 4): the routing matrix [T, E] the router builds itself (the sigmoid of the top-k
+    # logits scattered into -inf), which scales each expert's INPUT, not its output.
+    matrix: ir.Value | None = None
 
 
 def _scores_then_topk(topk: ir.Node) -> tuple[ir.Node, ir.Value, ir.Value, bool]:
@@ -111,7 +118,12 @@ def _topk_then_softmax(topk: ir.Node) -> tuple[ir.Node, ir.Value, ir.Value, bool
         "router: the top-k logits are not read by one Softmax",
     )
     scores = users[0]
-    need(attr_of(scores, "axis", -1) in (-1, 1), "router: the Softmax of the top-k logits is not over the k axis")
+    need(
+        attr_of(scores, "axis", -1) in (-1, 1),
+        "router: the Softmax of the top-k logits is not over the k axis",
+        topk,
+        scores,
+    )
     return scores, topk.inputs[0], scores.outputs[0], True
 
 
@@ -131,6 +143,8 @@ def _biased_select(topk: ir.Node) -> tuple[ir.Node, ir.Value, ir.Value, bool, di
     need(
         scores is not None and scores.op_type in ("Softmax", "Sigmoid") and scores.domain in STD,
         f"router: GatherElements {gather.name} does not gather Softmax or Sigmoid scores",
+        topk,
+        gather,
     )
     if scores.op_type == "Softmax":
         need(attr_of(scores, "axis", -1) in (-1, 1), "router: Softmax is not over the experts axis")
@@ -166,6 +180,66 @@ def _biased_select(topk: ir.Node) -> tuple[ir.Node, ir.Value, ir.Value, bool, di
     extra["nodes"].extend(weight_nodes)
     extra["routed_scaling_factor"] = scaling
     return scores, scores.inputs[0], values, normalized, extra
+
+
+def _topk_then_sigmoid(topk: ir.Node) -> tuple[ir.Node, ir.Value, ir.Value, bool, dict]:
+    """``Sigmoid(ScatterElements(full(-inf), TopK(logits).indices, TopK(logits).values, axis 1))`` (Llama 4):
+    the router's own ``[T, E]`` matrix, ``sigmoid`` of the chosen logits and 0 elsewhere (through same-type
+    ``Cast``s, TorchScript's ``.float()`` / ``.to(dtype)``). The weights are the sigmoid of the top-k logits,
+    which is the top-k of the sigmoid scores (a monotone function)."""
+    values, indices = topk.outputs
+    scatters = [
+        u for u, i in values.uses() if i == 2 and u.op_type == "ScatterElements" and u.domain in STD
+    ]
+    need(len(scatters) == 1, "router: the top-k logits are not scattered into a routing matrix")
+    scatter = scatters[0]
+    need(
+        scatter.inputs[1] is indices
+        and attr_of(scatter, "axis", 0) in (-1, 1)
+        and attr_of(scatter, "reduction", "none") == "none",
+        f"router: ScatterElements {scatter.name} does not put the top-k logits at their experts",
+        topk,
+        scatter,
+    )
+    nodes: list[ir.Node] = [scatter]
+    need(
+        _filled(scatter.inputs[0], nodes) == -np.inf,
+        f"router: ScatterElements {scatter.name} does not scatter into -inf (the sigmoid's 0)",
+        topk,
+        scatter,
+    )
+    fill = scatter.inputs[0].producer()
+    shape = None if fill is None or not fill.inputs else fill.inputs[-1].producer()
+    need(
+        (shape is not None and shape.op_type == "Shape" and shape.inputs[0] is topk.inputs[0] and not shape.attributes)
+        or same_shape(scatter.inputs[0], topk.inputs[0]),
+        f"router: the -inf matrix of {scatter.name} does not have the logits' shape",
+        topk,
+        scatter,
+    )
+    value = scatter.outputs[0]
+    for _ in range(3):
+        users = [u for u, _ in value.uses()]
+        if len(users) != 1 or not _same_type_cast(users[0]):
+            break
+        nodes.append(users[0])
+        value = users[0].outputs[0]
+    users = [u for u, _ in value.uses()]
+    need(
+        len(users) == 1 and users[0].op_type == "Sigmoid" and users[0].domain in STD,
+        f"router: the routing matrix {value.name} is not read by one Sigmoid",
+        topk,
+        *nodes,
+    )
+    sigmoid = users[0]
+    matrix = sigmoid.outputs[0]
+    for _ in range(3):
+        users = [u for u, _ in matrix.uses()]
+        if len(users) != 1 or not _same_type_cast(users[0]):
+            break
+        nodes.append(users[0])
+        matrix = users[0].outputs[0]
+    return sigmoid, topk.inputs[0], values, False, {"nodes": nodes, "matrix": matrix}
 
 
 def _same_type_cast(node: ir.Node) -> bool:
@@ -399,6 +473,7 @@ ROUTER_VARIANTS = {
     "biased-select": _biased_select,
     "scores-topk": _scores_then_topk,
     "topk-softmax": _topk_then_softmax,
+    "topk-sigmoid": _topk_then_sigmoid,
 }
 
 
@@ -408,6 +483,16 @@ def router_candidate(topk: ir.Node, hops: int = 6) -> bool:
     A candidate no variant matches is reported with the reason, not passed over in silence."""
     if any(u.op_type == "Softmax" and u.domain in STD for u, _ in topk.outputs[0].uses()):
         return True
+    for user, _ in topk.outputs[0].uses():  # Llama 4: the top-k logits scattered, then a Sigmoid
+        if user.op_type == "ScatterElements" and user.domain in STD:
+            value = user.outputs[0]
+            for _ in range(3):
+                readers = [u for u, _ in value.uses()]
+                if any(u.op_type == "Sigmoid" for u in readers):
+                    return True
+                if len(readers) != 1 or readers[0].op_type != "Cast":
+                    break
+                value = readers[0].outputs[0]
     frontier = [topk.inputs[0]] if topk.inputs and topk.inputs[0] is not None else []
     for _ in range(hops):
         producers = [v.producer() for v in frontier if v is not None]
@@ -568,14 +653,15 @@ def match_router(topk: ir.Node) -> Router:
     if topk.op_type == "ArgMax":
         return match_sparsemixer(topk)
     need(topk.op_type == "TopK" and topk.domain in STD, "not a TopK")
-    reasons, found = [], None
+    attempts, found = Attempts(), None
     for name, part in ROUTER_VARIANTS.items():
-        try:
+        with attempts.trying():
             found = (name, *part(topk))
             break
-        except NoMatch as exc:
-            reasons.append(str(exc))
-    need(found is not None, "; ".join(reasons))
+    if found is None:
+        # The variant that got furthest (matched most of its nodes) says why; where none got past the TopK,
+        # each variant's reason.
+        raise furthest_of(attempts)
     variant, scores, logits, values, normalized, *more = found
     extra = more[0] if more else {}
     rank = rank_of(logits)
@@ -631,12 +717,11 @@ def routing_matrix(w: Walk, value: ir.Value, router: Router) -> int:
     need(sorted_axes(axes_of(node), 3) == [1], "routing matrix: the one-hot sum is not over the top-k axis")
     need(attr_of(node, "keepdims", 1) == 0, "routing matrix: the one-hot sum keeps the top-k axis")
     mul = w.node(node.inputs[0], "Mul", "routing matrix: one-hot × weights")
+    attempts = Attempts()
     for hot_value, weights_value in commuted(mul):
-        try:
+        with attempts.trying():
             return w.attempt(lambda h=hot_value, v=weights_value: _one_hot_times(w, h, v, router))
-        except NoMatch as exc:
-            reason = str(exc)
-    raise NoMatch(reason)
+    raise furthest_of(attempts, ties="last")
 
 
 def _zeros_like_logits(w: Walk, value: ir.Value, router: Router) -> None:
@@ -655,7 +740,67 @@ def _zeros_like_logits(w: Walk, value: ir.Value, router: Router) -> None:
         w.nodes.append(shape_of)
         w.shareable.add(shape_of)
         return
+    if _rows_by_experts(w, source, router):
+        return
     need(same_shape(value, router.logits), f"{what} does not have the router logits' shape")
+
+
+def _rows_by_experts(w: Walk, shape: ir.Value, router: Router) -> bool:
+    """Whether ``shape`` is ``[T, E]`` built as TorchScript writes ``torch.zeros(x.shape[0], E)``:
+    ``Concat(Unsqueeze(Gather(Shape(x), 0)), [E])`` with ``x`` a value the logits are computed from row by row
+    (``_same_rows``). The shape's nodes join the walk as shareable."""
+    concat = shape.producer()
+    if concat is None or concat.op_type != "Concat" or concat.domain not in STD or len(concat.inputs) != 2:
+        return False
+    if const_ints(concat.inputs[1]) != [router.experts]:
+        return False
+    nodes = [concat]
+    rows = concat.inputs[0]
+    producer = rows.producer()
+    if producer is not None and producer.op_type == "Unsqueeze" and sorted_axes(axes_of(producer), 1) == [0]:
+        nodes.append(producer)
+        rows = producer.inputs[0]
+        producer = rows.producer()
+    if producer is None or producer.op_type != "Gather" or attr_of(producer, "axis", 0) != 0:
+        return False
+    if const_ints(producer.inputs[1]) != [0]:
+        return False
+    nodes.append(producer)
+    shape_of = producer.inputs[0].producer()
+    if shape_of is None or shape_of.op_type != "Shape" or attr_of(shape_of, "start", 0) != 0:
+        return False
+    if not _same_rows(shape_of.inputs[0], router.logits):
+        return False
+    nodes.append(shape_of)
+    w.nodes.extend(n for n in nodes if n not in w.nodes)
+    w.shareable.update(nodes)
+    return True
+
+
+def _same_rows(x: ir.Value, logits: ir.Value, depth: int = 6) -> bool:
+    """Whether ``logits`` has the rows of ``x``: ``x`` itself, or computed from it by ``MatMul`` / ``Gemm``
+    (its first operand), ``Cast`` / ``Identity``, a ``Reshape`` to ``[-1, H]`` of a ``[T, H]`` value, or the
+    scores' ``Softmax`` / ``Sigmoid`` over the last axis."""
+    value = logits
+    for _ in range(depth):
+        if rank_of(value) != 2:
+            return False  # Shape(x)[0] is the rows of a [T, H] value only
+        if value is x:
+            return True
+        node = value.producer()
+        if node is None or node.domain not in STD:
+            return False
+        if node.op_type == "Reshape":
+            dims, h = reshape_dims(node), static_dim(node.inputs[0], 1)
+            if rank_of(node.inputs[0]) != 2 or dims is None or len(dims) != 2 or h is None or dims[1] != h:
+                return False
+        elif node.op_type == "Gemm":
+            if attr_of(node, "transA", 0):
+                return False
+        elif node.op_type not in ("MatMul", "Cast", "Identity"):
+            return False
+        value = node.inputs[0]
+    return value is x and rank_of(x) == 2
 
 
 def _one_hot_times(w: Walk, hot_value: ir.Value, weights_value: ir.Value, router: Router) -> int:

@@ -3,6 +3,10 @@
 A part walks from a value to the nodes that produce it (``Walk.node``), accepts each node it checks and
 raises ``NoMatch`` with the failed check otherwise. ``commuted`` generates both operand orders of a
 commutative node, so no rule is written twice.
+
+The failure vocabulary is the passes' own (``passes/_match.py``): ``NoMatch`` / ``need`` are re-exported from
+there, a walk's failures carry how far they got (``progress``: the nodes the walk had accepted), and where
+several variants are tried the furthest attempt wins (``furthest_of``).
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ import numpy as np
 import onnx_ir as ir
 
 from layerzero.passes._graph import const_array
+from layerzero.passes._match import Attempts, NoMatch, label, need
 
 __all__ = [
     "STD",
+    "Attempts",
     "NoMatch",
     "Walk",
     "attr_of",
@@ -24,6 +30,8 @@ __all__ = [
     "const_ints",
     "const_scalar",
     "const_weight",
+    "furthest_of",
+    "label",
     "near",
     "need",
     "rank_of",
@@ -37,13 +45,19 @@ __all__ = [
 STD = ("", "ai.onnx")
 
 
-class NoMatch(Exception):
-    """A check of the matcher failed; the message says which."""
-
-
-def need(condition: bool, reason: str) -> None:
-    if not condition:
-        raise NoMatch(reason)
+def furthest_of(attempts: Attempts, none: str = "no variant", ties: str = "join") -> NoMatch:
+    """The failure of ``attempts`` that got furthest. Where several got equally far: ``ties="join"`` (variants)
+    one failure with each of their reasons (none says better than the others why it stopped); ``"last"``
+    (the two operand orders of a commutative node) the last one tried."""
+    best = attempts.best()
+    if best is None:
+        return NoMatch(none)
+    tied = [f for f in attempts.failures if f.progress == best.progress]
+    if len(tied) == 1:
+        return best
+    if ties == "last":
+        return tied[-1]
+    return NoMatch("; ".join(f.reason for f in tied), *best.nodes, progress=best.progress)
 
 
 def const_ints(value: ir.Value | None) -> list[int] | None:
@@ -103,8 +117,9 @@ class Walk:
         self.nodes: list[ir.Node] = []
         # Cheap router-side nodes other blocks may share (an exporter's CSE merges equal zeros / sums).
         self.shareable: set[ir.Node] = set()
-        # The failed attempt that matched most nodes, why, and the last node it accepted (where it stopped).
-        self.deepest: tuple[int, str, str] = (-1, "", "")
+        # The failed attempt that matched most nodes: why, with the last node it accepted (where it stopped)
+        # and how many it had (its progress).
+        self.deepest: NoMatch | None = None
 
     def node(self, value: ir.Value | None, ops: str | tuple[str, ...], what: str) -> ir.Node:
         ops = (ops,) if isinstance(ops, str) else ops
@@ -119,19 +134,24 @@ class Walk:
         return producer
 
     def attempt(self, fn: Callable[[], object]) -> object:
-        """Run ``fn``; on NoMatch forget the nodes it accepted and re-raise."""
+        """Run ``fn``; on NoMatch forget the nodes it accepted and re-raise it with the walk's progress (the
+        nodes accepted when it failed), so variants tried in turn compare by how far each got."""
         mark = len(self.nodes)
         try:
             return fn()
         except NoMatch as exc:
             self.note(exc)
+            exc.progress = max(exc.progress, len(self.nodes))
+            if not exc.nodes and self.nodes:
+                exc.nodes = (self.nodes[-1],)
             del self.nodes[mark:]
             raise
 
     def note(self, exc: NoMatch) -> None:
-        if len(self.nodes) > self.deepest[0]:
-            last = self.nodes[-1] if self.nodes else None
-            self.deepest = (len(self.nodes), str(exc), "" if last is None else f"{last.op_type} {last.name}")
+        """Keep ``exc`` as the deepest failure when the walk has accepted more nodes than at the last one."""
+        if self.deepest is None or len(self.nodes) > self.deepest.progress:
+            last = self.nodes[-1:]
+            self.deepest = NoMatch(exc.reason, *last, progress=len(self.nodes))
 
 
 def const_weight(value: ir.Value, rank: int, what: str) -> np.ndarray:

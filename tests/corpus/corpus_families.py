@@ -213,7 +213,25 @@ _MOES = [
          interleave_moe_layer_step=1, no_rope_layers=[1, 1], attention_chunk_size=64),
 ]
 
-FAMILIES: dict[str, Family] = {f.name: f for f in _DENSE + _MOES}
+# Issue 20's MoE shapes, each a corpus family of its own:
+# - qwen3_moe_dense: Qwen3-MoE's experts on every token, combined through a [T, E] routing matrix scattered from
+#   the top-k weights (corpus_export's "dense_scatter_einsum" experts; TorchScript builds the matrix's zeros from
+#   Shape(x)[0]);
+# - llama4_nope: Llama 4's router (top-k of the logits, then a sigmoid of the k values) and its experts reading
+#   their tokens scaled by the routing weight; without RoPE layers, whose complex rotary neither exporter exports
+#   (the llama4 family above records that);
+# - jetmoe_wide: JetMoE with one expert's gate/up weight past the constant folding limit (1 << 20 elements), so
+#   each sorted expert's `self.weight[i]` stays a `select` (Gather) of the stacked parameter.
+_ISSUE20 = [
+    dataclasses.replace(next(f for f in _MOES if f.name == "qwen3_moe"), name="qwen3_moe_dense",
+                        experts="dense_scatter_einsum"),
+    dataclasses.replace(next(f for f in _MOES if f.name == "llama4"), name="llama4_nope", rotary=False,
+                        kwargs={**next(f for f in _MOES if f.name == "llama4").kwargs, "no_rope_layers": [0, 0]}),
+    dataclasses.replace(next(f for f in _MOES if f.name == "jetmoe"), name="jetmoe_wide",
+                        kwargs={**next(f for f in _MOES if f.name == "jetmoe").kwargs, "intermediate_size": 8256}),
+]  # fmt: skip
+
+FAMILIES: dict[str, Family] = {f.name: f for f in _DENSE + _MOES + _ISSUE20}
 
 
 def family_hash(family: Family) -> str:

@@ -21,6 +21,7 @@ from layerzero.models.moe import MoEConfig, build_moe, moe_feeds, moe_parameter_
 from layerzero.options import CompileOptions
 from layerzero.passes import RemoveDeadCode
 from layerzero.passes._dynamic import read_dynamic_paths
+from layerzero.passes._match import Refusal
 from layerzero.passes.moe import SkipExperts
 from layerzero.passes.shape_inference import InferShapes
 
@@ -32,6 +33,9 @@ FORMS = {
     "batched_mm-gelu-opset20": MoEConfig(form="batched_mm", activation="gelu", opset=20),
     "dense-scatter-einsum": MoEConfig(form="dense"),
     "dense-onehot-sum": MoEConfig(form="dense", routing="onehot", combine="sum"),
+    # Qwen3-MoE's dense experts through TorchScript: zeros of Concat(Shape(x)[0], [E]) scattered into (issue 20).
+    "dense-scatter-rows": MoEConfig(form="dense", routing="scatter-rows"),
+    "unrolled-scatter-rows-1-token": MoEConfig(form="unrolled", routing="scatter-rows", top_k=1),
     "dense-fused-relu-sigmoid": MoEConfig(
         form="dense", fused_gate_up=True, activation="relu", scoring="sigmoid", normalize=False
     ),
@@ -132,7 +136,7 @@ def _expect_rejected(proto: onnx.ModelProto, reason: str) -> None:
     skip = SkipExperts(CompileOptions())
     assert skip(model).modified is False
     assert _ops(model) == before
-    assert [r.scope for r in skip.rejected] == ["layers.0.moe"], skip.rejected
+    assert [r.path for r in skip.rejected] == ["layers.0.moe"], skip.rejected
     assert reason in skip.rejected[0].reason, skip.rejected[0].reason
 
 
@@ -174,6 +178,47 @@ def test_routing_not_from_the_router_is_not_rewritten() -> None:
     _expect_rejected(proto, "batched_mm: routing weights: the divisor: expected ReduceSum, found TopK")
 
 
+def _sigmoid_router(fill: float) -> ir.Model:
+    """Llama 4's router (top-k of the logits, sigmoid of the k values scattered into ``fill``), nothing else."""
+    scope = "/layers.0.moe.gate"
+    zeros = numpy_helper.from_array(np.array([fill], np.float32))
+    graph = helper.make_graph(
+        [
+            helper.make_node("TopK", ["logits", "k"], ["v", "i"], axis=-1, name=f"{scope}/TopK"),
+            helper.make_node("Shape", ["logits"], ["shape"], name=f"{scope}/Shape"),
+            helper.make_node("ConstantOfShape", ["shape"], ["full"], value=zeros, name=f"{scope}/ConstantOfShape"),
+            helper.make_node("ScatterElements", ["full", "i", "v"], ["m"], axis=1, name=f"{scope}/ScatterElements"),
+            helper.make_node("Sigmoid", ["m"], ["s"], name=f"{scope}/Sigmoid"),
+        ],
+        "g",
+        [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["T", 4])],
+        [helper.make_tensor_value_info("s", onnx.TensorProto.FLOAT, ["T", 4])],
+        initializer=[numpy_helper.from_array(np.array([1], np.int64), "k")],
+    )
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    _infer(model)
+    return model
+
+
+def test_the_router_variant_that_got_furthest_is_the_reason() -> None:
+    """Issue 21: the router variants are attempts; the one that matched most nodes says why (here Llama 4's,
+    which found the scatter but not the -inf), a ``_match.Refusal`` of kind "moe" at the router's TopK."""
+    skip = SkipExperts()
+    assert skip(_sigmoid_router(0.0)).modified is False
+    (refusal,) = skip.rejected
+    assert isinstance(refusal, Refusal) and refusal.kind == "moe"
+    assert (refusal.path, refusal.node) == ("layers.0.moe.gate", "TopK /layers.0.moe.gate/TopK")
+    assert refusal.reason == (
+        "router: ScatterElements /layers.0.moe.gate/ScatterElements does not scatter into -inf (the sigmoid's 0)"
+    )
+    assert refusal.to_json()["kind"] == "moe"
+    # Where no variant gets past the TopK, each one's reason (as before).
+    skip = SkipExperts()
+    assert skip(_sigmoid_router(-np.inf)).modified is False
+    (refusal,) = skip.rejected
+    assert "no combination of expert outputs downstream of the router" in refusal.reason
+
+
 def test_a_router_without_experts_is_a_rejected_candidate() -> None:
     graph = helper.make_graph(
         [
@@ -192,7 +237,7 @@ def test_a_router_without_experts_is_a_rejected_candidate() -> None:
     _infer(model)
     skip = SkipExperts()
     assert skip(model).modified is False
-    assert [r.scope for r in skip.rejected] == ["layers.0.moe.gate"]
+    assert [r.path for r in skip.rejected] == ["layers.0.moe.gate"]
     assert "no combination of expert outputs downstream of the router" in skip.rejected[0].reason
 
 

@@ -312,7 +312,7 @@ def test_clamps_that_differ_are_refused_with_the_reason() -> None:
     assert not result.modified and len(skip.rejected) == 1
     rejection = skip.rejected[0]
     assert "up is not clamped to [-7.0, 7.0]" in rejection.reason, rejection.reason
-    assert rejection.scope == "model.layers.0.mlp.experts" or rejection.node
+    assert rejection.path == "model.layers.0.mlp.experts" or rejection.node
 
 
 # --- semantics: reference, ORT MoE support, native refusal ------------------------------------------------------
@@ -405,9 +405,14 @@ def test_solidify_drops_the_dropped_experts_biases_too() -> None:
 # --- JetMoE (dynamo): rows sorted by expert, Split by the experts' counts, ScatterND add -----------------------
 
 
-def jetmoe_block(*, sizes_from: str = "counts", one_projection: bool = False, seed: int = 1) -> onnx.ModelProto:
+def jetmoe_block(
+    *, sizes_from: str = "counts", one_projection: bool = False, select: str = "", seed: int = 1
+) -> onnx.ModelProto:
     """JetMoE's ``JetMoeMoE`` (without its layer bias) the way the dynamo exporter writes it; ``one_projection``:
-    experts of one projection each (the shape of its attention experts' output projection)."""
+    experts of one projection each (the shape of its attention experts' output projection). ``select``: each
+    expert's weight is ``weight[e]`` of the stacked parameter, left unfolded (large weights past an exporter's
+    folding limit): ``"gather"`` (``Gather(W, e)``, a scalar index), ``"slice"`` (``Squeeze(Slice(W, e, e+1))``),
+    ``"gather-transpose"`` (``MatMul(x, Transpose(Gather(W, e)))``)."""
     rng = np.random.default_rng(seed)
     f32, i64 = np.float32, np.int64
     w_router = rng.normal(0, 1, (E, H)).astype(f32)
@@ -466,15 +471,27 @@ def jetmoe_block(*, sizes_from: str = "counts", one_projection: bool = False, se
     rows = node("Unsqueeze", [token, minus], "rows")
     xs = node("GatherND", ["x", rows], "xs")
 
+    def weight_of(weights: np.ndarray, tag: str, e: int) -> str:
+        if not select:
+            return const(f"{tag}.w{e}", weights[e])
+        stacked = f"{tag}.weight"
+        if stacked not in [t.name for t in inits]:
+            const(stacked, weights)
+        if select == "slice":
+            bounds = [const(f"{tag}.s{e}", np.array([e], i64)), const(f"{tag}.e{e}", np.array([e + 1], i64)), zero]
+            return node("Squeeze", [node("Slice", [stacked, *bounds], f"{tag}_sl{e}"), zero], f"{tag}_sel{e}")
+        return node("Gather", [stacked, const(f"{tag}.i{e}", np.array(e, i64))], f"{tag}_sel{e}", axis=0)
+
+    def linear(x: str, weights: np.ndarray, tag: str, e: int) -> str:
+        weight = weight_of(weights, tag, e)
+        if select == "gather-transpose":
+            return node("MatMul", [x, node("Transpose", [weight], f"{tag}_t{e}", perm=[1, 0])], f"{tag}_y{e}")
+        return node("Gemm", [x, weight], f"{tag}_y{e}", transB=1)
+
     def per_expert(x: str, weights: np.ndarray, tag: str) -> str:
         outs = [f"{tag}_part{e}" for e in range(E)]
         node("Split", [x, sizes], outs, axis=0)
-        return node(
-            "Concat",
-            [node("Gemm", [outs[e], const(f"{tag}.w{e}", weights[e])], f"{tag}_y{e}", transB=1) for e in range(E)],
-            f"{tag}_cat",
-            axis=0,
-        )
+        return node("Concat", [linear(outs[e], weights, tag, e) for e in range(E)], f"{tag}_cat", axis=0)
 
     if one_projection:
         out = per_expert(xs, rng.normal(0, 0.3, (E, H, H)).astype(f32), "out")
@@ -532,6 +549,17 @@ def test_jetmoe_sorted_block_is_rewritten() -> None:
 def test_jetmoe_sorted_block_lowerings_equal_the_export(lowering: str, tokens: int) -> None:
     proto = jetmoe_block()
     _assert_same(proto, _lowered(proto, lowering)[0], tokens, seed=tokens)
+
+
+@pytest.mark.parametrize("select", ["gather", "slice", "gather-transpose"])
+def test_jetmoe_experts_selecting_their_weights_are_rewritten(select: str) -> None:
+    """Issue 20: experts reading ``weight[e]`` of the stacked parameter (``select``, not folded) were refused
+    ("... is not a constant weight")."""
+    proto = jetmoe_block(select=select)
+    _, skip, result = _skip(proto)
+    assert result.modified and [f for _, f in skip.rewritten] == ["sorted"], skip.rejected
+    for tokens in TOKENS:
+        _assert_same(proto, _lowered(proto, "if")[0], tokens, seed=tokens)
 
 
 def test_jetmoe_split_at_other_sizes_is_refused() -> None:

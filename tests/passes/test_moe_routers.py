@@ -558,3 +558,72 @@ def test_router_that_changes_the_weights_stays_refused(exporter: str, tmp: Path)
     again = SkipExperts()
     assert not again(model).modified
     assert [r.reason for r in again.rejected] == [rejection.reason] and len(list(model.graph)) == count
+
+
+# ---- Llama 4: top-k of the logits, then a sigmoid of the k values scattered into -inf (issue 20) -------------
+
+
+class _Llama4(torch.nn.Module):
+    """transformers' ``Llama4TextMoe`` (shared expert included) on ``[T, H]``: each expert reads its tokens
+    scaled by the sigmoid of their router logit (the router's own ``[T, E]`` matrix), every expert on every
+    token, summed."""
+
+    def __init__(self, top_k: int) -> None:
+        super().__init__()
+        from transformers.models.llama4 import modeling_llama4 as m
+
+        cfg = transformers.Llama4TextConfig(
+            hidden_size=HIDDEN * 2, intermediate_size=FFN * 2, intermediate_size_mlp=FFN * 4, num_local_experts=4,
+            num_experts_per_tok=top_k,
+        )  # fmt: skip
+        self.block = m.Llama4TextMoe(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)[0]
+
+
+@functools.cache
+def _llama4_exported(top_k: int, exporter: str, tmp: Path) -> onnx.ModelProto:
+    torch.manual_seed(0)
+    module = _Llama4(top_k)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.normal_(0, 0.3)
+    module.eval()
+    path = tmp / f"llama4-top{top_k}-{exporter}.onnx"
+    _export(module, exporter, path)
+    return onnx.load(str(path))
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_llama4_router_is_rewritten(exporter: str, tmp: Path) -> None:
+    proto = _llama4_exported(1, exporter, tmp)
+    model, skip, modified = _skip_experts(proto)
+    assert modified and [form for _, form in skip.rewritten] == ["input_scaled"], skip.rejected
+    assert not skip.rejected, skip.rejected
+    (node,) = [n for n in model.graph if n.domain == MOE_DOMAIN]
+    attrs = {k: node.attributes[k].value for k in ("top_k", "normalize", "scoring")}
+    assert attrs == {"top_k": 1, "normalize": 1, "scoring": "softmax"}
+    # The experts read the tokens scaled by the sigmoid of their top logit; the router's matrix is gone.
+    scale = node.inputs[0].producer()
+    assert scale.op_type == "Mul" and scale.inputs[1].producer().op_type == "Sigmoid"
+    after = Counter(n.op_type for n in model.graph)
+    assert after["TopK"] == 0 and after["ScatterElements"] == 0 and after["Tile"] == 0
+    assert not SkipExperts()(model).modified
+    for lowering in ("if", "ort-moe"):
+        lowered = ir.from_proto(ir.to_proto(model))
+        assert LowerMoE(lowering=lowering)(lowered).modified
+        compiled, original = _session(lowered), _session(proto)
+        for tokens in (1, 16):
+            x = np.random.default_rng(tokens).normal(size=(tokens, HIDDEN * 2)).astype(np.float32)
+            (want,) = original.run(["y"], {"x": x})
+            np.testing.assert_allclose(compiled.run(["y"], {"x": x})[0], want, atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_llama4_router_with_top2_is_refused_with_the_reason(exporter: str, tmp: Path) -> None:
+    """With k > 1 each expert reads its tokens scaled by its own weight: no skipping form computes that."""
+    _, skip, modified = _skip_experts(_llama4_exported(2, exporter, tmp))
+    assert not modified
+    (rejection,) = skip.rejected
+    assert "top-2 routing scales each expert's input by its own weight" in rejection.reason, rejection
