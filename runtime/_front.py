@@ -81,6 +81,7 @@ class FrontSpec:
     client_timeout_s: float
     restart_wait_s: float
     instances: int = 2
+    empty_axes: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # see server.empty_axes
 
     def to_json(self) -> str:
         doc = dataclasses.asdict(self)
@@ -492,9 +493,14 @@ class InferenceFront:
             if count > self.max_request_bytes:
                 raise RequestError(400, f"input {name!r}: shape {shape[:8]} has more elements than a request "
                                         f"of at most {self.max_request_bytes} bytes can carry")  # fmt: skip
-        if count == 0:
+        if count == 0 and not self._may_be_empty(name, shape):
             raise RequestError(400, f"input {name!r}: shape {shape} is empty (an empty sequence cannot be served)")
         return count
+
+    def _may_be_empty(self, name: str, shape: list[int]) -> bool:
+        # A zero only on axes the model takes one on (a KV cache's past on a first step: server.empty_axes).
+        axes = self.spec.empty_axes.get(name, ())
+        return all(d != 0 or i in axes for i, d in enumerate(shape))
 
     def _check_tensor(
         self, spec: IOSpec, tensor: dict, binary: bytes, offset: int, ranges: list[tuple[str, Any, int, int]] | None

@@ -82,6 +82,7 @@ __all__ = [
     "LayerZeroServer",
     "RequestError",
     "ServerConfig",
+    "empty_axes",
     "index_ranges",
     "pytriton_available",
 ]
@@ -157,6 +158,7 @@ class LayerZeroServer:
         self._outputs = [o for o in outputs if o.name in names]
         self._output_names = [o.name for o in self._outputs]
         self._index_ranges = index_ranges(guard.engine.model_path)
+        self._empty_axes = empty_axes(guard.engine.model_path)
         self._active: _TritonInstance | None = None  # the Triton the fronts forward to
         self._standby: _TritonInstance | None = None  # started, idle, takes over when the active one dies
         self._standby_thread: threading.Thread | None = None
@@ -227,6 +229,7 @@ class LayerZeroServer:
             index_ranges=dict(self._index_ranges), host=cfg.host, http_port=cfg.http_port,
             grpc_port=cfg.grpc_port if cfg.grpc else None, max_request_bytes=cfg.max_request_bytes,
             client_timeout_s=cfg.client_timeout_s, restart_wait_s=cfg.restart_wait_s, instances=cfg.instances,
+            empty_axes=dict(self._empty_axes),
         )  # fmt: skip
 
     def _start_triton_retrying(self) -> _TritonInstance:
@@ -568,13 +571,71 @@ class LayerZeroServer:
         # What the front checks for HTTP, again for gRPC (which reaches Triton directly).
         for name, value in feeds.items():
             array = np.asarray(value)
-            if array.size == 0:
+            if array.size == 0 and not may_be_empty(array.shape, self._empty_axes.get(name, ())):
                 raise RequestError(400, f"input {name!r}: shape {list(array.shape)} is empty "
                                         "(an empty sequence cannot be served)")  # fmt: skip
             rows = self._index_ranges.get(name)
             if rows is not None and array.dtype.kind in "iu" and (int(array.min()) < 0 or int(array.max()) >= rows):
                 bad = int(array.min()) if int(array.min()) < 0 else int(array.max())
                 raise RequestError(400, f"input {name!r}: id {bad} is out of range [0, {rows})")
+
+
+#: Ops that pass a tensor on with its dims (an empty past stays an empty past) on the way to its Concat.
+_PASS_DIMS = frozenset({"Cast", "Identity"})
+
+
+def empty_axes(model_path: str | os.PathLike[str]) -> dict[str, list[int]]:
+    """Inputs that may come with a dim of 0 and on which axes: name -> axes. Weights are not loaded (dims only).
+
+    An axis qualifies when it is symbolic in the model and the input only reaches a ``Concat`` along that axis
+    (through ``Cast`` / ``Identity``), its shape aside (``Shape``, ``Size``): a KV cache's past, empty on a
+    client's first step (``[1, heads, 0, head_dim]``), to which the step's keys are appended. Anything else (an
+    empty ``input_ids``) is still refused: nothing says the model can take it.
+    """
+    import onnx
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    graph = model.graph
+    uses: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in set(node.input):
+            uses.setdefault(name, []).append(node)
+    initializers = {t.name for t in graph.initializer}
+    axes: dict[str, list[int]] = {}
+    for value in graph.input:
+        if value.name in initializers or not value.type.HasField("tensor_type"):
+            continue
+        dims = value.type.tensor_type.shape.dim
+        rank = len(dims)
+        for axis, dim in enumerate(dims):
+            if dim.HasField("dim_value") or not _reaches_concat_only(value.name, axis, rank, uses):
+                continue
+            axes.setdefault(value.name, []).append(axis)
+    return axes
+
+
+def _reaches_concat_only(name: str, axis: int, rank: int, uses: dict[str, list[Any]], depth: int = 0) -> bool:
+    """Whether ``name`` reaches at least one ``Concat`` along ``axis`` and nothing else but its shape."""
+    concats = 0
+    for node in uses.get(name, []):
+        if node.op_type in ("Shape", "Size"):
+            continue
+        if node.op_type in _PASS_DIMS and depth < 4:
+            if not _reaches_concat_only(node.output[0], axis, rank, uses, depth + 1):
+                return False
+            concats += 1
+            continue
+        along = next((a.i for a in node.attribute if a.name == "axis"), None)
+        if node.op_type != "Concat" or along is None or along % rank != axis:
+            return False
+        concats += 1
+    return concats > 0
+
+
+def may_be_empty(shape: Any, axes: Any) -> bool:
+    """Whether a tensor of ``shape`` with no elements is one the model takes: each 0 on one of ``axes``
+    (``empty_axes``)."""
+    return any(d == 0 for d in shape) and all(d != 0 or i in axes for i, d in enumerate(shape))
 
 
 def index_ranges(model_path: str | os.PathLike[str]) -> dict[str, int]:
@@ -853,7 +914,7 @@ _handshake_patched = False
 
 def _patch_pytriton_handshake() -> None:
     """Give PyTriton's stub handshake 30 s instead of its fixed 1 s (idempotent; a no-op on a PyTriton whose
-    source differs).
+    source differs), and let its tensor store carry tensors with no elements (``_EMPTY_COPY``).
 
     Why: Triton starts a model's instances in parallel; instance 0's stub starts the handshake server, the
     others give up after 1 s without its socket, and the model fails to load. On a loaded machine (2 shared
@@ -870,35 +931,64 @@ def _patch_pytriton_handshake() -> None:
         from pytriton.proxy import communication
     except ImportError:
         return
-    patched = _HANDSHAKE_DEFAULT.replace(b"1.0)", f"{_HANDSHAKE_TIMEOUT_S})".encode())
+    _patch_empty_tensors()
+    replacements: dict[str, tuple[bytes, bytes]] = {"data.py": (_EMPTY_COPY, _EMPTY_COPY_FIXED)}
     source = Path(communication.__file__).read_bytes()
-    if _HANDSHAKE_DEFAULT not in source:
+    if _HANDSHAKE_DEFAULT in source:
+        patched = _HANDSHAKE_DEFAULT.replace(b"1.0)", f"{_HANDSHAKE_TIMEOUT_S})".encode())
+        replacements["communication.py"] = (_HANDSHAKE_DEFAULT, patched)
+        original_get = communication.get_config_from_handshake_server
+
+        def get_config(socket_path: Any, timeout_s: float = _HANDSHAKE_TIMEOUT_S) -> dict:
+            return original_get(socket_path, timeout_s=max(timeout_s, _HANDSHAKE_TIMEOUT_S))
+
+        model_module.get_config_from_handshake_server = get_config
+    else:
         logger.debug("PyTriton's handshake is not the one patched here; left as it is")
-        return
-    original_get = communication.get_config_from_handshake_server
-
-    def get_config(socket_path: Any, timeout_s: float = _HANDSHAKE_TIMEOUT_S) -> dict:
-        return original_get(socket_path, timeout_s=max(timeout_s, _HANDSHAKE_TIMEOUT_S))
-
-    model_module.get_config_from_handshake_server = get_config
     model_class = model_module.Model
     original_files, original_generate = model_class.get_proxy_model_files, model_class.generate_model
 
     def get_proxy_model_files(self: Any) -> dict[str, bytes]:
         files = original_files(self)
         for key, content in files.items():
-            if key.endswith("/communication.py"):
-                files[key] = content.replace(_HANDSHAKE_DEFAULT, patched)
+            for name, (old, new) in replacements.items():
+                if key.endswith("/" + name):
+                    files[key] = content.replace(old, new)
         return files
 
     def generate_model(self: Any, model_repository: Path) -> None:
         original_generate(self, model_repository)
-        copy = Path(model_repository) / self.model_name / str(self.model_version) / "communication.py"
-        if copy.is_file():
-            copy.write_bytes(copy.read_bytes().replace(_HANDSHAKE_DEFAULT, patched))
+        for name, (old, new) in replacements.items():
+            copy = Path(model_repository) / self.model_name / str(self.model_version) / name
+            if copy.is_file():
+                copy.write_bytes(copy.read_bytes().replace(old, new))
 
     model_class.get_proxy_model_files = get_proxy_model_files
     model_class.generate_model = generate_model
+
+
+#: PyTriton's tensor store copies each frame with ``memoryview.cast("B")``, which refuses a view with a zero in
+#: its shape: a tensor with no elements (a KV cache's empty past on a client's first step) failed in the
+#: Python-backend stub with "cannot cast view with zeros in shape or strides". An empty frame is copied as b"".
+_EMPTY_COPY = b'= frame.cast("B")\n'
+_EMPTY_COPY_FIXED = b'= frame.cast("B") if frame.nbytes else b""\n'
+
+
+def _patch_empty_tensors() -> None:
+    """The same fix in this process (the infer callable's answers go through the same store)."""
+    from pytriton.proxy import data
+
+    store = data.TensorStore
+    original = store._copy_frames
+    if getattr(original, "layerzero_patched", False):
+        return
+
+    def copy_frames(self: Any, frames: list, shm: Any, offset: int) -> int:
+        frames = [b"" if isinstance(f, memoryview) and not f.nbytes else f for f in frames]
+        return original(self, frames, shm, offset)
+
+    copy_frames.layerzero_patched = True  # type: ignore[attr-defined]
+    store._copy_frames = copy_frames
 
 
 def _libpython_on_library_path() -> None:
