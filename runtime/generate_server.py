@@ -34,7 +34,10 @@ body at most ``max_request_bytes`` (413), a Content-Length (411), valid JSON obj
 ``max_concurrent`` generations at once (503, ``Retry-After: 1``), a body sent within ``client_timeout_s``
 (408). The engine may be a ``GuardedEngine``: its kill switch, sampling and ``max_tokens`` apply to every
 step (``layerzero.runtime.generate``). ``GET /healthz`` answers ``ok``; ``GET /v1/generate/status`` gives the
-counters and limits.
+counters and limits; ``GET /metrics`` the Prometheus metrics (``layerzero.runtime.metrics.GenerateMetrics``:
+requests, tokens, time to first token, inter-token latency, errors by status; each counted once per request,
+not per step). Under ``layerzero serve`` they are in the server's registry too (``metrics=server.metrics``), so
+one scrape of the control port's /metrics has them.
 
 Why a plain HTTP endpoint beside Triton and not a decoupled Triton model: generation is a loop over the
 model with a KV cache held between steps, which the Python runtime already runs; a stream of JSON lines is
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -198,7 +202,9 @@ def parse_request(body: bytes, config: GenerateServerConfig, vocab: int | None) 
 class GenerateServer:
     """The generate endpoint of one engine (``Engine`` or ``GuardedEngine``); see the module doc."""
 
-    def __init__(self, engine: Any, config: GenerateServerConfig | None = None) -> None:
+    def __init__(self, engine: Any, config: GenerateServerConfig | None = None, metrics: Any = None) -> None:
+        """``metrics``: a ``ServingMetrics`` (its registry gets the generate metrics: one /metrics), a
+        ``GenerateMetrics``, or None (a registry of this endpoint's own; none without prometheus_client)."""
         from layerzero.runtime.generate import _cache_layout, export_metadata
         from layerzero.runtime.guard import GuardedEngine
 
@@ -213,6 +219,7 @@ class GenerateServer:
         self.counters = {"requests": 0, "generated_tokens": 0, "errors_4xx": 0, "errors_5xx": 0, "busy": 0}
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self.metrics = _generate_metrics(metrics)
 
     # ---------------------------------------------------------------------------------------- lifecycle
 
@@ -261,12 +268,23 @@ class GenerateServer:
             self.counters[key] += n
 
 
-@contextlib.contextmanager
-def serve_generate(engine: Any, **config: Any) -> Iterator[GenerateServer | None]:
-    """The generate endpoint for ``layerzero serve``: started when the model can generate (a ``layerzero
-    export`` model, compiled or not), else None with the reason logged, so serving goes on without it."""
+def _generate_metrics(metrics: Any) -> Any:
+    if metrics is not None:
+        return metrics.generate() if hasattr(metrics, "generate") else metrics
     try:
-        server = GenerateServer(engine, GenerateServerConfig(**config))
+        from layerzero.runtime.metrics import GenerateMetrics
+    except ImportError:  # prometheus_client (the serve extra) is not installed: no /metrics here
+        return None
+    return GenerateMetrics()
+
+
+@contextlib.contextmanager
+def serve_generate(engine: Any, metrics: Any = None, **config: Any) -> Iterator[GenerateServer | None]:
+    """The generate endpoint for ``layerzero serve``: started when the model can generate (a ``layerzero
+    export`` model, compiled or not), else None with the reason logged, so serving goes on without it.
+    ``metrics``: the server's ``ServingMetrics`` (see ``GenerateServer``)."""
+    try:
+        server = GenerateServer(engine, GenerateServerConfig(**config), metrics)
     except UnsupportedModelError as exc:
         logger.info("no generate endpoint: %s", exc)
         yield None
@@ -287,15 +305,21 @@ class _GenerateHandler(BaseHTTPRequestHandler):
             self._send(200, b"ok\n", "text/plain")
         elif self.path == f"{GENERATE_PATH}/status":
             self._send(200, (json.dumps(self.server_.status()) + "\n").encode(), "application/json")
+        elif self.path == "/metrics" and self.server_.metrics is not None:
+            from layerzero.runtime.metrics import CONTENT_TYPE
+
+            self._send(200, self.server_.metrics.render(), CONTENT_TYPE)
         else:
-            self._error(404, f"GET {self.path[:100]}: not found; POST {GENERATE_PATH}, GET /healthz")
+            self._error(404, f"GET {self.path[:100]}: not found; POST {GENERATE_PATH}, GET /healthz", count=False)
 
     def do_POST(self) -> None:
         server = self.server_
         if self.path != GENERATE_PATH:
-            self._error(404, f"POST {self.path[:100]}: not found; POST {GENERATE_PATH}")
+            self._error(404, f"POST {self.path[:100]}: not found; POST {GENERATE_PATH}", count=False)
             return
         server.count("requests")
+        if server.metrics is not None:
+            server.metrics.observe_request()
         try:
             request = parse_request(self._body(), server.config, server.vocab)
         except _Refused as exc:
@@ -311,7 +335,7 @@ class _GenerateHandler(BaseHTTPRequestHandler):
             server._slots.release()
 
     def do_PUT(self) -> None:
-        self._error(405, f"{self.command} is not supported; POST {GENERATE_PATH}")
+        self._error(405, f"{self.command} is not supported; POST {GENERATE_PATH}", count=False)
 
     do_DELETE = do_PATCH = do_PUT
 
@@ -337,19 +361,25 @@ class _GenerateHandler(BaseHTTPRequestHandler):
                 started = True
             self._chunk(doc)
 
+        # Each step's time (a token, or a batch's tokens), for the time to first token and inter-token latency.
+        times = [time.perf_counter()]
+
         def on_token(token: int) -> None:
-            send({"token": token})
+            times.append(time.perf_counter())
+            if stream:
+                send({"token": token})
 
         def on_step(tokens: list[int | None]) -> None:
-            send({"tokens": tokens})
+            times.append(time.perf_counter())
+            if stream:
+                send({"tokens": tokens})
 
-        callbacks: dict[str, Any] = {}
-        if stream:
-            callbacks = {"on_step": on_step} if batch else {"on_token": on_token}
+        callbacks = {"on_step": on_step} if batch else {"on_token": on_token}
         try:
             out = generate(server.engine, prompt, **callbacks, **request)
         except InvalidInputError as exc:  # e.g. the guard's max_tokens: the request's fault
             if started:
+                self._count_error(400)
                 self._chunk({"error": _one_line(str(exc))})
                 self._end_chunks()
             else:
@@ -357,16 +387,21 @@ class _GenerateHandler(BaseHTTPRequestHandler):
             return
         except Exception as exc:  # the model failed: one line, no traceback to the client
             logger.exception("generate failed")
-            server.count("errors_5xx")
             message = f"generation failed: {type(exc).__name__}: {exc}"
             if started:
+                server.count("errors_5xx")
+                self._count_error(500)
                 self._chunk({"error": _one_line(message)})
                 self._end_chunks()
             else:
                 self._error(500, message)
             return
         outs = out if isinstance(out, list) else [out]
-        server.count("generated_tokens", sum(len(o.ids) for o in outs))
+        tokens = sum(len(o.ids) for o in outs)
+        server.count("generated_tokens", tokens)
+        if server.metrics is not None:
+            first = times[1] - times[0] if len(times) > 1 else None
+            server.metrics.observe_generation(tokens, first, [b - a for a, b in itertools.pairwise(times[1:])])
         results = [{"ids": o.ids, "prompt_ids": o.prompt_ids, "report": o.report.to_dict()} for o in outs]
         final = {"results": results} if batch else results[0]
         if stream:
@@ -407,9 +442,19 @@ class _GenerateHandler(BaseHTTPRequestHandler):
         self.connection.settimeout(None)  # generation may take longer than a body may
         return b"".join(chunks)
 
-    def _error(self, status: int, message: str, retry_after: int | None = None) -> None:
+    def _count_error(self, status: int) -> None:
+        if self.server_.metrics is not None:
+            self.server_.metrics.observe_error(status)
+
+    def _error(self, status: int, message: str, retry_after: int | None = None, count: bool = True) -> None:
+        """Answer ``status`` with one JSON line; ``count``: a generation request refused or failed (not a GET
+        of an unknown path)."""
         if 400 <= status < 500:
             self.server_.count("errors_4xx")
+        elif status >= 500 and status != 503:
+            self.server_.count("errors_5xx")
+        if count:
+            self._count_error(status)
         if status in (408, 411, 413) or status >= 500:
             self.close_connection = True  # the unread rest of a body must not be parsed as a request
         headers = {"Retry-After": str(retry_after)} if retry_after is not None else {}

@@ -386,3 +386,58 @@ def test_a_first_step_with_an_empty_past_is_served(served, model: Path) -> None:
     with pytest.raises(grpc.RpcError) as caught:
         _kserve_grpc(served.grpc, empty_ids)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty" in (caught.value.details() or "")
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/metrics")
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    conn.close()
+    assert resp.status == 200
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+
+
+def _total(samples: dict, name: str) -> float:
+    return sum(v for (n, _), v in samples.items() if n == name)
+
+
+@pytest.mark.slow
+def test_metrics_count_inferences_and_generations_once(served) -> None:
+    """Issue 20: requests_total counted every decode step (37 after 1 inference and 3 generations) and
+    generation had no metrics of its own. After 1 inference, 3 generations (13 tokens) and 1 refused one, one
+    scrape of the control port shows each counted once, the guard's runs apart."""
+    before = _scrape(served.control)
+    status, doc = _kserve_http(served.http, _first_step([1, 2, 3]))
+    assert status == 200, doc
+    tokens = []
+    for prompt, n in (([1, 2], 5), ([5], 3), ([10], 8)):  # 5 tokens, 3, then 5 (eos V - 1 = 15 stops it)
+        status, lines, _ = _post(served.generate, {"prompt_ids": prompt, "max_new_tokens": n, "stream": n != 3})
+        assert status == 200
+        tokens.append(len(lines[-1]["ids"]))
+    assert tokens == [5, 3, 5]
+    status, _, _ = _post(served.generate, {"prompt_ids": [1], "max_new_tokens": 9})
+    assert status == 400
+    after = _scrape(served.control)
+
+    def delta(name: str, labels: tuple = ()) -> float:
+        if labels:
+            return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+        return _total(after, name) - _total(before, name)
+
+    assert delta("layerzero_requests_total") == 1  # inference requests only
+    assert delta("layerzero_guard_runs_total") == 1 + sum(tokens)  # one guard run per generated token here
+    assert delta("layerzero_generate_requests_total") == 4
+    assert delta("layerzero_generate_tokens_total") == sum(tokens)
+    assert delta("layerzero_generate_time_to_first_token_seconds_count") == 3
+    assert delta("layerzero_generate_inter_token_latency_seconds_count") == sum(t - 1 for t in tokens)
+    assert delta("layerzero_generate_errors_total", (("code", "400"),)) == 1
+    assert delta("layerzero_generate_errors_total") == 1
+    assert delta("layerzero_request_errors_total") == 0
+    assert after[("layerzero_generate_time_to_first_token_seconds_sum", ())] > 0
+    # The generate port serves the same registry.
+    assert _scrape(served.generate.port)[("layerzero_generate_tokens_total", ())] == after[
+        ("layerzero_generate_tokens_total", ())]
