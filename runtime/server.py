@@ -932,6 +932,7 @@ def _patch_pytriton_handshake() -> None:
     except ImportError:
         return
     _patch_empty_tensors()
+    _patch_triton_log()
     replacements: dict[str, tuple[bytes, bytes]] = {"data.py": (_EMPTY_COPY, _EMPTY_COPY_FIXED)}
     source = Path(communication.__file__).read_bytes()
     if _HANDSHAKE_DEFAULT in source:
@@ -989,6 +990,57 @@ def _patch_empty_tensors() -> None:
 
     copy_frames.layerzero_patched = True  # type: ignore[attr-defined]
     store._copy_frames = copy_frames
+
+
+#: Lines tritonserver writes on every start on a machine without a CUDA driver (a CPU machine): errors and
+#: warnings by their look, harmless there (there is no GPU to pin memory for or to pool), and one more it
+#: writes whatever the machine for a model whose config PyTriton gives as content rather than a file.
+_HARMLESS_TRITON_LINES = (
+    "CudaDriverHelper has not been initialized",
+    "Unable to allocate pinned system memory, pinned memory pool will not be available: CUDA driver version is "
+    "insufficient",
+    "CUDA memory pool disabled",
+    "Failed to set config modification time: model_config_content_name_ is empty",
+)
+_CPU_NOTE = ("Triton: no CUDA driver on this machine: serving on the CPU (its CUDA memory pools are off; "
+             "tritonserver's CudaDriverHelper / pinned memory lines about that are harmless, not shown)")
+
+
+def triton_log_line_shown(line: str) -> bool:
+    """Whether a tritonserver log line is shown: not one of ``_HARMLESS_TRITON_LINES``, which read as errors."""
+    return not any(harmless in line for harmless in _HARMLESS_TRITON_LINES)
+
+
+def _patch_triton_log() -> None:
+    """tritonserver's output, which PyTriton prints line by line, without ``_HARMLESS_TRITON_LINES``; on a CPU
+    machine one line (ours, INFO) says what they were."""
+    from pytriton.server import triton_server
+
+    server_class = triton_server.TritonServer
+    original = server_class._record_logs
+    if getattr(original, "layerzero_patched", False):
+        return
+    noted = threading.Event()
+
+    def record_logs(self: Any, chunk: bytes | str) -> None:
+        # PyTriton reads the output unbuffered: a chunk holds parts of lines; whole lines are judged.
+        text = chunk.decode("utf-8", errors="replace") if isinstance(chunk, bytes) else chunk
+        text = self.__dict__.pop("_layerzero_partial", "") + text
+        *lines, rest = text.split("\n")
+        if rest:
+            self._layerzero_partial = rest
+        shown = []
+        for line in lines:
+            if triton_log_line_shown(line):
+                shown.append(line + "\n")
+            elif "CudaDriverHelper" in line and not noted.is_set():
+                noted.set()
+                logger.info(_CPU_NOTE)
+        if shown:
+            original(self, "".join(shown))
+
+    record_logs.layerzero_patched = True  # type: ignore[attr-defined]
+    server_class._record_logs = record_logs
 
 
 def _libpython_on_library_path() -> None:
