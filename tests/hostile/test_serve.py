@@ -237,7 +237,7 @@ def test_grpc_gets_the_same_checks(served: SimpleNamespace) -> None:
         bad = [
             (request(np.full((1, 3), 10**6, np.int64)), grpc.StatusCode.INVALID_ARGUMENT, "id 1000000 is out of range"),
             (request(np.zeros((1, 0), np.int64)), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
-            (request(ids, raw=b"\0" * 5), grpc.StatusCode.INVALID_ARGUMENT, "5 bytes of raw contents"),
+            (request(ids, raw=b"\0" * 5), grpc.StatusCode.INVALID_ARGUMENT, "5 bytes of binary data"),
             (request(ids, datatype="FP32"), grpc.StatusCode.INVALID_ARGUMENT, "datatype must be INT64"),
             (request(ids, name="nope"), grpc.StatusCode.INVALID_ARGUMENT, "unknown input 'nope'"),
             (request(ids, model="other"), grpc.StatusCode.NOT_FOUND, "no model 'other'"),
@@ -674,7 +674,7 @@ def test_no_grpc_serves_http_only_and_stop_leaves_no_process(tiny: SimpleNamespa
 def test_a_resent_request_runs_and_is_counted_once(served: SimpleNamespace) -> None:
     """The infer callable keeps answers by the front's request id: a request the front sends again (Triton died
     with it in flight) gets the first run's answer, or its error, and is counted once."""
-    from layerzero.runtime._front import REQUEST_ID
+    from layerzero.runtime.front import REQUEST_ID
 
     server = served.server
     ids = example_feeds(served.config, batch=1, seq=4, seed=13)["input_ids"]

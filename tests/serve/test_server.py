@@ -277,9 +277,9 @@ def test_triton_cpu_start_lines_are_not_shown_as_errors(capsys: pytest.CaptureFi
         pytest.skip("PyTriton is not importable (pip install 'layerzero[serve]')")
     from pytriton.server.triton_server import TritonServer
 
-    from layerzero.runtime.server import _patch_pytriton_handshake
+    from layerzero.runtime.triton_process import patch_pytriton
 
-    _patch_pytriton_handshake()
+    patch_pytriton()
     server = TritonServer.__new__(TritonServer)  # only its log recording
     server._verbose, server._tritonserver_logs = True, ""
     lines = [
