@@ -558,7 +558,7 @@ class LayerZeroServer:
         return {name: result.outputs[name] for name in self._output_names}
 
     def _check_feeds(self, feeds: dict[str, np.ndarray]) -> None:
-        # What the front checks for HTTP, again for gRPC (which reaches Triton directly).
+        # What the fronts check, again for a request that reached Triton without them (a test, a local client).
         for name, value in feeds.items():
             array = np.asarray(value)
             if array.size == 0 and not may_be_empty(array.shape, self._empty_axes.get(name, ())):

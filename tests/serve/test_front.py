@@ -5,6 +5,7 @@ every check and every count.
   and a request it does not fit (another binary length) gets exactly the error a fresh front gives.
 - Answers are written in one send with the base class's status line, Server and Date headers; bodies that
   come in pieces are read under the whole-body deadline; each request is counted once.
+- The HTTP and the gRPC front give one request one answer (one ``check_request`` behind both decoders).
 """
 
 from __future__ import annotations
