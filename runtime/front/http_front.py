@@ -64,7 +64,7 @@ class InferenceFront:
     # -------------------------------------------------------------------------------------- validation
 
     def validate(self, model: str, body: bytes, header_length: str | None) -> None:
-        """Check one inference request (Case 2-4 of the class doc: ``check.check_request``); raise
+        """Check one inference request (Cases 2-3 of the class doc: ``check.check_request``); raise
         ``RequestError``."""
         facts = self.facts
         check_model(facts, model)  # before the body is parsed at all
