@@ -21,6 +21,10 @@ __all__ = ["CallWatch", "GrpcFront", "GrpcHandler", "GrpcUpstreamError", "grpc_c
 
 logger = logging.getLogger(__name__)
 
+#: How long an UNAVAILABLE answer of a Triton whose process still runs is taken for one that is dying (and the
+#: call sent again) before it is answered as it is.
+_UNAVAILABLE_GRACE_S = 1.0
+
 _GRPC_SERVICE = "/inference.GRPCInferenceService/"
 #: gRPC's own message limit is this far above ``max_request_bytes``: a message in between is refused (and
 #: counted) by the front's code with its own one line.
@@ -167,6 +171,7 @@ class GrpcFront:
         upstream = self.upstream
         metadata = ((REQUEST_ID, upstream.next_id()),) if infer else None
         deadline = time.monotonic() + self.spec.restart_wait_s
+        grace: float | None = None  # until when an UNAVAILABLE from a Triton that still looks alive is sent again
         while True:
             current = upstream.wait(deadline)
             remaining = context.time_remaining()  # no deadline: None, or (some gRPC versions) ~infinite
@@ -176,12 +181,19 @@ class GrpcFront:
                 return self._callable(current[1], method)(raw, timeout=remaining, metadata=metadata)
             except grpc.RpcError as e:
                 code = e.code()
-                if code == grpc.StatusCode.UNAVAILABLE and not upstream.alive(current):
-                    # Triton died with this call in flight, or is being replaced: send it again.
-                    if time.monotonic() > deadline or upstream.stopping.is_set():
-                        raise RequestError(503, "the inference server is restarting; retry") from None
-                    time.sleep(0.01)
-                    continue
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    now = time.monotonic()
+                    # A killed Triton's sockets are reset while its process is still exiting (not yet a
+                    # zombie): "Stream removed", with the pid alive for a few ms more. Sent again meanwhile
+                    # (the request id makes it run once), for at most _UNAVAILABLE_GRACE_S.
+                    if grace is None:
+                        grace = now + _UNAVAILABLE_GRACE_S
+                    if not upstream.alive(current) or now < grace:
+                        # Triton died with this call in flight, or is being replaced: send it again.
+                        if now > deadline or upstream.stopping.is_set():
+                            raise RequestError(503, "the inference server is restarting; retry") from None
+                        time.sleep(0.01)
+                        continue
                 raise GrpcUpstreamError.of(code, str(e.details() or "")) from None
 
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 
 import numpy as np
+import pytest
 
 from layerzero.runtime.front import FrontSpec, InferenceFront, RequestError, Upstream
 from layerzero.runtime.triton_repo import IOSpec
@@ -363,3 +364,53 @@ def _http_model(front: InferenceFront, request: dict, body: bytes, length: str |
     except RequestError as e:
         return e.status, str(e)
     return 200, ""
+
+
+def test_grpc_call_reset_by_a_dying_triton_is_sent_again() -> None:
+    """A SIGKILLed Triton resets its gRPC streams ("Stream removed") a few ms before its process is gone: the
+    gRPC front took that UNAVAILABLE for Triton's answer while the pid still looked alive, and a client's call
+    failed during a replacement (tests/hostile test_killed_triton_..., now and then). It is sent again (the
+    request id runs it once) for a moment; an UNAVAILABLE that lasts is still answered as it is."""
+    import grpc
+
+    from layerzero.runtime.front import GrpcFront
+    from layerzero.runtime.front.grpc_front import GrpcUpstreamError
+
+    class Unavailable(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self) -> str:
+            return "Stream removed"
+
+    class Context:
+        def time_remaining(self) -> None:
+            return None
+
+    spec = _parity_spec()
+    upstream = Upstream()
+    upstream.set_triton(1, 2, None)  # pid unknown: alive, as the dying one still looked
+    front = GrpcFront(spec, upstream)
+    calls: list[bytes] = []
+
+    def flaky(raw: bytes, timeout: float | None, metadata: object) -> bytes:
+        calls.append(raw)
+        if len(calls) < 3:
+            raise Unavailable()
+        return b"answer"
+
+    front._callable = lambda port, method: flaky  # type: ignore[method-assign]
+    try:
+        assert front._forward("/inference.GRPCInferenceService/ModelInfer", b"x", Context(), True) == b"answer"
+        assert len(calls) == 3
+
+        def down(raw: bytes, timeout: float | None, metadata: object) -> bytes:
+            raise Unavailable()
+
+        front._callable = lambda port, method: down  # type: ignore[method-assign]
+        started = time.monotonic()
+        with pytest.raises(GrpcUpstreamError, match="Stream removed"):
+            front._forward("/inference.GRPCInferenceService/ServerReady", b"", Context(), False)
+        assert time.monotonic() - started < 5
+    finally:
+        front.stop()
