@@ -92,9 +92,9 @@ def bare_server(model: str, http_port: int, grpc_port: int, instances: int) -> N
     def infer(requests: list) -> list[dict[str, np.ndarray]]:
         return [{"logits": session.run(["logits"], {"input_ids": r["input_ids"]})[0]} for r in requests]
 
-    from layerzero.runtime.server import _patch_pytriton_handshake
+    from layerzero.runtime.triton_process import patch_pytriton
 
-    _patch_pytriton_handshake()  # the same start-up fix `layerzero serve` has (1 s stub handshake -> 30 s)
+    patch_pytriton()  # the same start-up fix `layerzero serve` has (1 s stub handshake -> 30 s)
     config = TritonConfig(http_address="127.0.0.1", http_port=http_port, grpc_address="127.0.0.1",
                           grpc_port=grpc_port, allow_metrics=False, exit_timeout_secs=5)  # fmt: skip
     # PyTriton's stub handshake has a fixed 1 s timeout that a loaded machine misses now and then; `layerzero
@@ -193,7 +193,7 @@ def _session_cpu(sid: int) -> dict[str, float]:
         if int(fields[3]) != sid:
             continue
         program = command.split(b"\0", 1)[0]
-        role = ("server process" if int(entry) == sid else "front" if b"layerzero.runtime._front" in command
+        role = ("server process" if int(entry) == sid else "front" if b"layerzero.runtime.front" in command
                 else "Python-backend stubs" if program.endswith(b"triton_python_backend_stub")
                 else "tritonserver" if program.endswith(b"tritonserver")
                 else f"other: {os.path.basename(program).decode(errors='replace')[:20]}")  # fmt: skip
@@ -516,7 +516,7 @@ def front_only(args: argparse.Namespace) -> int:
     rounds; the front's CPU per request and the latency it adds. No model, no PyTriton: what the front's own
     code costs, without Triton's and ORT's noise. Profile it with cProfile (thread CPU time) around
     ``_FrontHandler.handle`` in a process of your own; the front's counters must equal the requests sent."""
-    from layerzero.runtime._front import FrontProcess, FrontSpec
+    from layerzero.runtime.front import FrontProcess, FrontSpec
     from layerzero.runtime.triton_repo import IOSpec
 
     ports = _free_ports(4)

@@ -7,6 +7,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from layerzero.errors import InvalidInputError
 
+__all__ = ["listen_http"]
+
 
 def listen_http(
     host: str, port: int, handler: type[BaseHTTPRequestHandler], name: str, what: str

@@ -34,7 +34,10 @@ body at most ``max_request_bytes`` (413), a Content-Length (411), valid JSON obj
 ``max_concurrent`` generations at once (503, ``Retry-After: 1``), a body sent within ``client_timeout_s``
 (408). The engine may be a ``GuardedEngine``: its kill switch, sampling and ``max_tokens`` apply to every
 step (``layerzero.runtime.generate``). ``GET /healthz`` answers ``ok``; ``GET /v1/generate/status`` gives the
-counters and limits.
+counters and limits; ``GET /metrics`` the Prometheus metrics (``layerzero.runtime.metrics.GenerateMetrics``:
+requests, tokens, time to first token, inter-token latency, errors by status; each counted once per request,
+not per step). Under ``layerzero serve`` they are in the server's registry too (``metrics=server.metrics``), so
+one scrape of the control port's /metrics has them.
 
 Why a plain HTTP endpoint beside Triton and not a decoupled Triton model: generation is a loop over the
 model with a KV cache held between steps, which the Python runtime already runs; a stream of JSON lines is
@@ -45,9 +48,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
-import math
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -56,153 +59,24 @@ from typing import Any
 
 from layerzero.errors import InvalidInputError, UnsupportedModelError
 from layerzero.runtime._http import listen_http
+from layerzero.runtime.generate_request import (
+    GENERATE_PATH,
+    GenerateServerConfig,
+    Refused,
+    one_line,
+    parse_request,
+)
 
 __all__ = ["GENERATE_PATH", "GenerateServer", "GenerateServerConfig", "parse_request", "serve_generate"]
 
 logger = logging.getLogger(__name__)
 
-GENERATE_PATH = "/v1/generate"
-_KEYS = frozenset(
-    {
-        "prompt_ids",
-        "prompts",
-        "pad_token_id",
-        "max_new_tokens",
-        "temperature",
-        "top_k",
-        "top_p",
-        "seed",
-        "stop_ids",
-        "stream",
-    }
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerateServerConfig:
-    """Where to listen and the request bounds (see the module doc)."""
-
-    host: str = "127.0.0.1"
-    port: int = 8003  # 0 picks a free port
-    max_request_bytes: int = 1 << 20
-    max_prompt_tokens: int = 4096
-    max_new_tokens_cap: int = 1024
-    max_concurrent: int = 4
-    client_timeout_s: float = 30.0
-    max_batch: int = 16  # prompts per request
-    batch_rows: int = 8  # generations sharing decode steps (the continuous batch)
-    max_queue: int = 64  # generations waiting for a row; past it a 503
-    model_name: str = "model"  # the OpenAI endpoints' model id
-
-    def __post_init__(self) -> None:
-        for name in ("max_request_bytes", "max_prompt_tokens", "max_new_tokens_cap", "max_concurrent", "max_batch",
-                     "batch_rows"):
-            if getattr(self, name) < 1:
-                raise InvalidInputError(f"generate endpoint {name} must be >= 1, got {getattr(self, name)}")
-        if not self.client_timeout_s > 0:
-            raise InvalidInputError(f"generate endpoint client_timeout_s must be > 0, got {self.client_timeout_s}")
-
-
-class _Refused(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def _one_line(message: str, limit: int = 400) -> str:
-    line = " ".join(str(message).split())
-    return line if len(line) <= limit else line[: limit - 1] + "…"
-
-
-def _int(doc: Mapping[str, Any], key: str, default: int | None, lo: int, hi: int | None) -> int | None:
-    value = doc.get(key, default)
-    if value is None and default is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _Refused(400, f"{key} must be an integer, got {json.dumps(value)[:40]}")
-    if value < lo or (hi is not None and value > hi):
-        raise _Refused(400, f"{key}={value}: must be in [{lo}, {hi if hi is not None else 'inf'}]")
-    return value
-
-
-def _float(doc: Mapping[str, Any], key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    value = doc.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _Refused(400, f"{key} must be a finite number, got {json.dumps(value)[:40]}")
-    if value > hi or value < lo or (lo_open and value == lo):
-        raise _Refused(400, f"{key}={value}: must be in {'(' if lo_open else '['}{lo:g}, {hi:g}]")
-    return float(value)
-
-
-def _ids(doc: Mapping[str, Any], key: str, vocab: int | None, limit: int) -> list[int] | None:
-    value = doc.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise _Refused(400, f"{key} must be a list of token ids, got {type(value).__name__}")
-    if len(value) > limit:
-        raise _Refused(400, f"{key} has {len(value)} tokens; at most {limit} are accepted")
-    for i in value:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise _Refused(400, f"{key} must hold integers, got {json.dumps(i)[:40]}")
-        if i < 0 or (vocab is not None and i >= vocab):
-            bound = f"[0, {vocab})" if vocab is not None else ">= 0"
-            raise _Refused(400, f"{key}: token id {i} is outside the vocabulary {bound}")
-    return value
-
-
-def parse_request(body: bytes, config: GenerateServerConfig, vocab: int | None) -> dict[str, Any]:
-    """The validated options of one request (``generate``'s keyword arguments plus ``prompt_ids``, ``stream``).
-
-    Raises ``_Refused`` (status, one line) for anything the module doc lists as a 4xx.
-    """
-    try:
-        doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise _Refused(400, f"the body is not JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise _Refused(400, f"the body must be a JSON object, got {type(doc).__name__}")
-    unknown = sorted(set(doc) - _KEYS)
-    if unknown:
-        raise _Refused(400, f"unknown key(s) {unknown}; known: {sorted(_KEYS)}")
-    if "prompts" in doc:
-        if "prompt_ids" in doc:
-            raise _Refused(400, "give prompt_ids (one prompt) or prompts (a batch), not both")
-        batch = doc["prompts"]
-        if not isinstance(batch, list) or not batch:
-            raise _Refused(400, "prompts must be a non-empty list of token id lists")
-        if len(batch) > config.max_batch:
-            raise _Refused(400, f"prompts has {len(batch)} prompts; at most {config.max_batch} are accepted")
-        prompt: list[int] | list[list[int]] = []
-        for i, item in enumerate(batch):
-            ids = _ids({f"prompts[{i}]": item}, f"prompts[{i}]", vocab, config.max_prompt_tokens)
-            if not ids:
-                raise _Refused(400, f"prompts[{i}] must be a non-empty list of token ids")
-            prompt.append(ids)  # type: ignore[arg-type]
-    else:
-        prompt = _ids(doc, "prompt_ids", vocab, config.max_prompt_tokens) or []
-        if not prompt:
-            raise _Refused(400, "prompt_ids is required: a non-empty list of token ids (or prompts, a batch)")
-    stream = doc.get("stream", True)
-    if not isinstance(stream, bool):
-        raise _Refused(400, f"stream must be true or false, got {json.dumps(stream)[:40]}")
-    return {
-        "prompt_ids": prompt,
-        "max_new_tokens": _int(doc, "max_new_tokens", 32, 1, config.max_new_tokens_cap),
-        "temperature": _float(doc, "temperature", 0.0, 0.0, 1e6),
-        "top_k": _int(doc, "top_k", 0, 0, None),
-        "top_p": _float(doc, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        "seed": _int(doc, "seed", None, 0, 2**63 - 1) if doc.get("seed") is not None else None,
-        "stop_tokens": _ids(doc, "stop_ids", vocab, 1024),
-        "pad_token_id": _int(doc, "pad_token_id", None, 0, vocab - 1 if vocab is not None else None),
-        "stream": stream,
-    }
-
-
 class GenerateServer:
     """The generate endpoint of one engine (``Engine`` or ``GuardedEngine``); see the module doc."""
 
-    def __init__(self, engine: Any, config: GenerateServerConfig | None = None) -> None:
+    def __init__(self, engine: Any, config: GenerateServerConfig | None = None, metrics: Any = None) -> None:
+        """``metrics``: a ``ServingMetrics`` (its registry gets the generate metrics: one /metrics), a
+        ``GenerateMetrics``, or None (a registry of this endpoint's own; none without prometheus_client)."""
         from layerzero.runtime.generate import cache_layout, export_metadata
         from layerzero.runtime.guard import GuardedEngine
 
@@ -226,11 +100,13 @@ class GenerateServer:
             codec = None
         self.openai = OpenAIRoutes(self.batcher, codec, self.config.model_name,
                                    max_new_tokens=self.config.max_new_tokens_cap,
-                                   max_prompt_tokens=self.config.max_prompt_tokens)  # fmt: skip
+                                   max_prompt_tokens=self.config.max_prompt_tokens,
+                                   observe=self.observe_generation)  # fmt: skip
         self._lock = threading.Lock()
         self.counters = {"requests": 0, "generated_tokens": 0, "errors_4xx": 0, "errors_5xx": 0, "busy": 0}
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self.metrics = _generate_metrics(metrics)
 
     # ---------------------------------------------------------------------------------------- lifecycle
 
@@ -276,17 +152,34 @@ class GenerateServer:
             counters = dict(self.counters)
         return {"counters": counters, "limits": dataclasses.asdict(self.config), "vocab_size": self.vocab}
 
+    def observe_generation(self, tokens: int, times: list[float]) -> None:
+        """The generate metrics of one finished generation: ``times`` = [its start, each token's time]."""
+        if self.metrics is not None:
+            first = times[1] - times[0] if len(times) > 1 else None
+            self.metrics.observe_generation(tokens, first, [b - a for a, b in itertools.pairwise(times[1:])])
+
     def count(self, key: str, n: int = 1) -> None:
         with self._lock:
             self.counters[key] += n
 
 
-@contextlib.contextmanager
-def serve_generate(engine: Any, **config: Any) -> Iterator[GenerateServer | None]:
-    """The generate endpoint for ``layerzero serve``: started when the model can generate (a ``layerzero
-    export`` model, compiled or not), else None with the reason logged, so serving goes on without it."""
+def _generate_metrics(metrics: Any) -> Any:
+    if metrics is not None:
+        return metrics.generate() if hasattr(metrics, "generate") else metrics
     try:
-        server = GenerateServer(engine, GenerateServerConfig(**config))
+        from layerzero.runtime.metrics import GenerateMetrics
+    except ImportError:  # prometheus_client (the serve extra) is not installed: no /metrics here
+        return None
+    return GenerateMetrics()
+
+
+@contextlib.contextmanager
+def serve_generate(engine: Any, metrics: Any = None, **config: Any) -> Iterator[GenerateServer | None]:
+    """The generate endpoint for ``layerzero serve``: started when the model can generate (a ``layerzero
+    export`` model, compiled or not), else None with the reason logged, so serving goes on without it.
+    ``metrics``: the server's ``ServingMetrics`` (see ``GenerateServer``)."""
+    try:
+        server = GenerateServer(engine, GenerateServerConfig(**config), metrics)
     except UnsupportedModelError as exc:
         logger.info("no generate endpoint: %s", exc)
         yield None
@@ -309,8 +202,12 @@ class _GenerateHandler(BaseHTTPRequestHandler):
             self._send(200, b"ok\n", "text/plain")
         elif self.path == f"{GENERATE_PATH}/status":
             self._send(200, (json.dumps(self.server_.status()) + "\n").encode(), "application/json")
+        elif self.path == "/metrics" and self.server_.metrics is not None:
+            from layerzero.runtime.metrics import CONTENT_TYPE
+
+            self._send(200, self.server_.metrics.render(), CONTENT_TYPE)
         else:
-            self._error(404, f"GET {self.path[:100]}: not found; POST {GENERATE_PATH}, GET /healthz")
+            self._error(404, f"GET {self.path[:100]}: not found; POST {GENERATE_PATH}, GET /healthz", count=False)
 
     def do_POST(self) -> None:
         server = self.server_
@@ -318,12 +215,14 @@ class _GenerateHandler(BaseHTTPRequestHandler):
             self._openai()
             return
         if self.path != GENERATE_PATH:
-            self._error(404, f"POST {self.path[:100]}: not found; POST {GENERATE_PATH}")
+            self._error(404, f"POST {self.path[:100]}: not found; POST {GENERATE_PATH}", count=False)
             return
         server.count("requests")
+        if server.metrics is not None:
+            server.metrics.observe_request()
         try:
             request = parse_request(self._body(), server.config, server.vocab)
-        except _Refused as exc:
+        except Refused as exc:
             self._error(exc.status, str(exc))
             return
         if not isinstance(request["prompt_ids"][0], list):  # one prompt: the continuous batch
@@ -339,7 +238,7 @@ class _GenerateHandler(BaseHTTPRequestHandler):
             server._slots.release()
 
     def do_PUT(self) -> None:
-        self._error(405, f"{self.command} is not supported; POST {GENERATE_PATH}")
+        self._error(405, f"{self.command} is not supported; POST {GENERATE_PATH}", count=False)
 
     do_DELETE = do_PATCH = do_PUT
 
@@ -365,36 +264,45 @@ class _GenerateHandler(BaseHTTPRequestHandler):
                 started = True
             self._chunk(doc)
 
+        # Each step's time (a token, or a batch's tokens), for the time to first token and inter-token latency.
+        times = [time.perf_counter()]
+
         def on_token(token: int) -> None:
-            send({"token": token})
+            times.append(time.perf_counter())
+            if stream:
+                send({"token": token})
 
         def on_step(tokens: list[int | None]) -> None:
-            send({"tokens": tokens})
+            times.append(time.perf_counter())
+            if stream:
+                send({"tokens": tokens})
 
-        callbacks: dict[str, Any] = {}
-        if stream:
-            callbacks = {"on_step": on_step} if batch else {"on_token": on_token}
+        callbacks = {"on_step": on_step} if batch else {"on_token": on_token}
         try:
             out = generate(server.engine, prompt, **callbacks, **request)
         except InvalidInputError as exc:  # e.g. the guard's max_tokens: the request's fault
             if started:
-                self._chunk({"error": _one_line(str(exc))})
+                self._count_error(400)
+                self._chunk({"error": one_line(str(exc))})
                 self._end_chunks()
             else:
                 self._error(400, str(exc))
             return
         except Exception as exc:  # the model failed: one line, no traceback to the client
             logger.exception("generate failed")
-            server.count("errors_5xx")
             message = f"generation failed: {type(exc).__name__}: {exc}"
             if started:
-                self._chunk({"error": _one_line(message)})
+                server.count("errors_5xx")
+                self._count_error(500)
+                self._chunk({"error": one_line(message)})
                 self._end_chunks()
             else:
                 self._error(500, message)
             return
         outs = out if isinstance(out, list) else [out]
-        server.count("generated_tokens", sum(len(o.ids) for o in outs))
+        tokens = sum(len(o.ids) for o in outs)
+        server.count("generated_tokens", tokens)
+        server.observe_generation(tokens, times)
         results = [{"ids": o.ids, "prompt_ids": o.prompt_ids, "report": o.report.to_dict()} for o in outs]
         final = {"results": results} if batch else results[0]
         if stream:
@@ -410,14 +318,16 @@ class _GenerateHandler(BaseHTTPRequestHandler):
         server = self.server_
         stream = request.pop("stream")
         tokens: list[int] = []
+        times = [time.perf_counter()]
         started = False
         gone = threading.Event()
 
         def on_token(token: int) -> None:
+            times.append(time.perf_counter())
             tokens.append(token)
 
         request.pop("pad_token_id", None)  # one prompt: nothing to pad
-        job = GenerationRequest(request.pop("prompt_ids"), **request, on_token=on_token if stream else None)
+        job = GenerationRequest(request.pop("prompt_ids"), **request, on_token=on_token)
         try:
             ticket = server.batcher.submit(job)
         except QueueFull as exc:
@@ -450,7 +360,7 @@ class _GenerateHandler(BaseHTTPRequestHandler):
             if status == 500:
                 logger.error("generate failed: %s", exc)
                 server.count("errors_5xx")
-            message = _one_line(str(exc) if status == 400 else f"generation failed: {type(exc).__name__}: {exc}")
+            message = one_line(str(exc) if status == 400 else f"generation failed: {type(exc).__name__}: {exc}")
             if started:
                 self._chunk({"error": message})
                 self._end_chunks()
@@ -458,6 +368,7 @@ class _GenerateHandler(BaseHTTPRequestHandler):
                 self._error(status, message)
             return
         server.count("generated_tokens", len(out.ids))
+        server.observe_generation(len(out.ids), times)
         final = {"ids": out.ids, "prompt_ids": out.prompt_ids, "report": out.report.to_dict()}
         if stream:
             if not started:
@@ -480,6 +391,8 @@ class _GenerateHandler(BaseHTTPRequestHandler):
 
         server = self.server_
         server.count("requests")
+        if server.metrics is not None:
+            server.metrics.observe_request()
         streaming = False
 
         def start_stream() -> None:
@@ -503,12 +416,15 @@ class _GenerateHandler(BaseHTTPRequestHandler):
         try:
             try:
                 body = self._body()
-            except _Refused as exc:
+            except Refused as exc:
                 raise ApiError(exc.status, str(exc)) from None
             answer = server.openai.post(self.path, body, start_stream, send)
         except ApiError as exc:
+            self._count_error(exc.status)
             if 400 <= exc.status < 500:
                 server.count("errors_4xx")
+            elif exc.status >= 500:
+                server.count("errors_5xx")
             if exc.status in (408, 411, 413):
                 self.close_connection = True
             self._send(exc.status, exc.body(), "application/json",
@@ -524,40 +440,50 @@ class _GenerateHandler(BaseHTTPRequestHandler):
     def _body(self) -> bytes:
         limit = self.server_.config.max_request_bytes
         if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-            raise _Refused(411, "chunked request bodies are not accepted; send a Content-Length")
+            raise Refused(411, "chunked request bodies are not accepted; send a Content-Length")
         text = (self.headers.get("Content-Length") or "").strip()
         if not text:
-            raise _Refused(411, "a Content-Length header is required")
+            raise Refused(411, "a Content-Length header is required")
         if not text.isdigit() or len(text) > 15:
-            raise _Refused(400, f"Content-Length {text[:20]!r} is not a non-negative integer")
+            raise Refused(400, f"Content-Length {text[:20]!r} is not a non-negative integer")
         length = int(text)
         if length > limit:
-            raise _Refused(413, f"the body is {length} bytes; at most {limit} are accepted")
+            raise Refused(413, f"the body is {length} bytes; at most {limit} are accepted")
         deadline = time.monotonic() + self.server_.config.client_timeout_s  # for the whole body, not per read
         chunks, left = [], length
         while left:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise _Refused(408, "the request body was not received in time")
+                raise Refused(408, "the request body was not received in time")
             self.connection.settimeout(remaining)
             try:
                 chunk = self.rfile.read1(min(left, 1 << 16))
             except OSError:
-                raise _Refused(408, "the request body was not received in time") from None
+                raise Refused(408, "the request body was not received in time") from None
             if not chunk:
-                raise _Refused(400, f"the body ended after {length - left} of {length} bytes")
+                raise Refused(400, f"the body ended after {length - left} of {length} bytes")
             chunks.append(chunk)
             left -= len(chunk)
         self.connection.settimeout(None)  # generation may take longer than a body may
         return b"".join(chunks)
 
-    def _error(self, status: int, message: str, retry_after: int | None = None) -> None:
+    def _count_error(self, status: int) -> None:
+        if self.server_.metrics is not None:
+            self.server_.metrics.observe_error(status)
+
+    def _error(self, status: int, message: str, retry_after: int | None = None, count: bool = True) -> None:
+        """Answer ``status`` with one JSON line; ``count``: a generation request refused or failed (not a GET
+        of an unknown path)."""
         if 400 <= status < 500:
             self.server_.count("errors_4xx")
+        elif status >= 500 and status != 503:
+            self.server_.count("errors_5xx")
+        if count:
+            self._count_error(status)
         if status in (408, 411, 413) or status >= 500:
             self.close_connection = True  # the unread rest of a body must not be parsed as a request
         headers = {"Retry-After": str(retry_after)} if retry_after is not None else {}
-        self._send(status, (json.dumps({"error": _one_line(message)}) + "\n").encode(), "application/json", headers)
+        self._send(status, (json.dumps({"error": one_line(message)}) + "\n").encode(), "application/json", headers)
 
     def _send(self, status: int, body: bytes, content_type: str, headers: Mapping[str, str] | None = None) -> None:
         try:

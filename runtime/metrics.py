@@ -3,12 +3,15 @@
     metrics = ServingMetrics(guard)
     result = guard.run(feeds); metrics.observe(result, seconds)
     metrics.render()          # Prometheus text exposition, for GET /metrics
+    gen = metrics.generate()  # the generate endpoint's metrics, in the same registry (one /metrics)
 
 Metric (prefix ``layerzero_``)          type       labels     source
-``requests_total``                      counter    segment    guard counters, read at scrape time
-``fallbacks_total``                     counter    segment    guard
+``requests_total``                      counter    segment    ``observe``: inference requests served (KServe v2)
+``guard_runs_total``                    counter    segment    guard: its runs, inference requests and each step
+                                                              of a generation alike
+``fallbacks_total``                     counter    segment    guard (per run)
 ``reference_runs_total``                counter    reason     guard (sampled, kill_switch, max_tokens)
-``threshold_backoffs_total``              counter    segment    guard
+``threshold_backoffs_total``            counter    segment    guard
 ``kill_switch``                         gauge      –          guard (1 = every request to the reference)
 ``zeroing_threshold``                   gauge      segment    guard
 ``window_fallback_rate``                gauge      segment    guard (fallbacks / sampled in the window)
@@ -18,8 +21,18 @@ Metric (prefix ``layerzero_``)          type       labels     source
 ``request_latency_seconds``             histogram  route      ``observe``
 ``request_errors_total``                counter    –          ``observe_error``
 
-The guard's counters are read when Prometheus scrapes (a custom collector), so /metrics and /status never
-disagree and the request path pays nothing for them.
+The generate endpoint's (``GenerateMetrics``), each counted once per generation request, never per step:
+
+``generate_requests_total``             counter    –          POST /v1/generate requests received
+``generate_tokens_total``               counter    –          tokens generated (every prompt of a batch)
+``generate_time_to_first_token_seconds`` histogram –          from the start of generation to its first token
+``generate_inter_token_latency_seconds`` histogram –          between a generation's consecutive tokens (steps)
+``generate_errors_total``               counter    code       requests refused (4xx) or failed (5xx), by status
+
+Why ``requests_total`` is counted here and not read from the guard: every step of a generation runs through
+the guard, so its count was decode steps (37 after 1 inference and 3 generations); the guard's count is
+``guard_runs_total``. The guard's counters are read when Prometheus scrapes (a custom collector), so /metrics
+and /status never disagree and the request path pays nothing for them.
 """
 
 from __future__ import annotations
@@ -36,7 +49,7 @@ if TYPE_CHECKING:
     from layerzero.runtime.engine import Result
     from layerzero.runtime.guard import GuardedEngine
 
-__all__ = ["CONTENT_TYPE", "LATENCY_BUCKETS", "RATIO_BUCKETS", "ServingMetrics"]
+__all__ = ["CONTENT_TYPE", "LATENCY_BUCKETS", "RATIO_BUCKETS", "TOKEN_BUCKETS", "GenerateMetrics", "ServingMetrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +60,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 #: Zeroed-parameter-ratio buckets: tenths.
 RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+#: Time-to-first-token and inter-token buckets in seconds: a decode step of a small model to a long prefill.
+TOKEN_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
 class ServingMetrics:
@@ -68,6 +83,12 @@ class ServingMetrics:
             registry=self.registry,
         )  # fmt: skip
         self._errors = Counter(f"{namespace}_request_errors", "Requests that failed", registry=self.registry)
+        self._requests = Counter(
+            f"{namespace}_requests", "Inference requests served (KServe v2, HTTP or gRPC), by segment", ["segment"],
+            registry=self.registry,
+        )  # fmt: skip
+        for segment in guard.segments:
+            self._requests.labels(segment)  # every segment shows, 0 until its first request
         self._ratio = Histogram(
             f"{namespace}_request_zeroed_params_ratio",
             "Fraction of the source model's parameters not computed on a request (removed + skipped)",
@@ -75,9 +96,17 @@ class ServingMetrics:
             registry=self.registry,
         )
         self.registry.register(_GuardCollector(guard, namespace))
+        self._generate: GenerateMetrics | None = None
+
+    def generate(self) -> GenerateMetrics:
+        """The generate endpoint's metrics in this registry (made once: one /metrics for both endpoints)."""
+        if self._generate is None:
+            self._generate = GenerateMetrics(self.registry, namespace=self.namespace)
+        return self._generate
 
     def observe(self, result: Result, seconds: float) -> None:
-        """Record one served request: its latency and the paths it skipped."""
+        """Record one served inference request: its count, latency and the paths it skipped."""
+        self._requests.labels(getattr(result, "segment", "default")).inc()
         self._latency.labels(getattr(result, "route", "compiled")).observe(seconds)
         self._ratio.observe(result.report.zeroed_params_ratio)
         for path in result.report.skipped_paths:
@@ -88,6 +117,44 @@ class ServingMetrics:
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric (``CONTENT_TYPE``)."""
+        return generate_latest(self.registry)
+
+
+class GenerateMetrics:
+    """The generate endpoint's metrics (see the module doc), in ``registry`` (a new one when None)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, *, namespace: str = "layerzero") -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        ns = f"{namespace}_generate"
+        self._requests = Counter(f"{ns}_requests", "Generation requests received (POST /v1/generate)",
+                                 registry=self.registry)  # fmt: skip
+        self._tokens = Counter(f"{ns}_tokens", "Tokens generated, every prompt of a batch", registry=self.registry)
+        self._first = Histogram(
+            f"{ns}_time_to_first_token_seconds", "Time from the start of a generation to its first token",
+            buckets=TOKEN_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self._between = Histogram(
+            f"{ns}_inter_token_latency_seconds", "Time between consecutive tokens (steps) of a generation",
+            buckets=TOKEN_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self._errors = Counter(f"{ns}_errors", "Generation requests refused (4xx) or failed (5xx), by HTTP status",
+                               ["code"], registry=self.registry)  # fmt: skip
+
+    def observe_request(self) -> None:
+        self._requests.inc()
+
+    def observe_generation(self, tokens: int, first_token_s: float | None, between_s: list[float]) -> None:
+        """One generation that ended: its tokens, time to first token and the gaps between its steps."""
+        self._tokens.inc(tokens)
+        if first_token_s is not None:
+            self._first.observe(first_token_s)
+        for gap in between_s:
+            self._between.observe(gap)
+
+    def observe_error(self, status: int) -> None:
+        self._errors.labels(str(status)).inc()
+
+    def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
@@ -111,7 +178,11 @@ class _GuardCollector(Collector):
                 family.add_metric([name], seg[key])
             return family
 
-        yield per_segment(CounterMetricFamily(f"{ns}_requests", "Requests served", labels=["segment"]), "requests")
+        yield per_segment(
+            CounterMetricFamily(f"{ns}_guard_runs", "Runs through the guard (inference requests and each step of a "
+                                "generation), by segment", labels=["segment"]),
+            "requests",
+        )  # fmt: skip
         yield per_segment(
             CounterMetricFamily(f"{ns}_fallbacks", "Sampled requests answered by the reference", labels=["segment"]),
             "fallbacks",

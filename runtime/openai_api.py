@@ -156,8 +156,10 @@ class OpenAIRoutes:
     """The endpoints' logic; the generate server's handler calls ``get`` / ``post`` for their paths."""
 
     def __init__(self, batcher: ContinuousBatcher, codec: TextCodec | None, model: str, *, max_new_tokens: int,
-                 max_prompt_tokens: int, wait_s: float = 600.0) -> None:  # fmt: skip
+                 max_prompt_tokens: int, wait_s: float = 600.0,
+                 observe: Callable[[int, list[float]], None] | None = None) -> None:  # fmt: skip
         self.batcher, self.codec, self.model = batcher, codec, model
+        self.observe = observe  # (tokens, [start, each token's time]) of each finished generation: metrics
         self.max_new_tokens, self.max_prompt_tokens, self.wait_s = max_new_tokens, max_prompt_tokens, wait_s
         self.created = int(time.time())
 
@@ -283,8 +285,10 @@ class OpenAIRoutes:
         assert self.codec is not None
         text = _StopText(self.codec, stops)
         tokens: queue.Queue[int | None] = queue.Queue()
+        times = [time.perf_counter()]
 
         def on_token(token: int) -> bool:
+            times.append(time.perf_counter())
             tokens.put(token)
             return text.add(token) if stops else False
 
@@ -299,6 +303,8 @@ class OpenAIRoutes:
         created = int(time.time())
         if not stream:
             generation = self._wait(ticket)
+            if self.observe is not None:
+                self.observe(len(generation.ids), times)
             if not stops:
                 text.ids = list(generation.ids)
                 text.text = self.codec.decode(text.ids)
@@ -312,7 +318,8 @@ class OpenAIRoutes:
             doc = {"id": ident, "object": "chat.completion" if meta["chat"] else "text_completion",
                    "created": created, "model": self.model, "choices": [choice], "usage": usage}  # fmt: skip
             return (json.dumps(doc) + "\n").encode()
-        return self._stream(ticket, request, text, tokens, meta, ident, created, start_stream, send, bool(stops))
+        return self._stream(ticket, request, text, tokens, meta, ident, created, start_stream, send, bool(stops),
+                            times)  # fmt: skip
 
     def _wait(self, ticket: Any) -> Any:
         try:
@@ -331,7 +338,7 @@ class OpenAIRoutes:
 
     def _stream(self, ticket: Any, request: GenerationRequest, text: _StopText, tokens: queue.Queue, meta: dict,
                 ident: str, created: int, start_stream: Callable[[], None], send: Callable[[bytes], bool],
-                has_stops: bool) -> bytes:  # fmt: skip
+                has_stops: bool, times: list[float]) -> bytes:  # fmt: skip
         chat = meta["chat"]
         kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -377,6 +384,8 @@ class OpenAIRoutes:
                  + b"\n\n")  # fmt: skip
             send(b"data: [DONE]\n\n")
             return b""
+        if self.observe is not None:
+            self.observe(len(generation.ids), times)
         rest = text.ready(final=True)
         if rest:
             event(piece(rest))

@@ -11,29 +11,16 @@ this process, one thread per instance; the guard is thread-safe). A request pick
 KServe request parameter ``segment`` (``client.infer(..., parameters={"segment": "chat"})``).
 
 The public HTTP and gRPC ports are the fronts (``InferenceFront``, ``GrpcFront``), in a process of their own
-(``layerzero.runtime._front``: their Python does not compete for this process's GIL with PyTriton's proxy and
+(``layerzero.runtime.front``: their Python does not compete for this process's GIL with PyTriton's proxy and
 the infer callable): each request is validated before Triton parses it, then its bytes are forwarded over
 keep-alive connections to Triton, which listens on loopback ports of its own (metrics, SageMaker, Vertex AI
 off). A standby Triton is kept started: when the serving one dies the supervisor switches the fronts to it
 (tens of ms; requests wait, those in flight are sent again and run once) and starts the next standby. The
 supervisor restarts the front process too when it dies; its counts live in a mapping this process owns.
 
-Control is a small HTTP server (stdlib, one thread per connection) on ``control_port``, 127.0.0.1 only,
-unauthenticated (bind it to loopback, put a proxy in front for anything else)::
-
-    GET  /metrics                 Prometheus text (ServingMetrics, a registry of this server's own)
-    GET  /status                  JSON: model, endpoints, guard state and counters
-    GET  /healthz                 "ok" once Triton serves the model
-    GET  /                        the web console (runtime/console.py): live counters, kill switch, threshold
-    POST /kill-switch             {"on": true} | {"on": false}   (also POST /kill-switch/on, /kill-switch/off)
-    POST /threshold               {"value": 0.05, "segment": "chat"}   (segment optional: the default one)
-
-Why not a ``layerzero_control`` Triton model: control must work while inference is saturated or broken, and
-Prometheus scrapes plain HTTP text; a tiny side server gives both with no client library. Triton's own
-metrics endpoint is off, so there is one /metrics to scrape.
-
-PyTriton's Python-backend stub links the interpreter's libpython: ``start`` prepends
-``sysconfig.get_config_var("LIBDIR")`` to ``LD_LIBRARY_PATH`` for the Triton process it launches.
+Control and /metrics are a small HTTP server on ``control_port`` (``layerzero.runtime.control``). Starting
+and stopping Triton itself, and the fixes PyTriton needs, are ``layerzero.runtime.triton_process``; the model
+facts requests are checked against, ``layerzero.runtime.model_facts``.
 """
 
 from __future__ import annotations
@@ -41,36 +28,40 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import json
 import logging
-import math
 import os
 import signal
-import socket
-import sysconfig
 import threading
 import time
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from layerzero.errors import InvalidInputError, LayerZeroError
-from layerzero.runtime._front import (
+from layerzero.runtime.control import ControlServer
+from layerzero.runtime.front import (
     REQUEST_ID,
     FrontProcess,
     FrontSpec,
     GrpcFront,
     InferenceFront,
     RequestError,
-    _BodyReader,
-    _one_line,
+    may_be_empty,
+    one_line,
 )
-from layerzero.runtime._http import listen_http
 from layerzero.runtime.guard import GuardedEngine
-from layerzero.runtime.triton_repo import IOSpec, model_io
+from layerzero.runtime.model_facts import empty_axes, index_ranges
+from layerzero.runtime.triton_process import (
+    TritonInstance,
+    check_port_free,
+    free_ports,
+    libpython_on_library_path,
+    patch_pytriton,
+    retire,
+    tensor_of,
+)
+from layerzero.runtime.triton_repo import model_io
 
 if TYPE_CHECKING:  # prometheus_client (the serve extra) is imported when a server is made, not on import
     from layerzero.runtime.metrics import ServingMetrics
@@ -83,6 +74,7 @@ __all__ = [
     "LayerZeroServer",
     "RequestError",
     "ServerConfig",
+    "empty_axes",
     "index_ranges",
     "pytriton_available",
 ]
@@ -103,8 +95,6 @@ def pytriton_available() -> bool:
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 #: Tries to start (or restart) Triton before giving up.
 _START_ATTEMPTS = 5
-#: The cap of a control request's body: its JSON documents are a few bytes.
-CONTROL_MAX_BODY_BYTES = 64 * 1024
 #: Answers kept by request id, so that a request sent again (Triton died with it in flight) runs once: at most
 #: this many, and this many bytes of outputs. Only answers in transit when Triton dies are ever asked again.
 _ANSWERS_KEPT = 256
@@ -158,8 +148,9 @@ class LayerZeroServer:
         self._outputs = [o for o in outputs if o.name in names]
         self._output_names = [o.name for o in self._outputs]
         self._index_ranges = index_ranges(guard.engine.model_path)
-        self._active: _TritonInstance | None = None  # the Triton the fronts forward to
-        self._standby: _TritonInstance | None = None  # started, idle, takes over when the active one dies
+        self._empty_axes = empty_axes(guard.engine.model_path)
+        self._active: TritonInstance | None = None  # the Triton the fronts forward to
+        self._standby: TritonInstance | None = None  # started, idle, takes over when the active one dies
         self._standby_thread: threading.Thread | None = None
         self._control: ControlServer | None = None
         self._front: FrontProcess | None = None  # the HTTP (and gRPC) front's process
@@ -184,14 +175,14 @@ class LayerZeroServer:
         its supervisor; returns once Triton serves the model. The standby Triton starts in the background."""
         if not pytriton_available():
             raise LayerZeroError("serving needs PyTriton: pip install 'layerzero[serve]'")
-        _libpython_on_library_path()
-        _patch_pytriton_handshake()
+        libpython_on_library_path()
+        patch_pytriton()
         cfg = self.config
         if len({cfg.http_port, cfg.grpc_port, cfg.control_port}) < 3:
             raise InvalidInputError(f"the HTTP, gRPC and control ports must differ, got {cfg.http_port}, "
                                     f"{cfg.grpc_port}, {cfg.control_port}")  # fmt: skip
         for what, port in (("--port-http", cfg.http_port), ("--port-grpc", cfg.grpc_port))[: 2 if cfg.grpc else 1]:
-            _check_port_free(cfg.host, port, what)
+            check_port_free(cfg.host, port, what)
         if self.guard.has_reference:
             # Load (and so check) the reference now: a broken one must fail the start, not the first request
             # that samples or the first time someone turns the kill switch on.
@@ -200,7 +191,7 @@ class LayerZeroServer:
             except LayerZeroError:
                 raise
             except Exception as e:
-                raise InvalidInputError(f"the reference model cannot be loaded: {_one_line(str(e), 200)}") from None
+                raise InvalidInputError(f"the reference model cannot be loaded: {one_line(str(e), 200)}") from None
         self._started = time.monotonic()
         try:
             self._control = ControlServer(self, cfg.host, cfg.control_port)
@@ -228,9 +219,10 @@ class LayerZeroServer:
             index_ranges=dict(self._index_ranges), host=cfg.host, http_port=cfg.http_port,
             grpc_port=cfg.grpc_port if cfg.grpc else None, max_request_bytes=cfg.max_request_bytes,
             client_timeout_s=cfg.client_timeout_s, restart_wait_s=cfg.restart_wait_s, instances=cfg.instances,
+            empty_axes=dict(self._empty_axes),
         )  # fmt: skip
 
-    def _start_triton_retrying(self) -> _TritonInstance:
+    def _start_triton_retrying(self) -> TritonInstance:
         # PyTriton's handshake with its Python-backend stubs has a fixed 1 s timeout, which a loaded machine
         # misses now and then: try a few times, a little apart.
         for attempt in range(_START_ATTEMPTS):
@@ -240,18 +232,18 @@ class LayerZeroServer:
                 return self._start_triton()
             except Exception as e:
                 if attempt == _START_ATTEMPTS - 1:
-                    raise LayerZeroError(f"Triton Inference Server did not start: {_one_line(str(e), 300)}") from None
-                logger.warning("Triton did not start (%s); trying again", _one_line(str(e), 200))
+                    raise LayerZeroError(f"Triton Inference Server did not start: {one_line(str(e), 300)}") from None
+                logger.warning("Triton did not start (%s); trying again", one_line(str(e), 200))
                 time.sleep(1.0 + attempt)
         raise LayerZeroError("Triton Inference Server did not start: the server is stopping")
 
-    def _start_triton(self) -> _TritonInstance:
+    def _start_triton(self) -> TritonInstance:
         """A Triton serving the model, its HTTP and gRPC on free 127.0.0.1 ports: only the fronts talk to it."""
         from pytriton.model_config import ModelConfig
         from pytriton.triton import Triton, TritonConfig
 
         cfg = self.config
-        http_port, grpc_port = _free_ports("127.0.0.1", 2)
+        http_port, grpc_port = free_ports("127.0.0.1", 2)
         triton_config = TritonConfig(
             http_address="127.0.0.1",
             http_port=http_port,
@@ -271,8 +263,8 @@ class LayerZeroServer:
             triton.bind(
                 model_name=cfg.model_name,
                 infer_func=[self._infer] * max(1, cfg.instances),
-                inputs=[_tensor(s) for s in self._inputs],
-                outputs=[_tensor(s) for s in self._outputs],
+                inputs=[tensor_of(s) for s in self._inputs],
+                outputs=[tensor_of(s) for s in self._outputs],
                 config=ModelConfig(batching=False),
                 strict=False,
             )
@@ -281,7 +273,7 @@ class LayerZeroServer:
             with contextlib.suppress(Exception):
                 triton.stop()
             raise
-        return _TritonInstance(triton, http_port, grpc_port)
+        return TritonInstance(triton, http_port, grpc_port)
 
     def _supervise(self) -> None:
         """Replace Triton when it dies (whatever killed it): by the standby at once when there is one (or as soon
@@ -301,7 +293,7 @@ class LayerZeroServer:
             logger.error("Triton Inference Server exited unexpectedly; replacing it")
             if active is not None:
                 self._active = None
-                _retire(active)
+                retire(active)
             if self.config.standby:
                 # The standby thread keeps one started; wait for it (it is usually up already).
                 while not self._stop.is_set():
@@ -311,7 +303,7 @@ class LayerZeroServer:
                         self._record_restart(died, "the standby took over")
                         break
                     if standby is not None:
-                        _retire(standby)
+                        retire(standby)
                     self._stop.wait(0.01)
                 continue
             # A cold start. PyTriton's own exit callback tears the old workspace down in another thread: give it
@@ -324,9 +316,9 @@ class LayerZeroServer:
                 failures = 0
             except Exception as e:
                 failures += 1
-                logger.error("restarting Triton failed (%d): %s", failures, _one_line(str(e), 300))
+                logger.error("restarting Triton failed (%d): %s", failures, one_line(str(e), 300))
                 if failures >= _START_ATTEMPTS:
-                    self._fatal = f"Triton Inference Server could not be restarted: {_one_line(str(e), 200)}"
+                    self._fatal = f"Triton Inference Server could not be restarted: {one_line(str(e), 200)}"
                     self._stop.set()
                     return
 
@@ -340,7 +332,7 @@ class LayerZeroServer:
         try:
             front.start()  # tells it where Triton is
         except LayerZeroError as e:
-            logger.error("restarting the inference front failed: %s", _one_line(str(e), 300))
+            logger.error("restarting the inference front failed: %s", one_line(str(e), 300))
             return  # tried again on the next round
         self.front_restarts += 1
         logger.warning("inference front restarted (pid %s; %d restart(s) so far)", front.pid, self.front_restarts)
@@ -380,20 +372,20 @@ class LayerZeroServer:
                 if standby.alive():
                     continue
                 self._standby = None
-                _retire(standby)
+                retire(standby)
             try:
                 instance = self._start_triton()
             except Exception as e:
                 # Each try costs seconds of CPU: back off (to a minute) rather than compete with serving.
                 logger.warning("the standby Triton did not start (%s); trying again in %.0f s",
-                               _one_line(str(e), 200), backoff)  # fmt: skip
+                               one_line(str(e), 200), backoff)  # fmt: skip
                 if self._stop.wait(backoff):
                     return
                 backoff = min(60.0, backoff * 2)
                 continue
             backoff = 2.0
             if self._stop.is_set():
-                _retire(instance, wait=True)
+                retire(instance, wait=True)
                 return
             self._standby = instance
             logger.info("standby Triton ready (pid %s)", instance.pid)
@@ -411,7 +403,7 @@ class LayerZeroServer:
             standby_thread.join(timeout=120)  # a start under way finishes, then is stopped
         for instance in (self._active, self._standby):
             if instance is not None:
-                _retire(instance, wait=True)
+                retire(instance, wait=True)
         self._active = self._standby = None
         front = self._front
         if front is not None:
@@ -561,50 +553,21 @@ class LayerZeroServer:
             # No server paths in an answer to a client: the bundle is named, not where it lies.
             bundle = self.guard.engine.path
             message = message.replace(str(Path(bundle).parent) + os.sep, "").replace(str(bundle), Path(bundle).name)
-            raise RuntimeError(f"[layerzero {status}] {_one_line(message)}") from None
+            raise RuntimeError(f"[layerzero {status}] {one_line(message)}") from None
         self.metrics.observe(result, time.perf_counter() - started)
         return {name: result.outputs[name] for name in self._output_names}
 
     def _check_feeds(self, feeds: dict[str, np.ndarray]) -> None:
-        # What the front checks for HTTP, again for gRPC (which reaches Triton directly).
+        # What the fronts check, again for a request that reached Triton without them (a test, a local client).
         for name, value in feeds.items():
             array = np.asarray(value)
-            if array.size == 0:
+            if array.size == 0 and not may_be_empty(array.shape, self._empty_axes.get(name, ())):
                 raise RequestError(400, f"input {name!r}: shape {list(array.shape)} is empty "
                                         "(an empty sequence cannot be served)")  # fmt: skip
             rows = self._index_ranges.get(name)
             if rows is not None and array.dtype.kind in "iu" and (int(array.min()) < 0 or int(array.max()) >= rows):
                 bad = int(array.min()) if int(array.min()) < 0 else int(array.max())
                 raise RequestError(400, f"input {name!r}: id {bad} is out of range [0, {rows})")
-
-
-def index_ranges(model_path: str | os.PathLike[str]) -> dict[str, int]:
-    """Integer inputs used only as row indices of a weight (``Gather(W, ids)``, an embedding): name -> rows.
-
-    What a token id may be: ``0 <= id < rows``. Weights are not loaded (dims only).
-    """
-    import onnx
-
-    model = onnx.load(str(model_path), load_external_data=False)
-    graph = model.graph
-    rows = {t.name: t.dims[0] for t in graph.initializer if len(t.dims) >= 1}
-    ints = {v.name for v in graph.input if v.type.tensor_type.elem_type in (2, 3, 4, 5, 6, 7, 12, 13)} - set(rows)
-    ranges: dict[str, int] = {}
-    for name in ints:
-        uses = [n for n in graph.node if name in n.input]
-        limits = []
-        for node in uses:
-            if node.op_type in ("Shape", "Size"):  # reads the ids' shape, not their values
-                continue
-            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-            if node.op_type != "Gather" or axis != 0 or list(node.input).index(name) != 1 or node.input[0] not in rows:
-                break
-            limits.append(rows[node.input[0]])
-        else:
-            if limits:
-                ranges[name] = min(limits)
-    return ranges
-
 
 
 @dataclasses.dataclass
@@ -615,307 +578,3 @@ class _Run:
     outputs: dict[str, np.ndarray] | None = None
     error: str | None = None  # the marked message the callable raised
     nbytes: int = 0
-
-
-class ControlServer:
-    """The control + metrics HTTP server of a ``LayerZeroServer`` (see the module doc for its endpoints)."""
-
-    def __init__(self, server: LayerZeroServer, host: str, port: int) -> None:
-        self.ready = False
-        timeout = min(10.0, server.config.client_timeout_s)
-        handler = type("Handler", (_ControlHandler,), {"lz": server, "control": self, "timeout": timeout})
-        self._httpd, self._thread = listen_http(host, port, handler, "layerzero-control", "control and /metrics")
-
-    @property
-    def port(self) -> int:
-        return int(self._httpd.server_address[1])
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)
-
-
-class _ControlHandler(_BodyReader, BaseHTTPRequestHandler):
-    """Every request is answered: 200, or 400/404/405/408/411/413/409 with a one-line JSON error."""
-
-    lz: LayerZeroServer
-    control: ControlServer
-    protocol_version = "HTTP/1.1"
-    timeout = 10.0  # a client that takes longer to send its request is cut off
-
-    def do_GET(self) -> None:
-        self._guarded(self._get)
-
-    def do_POST(self) -> None:
-        self._guarded(self._post)
-
-    def do_PUT(self) -> None:
-        self.send_error_line(405, f"{self.command} is not served; GET /metrics /status /healthz, POST /kill-switch "
-                                  "/threshold")  # fmt: skip
-
-    do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_PUT
-
-    def _guarded(self, handle: Any) -> None:
-        try:
-            handle()
-        except RequestError as e:
-            self.send_error_line(e.status, str(e))
-        except InvalidInputError as e:
-            self.send_error_line(400, str(e))
-        except LayerZeroError as e:
-            self.send_error_line(409, str(e))
-        except OSError:
-            self.close_connection = True  # the client went away
-        except Exception as e:  # a bug of ours: one line to the client, the traceback to our log
-            logger.exception("control: %s %s failed", self.command, self.path[:200])
-            self.send_error_line(500, f"internal error ({type(e).__name__}); see the server log")
-
-    def _get(self) -> None:
-        self.read_body(CONTROL_MAX_BODY_BYTES)  # consumed (and capped) so that keep-alive stays in step
-        path = self.path.split("?", 1)[0].rstrip("/")
-        self.lz.sync_counts()  # the front's counts up to now, in /metrics and /status alike
-        if path in ("", "/console"):  # the web console (runtime/console.py)
-            from layerzero.runtime.console import console_page
-
-            page, headers = console_page()
-            self.send_whole(HTTPStatus.OK, list(headers.items()), page)
-        elif path == "/metrics":
-            from layerzero.runtime.metrics import CONTENT_TYPE
-
-            self._send(HTTPStatus.OK, self.lz.metrics.render(), CONTENT_TYPE)
-        elif path == "/status":
-            self._json(HTTPStatus.OK, self.lz.status())
-        elif path == "/healthz":
-            ok = self.control.ready
-            self._send(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, b"ok\n" if ok else b"starting\n")
-        else:
-            raise RequestError(404, f"no such endpoint {self.path[:100]!r}; see GET /status")
-
-    def _post(self) -> None:
-        path = self.path.split("?", 1)[0].rstrip("/")
-        body = self._body()
-        guard = self.lz.guard
-        if path in ("/kill-switch", "/kill-switch/on", "/kill-switch/off"):
-            on = path.endswith("/on") if path != "/kill-switch" else body.get("on")
-            if not isinstance(on, bool):
-                raise InvalidInputError('POST /kill-switch needs a JSON body {"on": true|false}')
-            if on:
-                guard.preload_reference()  # checked at start; loads nothing new here
-            guard.set_kill_switch(on)
-            self._json(HTTPStatus.OK, {"kill_switch": guard.kill_switch})
-        elif path == "/threshold":
-            value, segment = body.get("value"), body.get("segment")
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise InvalidInputError('POST /threshold needs a JSON body {"value": 0.05, "segment": optional}')
-            try:
-                number = float(value)
-            except OverflowError:  # a 300-digit integer
-                raise InvalidInputError(f"POST /threshold: value {str(value)[:20]}... is out of range [0, 1]") from None
-            if not math.isfinite(number) or not 0.0 <= number <= 1.0:
-                raise InvalidInputError(f"POST /threshold: value {number!r} is out of range [0, 1]")
-            if segment is not None and not isinstance(segment, str):
-                raise InvalidInputError('POST /threshold: "segment" must be a string (a segment name)')
-            guard.set_threshold(number, segment)
-            self._json(HTTPStatus.OK, {"segment": segment, "threshold": guard.threshold(segment),
-                                       "effective": guard.has_threshold_input})  # fmt: skip
-        else:
-            raise RequestError(404, f"no such endpoint {self.path[:100]!r}")
-
-    def _body(self) -> dict[str, Any]:
-        raw = self.read_body(CONTROL_MAX_BODY_BYTES)
-        if not raw:
-            return {}
-        try:
-            doc = json.loads(raw)
-        except RecursionError:
-            raise InvalidInputError("the request body is nested too deeply") from None
-        except (ValueError, UnicodeDecodeError) as e:
-            raise InvalidInputError(f"the request body is not JSON: {e}") from None
-        if not isinstance(doc, dict):
-            raise InvalidInputError("the request body must be a JSON object")
-        return doc
-
-    def _json(self, status: HTTPStatus, doc: Any) -> None:
-        self._send(status, (json.dumps(doc) + "\n").encode(), "application/json")
-
-    def _send(self, status: HTTPStatus, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
-        self.send_whole(status, [("Content-Type", content_type)], body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        logger.debug("control %s - " + format, self.address_string(), *args)
-
-
-
-
-def _tensor(spec: IOSpec) -> Any:
-    from pytriton.model_config import Tensor
-
-    dtype = spec.numpy_dtype
-    if dtype is None:
-        raise InvalidInputError(f"{spec.name!r}: {spec.data_type} cannot be served through PyTriton")
-    return Tensor(name=spec.name, dtype=dtype, shape=spec.dims or (1,))
-
-
-def _free_ports(host: str, n: int) -> list[int]:
-    with contextlib.ExitStack() as stack:
-        probes = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for probe in probes:
-            probe.bind((host, 0))
-        return [int(probe.getsockname()[1]) for probe in probes]
-
-
-@dataclasses.dataclass
-class _TritonInstance:
-    """One PyTriton ``Triton`` and the loopback ports it listens on."""
-
-    triton: Any
-    http_port: int
-    grpc_port: int
-
-    def alive(self) -> bool:
-        # PyTriton notices a dead tritonserver only once its exit callbacks ran (~1.5 s on a loaded machine):
-        # the process's own state answers at once (gone, or a zombie not reaped yet).
-        pid = self.pid
-        if pid is not None:
-            try:
-                with open(f"/proc/{pid}/stat", "rb") as f:
-                    if f.read().rsplit(b")", 1)[-1].split()[0] in (b"Z", b"X"):
-                        return False
-            except FileNotFoundError:
-                return False
-            except OSError:
-                pass  # no /proc: PyTriton's answer below
-        try:
-            return bool(self.triton.is_alive())
-        except Exception:
-            return False
-
-    def describe(self) -> dict[str, Any]:
-        """Its loopback ports and process id (``/status``)."""
-        return {"http_port": self.http_port, "grpc_port": self.grpc_port, "pid": self.pid}
-
-    @property
-    def pid(self) -> int | None:
-        server = getattr(self.triton, "_triton_server", None)
-        cmd = getattr(server, "_tritonserver_running_cmd", None)
-        return getattr(cmd, "pid", None)
-
-
-def _retire(instance: _TritonInstance, wait: bool = False) -> None:
-    """Stop a Triton (its process, stubs, workspace); in the background unless ``wait``: stopping takes a while
-    and the supervisor must not wait on it while requests do."""
-    workspace = getattr(getattr(instance.triton, "_workspace", None), "path", None)
-
-    def stop() -> None:
-        with contextlib.suppress(Exception):
-            instance.triton.stop()
-        if workspace is not None:
-            _kill_orphan_stubs(Path(workspace))
-
-    if wait:
-        stop()
-    else:
-        threading.Thread(target=stop, name="layerzero-retire", daemon=True).start()
-
-
-def _check_port_free(host: str, port: int, what: str) -> None:
-    with socket.socket() as probe:
-        # As Triton does: a port held only by TIME_WAIT connections is free; one with a listener is not.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as e:
-            raise InvalidInputError(f"{what} {port}: cannot listen on {host}:{port}: {e.strerror}") from e
-
-
-def _kill_orphan_stubs(workspace: Path) -> None:
-    """SIGKILL the Python-backend stubs of a Triton that died (a SIGKILLed tritonserver leaves them running,
-    reparented to init, and they ignore SIGTERM): the processes whose program is this workspace's stub."""
-    stub = str(workspace / "tritonserver" / "backends" / "python" / "triton_python_backend_stub").encode()
-    with contextlib.suppress(OSError):
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    program = f.read().split(b"\0", 1)[0]
-            except OSError:
-                continue
-            if program == stub:
-                with contextlib.suppress(OSError):
-                    os.kill(int(entry), signal.SIGKILL)
-                    logger.info("killed the orphaned Python-backend stub %s of a dead Triton", entry)
-
-
-#: How long a PyTriton Python-backend stub (and this process) waits for the model's handshake socket.
-_HANDSHAKE_TIMEOUT_S = 30.0
-_HANDSHAKE_DEFAULT = b"def get_config_from_handshake_server(socket_path: pathlib.Path, timeout_s: float = 1.0)"
-_handshake_patched = False
-
-
-def _patch_pytriton_handshake() -> None:
-    """Give PyTriton's stub handshake 30 s instead of its fixed 1 s (idempotent; a no-op on a PyTriton whose
-    source differs).
-
-    Why: Triton starts a model's instances in parallel; instance 0's stub starts the handshake server, the
-    others give up after 1 s without its socket, and the model fails to load. On a loaded machine (2 shared
-    cores) that happened on most starts, and a server that cannot start (or restart) is down. The stubs run
-    the copy of ``pytriton/proxy/communication.py`` PyTriton puts in the model store: the copy gets the longer
-    default, and so does this process's own call.
-    """
-    global _handshake_patched
-    if _handshake_patched:
-        return
-    _handshake_patched = True
-    try:
-        import pytriton.models.model as model_module
-        from pytriton.proxy import communication
-    except ImportError:
-        return
-    patched = _HANDSHAKE_DEFAULT.replace(b"1.0)", f"{_HANDSHAKE_TIMEOUT_S})".encode())
-    source = Path(communication.__file__).read_bytes()
-    if _HANDSHAKE_DEFAULT not in source:
-        logger.debug("PyTriton's handshake is not the one patched here; left as it is")
-        return
-    original_get = communication.get_config_from_handshake_server
-
-    def get_config(socket_path: Any, timeout_s: float = _HANDSHAKE_TIMEOUT_S) -> dict:
-        return original_get(socket_path, timeout_s=max(timeout_s, _HANDSHAKE_TIMEOUT_S))
-
-    model_module.get_config_from_handshake_server = get_config
-    model_class = model_module.Model
-    original_files, original_generate = model_class.get_proxy_model_files, model_class.generate_model
-
-    def get_proxy_model_files(self: Any) -> dict[str, bytes]:
-        files = original_files(self)
-        for key, content in files.items():
-            if key.endswith("/communication.py"):
-                files[key] = content.replace(_HANDSHAKE_DEFAULT, patched)
-        return files
-
-    def generate_model(self: Any, model_repository: Path) -> None:
-        original_generate(self, model_repository)
-        copy = Path(model_repository) / self.model_name / str(self.model_version) / "communication.py"
-        if copy.is_file():
-            copy.write_bytes(copy.read_bytes().replace(_HANDSHAKE_DEFAULT, patched))
-
-    model_class.get_proxy_model_files = get_proxy_model_files
-    model_class.generate_model = generate_model
-
-
-def _libpython_on_library_path() -> None:
-    # Also the wheel's bundled libraries (libcudart, ...): PyTriton copies tritonserver into a workspace, where
-    # the binary's relative RPATH to nvidia_pytriton.libs no longer resolves.
-    import pytriton
-
-    bundled = Path(pytriton.__file__).resolve().parent.parent / "nvidia_pytriton.libs"
-    for libdir in (sysconfig.get_config_var("LIBDIR"), str(bundled) if bundled.is_dir() else None):
-        if not libdir:
-            continue
-        current = os.environ.get("LD_LIBRARY_PATH", "")
-        if libdir not in current.split(os.pathsep):
-            os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, current) if p)

@@ -21,7 +21,7 @@ import argparse
 import time
 from pathlib import Path
 
-from layerzero.cli._common import check_output_dir, console, one_line_errors
+from layerzero.cli._common import add_force, check_output_dir, console, one_line_errors
 from layerzero.errors import InvalidInputError
 
 
@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="torch.onnx exporter (default dynamo; torchscript is faster to export and uses eager attention)",
     )
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default: the exporter's)")
-    p.add_argument("--force", action="store_true", help="replace OUTPUT if it is a model layerzero export wrote")
+    add_force(p, "replace OUTPUT if it is a model layerzero export wrote")
 
 
 def run(args: argparse.Namespace) -> int:

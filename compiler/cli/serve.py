@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     from layerzero.runtime.generate_server import serve_generate
 
     generate = contextlib.nullcontext() if args.no_generate else serve_generate(
-        guard, port=args.port_generate, max_new_tokens_cap=args.generate_max_new_tokens,
+        guard, server.metrics, port=args.port_generate, max_new_tokens_cap=args.generate_max_new_tokens,
         max_prompt_tokens=args.generate_max_prompt, client_timeout_s=args.client_timeout,
         batch_rows=args.generate_batch, max_queue=args.generate_queue, model_name=args.model_name,
     )  # fmt: skip

@@ -6,7 +6,7 @@ A check that fails raises :class:`~layerzero.passes._match.NoMatch` (the reason,
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 import onnx_ir as ir
@@ -27,8 +27,18 @@ from layerzero.passes._structured.leaves import (
     std,
 )
 
-if TYPE_CHECKING:
-    from layerzero.passes._structured.rewrite import Rewriter
+
+class Rewriter(Protocol):
+    """What narrowing a chain asks of the rewriter (``_structured.rewrite.Rewriter``; a protocol, so that the
+    chain does not import the module that imports it)."""
+
+    def narrow_linear(self, linear: Any, keep: np.ndarray) -> int: ...
+
+    def rewrite_pieces(self, source: Source, bounds: Any) -> None: ...
+
+    def constant(self, name: str, value: np.ndarray) -> ir.Value: ...
+
+    def reshape_last(self, node: ir.Node, width: int) -> None: ...
 
 MAX_CHAIN = 48  # values in one chain: an MLP has a handful; more is a residual stream walked back
 # Binary ops of Case 1 that act per element (broadcast operands keep their columns).

@@ -282,20 +282,22 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-@pytest.mark.slow
-def test_layerzero_serve_has_the_generate_endpoint(model: Path, tmp_path: Path) -> None:
-    """`layerzero serve` of a compiled cache-carrying bundle answers POST /v1/generate beside Triton."""
+@pytest.fixture(scope="module")
+def served(model: Path, tmp_path_factory: pytest.TempPathFactory):
+    """`layerzero serve` of the compiled counter bundle (Triton, the fronts, control and generate), started once."""
     import os
     import signal
     import subprocess
     import sys
     import time
+    from types import SimpleNamespace
 
     from layerzero.cli import main
     from layerzero.runtime.server import pytriton_available
 
     if not pytriton_available():
         pytest.skip("PyTriton is not importable (pip install 'layerzero[serve]')")
+    tmp_path = tmp_path_factory.mktemp("served_counter")
     bundle = tmp_path / "counter.lz"
     assert main(["compile", str(model), "-o", str(bundle)]) == 0
     http_port, grpc_port, control_port, generate_port = _free_ports(4)
@@ -303,12 +305,12 @@ def test_layerzero_serve_has_the_generate_endpoint(model: Path, tmp_path: Path) 
     command = [
         sys.executable, "-m", "layerzero", "serve", str(bundle), "--port-http", str(http_port),
         "--port-grpc", str(grpc_port), "--port-metrics", str(control_port), "--port-generate", str(generate_port),
-        "--generate-max-new-tokens", "8", "--instances", "1",
+        "--generate-max-new-tokens", "8", "--instances", "1", "--no-standby",
     ]  # fmt: skip
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 180
         for port in (control_port, generate_port):  # Triton's side is healthy before the endpoint binds
             while True:
                 assert process.poll() is None, log.read_text()[-3000:]
@@ -321,14 +323,10 @@ def test_layerzero_serve_has_the_generate_endpoint(model: Path, tmp_path: Path) 
                     pass
                 assert time.monotonic() < deadline, log.read_text()[-3000:]
                 time.sleep(0.3)
-        server = GenerateServer.__new__(GenerateServer)  # only its port, for _post
-        server._httpd, server.config = None, GenerateServerConfig(port=generate_port)
-        status, lines, _ = _post(server, {"prompt_ids": [1, 2], "max_new_tokens": 5})
-        assert status == 200 and [line.get("token") for line in lines[:-1]] == [3, 4, 5, 6, 7]
-        assert lines[-1]["ids"] == [3, 4, 5, 6, 7]
-        status, lines, _ = _post(server, {"prompt_ids": [1], "max_new_tokens": 9})
-        assert status == 400 and "max_new_tokens=9: must be in [1, 8]" in lines[0]["error"]
-        assert f"generate: POST http://127.0.0.1:{generate_port}/v1/generate" in " ".join(log.read_text().split())
+        generate = GenerateServer.__new__(GenerateServer)  # only its port, for _post
+        generate._httpd, generate.config = None, GenerateServerConfig(port=generate_port)
+        yield SimpleNamespace(http=http_port, grpc=grpc_port, control=control_port, generate=generate, log=log,
+                              bundle=bundle)  # fmt: skip
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         try:
@@ -336,3 +334,143 @@ def test_layerzero_serve_has_the_generate_endpoint(model: Path, tmp_path: Path) 
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(10)
+
+
+@pytest.mark.slow
+def test_layerzero_serve_has_the_generate_endpoint(served) -> None:
+    """`layerzero serve` of a compiled cache-carrying bundle answers POST /v1/generate beside Triton."""
+    status, lines, _ = _post(served.generate, {"prompt_ids": [1, 2], "max_new_tokens": 5})
+    assert status == 200 and [line.get("token") for line in lines[:-1]] == [3, 4, 5, 6, 7]
+    assert lines[-1]["ids"] == [3, 4, 5, 6, 7]
+    status, lines, _ = _post(served.generate, {"prompt_ids": [1], "max_new_tokens": 9})
+    assert status == 400 and "max_new_tokens=9: must be in [1, 8]" in lines[0]["error"]
+    log = " ".join(served.log.read_text().split())
+    # Issue 20: on a CPU machine tritonserver's CUDA start-up lines read as errors; they are not shown.
+    assert "CudaDriverHelper" not in log and "pinned memory pool" not in log and "Started HTTPService" in log
+    assert f"generate: POST http://127.0.0.1:{served.generate.port}/v1/generate" in log
+
+
+def _first_step(ids: list[int], past: int = 0) -> dict[str, np.ndarray]:
+    """A client's first KV-cache step: the prompt, its mask and positions, and an empty past."""
+    n = len(ids)
+    empty = np.zeros((1, 1, past, 2), np.float32)
+    return {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, past + n), np.int64),
+            "position_ids": np.arange(past, past + n, dtype=np.int64)[None], "past_key_values.0.key": empty,
+            "past_key_values.0.value": empty}  # fmt: skip
+
+
+_KSERVE_TYPE = {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32"}
+
+
+def _kserve_http(port: int, feeds: dict[str, np.ndarray]) -> tuple[int, dict]:
+    inputs = [{"name": k, "shape": list(v.shape), "datatype": _KSERVE_TYPE[v.dtype], "data": v.ravel().tolist()}
+              for k, v in feeds.items()]  # fmt: skip
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v2/models/layerzero/infer", body=json.dumps({"inputs": inputs}).encode())
+    resp = conn.getresponse()
+    doc = json.loads(resp.read())
+    conn.close()
+    return resp.status, doc
+
+
+def _kserve_grpc(port: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    import grpc
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name="layerzero")
+    for name, value in feeds.items():
+        request.inputs.add(name=name, datatype=_KSERVE_TYPE[value.dtype], shape=list(value.shape))
+        request.raw_input_contents.append(np.ascontiguousarray(value).tobytes())
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                    request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+                                    response_deserializer=service_pb2.ModelInferResponse.FromString)  # fmt: skip
+        answer = infer(request, timeout=60)
+    return {o.name: np.frombuffer(raw, np.float32).reshape(list(o.shape))
+            for o, raw in zip(answer.outputs, answer.raw_output_contents, strict=True)}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_first_step_with_an_empty_past_is_served(served, model: Path) -> None:
+    """Issue 20: every KV-cache client's first request has an empty past ([1, heads, 0, head_dim]); the front
+    took it for an empty sequence (400). It is served over HTTP and gRPC, equal to the engine; an empty
+    input_ids, which the model cannot take, is still refused."""
+    import grpc
+
+    feeds = _first_step([1, 2, 3])
+    want = Engine.load(model).run(feeds).outputs
+    assert want["present.0.key"].shape == (1, 1, 3, 2)
+    status, doc = _kserve_http(served.http, feeds)
+    assert status == 200, doc
+    got = {o["name"]: np.array(o["data"], np.float32).reshape(o["shape"]) for o in doc["outputs"]}
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value)
+    got = _kserve_grpc(served.grpc, feeds)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value)
+    # The next step carries the first one's presents as its past.
+    second = _first_step([4], past=3)
+    second["past_key_values.0.key"], second["past_key_values.0.value"] = want["present.0.key"], want["present.0.value"]
+    status, doc = _kserve_http(served.http, second)
+    assert status == 200, doc
+    empty_ids = _first_step([])
+    status, doc = _kserve_http(served.http, empty_ids)
+    assert status == 400 and "input 'input_ids'" in doc["error"] and "empty" in doc["error"], doc
+    with pytest.raises(grpc.RpcError) as caught:
+        _kserve_grpc(served.grpc, empty_ids)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty" in (caught.value.details() or "")
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/metrics")
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    conn.close()
+    assert resp.status == 200
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+
+
+def _total(samples: dict, name: str) -> float:
+    return sum(v for (n, _), v in samples.items() if n == name)
+
+
+@pytest.mark.slow
+def test_metrics_count_inferences_and_generations_once(served) -> None:
+    """Issue 20: requests_total counted every decode step (37 after 1 inference and 3 generations) and
+    generation had no metrics of its own. After 1 inference, 3 generations (13 tokens) and 1 refused one, one
+    scrape of the control port shows each counted once, the guard's runs apart."""
+    before = _scrape(served.control)
+    status, doc = _kserve_http(served.http, _first_step([1, 2, 3]))
+    assert status == 200, doc
+    tokens = []
+    for prompt, n in (([1, 2], 5), ([5], 3), ([10], 8)):  # 5 tokens, 3, then 5 (eos V - 1 = 15 stops it)
+        status, lines, _ = _post(served.generate, {"prompt_ids": prompt, "max_new_tokens": n, "stream": n != 3})
+        assert status == 200
+        tokens.append(len(lines[-1]["ids"]))
+    assert tokens == [5, 3, 5]
+    status, _, _ = _post(served.generate, {"prompt_ids": [1], "max_new_tokens": 9})
+    assert status == 400
+    after = _scrape(served.control)
+
+    def delta(name: str, labels: tuple = ()) -> float:
+        if labels:
+            return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+        return _total(after, name) - _total(before, name)
+
+    assert delta("layerzero_requests_total") == 1  # inference requests only
+    assert delta("layerzero_guard_runs_total") == 1 + sum(tokens)  # one guard run per generated token here
+    assert delta("layerzero_generate_requests_total") == 4
+    assert delta("layerzero_generate_tokens_total") == sum(tokens)
+    assert delta("layerzero_generate_time_to_first_token_seconds_count") == 3
+    assert delta("layerzero_generate_inter_token_latency_seconds_count") == sum(t - 1 for t in tokens)
+    assert delta("layerzero_generate_errors_total", (("code", "400"),)) == 1
+    assert delta("layerzero_generate_errors_total") == 1
+    assert delta("layerzero_request_errors_total") == 0
+    assert after[("layerzero_generate_time_to_first_token_seconds_sum", ())] > 0
+    # The generate port serves the same registry.
+    assert _scrape(served.generate.port)[("layerzero_generate_tokens_total", ())] == after[
+        ("layerzero_generate_tokens_total", ())]

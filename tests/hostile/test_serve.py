@@ -207,6 +207,79 @@ def _grpc_error(call: object) -> tuple[object, str]:
     return caught.value.code(), details
 
 
+def test_http_and_grpc_answer_one_request_alike(served: SimpleNamespace) -> None:
+    """Issue 21: over the served ports, each request of a table of hostile and valid ones gets the same answer
+    from the HTTP and the gRPC front: the same status class (HTTP 4xx <-> its gRPC code) and the same line."""
+    import grpc
+    from tritonclient.grpc import service_pb2
+
+    from layerzero.runtime.front.grpc_front import grpc_code
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{served.grpc}")
+    infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+                                response_deserializer=service_pb2.ModelInferResponse.FromString)  # fmt: skip
+    ids = example_feeds(served.config, batch=1, seq=4, seed=7)["input_ids"]
+
+    def case(values: np.ndarray = ids, *, name: str = "input_ids", datatype: str = "INT64", shape: list | None = None,
+             model: str = "layerzero", params: dict | None = None, outputs: list | None = None, twice: bool = False,
+             count: int | None = None) -> tuple[str, bytes, service_pb2.ModelInferRequest]:  # fmt: skip
+        shape = list(values.shape) if shape is None else shape
+        flat = values.ravel().tolist()[: count if count is not None else None]
+        tensor = {"name": name, "datatype": datatype, "shape": shape, "data": flat}
+        doc: dict = {"inputs": [tensor] * (2 if twice else 1)}
+        message = service_pb2.ModelInferRequest(model_name=model)
+        for _ in range(2 if twice else 1):
+            t = message.inputs.add(name=name, datatype=datatype, shape=shape)
+            if datatype == "FP32":
+                t.contents.fp32_contents.extend(float(v) for v in flat)
+            else:
+                t.contents.int64_contents.extend(flat)
+        if params:
+            doc["parameters"] = params
+            for key, value in params.items():
+                if isinstance(value, str):
+                    message.parameters[key].string_param = value
+                else:
+                    message.parameters[key].int64_param = value
+        if outputs:
+            doc["outputs"] = [{"name": o} for o in outputs]
+            for o in outputs:
+                message.outputs.add(name=o)
+        return f"/v2/models/{model}/infer", json.dumps(doc).encode(), message
+
+    cases = {
+        "valid": case(),
+        "valid, a segment": case(params={"segment": "default"}),
+        "id out of range": case(np.full((1, 4), 10**6, np.int64)),
+        "negative id": case(-ids - 1),
+        "wrong datatype": case(datatype="FP32"),
+        "unknown input": case(name="nope"),
+        "input twice": case(twice=True),
+        "rank 3": case(ids.reshape(1, 1, 4)),
+        "empty sequence": case(np.zeros((1, 0), np.int64)),
+        "negative dim": case(shape=[1, -4]),
+        "fewer values": case(count=3),
+        "unknown model": case(model="other"),
+        "segment not a string": case(params={"segment": 3}),
+        "reserved parameter": case(params={"layerzero-request-id": "x"}),
+        "unknown output": case(outputs=["nope"]),
+    }
+    try:
+        for label, (path, body, message) in cases.items():
+            status, answer = post(served.http, path, body)
+            if label.startswith("valid"):
+                assert status == 200, (label, answer)
+                infer(message, timeout=60)
+                continue
+            error = json.loads(answer)["error"]
+            code, details = _grpc_error(lambda m=message: infer(m, timeout=60))
+            assert 400 <= status < 500 and code == grpc_code(status), (label, status, code)
+            assert details == error, (label, error, details)
+    finally:
+        channel.close()
+
+
 def test_grpc_gets_the_same_checks(served: SimpleNamespace) -> None:
     """The public gRPC port is the validating gRPC front: every bad ModelInfer a status and one line, counted."""
     import grpc
@@ -237,7 +310,7 @@ def test_grpc_gets_the_same_checks(served: SimpleNamespace) -> None:
         bad = [
             (request(np.full((1, 3), 10**6, np.int64)), grpc.StatusCode.INVALID_ARGUMENT, "id 1000000 is out of range"),
             (request(np.zeros((1, 0), np.int64)), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
-            (request(ids, raw=b"\0" * 5), grpc.StatusCode.INVALID_ARGUMENT, "5 bytes of raw contents"),
+            (request(ids, raw=b"\0" * 5), grpc.StatusCode.INVALID_ARGUMENT, "5 bytes of binary data"),
             (request(ids, datatype="FP32"), grpc.StatusCode.INVALID_ARGUMENT, "datatype must be INT64"),
             (request(ids, name="nope"), grpc.StatusCode.INVALID_ARGUMENT, "unknown input 'nope'"),
             (request(ids, model="other"), grpc.StatusCode.NOT_FOUND, "no model 'other'"),
@@ -674,7 +747,7 @@ def test_no_grpc_serves_http_only_and_stop_leaves_no_process(tiny: SimpleNamespa
 def test_a_resent_request_runs_and_is_counted_once(served: SimpleNamespace) -> None:
     """The infer callable keeps answers by the front's request id: a request the front sends again (Triton died
     with it in flight) gets the first run's answer, or its error, and is counted once."""
-    from layerzero.runtime._front import REQUEST_ID
+    from layerzero.runtime.front import REQUEST_ID
 
     server = served.server
     ids = example_feeds(served.config, batch=1, seq=4, seed=13)["input_ids"]

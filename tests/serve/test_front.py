@@ -5,6 +5,7 @@ every check and every count.
   and a request it does not fit (another binary length) gets exactly the error a fresh front gives.
 - Answers are written in one send with the base class's status line, Server and Date headers; bodies that
   come in pieces are read under the whole-body deadline; each request is counted once.
+- The HTTP and the gRPC front give one request one answer (one ``check_request`` behind both decoders).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import time
 from collections.abc import Iterator
 
 import numpy as np
+import pytest
 
-from layerzero.runtime._front import FrontSpec, InferenceFront, RequestError, Upstream
+from layerzero.runtime.front import FrontSpec, InferenceFront, RequestError, Upstream
 from layerzero.runtime.triton_repo import IOSpec
 
 ROWS = 256
@@ -217,3 +219,198 @@ def test_a_silent_body_is_cut_off_at_the_deadline() -> None:
             status, _, answer = _read_answer(client.makefile("rb"))
         assert status == 408 and "not received in time" in json.loads(answer)["error"]
         assert timeout_s * 0.9 < time.monotonic() - started < timeout_s + 4
+
+
+# --------------------------------------------------------------------------------- HTTP and gRPC: one answer
+
+PAST = [-1, 2, -1, 4]  # a KV cache's past: [batch, heads, past, head_dim], the past (only) may be empty
+
+
+def _parity_spec() -> FrontSpec:
+    inputs = [IOSpec("input_ids", "TYPE_INT64", (1, -1)), IOSpec("past", "TYPE_FP32", tuple(PAST))]
+    return FrontSpec(model_name="m", inputs=inputs, outputs=["logits"], index_ranges={"input_ids": ROWS},
+                     host="127.0.0.1", http_port=0, grpc_port=0, max_request_bytes=1 << 20, client_timeout_s=2.0,
+                     restart_wait_s=2.0, empty_axes={"past": [2]})  # fmt: skip
+
+
+def _tensor(name: str, values: np.ndarray, datatype: str | None = None, shape: list | None = None) -> dict:
+    kind = {"i": "INT64", "f": "FP32"}[values.dtype.kind]
+    return {"name": name, "datatype": datatype or kind, "shape": list(values.shape) if shape is None else shape,
+            "values": values}  # fmt: skip
+
+
+def _as_http(request: dict, binary: bool) -> tuple[bytes, str | None]:
+    """The request as tritonclient sends it over HTTP: values in the JSON, or as binary data after it."""
+    inputs, data = [], b""
+    for t in request["inputs"]:
+        doc = {"name": t["name"], "datatype": t["datatype"], "shape": t["shape"]}
+        raw = t["values"].tobytes()
+        if binary:
+            doc["parameters"] = {"binary_data_size": len(raw)}
+            data += raw
+        else:
+            doc["data"] = t["values"].ravel().tolist()
+        inputs.append(doc)
+    head: dict = {"inputs": inputs}
+    if request.get("params"):
+        head["parameters"] = request["params"]
+    if request.get("outputs"):
+        head["outputs"] = [{"name": n} for n in request["outputs"]]
+    text = json.dumps(head).encode()
+    return (text + data, str(len(text))) if binary else (text, None)
+
+
+def _as_grpc(request: dict, binary: bool) -> bytes:
+    """The same request as a ModelInferRequest: raw_input_contents, or typed contents."""
+    from tritonclient.grpc import service_pb2
+
+    message = service_pb2.ModelInferRequest(model_name=request.get("model", "m"))
+    for t in request["inputs"]:
+        tensor = message.inputs.add(name=t["name"], datatype=t["datatype"], shape=t["shape"])
+        if binary:
+            message.raw_input_contents.append(t["values"].tobytes())
+        elif t["values"].dtype.kind == "i":
+            tensor.contents.int64_contents.extend(t["values"].ravel().tolist())
+        else:
+            tensor.contents.fp32_contents.extend(t["values"].ravel().tolist())
+    for key, value in (request.get("params") or {}).items():
+        if isinstance(value, str):
+            message.parameters[key].string_param = value
+        else:
+            message.parameters[key].int64_param = value
+    for name in request.get("outputs") or []:
+        message.outputs.add(name=name)
+    return message.SerializeToString()
+
+
+def _parity_cases() -> list[tuple[str, dict]]:
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, ROWS, size=(1, 5)).astype(np.int64)
+    past = rng.standard_normal((1, 2, 3, 4)).astype(np.float32)
+    empty, no_batch = np.zeros((1, 2, 0, 4), np.float32), np.zeros((0, 2, 3, 4), np.float32)
+    high = ids.copy()
+    high[0, 2] = ROWS
+
+    def request(*inputs: dict, **extra: object) -> dict:
+        return {"inputs": list(inputs), **extra}
+
+    good = (_tensor("input_ids", ids), _tensor("past", past))
+    return [
+        ("valid", request(*good)),
+        ("valid, an empty past (a first step)", request(_tensor("input_ids", ids), _tensor("past", empty))),
+        ("valid, a string segment", request(*good, params={"segment": "chat"})),
+        ("valid, a known output", request(*good, outputs=["logits"])),
+        ("an empty input_ids", request(_tensor("input_ids", np.zeros((1, 0), np.int64)), _tensor("past", past))),
+        ("a past with no batch", request(_tensor("input_ids", ids), _tensor("past", no_batch))),
+        ("id = rows", request(_tensor("input_ids", high), _tensor("past", past))),
+        ("negative id", request(_tensor("input_ids", -ids - 1), _tensor("past", past))),
+        ("wrong datatype", request(_tensor("input_ids", ids.astype(np.float32)), _tensor("past", past))),
+        ("unknown input", request(*good, _tensor("nope", ids))),
+        ("input twice", request(*good, _tensor("input_ids", ids))),
+        ("missing input", request(_tensor("input_ids", ids))),
+        ("wrong rank", request(_tensor("input_ids", ids.reshape(1, 1, 5)), _tensor("past", past))),
+        ("fixed dim differs", request(_tensor("input_ids", ids), _tensor("past", np.zeros((1, 3, 3, 4), np.float32)))),
+        ("negative dim", request(_tensor("input_ids", ids, shape=[1, -5]), _tensor("past", past))),
+        ("huge dims", request(_tensor("input_ids", ids, shape=[1, 10**12]), _tensor("past", past))),
+        ("rank 17", request(_tensor("input_ids", ids, shape=[1] * 17), _tensor("past", past))),
+        ("fewer values than the shape", request(_tensor("input_ids", ids, shape=[1, 6]), _tensor("past", past))),
+        ("unknown model", request(*good, model="other")),
+        ("a segment that is not a string", request(*good, params={"segment": 3})),
+        ("the reserved request id", request(*good, params={"layerzero-request-id": "x"})),
+        ("an unknown output", request(*good, outputs=["nope"])),
+    ]  # fmt: skip
+
+
+def test_http_and_grpc_give_one_answer_to_one_request() -> None:
+    """Issue 21: both fronts run one check_request (a JSON and a protobuf decoder before it). The same request
+    gets the same status and line over HTTP and gRPC, its values as binary data or in the message alike."""
+    from layerzero.runtime.front import GrpcFront
+
+    spec = _parity_spec()
+    http = InferenceFront(spec, Upstream())
+    grpc_front = GrpcFront(spec, Upstream(), http)
+    http.start()
+    try:
+        answers = {}
+        for name, request in _parity_cases():
+            for binary in (True, False):
+                body, length = _as_http(request, binary)
+                http_answer = _outcome(http, body, length) if "model" not in request else _http_model(http, request,
+                                                                                                       body, length)
+                try:
+                    grpc_front.validate(_as_grpc(request, binary))
+                    grpc_answer = (200, "")
+                except RequestError as e:
+                    grpc_answer = (e.status, str(e))
+                assert http_answer == grpc_answer, (name, binary, http_answer, grpc_answer)
+                answers[name, binary] = http_answer
+    finally:
+        http.stop()
+        grpc_front.stop()
+    # And the answers are the ones meant, not merely equal.
+    for binary in (True, False):
+        assert all(answers[name, binary] == (200, "") for name, _ in _parity_cases()[:4])
+        assert answers["an empty input_ids", binary][1].startswith("input 'input_ids': shape [1, 0] is empty")
+        assert "shape [0, 2, 3, 4] is empty" in answers["a past with no batch", binary][1]
+        assert answers["id = rows", binary] == (400, f"input 'input_ids': id {ROWS} is out of range [0, {ROWS})")
+        assert answers["unknown model", binary][0] == 404
+        assert answers["rank 17", binary][1] == "input 'input_ids': shape must be a list of at most 16 integers"
+        assert all(answers[name, binary][0] == 400 for name, _ in _parity_cases()[4:] if name != "unknown model")
+
+
+def _http_model(front: InferenceFront, request: dict, body: bytes, length: str | None) -> tuple[int, str]:
+    try:
+        front.validate(str(request["model"]), body, length)
+    except RequestError as e:
+        return e.status, str(e)
+    return 200, ""
+
+
+def test_grpc_call_reset_by_a_dying_triton_is_sent_again() -> None:
+    """A SIGKILLed Triton resets its gRPC streams ("Stream removed") a few ms before its process is gone: the
+    gRPC front took that UNAVAILABLE for Triton's answer while the pid still looked alive, and a client's call
+    failed during a replacement (tests/hostile test_killed_triton_..., now and then). It is sent again (the
+    request id runs it once) for a moment; an UNAVAILABLE that lasts is still answered as it is."""
+    import grpc
+
+    from layerzero.runtime.front import GrpcFront
+    from layerzero.runtime.front.grpc_front import GrpcUpstreamError
+
+    class Unavailable(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self) -> str:
+            return "Stream removed"
+
+    class Context:
+        def time_remaining(self) -> None:
+            return None
+
+    spec = _parity_spec()
+    upstream = Upstream()
+    upstream.set_triton(1, 2, None)  # pid unknown: alive, as the dying one still looked
+    front = GrpcFront(spec, upstream)
+    calls: list[bytes] = []
+
+    def flaky(raw: bytes, timeout: float | None, metadata: object) -> bytes:
+        calls.append(raw)
+        if len(calls) < 3:
+            raise Unavailable()
+        return b"answer"
+
+    front._callable = lambda port, method: flaky  # type: ignore[method-assign]
+    try:
+        assert front._forward("/inference.GRPCInferenceService/ModelInfer", b"x", Context(), True) == b"answer"
+        assert len(calls) == 3
+
+        def down(raw: bytes, timeout: float | None, metadata: object) -> bytes:
+            raise Unavailable()
+
+        front._callable = lambda port, method: down  # type: ignore[method-assign]
+        started = time.monotonic()
+        with pytest.raises(GrpcUpstreamError, match="Stream removed"):
+            front._forward("/inference.GRPCInferenceService/ServerReady", b"", Context(), False)
+        assert time.monotonic() - started < 5
+    finally:
+        front.stop()

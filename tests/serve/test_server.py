@@ -267,3 +267,32 @@ def test_no_grpc_cli_serves_http_only_and_sigterm_leaves_no_process(tiny_model: 
         assert not _session(process.pid), _session(process.pid)
     finally:
         net.stop(process)
+
+
+def test_triton_cpu_start_lines_are_not_shown_as_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 20: `layerzero serve` on a CPU machine printed tritonserver's "E... CudaDriverHelper has not been
+    initialized." (and the pinned-memory warning) as if something failed; they are harmless there and left
+    out, every other line printed as PyTriton prints it."""
+    if not pytriton_available():
+        pytest.skip("PyTriton is not importable (pip install 'layerzero[serve]')")
+    from pytriton.server.triton_server import TritonServer
+
+    from layerzero.runtime.triton_process import patch_pytriton
+
+    patch_pytriton()
+    server = TritonServer.__new__(TritonServer)  # only its log recording
+    server._verbose, server._tritonserver_logs = True, ""
+    lines = [
+        'W1201 14:14:21.712526 22652 pinned_memory_manager.cc:273] "Unable to allocate pinned system memory, pinned '
+        'memory pool will not be available: CUDA driver version is insufficient for CUDA runtime version"\n',
+        'I1201 14:14:21.712693 22652 cuda_memory_manager.cc:117] "CUDA memory pool disabled"\n',
+        b'E1201 14:14:21.712801 22652 server.cc:241] "CudaDriverHelper has not been initialized."\n',
+        'I1201 14:14:22.497340 22652 http_server.cc:4713] "Started HTTPService at 127.0.0.1:57219"\n',
+        'E1201 14:14:23.000000 22652 pb_stub.cc:714] "Failed to process the request(s) for model"\n',
+    ]
+    text = "".join(line.decode() if isinstance(line, bytes) else line for line in lines)
+    for at in range(0, len(text), 37):  # PyTriton reads unbuffered: lines come in pieces
+        server._record_logs(text[at : at + 37].encode() if at % 2 else text[at : at + 37])
+    out = capsys.readouterr().out
+    assert "CudaDriverHelper" not in out and "pinned memory" not in out and "CUDA memory pool" not in out
+    assert "Started HTTPService" in out and "Failed to process the request(s)" in out  # a real error is shown
