@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
 
 from layerzero.contract import REFUSED_META_KEY
+from layerzero.passes._builder import Builder
 from layerzero.passes._dynamic import (
     MASK_PREFIX,
     DynamicPath,
@@ -23,7 +23,6 @@ from layerzero.passes._graph import (
     NameFactory,
     common_scope,
     const_array,
-    make_constant,
     read_round_trip_sources,
     rename_output,
     same_dim,
@@ -238,37 +237,42 @@ class SkipGatedBranches(ir.passes.InPlacePass):
     def _rewrite(self, model: ir.Model, names: NameFactory, match: _Match, opset: int) -> ir.Value:
         graph = model.graph
         add, mul, x, g = match.add, match.mul, match.x, match.g
-        build = _Builder(graph, names, add)
+        build = _builder(graph, names, opset, add)  # the main graph's new nodes, placed before the Add
+        then = build.body()  # the then-branch's new nodes
         y = add.outputs[0]
         y_type, y_shape = y.type, y.shape
         assert g.dtype is not None
         threshold = threshold_input(model, self.threshold)
         if g.dtype != threshold.dtype:
-            threshold = build.op("Cast", [threshold], to=g.dtype.value)
-        on = build.op("Greater", [build.op("Abs", [g]), threshold])
-        then_branch = ir.Graph([], [], nodes=[], name=names(f"{match.path}.gate_on"))
-        else_branch = ir.Graph([], [], nodes=[], name=names(f"{match.path}.gate_off"))
-        keep = build.op("Identity", [x], graph=else_branch)
+            threshold = build.op1("Cast", [threshold], to=g.dtype.value)
+        on = build.op1("Greater", [build.op1("Abs", [g]), threshold])
+        keep_node = build.body().node("Identity", [x])
+        keep = keep_node.outputs[0]
         keep.type, keep.shape = x.type, x.shape
-        else_branch.outputs.append(keep)
+        then_branch = ir.Graph([], [], nodes=[], name=names(f"{match.path}.gate_on"))
+        else_branch = ir.Graph([], [keep], nodes=[keep_node], name=names(f"{match.path}.gate_off"))
 
         if match.kind == "scalar":  # Case 1
-            mask = build.op("Reshape", [on, build.int64s(f"{match.path}.scalar", [])]) if len(g.shape or ()) else on
+            if len(g.shape or ()):
+                mask = build.op1("Reshape", [on, build.initializer(f"{match.path}.scalar", np.array([], np.int64))])
+            else:
+                mask = on
             cond = mask
             moved = [*match.branch, mul, add]
             out = y
         else:  # Case 2
             rank = len(x.shape or ())
-            mask = build.op("Squeeze", [on], axes=[-1], opset=opset)
-            nonzero = build.op("NonZero", [mask])
-            index = build.op("Transpose", [nonzero], perm=[1, 0])  # [N, rank-1]
-            cond = build.op("Greater", [build.op("Size", [nonzero]), build.int64s(f"{match.path}.zero", 0)])
+            mask = build.squeeze(on, [-1])
+            nonzero = build.op1("NonZero", [mask])
+            index = build.op1("Transpose", [nonzero], perm=[1, 0])  # [N, rank-1]
+            zero = build.initializer(f"{match.path}.zero", np.array(0, np.int64))
+            cond = build.op1("Greater", [build.op1("Size", [nonzero]), zero])
             lead = list(range(rank - 2))  # keep f's rank: [N, H] -> [1, ..., N, H]
-            tokens = build.op("GatherND", [x, index], graph=then_branch)
-            gates = build.op("GatherND", [g, index], graph=then_branch)
+            tokens = then.op1("GatherND", [x, index])
+            gates = then.op1("GatherND", [g, index])
             if lead:
-                tokens = build.op("Unsqueeze", [tokens], axes=lead, opset=opset, graph=then_branch)
-                gates = build.op("Unsqueeze", [gates], axes=lead, opset=opset, graph=then_branch)
+                tokens = then.unsqueeze(tokens, lead)
+                gates = then.unsqueeze(gates, lead)
             for node in [*match.branch, add]:
                 for k, value in enumerate(node.inputs):
                     if value is x:
@@ -283,83 +287,32 @@ class SkipGatedBranches(ir.passes.InPlacePass):
         if_node = build.node("If", [cond], {"then_branch": then_branch, "else_branch": else_branch})
         new = if_node.outputs[0]
         new.type, new.shape = y_type, y_shape
-        graph.insert_before(add, if_node)
+        graph.insert_before(add, build.take())
         _redirect(y, new, graph, names)
         graph.remove(moved)
+        then_branch.extend(then.take())
         then_branch.extend(moved)
         if match.kind == "token":
-            updates = y if not lead else build.op("Squeeze", [y], axes=lead, opset=opset, graph=then_branch)
-            out = build.op("ScatterND", [x, index, updates], graph=then_branch)
+            updates = y if not lead else then.squeeze(y, lead)
+            out = then.op1("ScatterND", [x, index, updates])
             out.type, out.shape = y_type, y_shape
+            then_branch.extend(then.take())
         then_branch.outputs.append(out)
         graph.outputs.append(mask)
         read_round_trip_sources(if_node)  # onnxruntime's "Missing Input" (issue 14 cause 6)
         return mask
 
 
-class _Builder:
-    """New nodes, built on an ``ir.tape.Tape``, named after the Add they replace (same scope path and metadata)."""
+def _builder(graph: ir.Graph, names: NameFactory, opset: int, anchor: ir.Node) -> Builder:
+    """New nodes named after the Add they replace (same scope path and name-scope metadata)."""
+    name = anchor.name or ""
+    prefix = name.rsplit("/", 1)[0] + "/" if "/" in name else ""
+    scopes = anchor.metadata_props.get(NAME_SCOPES_KEY)
+    metadata = {NAME_SCOPES_KEY: scopes} if scopes is not None else None
+    return Builder(graph, names, opset, node_prefix=f"{prefix}LzGate", metadata=metadata)
 
-    def __init__(self, root: ir.Graph, names: NameFactory, anchor: ir.Node) -> None:
-        self.root = root
-        self.names = names
-        self.anchor = anchor
-        self.tape = ir.tape.Tape()
-        name = anchor.name or ""
-        self.prefix = name.rsplit("/", 1)[0] + "/" if "/" in name else ""
-        self.scopes = anchor.metadata_props.get(NAME_SCOPES_KEY)
 
-    def node(
-        self,
-        op: str,
-        inputs: Sequence[ir.Value | None],
-        attributes: Mapping[str, object] | None = None,
-        *,
-        graph: ir.Graph | None = None,
-    ) -> ir.Node:
-        """One node (appended to ``graph`` when given, else not yet placed)."""
-        metadata = {NAME_SCOPES_KEY: self.scopes} if self.scopes is not None else None
-        name = self.names(f"{self.prefix}LzGate{op}")
-        out = self.tape.op(op, inputs, attributes, name=name, metadata_props=metadata)
-        out.name = self.names(f"{name}_output")
-        node = out.producer()
-        assert node is not None
-        if graph is not None:
-            graph.append(node)  # NOTE: the tape's graph= only records the owner; it does not append
-        return node
-
-    def op(
-        self,
-        op: str,
-        inputs: Sequence[ir.Value | None],
-        *,
-        graph: ir.Graph | None = None,
-        axes: list[int] | None = None,
-        perm: list[int] | None = None,
-        to: int | None = None,
-        opset: int = 18,
-    ) -> ir.Value:
-        """One node, placed before the anchor (main graph) or appended to ``graph``; its output."""
-        inputs = list(inputs)
-        attributes: dict[str, object] = {}
-        if axes is not None:
-            if opset >= 13:
-                inputs.append(self.int64s(f"{self.prefix}axes", axes))
-            else:
-                attributes["axes"] = ir.AttrInt64s("axes", axes)  # typed: an empty list has no element type
-        if perm is not None:
-            attributes["perm"] = ir.AttrInt64s("perm", perm)
-        if to is not None:
-            attributes["to"] = ir.AttrInt64("to", to)
-        node = self.node(op, inputs, attributes, graph=graph)
-        if graph is None:
-            self.root.insert_before(self.anchor, node)
-        return node.outputs[0]
-
-    def int64s(self, hint: str, values: list[int] | int) -> ir.Value:
-        return make_constant(self.root, self.names, hint, np.array(values, dtype=np.int64))
-
-    # --------------------------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------------------------- helpers
 
 
 def _gate_kind(g: ir.Value, x: ir.Value) -> str | None:

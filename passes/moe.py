@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import math
 
-import numpy as np
 import onnx_ir as ir
 
 from layerzero.errors import InvalidInputError
+from layerzero.passes._builder import Builder
 from layerzero.passes._dynamic import MASK_PREFIX, MOE_DOMAIN, MOE_OP, ROUTER_PREFIX, DynamicPath, record_dynamic_path
 from layerzero.passes._graph import NAME_SCOPES_KEY, NameFactory, make_constant, replace_value
 from layerzero.passes._moe import MoEMatch, Rejection, Router, find_moe_blocks
@@ -144,34 +144,14 @@ class SkipExperts(ir.passes.InPlacePass):
         tokens = m.hidden.shape[0] if m.hidden.shape is not None else None
         mask.shape = ir.Shape([tokens, m.experts]) if tokens is not None else None
         # The top-1 probability of each token: the router's confidence (routing_confidence).
-        scores = ir.Node(
-            "",
-            router.scores.op_type,
-            [router.logits],
-            attributes=[ir.AttrInt64("axis", -1)] if router.scores.op_type == "Softmax" else [],
-            name=names(f"/{path}/router/{router.scores.op_type}"),
-        )
-        if opset >= 18:
-            axes_node = ir.Node(
-                "", "Constant", [], attributes=[ir.AttrTensor("value", ir.tensor(np.array([-1], np.int64)))]
-            )
-            axes_node.name = names(f"/{path}/router/Constant")
-            axes = axes_node.outputs[0]
-            axes.name = names(f"{path}.router.axes")
-            top1 = ir.Node("", "ReduceMax", [scores.outputs[0], axes], attributes=[ir.AttrInt64("keepdims", 0)])
-        else:
-            top1 = ir.Node(
-                "",
-                "ReduceMax",
-                [scores.outputs[0]],
-                attributes=[ir.AttrInt64s("axes", [-1]), ir.AttrInt64("keepdims", 0)],
-            )
-        top1.name = names(f"/{path}/router/ReduceMax")
-        confidence = top1.outputs[0]
+        build = Builder(graph, names, opset, node_prefix=f"/{path}/router/", value_prefix=f"{path}.router.")
+        axis = {"axis": -1} if router.scores.op_type == "Softmax" else {}
+        scores = build.op1(router.scores.op_type, [router.logits], **axis)
+        confidence = build.reduce("ReduceMax", scores, [-1], 0)
         confidence.name = names(ROUTER_PREFIX + path)
         confidence.dtype = router.logits.dtype
         confidence.shape = ir.Shape([tokens]) if tokens is not None else None
-        graph.insert_after(end, [node, scores, *([axes_node] if opset >= 18 else []), top1])
+        graph.insert_after(end, [node, *build.nodes])
         replace_value(m.output, y, names)
         graph.outputs.extend([mask, confidence])
         _remove_dead(graph, [*m.nodes, end, router.topk, router.scores, *router.nodes])

@@ -16,6 +16,7 @@ import numpy as np
 import onnx_ir as ir
 
 from layerzero.errors import InvalidInputError
+from layerzero.passes._builder import Builder
 from layerzero.passes._dynamic import DYNAMIC_META_KEY, DynamicPath, read_dynamic_paths, record_dynamic_path
 from layerzero.passes._dynamic_paths import driven_ifs, graph_output, moe_node
 from layerzero.passes._graph import NameFactory, const_array, make_constant
@@ -153,11 +154,10 @@ def _drop_logit_columns(
         if logits.shape is not None:
             logits.shape = ir.Shape([*list(logits.shape)[:-1], len(kept)])
         return removed
-    index = make_constant(graph, names, f"{path}.solidify.kept", np.array(kept, np.int64))
-    gather = ir.Node("", "Gather", [logits, index], attributes=[ir.AttrInt64("axis", -1)])
-    gather.name = names(f"/{path}/LzSolidifyGather")
-    out = gather.outputs[0]
-    out.name = names(f"{path}.kept_logits")
+    build = Builder(graph, names, 0, node_prefix=f"/{path}/LzSolidify", value_prefix=f"{path}.")
+    index = build.initializer(f"{path}.solidify.kept", np.array(kept, np.int64))
+    gather = build.node("Gather", [logits, index], {"axis": -1})
+    out = build.name(gather.outputs[0], f"{path}.kept_logits")
     out.dtype = logits.dtype
     for user, i in list(logits.uses()):
         if user is not gather:
