@@ -13,14 +13,13 @@ from layerzero.passes import lower_moe_native
 from layerzero.passes._builder import Builder, model_opset
 from layerzero.passes._dynamic import (
     MOE_DOMAIN,
-    MOE_OP,
-    THRESHOLD_INPUT,
     DynamicPath,
     read_dynamic_paths,
     record_dynamic_path,
     threshold_input,
 )
 from layerzero.passes._graph import NameFactory, const_array, replace_value
+from layerzero.passes._moe_node import MoENode, is_moe_node
 
 # The normalisation's ``sum + 1e-20`` of ``ai.layerzero::MoE`` (plugins/reference.py NORMALIZE_EPS; a pass
 # imports no plugin module).
@@ -64,7 +63,7 @@ def ort_moe_supports(scoring: str, activation: str, zeroing_threshold: float) ->
 def ort_moe_routing_supports(node: ir.Node) -> str | None:
     """Why ``com.microsoft.MoE`` cannot route like this node's v2 routing (moe_op_v2; None when it can): it
     chooses the top-k of the logits' softmax, with no selection bias, no group limits and no scaling."""
-    if len(node.inputs) > 8 and node.inputs[8] is not None:
+    if MoENode.of(node).score_bias is not None:
         return "score_bias (com.microsoft.MoE chooses by the softmax of the logits, without a selection bias)"
     spec = _MoESpec.routing_of(node)
     if spec["n_group"] != 1:
@@ -167,7 +166,7 @@ class LowerMoE(ir.passes.InPlacePass):
         if not self.enabled:
             return ir.passes.PassResult(model, modified=False)
         graph = model.graph
-        nodes = [n for n in graph if n.domain == MOE_DOMAIN and n.op_type == MOE_OP]
+        nodes = [n for n in graph if is_moe_node(n)]
         if not nodes:
             return ir.passes.PassResult(model, modified=False)
         names = NameFactory(graph)
@@ -209,6 +208,10 @@ def _note_lowering(model: ir.Model, path: str, lowering: str) -> None:
             record_dynamic_path(model, DynamicPath(**{**dataclasses.asdict(entry), "detail": detail}))
 
 
+# The v2 routing fields of MoENode that _MoESpec copies.
+_ROUTING_FIELDS = ("n_group", "topk_group", "routed_scaling_factor", "routing", "jitter_eps")
+
+
 @dataclasses.dataclass
 class _MoESpec:
     path: str
@@ -237,18 +240,8 @@ class _MoESpec:
     @staticmethod
     def routing_of(node: ir.Node) -> dict:
         """The node's v2 routing attributes, defaults filled in."""
-
-        def attr(name: str, default: object) -> object:
-            a = node.attributes.get(name)
-            return default if a is None else a.value
-
-        return {
-            "n_group": int(attr("n_group", 1)),
-            "topk_group": int(attr("topk_group", 1)),
-            "routed_scaling_factor": float(attr("routed_scaling_factor", 1.0)),
-            "routing": str(attr("routing", "topk")),
-            "jitter_eps": float(attr("jitter_eps", 0.01)),
-        }
+        view = MoENode.of(node)
+        return {name: getattr(view, name) for name in _ROUTING_FIELDS}
 
     @property
     def routing_v2(self) -> bool:
@@ -257,21 +250,15 @@ class _MoESpec:
 
     @classmethod
     def of(cls, node: ir.Node) -> _MoESpec:
-        def attr(name: str, default: object) -> object:
-            a = node.attributes.get(name)
-            return default if a is None else a.value
-
-        arrays = [_expert_constant(node, value, "expert weight") for value in node.inputs[2:5]]
+        view = MoENode.of(node)
+        arrays = [_expert_constant(node, value, "expert weight") for value in (view.w_gate, view.w_up, view.w_down)]
         experts, ffn, hidden = arrays[0].shape
         biases = []
-        for i, (name, shape) in enumerate(
-            (("b_gate", (experts, ffn)), ("b_up", (experts, ffn)), ("b_down", (experts, hidden)))
+        for name, value, shape in (
+            ("b_gate", view.b_gate, (experts, ffn)),
+            ("b_up", view.b_up, (experts, ffn)),
+            ("b_down", view.b_down, (experts, hidden)),
         ):
-            value = node.inputs[5 + i] if len(node.inputs) > 5 + i else None
-            if value is not None and value.name == THRESHOLD_INPUT:
-                # A node the native lowering kept (lower_moe_native.lower_native): its 6th input is the
-                # run-time threshold, not b_gate.
-                value = None
             bias = None if value is None else _expert_constant(node, value, f"expert bias {name}")
             if bias is not None and bias.shape != shape:
                 raise UnsupportedModelError(
@@ -280,22 +267,22 @@ class _MoESpec:
                 )
             biases.append(bias)
         return cls(
-            path=str(attr("path", node.name)),
-            top_k=int(attr("top_k", 1)),
-            normalize=bool(attr("normalize", 0)),
-            scoring=str(attr("scoring", "softmax")),
-            activation=str(attr("activation", "silu")),
-            threshold=float(attr("zeroing_threshold", 0.0)),
+            path=view.path,
+            top_k=view.top_k,
+            normalize=view.normalize,
+            scoring=view.scoring,
+            activation=view.activation,
+            threshold=view.zeroing_threshold,
             w_gate=arrays[0],
             w_up=arrays[1],
             w_down=arrays[2],
             b_gate=biases[0],
             b_up=biases[1],
             b_down=biases[2],
-            alpha=float(attr("activation_alpha", 1.702)),
-            limit=float(attr("activation_limit", 7.0)),
-            score_bias=node.inputs[8] if len(node.inputs) > 8 else None,
-            **cls.routing_of(node),
+            alpha=view.activation_alpha,
+            limit=view.activation_limit,
+            score_bias=view.score_bias,
+            **{name: getattr(view, name) for name in _ROUTING_FIELDS},
         )
 
     @property

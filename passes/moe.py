@@ -11,7 +11,8 @@ from layerzero.errors import InvalidInputError
 from layerzero.passes._builder import Builder
 from layerzero.passes._dynamic import MASK_PREFIX, MOE_DOMAIN, MOE_OP, ROUTER_PREFIX, DynamicPath, record_dynamic_path
 from layerzero.passes._graph import NAME_SCOPES_KEY, NameFactory, make_constant, replace_value
-from layerzero.passes._moe import MoEMatch, Rejection, Router, find_moe_blocks
+from layerzero.passes._moe import MoEMatch, Rejection, find_moe_blocks
+from layerzero.passes._moe_node import MoENode
 
 __all__ = ["MOE_DOMAIN", "MOE_OP", "SkipExperts"]
 
@@ -19,6 +20,8 @@ logger = logging.getLogger(__name__)
 
 # ScatterND(reduction="add") of the ONNX Runtime lowering needs opset 16.
 _MIN_OPSET = 16
+# The v2 routing attributes (recorded in the path's detail too, where the node has them).
+_ROUTING_ATTRIBUTES = frozenset({"n_group", "topk_group", "routed_scaling_factor", "routing", "jitter_eps"})
 
 
 class SkipExperts(ir.passes.InPlacePass):
@@ -117,24 +120,35 @@ class SkipExperts(ir.passes.InPlacePass):
             make_constant(graph, names, f"{path}.experts.{part}", array)
             for part, array in (("w_gate", m.w_gate), ("w_up", m.w_up), ("w_down", m.w_down))
         ]
-        inputs, routing_attributes = _routing_v2(graph, names, path, router)
-        node = ir.Node(
-            MOE_DOMAIN,
-            MOE_OP,
-            [m.hidden, router.logits, *weights, *_v2_inputs(_expert_biases(graph, names, path, m), inputs)],
-            attributes=[
-                ir.AttrInt64("top_k", router.top_k),
-                ir.AttrInt64("normalize", m.normalize),
-                ir.AttrString("scoring", router.scoring),
-                ir.AttrString("activation", m.activation),
-                ir.AttrFloat32("zeroing_threshold", self.zeroing_threshold),
-                ir.AttrString("path", path),
-                *_activation_attributes(m),
-                *routing_attributes,
-            ],
-            num_outputs=2,
-            name=names(f"/{path}/experts/MoE"),
-            metadata_props={NAME_SCOPES_KEY: repr([path, f"{path}.experts", "moe"])},
+        b_gate, b_up, b_down = _expert_biases(graph, names, path, m)
+        score_bias = None
+        if router.score_bias is not None:
+            score_bias = make_constant(graph, names, f"{path}.router.score_bias", router.score_bias)
+        view = MoENode(
+            m.hidden,
+            router.logits,
+            *weights,
+            b_gate=b_gate,
+            b_up=b_up,
+            b_down=b_down,
+            score_bias=score_bias,
+            top_k=router.top_k,
+            normalize=bool(m.normalize),
+            scoring=router.scoring,
+            activation=m.activation,
+            zeroing_threshold=self.zeroing_threshold,
+            path=path,
+            activation_alpha=m.activation_alpha,
+            activation_limit=m.activation_limit,
+            n_group=router.n_group,
+            topk_group=router.topk_group,
+            routed_scaling_factor=router.routed_scaling_factor,
+            routing=router.routing,
+            jitter_eps=router.jitter_eps,
+        )
+        routing_attributes = [a for a in view.attributes() if a.name in _ROUTING_ATTRIBUTES]
+        node = view.to_node(
+            name=names(f"/{path}/experts/MoE"), metadata_props={NAME_SCOPES_KEY: repr([path, f"{path}.experts", "moe"])}
         )
         y, mask = node.outputs
         y.name = names(f"{path}.moe_output")
@@ -187,51 +201,14 @@ def _has_biases(m: MoEMatch) -> bool:
     return any(b is not None for b in (m.b_gate, m.b_up, m.b_down))
 
 
-def _expert_biases(graph: ir.Graph, names: NameFactory, path: str, m: MoEMatch) -> list[ir.Value | None]:
-    """Inputs 5-7 of the node (``b_gate``, ``b_up``, ``b_down``; None = absent); none at all without biases, so
-    a block without them is the v1 node exactly."""
-    if not _has_biases(m):
-        return []
-    return [
+def _expert_biases(
+    graph: ir.Graph, names: NameFactory, path: str, m: MoEMatch
+) -> tuple[ir.Value | None, ir.Value | None, ir.Value | None]:
+    """``b_gate``, ``b_up``, ``b_down`` of the node (None = absent)."""
+    return tuple(  # type: ignore[return-value]
         None if array is None else make_constant(graph, names, f"{path}.experts.{part}", array)
         for part, array in (("b_gate", m.b_gate), ("b_up", m.b_up), ("b_down", m.b_down))
-    ]
-
-
-def _activation_attributes(m: MoEMatch) -> list[ir.Attr]:
-    """``activation_alpha`` / ``activation_limit``: only for the activation that reads them (swiglu_oai)."""
-    if m.activation != "swiglu_oai":
-        return []
-    return [
-        ir.AttrFloat32("activation_alpha", m.activation_alpha),
-        ir.AttrFloat32("activation_limit", m.activation_limit),
-    ]
-
-
-def _routing_v2(
-    graph: ir.Graph, names: NameFactory, path: str, router: Router
-) -> tuple[list[ir.Value | None], list[ir.Attr]]:
-    """The v2 routing of the node (moe_op_v2): ``score_bias`` as input 8 (inputs 5-7, the expert biases, absent
-    unless given), and ``n_group`` / ``topk_group`` / ``routed_scaling_factor`` only where they differ from their
-    defaults, so a v1 block stays a v1 node every lowering runs."""
-    attributes: list[ir.Attr] = []
-    if router.n_group != 1:
-        attributes += [ir.AttrInt64("n_group", router.n_group), ir.AttrInt64("topk_group", router.topk_group)]
-    if router.routed_scaling_factor != 1.0:
-        attributes.append(ir.AttrFloat32("routed_scaling_factor", router.routed_scaling_factor))
-    if router.routing != "topk":  # PhiMoE's sparsemixer
-        attributes += [ir.AttrString("routing", router.routing), ir.AttrFloat32("jitter_eps", router.jitter_eps)]
-    if router.score_bias is None:
-        return [], attributes
-    bias = make_constant(graph, names, f"{path}.router.score_bias", router.score_bias)
-    return [None, None, None, bias], attributes
-
-
-def _v2_inputs(biases: list[ir.Value | None], routing: list[ir.Value | None]) -> list[ir.Value | None]:
-    """Inputs 5-8 of the node: the expert biases (5-7) and ``score_bias`` (8); trailing absent ones dropped."""
-    if not routing:
-        return biases
-    return [*(biases or [None, None, None]), *routing[3:]]
+    )
 
 
 def _follow(rewired: dict[ir.Value, ir.Value], value: ir.Value) -> ir.Value:

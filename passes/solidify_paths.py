@@ -20,6 +20,7 @@ from layerzero.passes._builder import Builder
 from layerzero.passes._dynamic import DYNAMIC_META_KEY, DynamicPath, read_dynamic_paths, record_dynamic_path
 from layerzero.passes._dynamic_paths import driven_ifs, graph_output, moe_node
 from layerzero.passes._graph import NameFactory, const_array, make_constant
+from layerzero.passes._moe_node import MoENode
 
 __all__ = ["SOLIDIFIED_META_KEY", "DropExperts", "RemoveSkippedBranches", "read_solidified"]
 
@@ -92,23 +93,20 @@ class DropExperts(ir.passes.InPlacePass):
         graph = model.graph
         experts = len(entry.subpaths)
         kept = [j for j in range(experts) if j not in drop]
-        top_k = int(node.attributes["top_k"].value) if "top_k" in node.attributes else 1
+        view = MoENode.of(node)
+        top_k = view.top_k
         if len(kept) < top_k:
             raise InvalidInputError(
                 f"solidify: removing {len(drop)} of the {experts} experts of {entry.path} would leave fewer than "
                 f"its top_k={top_k}; keep at least {top_k}"
             )
-        n_group = node.attributes.get("n_group")
-        if n_group is not None and int(n_group.value) != 1:
+        if view.n_group != 1:
             raise InvalidInputError(
-                f"solidify: {entry.path} limits top-k to the best of {n_group.value} groups of experts; dropping "
+                f"solidify: {entry.path} limits top-k to the best of {view.n_group} groups of experts; dropping "
                 "experts would change the groups (solidify none of its experts)"
             )
         # Case 1; 5-8: the v2 per-expert inputs (expert biases, score bias), when present.
-        for i in (2, 3, 4, 5, 6, 7, 8):
-            if i > 4 and (i >= len(node.inputs) or node.inputs[i] is None):
-                continue
-            weight = node.inputs[i]
+        for i, weight in view.expert_inputs.items():
             array = const_array(weight)
             if array is None:
                 raise InvalidInputError(
