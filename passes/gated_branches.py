@@ -123,11 +123,11 @@ class SkipGatedBranches(ir.passes.InPlacePass):
     run changes nothing.
     """
 
-    def __init__(self, options: object | None = None, *, threshold: float | None = None) -> None:
+    def __init__(self, threshold: float = 0.0) -> None:
+        """``threshold``: a gate is on where ``|g| > threshold`` (``CompileOptions.zeroing_threshold``)."""
         super().__init__()
-        if threshold is None:
-            threshold = float(getattr(options, "zeroing_threshold", 0.0) or 0.0)
-        if threshold < 0:
+        threshold = float(threshold)
+        if not threshold >= 0:
             raise ValueError(f"zeroing threshold must be >= 0, got {threshold}")
         self.threshold = threshold
         self.skipped: list[DynamicPath] = []

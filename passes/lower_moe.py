@@ -138,26 +138,14 @@ class LowerMoE(ir.passes.InPlacePass):
     ``onnxruntime`` target is lowered; other targets keep the node (a TensorRT plugin implements it).
     """
 
-    def __init__(
-        self,
-        options: object | None = None,
-        *,
-        lowering: str | None = None,
-        enabled: bool | None = None,
-        native_present: bool = False,
-    ) -> None:
-        """``lowering``: one of ``LOWERINGS`` (default ``"auto"``). ``enabled``: False keeps the nodes (a target
-        whose backend implements the op). ``options`` (a ``CompileOptions``) is the pipeline's old way in: its
-        ``moe_lowering``, and ``target == "onnxruntime"`` for ``enabled``; explicit arguments win.
-        """
+    def __init__(self, lowering: str = "auto", *, enabled: bool = True, native_present: bool = False) -> None:
+        """``lowering``: one of ``LOWERINGS`` (``CompileOptions.moe_lowering``). ``enabled``: False keeps the nodes
+        (a target whose backend implements the op)."""
         super().__init__()
-        if options is not None:
-            lowering = options.moe_lowering if lowering is None else lowering
-            enabled = options.target == "onnxruntime" if enabled is None else enabled
-        self.requested = "auto" if lowering is None else lowering
+        self.requested = lowering
         if self.requested not in LOWERINGS:
             raise InvalidInputError(f"moe_lowering={self.requested!r}; expected one of {LOWERINGS}")
-        self.enabled = True if enabled is None else bool(enabled)
+        self.enabled = bool(enabled)
         self.native_present = native_present  # liblayerzero_ort.so is built (the target looks; a pass cannot)
         self.lowered: list[tuple[str, str]] = []  # (path, lowering)
 

@@ -57,12 +57,9 @@ class SkipExperts(ir.passes.InPlacePass):
     removed, so a second run finds nothing.
     """
 
-    def __init__(self, options: object | None = None, *, zeroing_threshold: float | None = None) -> None:
-        """``zeroing_threshold`` (default 0) goes into each node; ``options`` (a ``CompileOptions``) gives it
-        when the argument is not given (the pipeline's old way in)."""
+    def __init__(self, zeroing_threshold: float = 0.0) -> None:
+        """``zeroing_threshold`` (``CompileOptions.zeroing_threshold``) goes into each node."""
         super().__init__()
-        if zeroing_threshold is None:
-            zeroing_threshold = 0.0 if options is None else options.zeroing_threshold
         if not (math.isfinite(zeroing_threshold) and zeroing_threshold >= 0):
             raise InvalidInputError(f"zeroing_threshold={zeroing_threshold!r}; expected a finite number >= 0")
         self.zeroing_threshold = float(zeroing_threshold)

@@ -1,8 +1,8 @@
-"""Solidify: remove for good the dynamic paths a profile found always skipped (``options.solidify``).
+"""Solidify: remove for good the dynamic paths a profile found always skipped (``CompileOptions.solidify``).
 
 Two passes of ``DYNAMIC_PASSES``: ``DropExperts`` on the MoE skipping form (after ``SkipExperts``, before
-the lowering), ``RemoveSkippedBranches`` after the gated-branch pass. Each reads the subpaths to remove from
-``options.solidify`` (e.g. ``layers.0.moe.experts.3``, ``layers.2.mlp``, a group name) and records what it
+the lowering), ``RemoveSkippedBranches`` after the gated-branch pass. Each is given the subpaths to remove
+(``CompileOptions.solidify``) (e.g. ``layers.0.moe.experts.3``, ``layers.2.mlp``, a group name) and records what it
 removed in the model metadata ``layerzero.solidified`` (a JSON list of ``{subpath, path, kind, params}``).
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Iterable
 
 import numpy as np
 import onnx_ir as ir
@@ -41,14 +42,16 @@ def _record(model: ir.Model, records: list[dict]) -> None:
     model.metadata_props[SOLIDIFIED_META_KEY] = json.dumps(list(done.values()))
 
 
-def _requested(options: object | None) -> set[str]:
-    return {str(s) for s in (getattr(options, "solidify", None) or ())}
+def _requested(solidify: Iterable[str]) -> frozenset[str]:
+    if isinstance(solidify, str):
+        raise TypeError("solidify is a collection of subpaths, not one string")
+    return frozenset(str(s) for s in solidify)
 
 
 class DropExperts(ir.passes.InPlacePass):
     """Remove solidified experts from their MoE blocks: from the router and from the weights.
 
-    For each ``ai.layerzero::MoE`` node (path ``P``) with subpaths ``P.experts.<e>`` in ``options.solidify``:
+    For each ``ai.layerzero::MoE`` node (path ``P``) with subpaths ``P.experts.<e>`` in ``solidify``:
 
     1. Weights: ``w_gate``, ``w_up``, ``w_down`` (and the v2 expert biases / score bias when present) keep the
        other experts only (the old initializers die in dead-code removal).
@@ -65,9 +68,10 @@ class DropExperts(ir.passes.InPlacePass):
     Dropping so many experts that fewer than ``top_k`` remain raises ``InvalidInputError``.
     """
 
-    def __init__(self, options: object | None = None) -> None:
+    def __init__(self, solidify: Iterable[str] = frozenset()) -> None:
+        """``solidify``: the subpaths to remove (``CompileOptions.solidify``)."""
         super().__init__()
-        self.requested = _requested(options)
+        self.requested = _requested(solidify)
         self.dropped: list[dict] = []
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -238,7 +242,7 @@ def _swap_constant(graph: ir.Graph, names: NameFactory, node: ir.Node, index: in
 class RemoveSkippedBranches(ir.passes.InPlacePass):
     """Solidified gated branches and groups take their else path for good.
 
-    For each gate or group whose subpath is in ``options.solidify``:
+    For each gate or group whose subpath is in ``solidify``:
 
     1. Every ``If`` whose condition is computed from the path's mask gets a constant false condition;
        constant folding then inlines the else branch (the residual for a gate, the bypassed layers for a
@@ -246,9 +250,10 @@ class RemoveSkippedBranches(ir.passes.InPlacePass):
     2. The mask output and the path's ``DynamicPath`` go; the removal is recorded (``layerzero.solidified``).
     """
 
-    def __init__(self, options: object | None = None) -> None:
+    def __init__(self, solidify: Iterable[str] = frozenset()) -> None:
+        """``solidify``: the subpaths to remove (``CompileOptions.solidify``)."""
         super().__init__()
-        self.requested = _requested(options)
+        self.requested = _requested(solidify)
         self.removed: list[dict] = []
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
