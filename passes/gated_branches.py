@@ -30,8 +30,9 @@ from layerzero.passes._graph import (
     scope_of,
 )
 from layerzero.passes._layers import describe_value, layer_params
+from layerzero.passes._match import Refusal
 
-__all__ = ["REFUSED_META_KEY", "RefusedBranch", "SkipGatedBranches", "read_refused_branches"]
+__all__ = ["REFUSED_META_KEY", "SkipGatedBranches", "read_refused_branches"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,18 +66,15 @@ _NORMS = frozenset({"LayerNormalization", "RMSNormalization"})
 _MS_NORMS = frozenset({"SimplifiedLayerNormalization", "LayerNormalization"})
 
 
-@dataclasses.dataclass(frozen=True)
-class RefusedBranch:
-    """A gated branch that stays as it is, and why."""
-
-    path: str
-    reason: str
-    kind: str = "gate"
+def _refused(path: str, reason: str) -> Refusal:
+    """A gated branch that stays as it is, and why (``passes/_match.Refusal``, kind "gate")."""
+    return Refusal(path, reason, kind="gate")
 
 
-def read_refused_branches(model: ir.Model) -> list[RefusedBranch]:
+def read_refused_branches(model: ir.Model) -> list[Refusal]:
+    """The refusals recorded in the model metadata ``layerzero.dynamic.refused`` (kind "gate" when unsaid)."""
     raw = model.metadata_props.get(REFUSED_META_KEY)
-    return [] if not raw else [RefusedBranch(d["path"], d["reason"], d.get("kind", "gate")) for d in json.loads(raw)]
+    return [] if not raw else [Refusal.from_json(d, kind="gate") for d in json.loads(raw)]
 
 
 @dataclasses.dataclass
@@ -131,7 +129,7 @@ class SkipGatedBranches(ir.passes.InPlacePass):
             raise ValueError(f"zeroing threshold must be >= 0, got {threshold}")
         self.threshold = threshold
         self.skipped: list[DynamicPath] = []
-        self.refused: list[RefusedBranch] = []
+        self.refused: list[Refusal] = []
         self.opset = 18
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -146,12 +144,12 @@ class SkipGatedBranches(ir.passes.InPlacePass):
             match = self._match(graph, node, taken)
             if match is None:
                 continue
-            if isinstance(match, RefusedBranch):
+            if isinstance(match, Refusal):
                 logger.info("gated branch %s left as it is: %s", match.path, match.reason)
                 self.refused.append(match)
                 continue
             if match.kind == "token" and opset < 11:
-                self.refused.append(RefusedBranch(match.path, f"a per-token gate needs opset >= 11, model has {opset}"))
+                self.refused.append(_refused(match.path, f"a per-token gate needs opset >= 11, model has {opset}"))
                 continue
             params = layer_params(match.branch)
             mask = self._rewrite(model, names, match, opset)
@@ -183,7 +181,7 @@ class SkipGatedBranches(ir.passes.InPlacePass):
 
     # ------------------------------------------------------------------------------------------ match
 
-    def _match(self, graph: ir.Graph, add: ir.Node, taken: set[str]) -> _Match | RefusedBranch | None:
+    def _match(self, graph: ir.Graph, add: ir.Node, taken: set[str]) -> _Match | Refusal | None:
         for i in (0, 1):  # x + m, m + x
             x, m = add.inputs[i], add.inputs[1 - i]
             if x is None or m is None or x is m:
@@ -213,7 +211,7 @@ class SkipGatedBranches(ir.passes.InPlacePass):
         h_index: int,
         kind: str,
         taken: set[str],
-    ) -> _Match | RefusedBranch | None:
+    ) -> _Match | Refusal | None:
         h = mul.inputs[h_index]
         assert h is not None
         producer = h.producer()
@@ -222,14 +220,14 @@ class SkipGatedBranches(ir.passes.InPlacePass):
         members = _exclusive_cone(h, mul, h_index)
         fallback = (mul.name or "").strip("/").replace("/", ".") or "gate"
         if not members:  # Case 4
-            return RefusedBranch(fallback, f"f(x) ({h.name!r}) is also read outside the gated branch")
+            return _refused(fallback, f"f(x) ({h.name!r}) is also read outside the gated branch")
         branch = [n for n in graph if n in members]
         path = common_scope([scope_of(n) for n in branch]) or fallback
         path = _unique(path, taken)
         if kind == "token":
             problem = _not_tokenwise(branch, x, h, self.opset)
             if problem is not None:  # Case 3
-                return RefusedBranch(path, f"per-token gate {g.name!r}: {problem}")
+                return _refused(path, f"per-token gate {g.name!r}: {problem}")
         return _Match(add, mul, x, g, h_index, kind, branch, path)
 
     # ---------------------------------------------------------------------------------------- rewrite
@@ -463,12 +461,12 @@ def _redirect(old: ir.Value, new: ir.Value, graph: ir.Graph, names: NameFactory)
     old.replace_all_uses_with(new, replace_graph_outputs=False)
 
 
-def _record_refused(model: ir.Model, refused: list[RefusedBranch]) -> bool:
+def _record_refused(model: ir.Model, refused: list[Refusal]) -> bool:
     if not refused:
         return False
     entries = {r.path: r for r in read_refused_branches(model)}
     entries.update({r.path: r for r in refused})
-    text = json.dumps([dataclasses.asdict(r) for r in entries.values()])
+    text = json.dumps([r.to_json() for r in entries.values()])
     if model.metadata_props.get(REFUSED_META_KEY) == text:
         return False
     model.metadata_props[REFUSED_META_KEY] = text
