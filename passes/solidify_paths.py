@@ -16,6 +16,7 @@ from collections.abc import Iterable
 import numpy as np
 import onnx_ir as ir
 
+from layerzero.contract import SOLIDIFIED_META_KEY
 from layerzero.errors import InvalidInputError
 from layerzero.passes._builder import Builder
 from layerzero.passes._dynamic import DYNAMIC_META_KEY, DynamicPath, read_dynamic_paths, record_dynamic_path
@@ -27,8 +28,6 @@ __all__ = ["SOLIDIFIED_META_KEY", "DropExperts", "RemoveSkippedBranches", "read_
 
 logger = logging.getLogger(__name__)
 
-#: Model metadata entry: a JSON list of ``{"subpath", "path", "kind", "params"}``, one per removed subpath.
-SOLIDIFIED_META_KEY = "layerzero.solidified"
 
 
 def read_solidified(model: ir.Model) -> list[dict]:
