@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from layerzero.contract import reserved_name_problem
 from layerzero.errors import InvalidInputError, UnsupportedModelError, VerificationError
 from layerzero.loader import load_model
 from layerzero.options import CompileOptions
@@ -79,6 +80,17 @@ def _parents(scope: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
+def _check_reserved_names(model: ir.Model) -> None:
+    """A graph input / output or metadata key that uses a name LayerZero reserves is refused (one line, exit 2)."""
+    problem = reserved_name_problem(
+        [v.name or "" for v in model.graph.inputs],
+        [v.name or "" for v in model.graph.outputs],
+        list(model.metadata_props),
+    )
+    if problem is not None:
+        raise InvalidInputError(problem)
+
+
 def compile_model(
     source: str | Path | onnx.ModelProto | ir.Model,
     options: CompileOptions | None = None,
@@ -100,6 +112,7 @@ def compile_model(
         source_path, model = None, ir.from_proto(source)
     else:
         source_path, model = None, source
+    _check_reserved_names(model)
     plan = None
     if options.profile is not None:
         # Solidify: the profile's always-skipped, harmless paths become options.solidify (the passes remove them).

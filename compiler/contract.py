@@ -14,12 +14,17 @@ here, so each exists once.
   threshold, so the runtime (the guard's back-off) can change it per request without recompiling.
 - The force-off variant (``passes/force_off.py``, run by the profiler): one bool input
   ``layerzero::force_off::<path>`` per path (True = off) and one output ``layerzero::block::<path>``.
-- ``ai.layerzero::MoE``: the MoE pass's target-independent skipping form, which each target lowers.
+- ``ai.layerzero::MoE``: the MoE pass's target-independent skipping form, which each target lowers; its input
+  and attribute layout is ``passes/_moe_node.py`` (``MoENode``).
+- Reserved: a model to compile may not have a graph input or output starting with ``layerzero::`` nor a metadata
+  key of ``RESERVED_META_KEYS`` (``reserved_name_problem``: refused at load, exit 2); any other name a pass adds is
+  made unique (``passes/_builder.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 __all__ = [
@@ -30,11 +35,14 @@ __all__ = [
     "MOE_DOMAIN",
     "MOE_OP",
     "REFUSED_META_KEY",
+    "RESERVED_META_KEYS",
     "ROUTER_PREFIX",
     "RUNTIME_PREFIX",
+    "SOLIDIFIED_META_KEY",
     "THRESHOLD_INPUT",
     "DynamicPath",
     "is_runtime_output",
+    "reserved_name_problem",
 ]
 
 #: Every graph input / output the compiler adds for the runtime starts with this; none is the user's.
@@ -53,6 +61,10 @@ BLOCK_PREFIX = RUNTIME_PREFIX + "block::"
 DYNAMIC_META_KEY = "layerzero.dynamic"
 #: Model metadata key of the gated branches found but not made dynamic (JSON list of path, kind, reason).
 REFUSED_META_KEY = "layerzero.dynamic.refused"
+#: Model metadata key of the paths solidification removed (JSON list of subpath, path, kind, params).
+SOLIDIFIED_META_KEY = "layerzero.solidified"
+#: The metadata keys the passes keep their records in: a model that already has one is refused (issue 20).
+RESERVED_META_KEYS = (DYNAMIC_META_KEY, REFUSED_META_KEY, SOLIDIFIED_META_KEY)
 #: The skipping form ``ai.layerzero::MoE`` that the targets' lowerings replace.
 MOE_DOMAIN = "ai.layerzero"
 MOE_OP = "MoE"
@@ -61,6 +73,26 @@ MOE_OP = "MoE"
 def is_runtime_output(name: str) -> bool:
     """Whether a graph output is the runtime's (a mask or a router output), not the user's."""
     return name.startswith((MASK_PREFIX, ROUTER_PREFIX))
+
+
+def reserved_name_problem(inputs: Iterable[str], outputs: Iterable[str], metadata_keys: Iterable[str]) -> str | None:
+    """Why a model to compile cannot keep its names (None when it can): a graph input or output named with
+    ``RUNTIME_PREFIX`` (the runtime would take it for its own: a mask, the threshold), or a metadata key the passes
+    keep their records in (``RESERVED_META_KEYS``). Every other name a pass adds is made unique instead."""
+    for where, names in (("input", inputs), ("output", outputs)):
+        for name in names:
+            if name.startswith(RUNTIME_PREFIX):
+                return (
+                    f"the model's {where} {name!r} uses the prefix {RUNTIME_PREFIX!r}, which LayerZero reserves for "
+                    "the inputs and outputs it adds (masks, the threshold); rename it"
+                )
+    for key in metadata_keys:
+        if key in RESERVED_META_KEYS:
+            return (
+                f"the model's metadata key {key!r} is where LayerZero records its dynamic paths (a model LayerZero "
+                "compiled already? compile the original); rename or remove it"
+            )
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

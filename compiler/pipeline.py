@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DYNAMIC_PASSES",
+    "DynamicPass",
     "PipelineResult",
     "bypass_declared_layers",
     "lower_for_target",
@@ -186,21 +188,31 @@ def needs_dynamic_reference(options: CompileOptions) -> bool:
     return options.dynamic and options.groups is not None
 
 
-# Dynamic passes: each built as Class(options) and run once, in order, after the static fixpoint. A pass records
-# what it made dynamic with ``layerzero.passes._dynamic.record_dynamic_path``; the target then lowers the skipping
-# forms (``lower_for_target``) and the static passes run once more to clean up. A new dynamic pass is one line here.
-DYNAMIC_PASSES: list[type[ir.passes.PassBase]] = [
+@dataclasses.dataclass(frozen=True)
+class DynamicPass:
+    """One dynamic pass of the pipeline: its class and how it is built from the options (the typed values the
+    pass takes: a threshold, the subpaths to solidify, ...)."""
+
+    cls: type[ir.passes.PassBase]
+    build: Callable[[CompileOptions], ir.passes.PassBase]
+
+
+# Dynamic passes: each built from the options by its ``build`` and run once, in order, after the static fixpoint. A
+# pass records what it made dynamic with ``layerzero.passes._dynamic.record_dynamic_path``; the target then lowers
+# the skipping forms (``lower_for_target``) and the static passes run once more to clean up. A new dynamic pass is
+# one entry here.
+DYNAMIC_PASSES: list[DynamicPass] = [
     # Group masks first: a group's scopes must still be plain layers (no other pass's mask inside).
     # The spec is read here, in the compiler (passes know no file system).
-    GroupMasksFromFile,
+    DynamicPass(GroupMasksFromFile, GroupMasksFromFile),
     # MoE: rewrite each block into the skipping form ai.layerzero::MoE (each target lowers it afterwards).
-    SkipExperts,
+    DynamicPass(SkipExperts, lambda o: SkipExperts(o.zeroing_threshold)),
     # Solidify (options.solidify, from a profile): drop experts from the skipping form, before lowering.
-    DropExperts,
+    DynamicPass(DropExperts, lambda o: DropExperts(frozenset(o.solidify or ()))),
     # Gated branches last: an MoE's weighted expert sum looks like x + g * f(x) too (here it is one MoE node).
-    SkipGatedBranches,
+    DynamicPass(SkipGatedBranches, lambda o: SkipGatedBranches(o.zeroing_threshold)),
     # Solidify: gates and groups always skipped take their else path (constant folding inlines it).
-    RemoveSkippedBranches,
+    DynamicPass(RemoveSkippedBranches, lambda o: RemoveSkippedBranches(frozenset(o.solidify or ()))),
 ]
 
 
@@ -212,14 +224,14 @@ def run_dynamic_passes(
         return False
     modified = False
     stale = True
-    for cls in DYNAMIC_PASSES:
+    for step in DYNAMIC_PASSES:
         if stale:  # shapes are current until a pass changes the model (inference is most of a small compile)
             InferShapes()(model)
-        changed = run_pass(cls(options), model).modified
+        changed = run_pass(step.build(options), model).modified
         stale = changed
         modified |= changed
         if changed and after_pass is not None:
-            after_pass(cls.__name__, model)
+            after_pass(step.cls.__name__, model)
     return modified
 
 

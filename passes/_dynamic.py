@@ -18,6 +18,7 @@ from layerzero.contract import (
     THRESHOLD_INPUT,
     DynamicPath,
 )
+from layerzero.passes._builder import claim_name
 
 __all__ = [
     "DYNAMIC_META_KEY",
@@ -52,6 +53,7 @@ def threshold_input(model: ir.Model, default: float) -> ir.Value:
     for value in graph.inputs:
         if value.name == THRESHOLD_INPUT:
             return value
+    claim_name(graph, THRESHOLD_INPUT)  # a value of the model called so is renamed (issue 20)
     value = ir.Value(
         name=THRESHOLD_INPUT,
         type=ir.TensorType(ir.DataType.FLOAT),

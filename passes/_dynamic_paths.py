@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from layerzero.passes._dynamic import MOE_DOMAIN, MOE_OP, DynamicPath
+from layerzero.passes._dynamic import DynamicPath
+from layerzero.passes._moe_node import MoENode, is_moe_node
 
 __all__ = ["block_output", "driven_ifs", "graph_output", "moe_logits", "moe_node"]
 
@@ -24,10 +25,8 @@ def graph_output(graph: ir.Graph, name: str) -> ir.Value | None:
 def moe_node(graph: ir.Graph, path: str) -> ir.Node | None:
     """The skipping-form node ``ai.layerzero::MoE`` of ``path`` (kept by targets that do not lower it)."""
     for node in graph:
-        if node.domain == MOE_DOMAIN and node.op_type == MOE_OP:
-            attr = node.attributes.get("path")
-            if attr is not None and attr.value == path:
-                return node
+        if is_moe_node(node) and "path" in node.attributes and MoENode.of(node).path == path:
+            return node
     return None
 
 
@@ -39,7 +38,7 @@ def moe_logits(graph: ir.Graph, entry: DynamicPath) -> ir.Value | None:
     """
     node = moe_node(graph, entry.path)
     if node is not None:
-        return node.inputs[1]
+        return MoENode.of(node).logits
     value = graph_output(graph, entry.mask_output)
     for _ in range(8):
         producer = value.producer() if value is not None else None

@@ -133,8 +133,8 @@ def replace_value(old: ir.Value, new: ir.Value, names: NameFactory) -> None:
             new.name = old_name
             target = new
         else:
-            ident = ir.Node("", "Identity", [new], name=names(f"{old_name}__identity"))
-            target = ident.outputs[0]
+            target = ir.tape.Tape().op("Identity", [new], name=names(f"{old_name}__identity"))
+            ident = target.producer()
             target.name = old_name
             target.shape = old.shape
             target.type = old.type

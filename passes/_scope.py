@@ -21,13 +21,10 @@ from collections.abc import Iterable, Sequence
 
 import onnx_ir as ir
 
+from layerzero.errors import CompilerError
 from layerzero.passes._graph import node_subgraphs
 
-__all__ = ["ScopeError", "Scopes"]
-
-
-class ScopeError(AssertionError):
-    """A pass would read a value where it is not visible (a bug of that pass, not of the model)."""
+__all__ = ["Scopes"]
 
 
 class Scopes:
@@ -106,7 +103,8 @@ class Scopes:
         for node in nodes:
             for value in node.inputs:
                 if value is not None and value not in made and not self.visible(value, anchor):
-                    raise ScopeError(
+                    raise CompilerError(  # a pass would read a value where it is not visible: its bug, not the model's
+
                         f"new node {node.op_type} {node.name or ''} would read {value.name!r} where it is not "
                         f"visible (placed before {anchor.op_type} {anchor.name or ''})"
                     )

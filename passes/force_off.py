@@ -13,9 +13,10 @@ import numpy as np
 import onnx_ir as ir
 
 from layerzero.contract import BLOCK_PREFIX, FORCE_OFF_PREFIX, DynamicPath
+from layerzero.passes._builder import Builder, claim_name
 from layerzero.passes._dynamic import read_dynamic_paths
 from layerzero.passes._dynamic_paths import block_output, graph_output, moe_logits
-from layerzero.passes._graph import NameFactory, insert_after_producer, make_constant, rename_output
+from layerzero.passes._graph import NameFactory, insert_after_producer, rename_output
 
 __all__ = ["BLOCK_PREFIX", "FORCE_OFF_PREFIX", "ExposeForceOff"]
 
@@ -74,28 +75,33 @@ class ExposeForceOff(ir.passes.InPlacePass):
             if logits is None:
                 return "its router logits are not found (unknown MoE lowering)"
             block = block_output(graph, entry, logits)
-            force = _force_input(graph, force_name, shape)
+            force = _force_input(graph, names, force_name, shape)
             _force_logits(graph, names, logits, force, entry)  # Case 1
         else:
             mask = graph_output(graph, entry.mask_output)
             if mask is None:
                 return f"mask output {entry.mask_output!r} is not an output of the model"
             block = block_output(graph, entry)
-            force = _force_input(graph, force_name, shape)
+            force = _force_input(graph, names, force_name, shape)
             _force_mask(graph, names, mask, force, entry)  # Case 2
         if block is None:
             logger.info("path %s: no block output found; its impact is measured on the model output only", entry.path)
             return None
-        out = ir.Node("", "Identity", [block], name=names(f"/{entry.path}/LzBlockIdentity"))
-        out.outputs[0].name = BLOCK_PREFIX + entry.path
-        out.outputs[0].type, out.outputs[0].shape = block.type, block.shape
+        out = _builder(graph, names, entry).node("Identity", [block], name=f"/{entry.path}/LzBlockIdentity")
+        block_output_value = out.outputs[0]
+        block_output_value.name = claim_name(graph, BLOCK_PREFIX + entry.path, names)
+        block_output_value.type, block_output_value.shape = block.type, block.shape
         graph.append(out)
-        graph.outputs.append(out.outputs[0])
+        graph.outputs.append(block_output_value)
         return None
 
 
-def _force_input(graph: ir.Graph, name: str, shape: list[int]) -> ir.Value:
-    value = ir.Value(name=name, type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape(shape))
+def _builder(graph: ir.Graph, names: NameFactory, entry: DynamicPath) -> Builder:
+    return Builder(graph, names, 0, node_prefix=f"/{entry.path}/Lz", value_prefix=f"{entry.path}.")
+
+
+def _force_input(graph: ir.Graph, names: NameFactory, name: str, shape: list[int]) -> ir.Value:
+    value = ir.Value(name=claim_name(graph, name, names), type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape(shape))
     graph.inputs.append(value)
     return value
 
@@ -110,19 +116,21 @@ def _rewire(old: ir.Value, new: ir.Value, keep: ir.Node) -> None:
 def _force_logits(graph: ir.Graph, names: NameFactory, logits: ir.Value, force: ir.Value, entry: DynamicPath) -> None:
     # logits -> routing   ->   Where(force, -inf, logits) -> routing
     dtype = logits.dtype.numpy() if logits.dtype is not None else np.float32
-    minus_inf = make_constant(graph, names, f"{entry.path}.force_off.minus_inf", np.array(-np.inf, dtype))
-    node = ir.Node("", "Where", [force, minus_inf, logits], name=names(f"/{entry.path}/LzForceOffWhere"))
-    node.outputs[0].name = names(f"{entry.path}.forced_logits")
-    node.outputs[0].type, node.outputs[0].shape = logits.type, logits.shape
-    _rewire(logits, node.outputs[0], node)
+    build = _builder(graph, names, entry)
+    minus_inf = build.initializer(f"{entry.path}.force_off.minus_inf", np.array(-np.inf, dtype))
+    node = build.node("Where", [force, minus_inf, logits], name=f"/{entry.path}/LzForceOffWhere")
+    forced = build.name(node.outputs[0], f"{entry.path}.forced_logits")
+    forced.type, forced.shape = logits.type, logits.shape
+    _rewire(logits, forced, node)
     insert_after_producer(graph, logits, [node])
 
 
 def _force_mask(graph: ir.Graph, names: NameFactory, mask: ir.Value, force: ir.Value, entry: DynamicPath) -> None:
     # mask -> If conditions, mask output   ->   And(mask, Not(force)) -> If conditions, mask output
-    off = ir.Node("", "Not", [force], name=names(f"/{entry.path}/LzForceOffNot"))
-    off.outputs[0].name = names(f"{entry.path}.not_forced")
-    both = ir.Node("", "And", [mask, off.outputs[0]], name=names(f"/{entry.path}/LzForceOffAnd"))
+    build = _builder(graph, names, entry)
+    off = build.node("Not", [force], name=f"/{entry.path}/LzForceOffNot")
+    build.name(off.outputs[0], f"{entry.path}.not_forced")
+    both = build.node("And", [mask, off.outputs[0]], name=f"/{entry.path}/LzForceOffAnd")
     forced = both.outputs[0]
     forced.type, forced.shape = mask.type, mask.shape
     _rewire(mask, forced, both)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
 
 from layerzero.contract import REFUSED_META_KEY
+from layerzero.passes._builder import Builder
 from layerzero.passes._dynamic import (
     MASK_PREFIX,
     DynamicPath,
@@ -23,7 +23,6 @@ from layerzero.passes._graph import (
     NameFactory,
     common_scope,
     const_array,
-    make_constant,
     read_round_trip_sources,
     rename_output,
     same_dim,
@@ -31,8 +30,9 @@ from layerzero.passes._graph import (
     scope_of,
 )
 from layerzero.passes._layers import describe_value, layer_params
+from layerzero.passes._match import Refusal
 
-__all__ = ["REFUSED_META_KEY", "RefusedBranch", "SkipGatedBranches", "read_refused_branches"]
+__all__ = ["REFUSED_META_KEY", "SkipGatedBranches", "read_refused_branches"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,18 +66,15 @@ _NORMS = frozenset({"LayerNormalization", "RMSNormalization"})
 _MS_NORMS = frozenset({"SimplifiedLayerNormalization", "LayerNormalization"})
 
 
-@dataclasses.dataclass(frozen=True)
-class RefusedBranch:
-    """A gated branch that stays as it is, and why."""
-
-    path: str
-    reason: str
-    kind: str = "gate"
+def _refused(path: str, reason: str) -> Refusal:
+    """A gated branch that stays as it is, and why (``passes/_match.Refusal``, kind "gate")."""
+    return Refusal(path, reason, kind="gate")
 
 
-def read_refused_branches(model: ir.Model) -> list[RefusedBranch]:
+def read_refused_branches(model: ir.Model) -> list[Refusal]:
+    """The refusals recorded in the model metadata ``layerzero.dynamic.refused`` (kind "gate" when unsaid)."""
     raw = model.metadata_props.get(REFUSED_META_KEY)
-    return [] if not raw else [RefusedBranch(d["path"], d["reason"], d.get("kind", "gate")) for d in json.loads(raw)]
+    return [] if not raw else [Refusal.from_json(d, kind="gate") for d in json.loads(raw)]
 
 
 @dataclasses.dataclass
@@ -124,15 +121,15 @@ class SkipGatedBranches(ir.passes.InPlacePass):
     run changes nothing.
     """
 
-    def __init__(self, options: object | None = None, *, threshold: float | None = None) -> None:
+    def __init__(self, threshold: float = 0.0) -> None:
+        """``threshold``: a gate is on where ``|g| > threshold`` (``CompileOptions.zeroing_threshold``)."""
         super().__init__()
-        if threshold is None:
-            threshold = float(getattr(options, "zeroing_threshold", 0.0) or 0.0)
-        if threshold < 0:
+        threshold = float(threshold)
+        if not threshold >= 0:
             raise ValueError(f"zeroing threshold must be >= 0, got {threshold}")
         self.threshold = threshold
         self.skipped: list[DynamicPath] = []
-        self.refused: list[RefusedBranch] = []
+        self.refused: list[Refusal] = []
         self.opset = 18
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -147,12 +144,12 @@ class SkipGatedBranches(ir.passes.InPlacePass):
             match = self._match(graph, node, taken)
             if match is None:
                 continue
-            if isinstance(match, RefusedBranch):
+            if isinstance(match, Refusal):
                 logger.info("gated branch %s left as it is: %s", match.path, match.reason)
                 self.refused.append(match)
                 continue
             if match.kind == "token" and opset < 11:
-                self.refused.append(RefusedBranch(match.path, f"a per-token gate needs opset >= 11, model has {opset}"))
+                self.refused.append(_refused(match.path, f"a per-token gate needs opset >= 11, model has {opset}"))
                 continue
             params = layer_params(match.branch)
             mask = self._rewrite(model, names, match, opset)
@@ -184,7 +181,7 @@ class SkipGatedBranches(ir.passes.InPlacePass):
 
     # ------------------------------------------------------------------------------------------ match
 
-    def _match(self, graph: ir.Graph, add: ir.Node, taken: set[str]) -> _Match | RefusedBranch | None:
+    def _match(self, graph: ir.Graph, add: ir.Node, taken: set[str]) -> _Match | Refusal | None:
         for i in (0, 1):  # x + m, m + x
             x, m = add.inputs[i], add.inputs[1 - i]
             if x is None or m is None or x is m:
@@ -214,7 +211,7 @@ class SkipGatedBranches(ir.passes.InPlacePass):
         h_index: int,
         kind: str,
         taken: set[str],
-    ) -> _Match | RefusedBranch | None:
+    ) -> _Match | Refusal | None:
         h = mul.inputs[h_index]
         assert h is not None
         producer = h.producer()
@@ -223,14 +220,14 @@ class SkipGatedBranches(ir.passes.InPlacePass):
         members = _exclusive_cone(h, mul, h_index)
         fallback = (mul.name or "").strip("/").replace("/", ".") or "gate"
         if not members:  # Case 4
-            return RefusedBranch(fallback, f"f(x) ({h.name!r}) is also read outside the gated branch")
+            return _refused(fallback, f"f(x) ({h.name!r}) is also read outside the gated branch")
         branch = [n for n in graph if n in members]
         path = common_scope([scope_of(n) for n in branch]) or fallback
         path = _unique(path, taken)
         if kind == "token":
             problem = _not_tokenwise(branch, x, h, self.opset)
             if problem is not None:  # Case 3
-                return RefusedBranch(path, f"per-token gate {g.name!r}: {problem}")
+                return _refused(path, f"per-token gate {g.name!r}: {problem}")
         return _Match(add, mul, x, g, h_index, kind, branch, path)
 
     # ---------------------------------------------------------------------------------------- rewrite
@@ -238,37 +235,42 @@ class SkipGatedBranches(ir.passes.InPlacePass):
     def _rewrite(self, model: ir.Model, names: NameFactory, match: _Match, opset: int) -> ir.Value:
         graph = model.graph
         add, mul, x, g = match.add, match.mul, match.x, match.g
-        build = _Builder(graph, names, add)
+        build = _builder(graph, names, opset, add)  # the main graph's new nodes, placed before the Add
+        then = build.body()  # the then-branch's new nodes
         y = add.outputs[0]
         y_type, y_shape = y.type, y.shape
         assert g.dtype is not None
         threshold = threshold_input(model, self.threshold)
         if g.dtype != threshold.dtype:
-            threshold = build.op("Cast", [threshold], to=g.dtype.value)
-        on = build.op("Greater", [build.op("Abs", [g]), threshold])
-        then_branch = ir.Graph([], [], nodes=[], name=names(f"{match.path}.gate_on"))
-        else_branch = ir.Graph([], [], nodes=[], name=names(f"{match.path}.gate_off"))
-        keep = build.op("Identity", [x], graph=else_branch)
+            threshold = build.op1("Cast", [threshold], to=g.dtype.value)
+        on = build.op1("Greater", [build.op1("Abs", [g]), threshold])
+        keep_node = build.body().node("Identity", [x])
+        keep = keep_node.outputs[0]
         keep.type, keep.shape = x.type, x.shape
-        else_branch.outputs.append(keep)
+        then_branch = ir.Graph([], [], nodes=[], name=names(f"{match.path}.gate_on"))
+        else_branch = ir.Graph([], [keep], nodes=[keep_node], name=names(f"{match.path}.gate_off"))
 
         if match.kind == "scalar":  # Case 1
-            mask = build.op("Reshape", [on, build.int64s(f"{match.path}.scalar", [])]) if len(g.shape or ()) else on
+            if len(g.shape or ()):
+                mask = build.op1("Reshape", [on, build.initializer(f"{match.path}.scalar", np.array([], np.int64))])
+            else:
+                mask = on
             cond = mask
             moved = [*match.branch, mul, add]
             out = y
         else:  # Case 2
             rank = len(x.shape or ())
-            mask = build.op("Squeeze", [on], axes=[-1], opset=opset)
-            nonzero = build.op("NonZero", [mask])
-            index = build.op("Transpose", [nonzero], perm=[1, 0])  # [N, rank-1]
-            cond = build.op("Greater", [build.op("Size", [nonzero]), build.int64s(f"{match.path}.zero", 0)])
+            mask = build.squeeze(on, [-1])
+            nonzero = build.op1("NonZero", [mask])
+            index = build.op1("Transpose", [nonzero], perm=[1, 0])  # [N, rank-1]
+            zero = build.initializer(f"{match.path}.zero", np.array(0, np.int64))
+            cond = build.op1("Greater", [build.op1("Size", [nonzero]), zero])
             lead = list(range(rank - 2))  # keep f's rank: [N, H] -> [1, ..., N, H]
-            tokens = build.op("GatherND", [x, index], graph=then_branch)
-            gates = build.op("GatherND", [g, index], graph=then_branch)
+            tokens = then.op1("GatherND", [x, index])
+            gates = then.op1("GatherND", [g, index])
             if lead:
-                tokens = build.op("Unsqueeze", [tokens], axes=lead, opset=opset, graph=then_branch)
-                gates = build.op("Unsqueeze", [gates], axes=lead, opset=opset, graph=then_branch)
+                tokens = then.unsqueeze(tokens, lead)
+                gates = then.unsqueeze(gates, lead)
             for node in [*match.branch, add]:
                 for k, value in enumerate(node.inputs):
                     if value is x:
@@ -283,83 +285,32 @@ class SkipGatedBranches(ir.passes.InPlacePass):
         if_node = build.node("If", [cond], {"then_branch": then_branch, "else_branch": else_branch})
         new = if_node.outputs[0]
         new.type, new.shape = y_type, y_shape
-        graph.insert_before(add, if_node)
+        graph.insert_before(add, build.take())
         _redirect(y, new, graph, names)
         graph.remove(moved)
+        then_branch.extend(then.take())
         then_branch.extend(moved)
         if match.kind == "token":
-            updates = y if not lead else build.op("Squeeze", [y], axes=lead, opset=opset, graph=then_branch)
-            out = build.op("ScatterND", [x, index, updates], graph=then_branch)
+            updates = y if not lead else then.squeeze(y, lead)
+            out = then.op1("ScatterND", [x, index, updates])
             out.type, out.shape = y_type, y_shape
+            then_branch.extend(then.take())
         then_branch.outputs.append(out)
         graph.outputs.append(mask)
         read_round_trip_sources(if_node)  # onnxruntime's "Missing Input" (issue 14 cause 6)
         return mask
 
 
-class _Builder:
-    """New nodes, built on an ``ir.tape.Tape``, named after the Add they replace (same scope path and metadata)."""
+def _builder(graph: ir.Graph, names: NameFactory, opset: int, anchor: ir.Node) -> Builder:
+    """New nodes named after the Add they replace (same scope path and name-scope metadata)."""
+    name = anchor.name or ""
+    prefix = name.rsplit("/", 1)[0] + "/" if "/" in name else ""
+    scopes = anchor.metadata_props.get(NAME_SCOPES_KEY)
+    metadata = {NAME_SCOPES_KEY: scopes} if scopes is not None else None
+    return Builder(graph, names, opset, node_prefix=f"{prefix}LzGate", metadata=metadata)
 
-    def __init__(self, root: ir.Graph, names: NameFactory, anchor: ir.Node) -> None:
-        self.root = root
-        self.names = names
-        self.anchor = anchor
-        self.tape = ir.tape.Tape()
-        name = anchor.name or ""
-        self.prefix = name.rsplit("/", 1)[0] + "/" if "/" in name else ""
-        self.scopes = anchor.metadata_props.get(NAME_SCOPES_KEY)
 
-    def node(
-        self,
-        op: str,
-        inputs: Sequence[ir.Value | None],
-        attributes: Mapping[str, object] | None = None,
-        *,
-        graph: ir.Graph | None = None,
-    ) -> ir.Node:
-        """One node (appended to ``graph`` when given, else not yet placed)."""
-        metadata = {NAME_SCOPES_KEY: self.scopes} if self.scopes is not None else None
-        name = self.names(f"{self.prefix}LzGate{op}")
-        out = self.tape.op(op, inputs, attributes, name=name, metadata_props=metadata)
-        out.name = self.names(f"{name}_output")
-        node = out.producer()
-        assert node is not None
-        if graph is not None:
-            graph.append(node)  # NOTE: the tape's graph= only records the owner; it does not append
-        return node
-
-    def op(
-        self,
-        op: str,
-        inputs: Sequence[ir.Value | None],
-        *,
-        graph: ir.Graph | None = None,
-        axes: list[int] | None = None,
-        perm: list[int] | None = None,
-        to: int | None = None,
-        opset: int = 18,
-    ) -> ir.Value:
-        """One node, placed before the anchor (main graph) or appended to ``graph``; its output."""
-        inputs = list(inputs)
-        attributes: dict[str, object] = {}
-        if axes is not None:
-            if opset >= 13:
-                inputs.append(self.int64s(f"{self.prefix}axes", axes))
-            else:
-                attributes["axes"] = ir.AttrInt64s("axes", axes)  # typed: an empty list has no element type
-        if perm is not None:
-            attributes["perm"] = ir.AttrInt64s("perm", perm)
-        if to is not None:
-            attributes["to"] = ir.AttrInt64("to", to)
-        node = self.node(op, inputs, attributes, graph=graph)
-        if graph is None:
-            self.root.insert_before(self.anchor, node)
-        return node.outputs[0]
-
-    def int64s(self, hint: str, values: list[int] | int) -> ir.Value:
-        return make_constant(self.root, self.names, hint, np.array(values, dtype=np.int64))
-
-    # --------------------------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------------------------- helpers
 
 
 def _gate_kind(g: ir.Value, x: ir.Value) -> str | None:
@@ -510,12 +461,12 @@ def _redirect(old: ir.Value, new: ir.Value, graph: ir.Graph, names: NameFactory)
     old.replace_all_uses_with(new, replace_graph_outputs=False)
 
 
-def _record_refused(model: ir.Model, refused: list[RefusedBranch]) -> bool:
+def _record_refused(model: ir.Model, refused: list[Refusal]) -> bool:
     if not refused:
         return False
     entries = {r.path: r for r in read_refused_branches(model)}
     entries.update({r.path: r for r in refused})
-    text = json.dumps([dataclasses.asdict(r) for r in entries.values()])
+    text = json.dumps([r.to_json() for r in entries.values()])
     if model.metadata_props.get(REFUSED_META_KEY) == text:
         return False
     model.metadata_props[REFUSED_META_KEY] = text

@@ -9,12 +9,12 @@ import numpy as np
 import onnx_ir as ir
 
 from layerzero.errors import InvalidInputError
+from layerzero.passes._builder import Builder, model_opset
 from layerzero.passes._dynamic import MASK_PREFIX, DynamicPath, read_dynamic_paths, record_dynamic_path
 from layerzero.passes._dynamic_paths import graph_output
 from layerzero.passes._graph import (
     NameFactory,
     insert_after_producer,
-    make_constant,
     rename_output,
     scope_of,
 )
@@ -85,6 +85,7 @@ class ApplyGroupMasks(ir.passes.InPlacePass):
         self.spec = spec
         self.select = select
         self.applied: list[DynamicPath] = []
+        self.opset = 0
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         spec = self.spec
@@ -95,6 +96,7 @@ class ApplyGroupMasks(ir.passes.InPlacePass):
             return ir.passes.PassResult(model, modified=False)
         self._check_disjoint(groups)
         names = NameFactory(graph)
+        self.opset = model_opset(model)
         scopes = {node: scope_of(node) for node in graph}
         layers = {g.name: [self._layer(graph, scopes, g, s) for s in g.scopes] for g in groups}  # Case 3, 5
         router_model = None
@@ -115,9 +117,9 @@ class ApplyGroupMasks(ir.passes.InPlacePass):
                 # A layer whose input was an earlier layer's output reads what replaced that output.
                 source = replaced.get(layer.input, layer.input)
                 if self.select:
-                    replaced[layer.output] = _select(graph, names, layer, source, mask)
+                    replaced[layer.output] = _select(graph, names, self.opset, layer, source, mask)
                 else:
-                    replaced[layer.output] = _run_if(graph, names, layer, source, mask, group)
+                    replaced[layer.output] = _run_if(graph, names, self.opset, layer, source, mask, group)
             if self.select:
                 continue
             graph.outputs.append(mask)
@@ -258,24 +260,16 @@ class ApplyGroupMasks(ir.passes.InPlacePass):
     def _decision(self, graph: ir.Graph, names: NameFactory, router: ir.Value, group: Group) -> ir.Value:
         """``[]`` bool: ``max(router[..., index]) > threshold`` (Case 2), placed after the router."""
         dtype = router.dtype.numpy() if router.dtype is not None else np.float32
-        index = make_constant(graph, names, f"{group.name}.router_index", np.array(group.index, dtype=np.int64))
-        threshold = make_constant(graph, names, f"{group.name}.threshold", np.array(self.spec.threshold, dtype=dtype))
-        prefix = f"/lz_groups/{group.name}/"
-        tape = ir.tape.Tape()  # records the nodes; they go in after the router, in order
-
-        def op(op_type: str, inputs: list[ir.Value], **attrs: int) -> ir.Value:
-            name = names(prefix + op_type)
-            out = tape.op(op_type, inputs, attributes=attrs, name=name)
-            out.name = names(name + "_output")
-            return out
-
-        value = op("Gather", [router, index], axis=-1)
+        build = Builder(graph, names, self.opset, node_prefix=f"/lz_groups/{group.name}/")
+        index = build.initializer(f"{group.name}.router_index", np.array(group.index, dtype=np.int64))
+        threshold = build.initializer(f"{group.name}.threshold", np.array(self.spec.threshold, dtype=dtype))
+        value = build.op1("Gather", [router, index], axis=-1)
         if router.shape is None or len(router.shape) > 1:
-            value = op("ReduceMax", [value], keepdims=0)
-        mask = op("Greater", [value, threshold])
+            value = build.op1("ReduceMax", [value], keepdims=0)
+        mask = build.op1("Greater", [value, threshold])
         mask.name = names(MASK_PREFIX + group.name) if not self.select else names(f"{group.name}__on")
         mask.dtype, mask.shape = ir.DataType.BOOL, ir.Shape([])
-        insert_after_producer(graph, router, list(tape.nodes))
+        insert_after_producer(graph, router, build.take())  # in order, after the router
         return mask
 
 
@@ -293,22 +287,19 @@ def _take_over(old: ir.Value, new: ir.Value, graph: ir.Graph, names: NameFactory
 
 
 def _run_if(
-    graph: ir.Graph, names: NameFactory, layer: Layer, source: ir.Value, mask: ir.Value, group: Group
+    graph: ir.Graph, names: NameFactory, opset: int, layer: Layer, source: ir.Value, mask: ir.Value, group: Group
 ) -> ir.Value:
     # before: x -> [layer] -> out -> readers
     # after:  x -> If(mask, then: [layer] -> out, else: Identity(x)) -> readers
-    base = f"/{layer.scope}/LzGroup"
+    build = Builder(graph, names, opset, node_prefix=f"/{layer.scope}/LzGroup")
     then_branch = ir.Graph([], [], nodes=[], name=names(f"{group.name}.{layer.scope}.on"))
-    else_branch = ir.Graph([], [], nodes=[], name=names(f"{group.name}.{layer.scope}.off"))
-    tape = ir.tape.Tape()
-    keep = tape.op("Identity", [source], name=names(f"{base}Identity"))
-    keep.name = names(f"{keep.producer().name}_output")
-    else_branch.append(keep.producer())
+    keep_node = build.body().node("Identity", [source])
+    keep = keep_node.outputs[0]
     keep.type, keep.shape = source.type, source.shape
-    else_branch.outputs.append(keep)
-    out = tape.op("If", [mask], {"then_branch": then_branch, "else_branch": else_branch}, name=names(f"{base}If"))
-    out.name = names(f"{out.producer().name}_output")
-    graph.insert_after(layer.members[-1], out.producer())
+    else_branch = ir.Graph([], [keep], nodes=[keep_node], name=names(f"{group.name}.{layer.scope}.off"))
+    if_node = build.node("If", [mask], {"then_branch": then_branch, "else_branch": else_branch})
+    out = if_node.outputs[0]
+    graph.insert_after(layer.members[-1], if_node)
     _take_over(layer.output, out, graph, names, set(layer.members))
     graph.remove(list(layer.members))
     then_branch.extend(layer.members)
@@ -316,12 +307,16 @@ def _run_if(
     return out
 
 
-def _select(graph: ir.Graph, names: NameFactory, layer: Layer, source: ir.Value, mask: ir.Value) -> ir.Value:
+def _select(
+    graph: ir.Graph, names: NameFactory, opset: int, layer: Layer, source: ir.Value, mask: ir.Value
+) -> ir.Value:
     # before: x -> [layer] -> out -> readers;  after: Where(mask, out, x) -> readers
-    out = ir.tape.Tape().op("Where", [mask, layer.output, source], name=names(f"/{layer.scope}/LzGroupWhere"))
-    out.name = names(f"{out.producer().name}_output")
-    graph.insert_after(layer.members[-1], out.producer())
-    _take_over(layer.output, out, graph, names, {*layer.members, out.producer()})
+    where = Builder(graph, names, opset, node_prefix=f"/{layer.scope}/LzGroup").node(
+        "Where", [mask, layer.output, source]
+    )
+    out = where.outputs[0]
+    graph.insert_after(layer.members[-1], where)
+    _take_over(layer.output, out, graph, names, {*layer.members, where})
     return out
 
 

@@ -10,16 +10,16 @@ import onnx_ir as ir
 
 from layerzero.errors import InvalidInputError, UnsupportedModelError
 from layerzero.passes import lower_moe_native
+from layerzero.passes._builder import Builder, model_opset
 from layerzero.passes._dynamic import (
     MOE_DOMAIN,
-    MOE_OP,
-    THRESHOLD_INPUT,
     DynamicPath,
     read_dynamic_paths,
     record_dynamic_path,
     threshold_input,
 )
-from layerzero.passes._graph import NAME_SCOPES_KEY, NameFactory, const_array, make_constant, replace_value
+from layerzero.passes._graph import NameFactory, const_array, replace_value
+from layerzero.passes._moe_node import MoENode, is_moe_node
 
 # The normalisation's ``sum + 1e-20`` of ``ai.layerzero::MoE`` (plugins/reference.py NORMALIZE_EPS; a pass
 # imports no plugin module).
@@ -63,7 +63,7 @@ def ort_moe_supports(scoring: str, activation: str, zeroing_threshold: float) ->
 def ort_moe_routing_supports(node: ir.Node) -> str | None:
     """Why ``com.microsoft.MoE`` cannot route like this node's v2 routing (moe_op_v2; None when it can): it
     chooses the top-k of the logits' softmax, with no selection bias, no group limits and no scaling."""
-    if len(node.inputs) > 8 and node.inputs[8] is not None:
+    if MoENode.of(node).score_bias is not None:
         return "score_bias (com.microsoft.MoE chooses by the softmax of the logits, without a selection bias)"
     spec = _MoESpec.routing_of(node)
     if spec["n_group"] != 1:
@@ -138,26 +138,14 @@ class LowerMoE(ir.passes.InPlacePass):
     ``onnxruntime`` target is lowered; other targets keep the node (a TensorRT plugin implements it).
     """
 
-    def __init__(
-        self,
-        options: object | None = None,
-        *,
-        lowering: str | None = None,
-        enabled: bool | None = None,
-        native_present: bool = False,
-    ) -> None:
-        """``lowering``: one of ``LOWERINGS`` (default ``"auto"``). ``enabled``: False keeps the nodes (a target
-        whose backend implements the op). ``options`` (a ``CompileOptions``) is the pipeline's old way in: its
-        ``moe_lowering``, and ``target == "onnxruntime"`` for ``enabled``; explicit arguments win.
-        """
+    def __init__(self, lowering: str = "auto", *, enabled: bool = True, native_present: bool = False) -> None:
+        """``lowering``: one of ``LOWERINGS`` (``CompileOptions.moe_lowering``). ``enabled``: False keeps the nodes
+        (a target whose backend implements the op)."""
         super().__init__()
-        if options is not None:
-            lowering = options.moe_lowering if lowering is None else lowering
-            enabled = options.target == "onnxruntime" if enabled is None else enabled
-        self.requested = "auto" if lowering is None else lowering
+        self.requested = lowering
         if self.requested not in LOWERINGS:
             raise InvalidInputError(f"moe_lowering={self.requested!r}; expected one of {LOWERINGS}")
-        self.enabled = True if enabled is None else bool(enabled)
+        self.enabled = bool(enabled)
         self.native_present = native_present  # liblayerzero_ort.so is built (the target looks; a pass cannot)
         self.lowered: list[tuple[str, str]] = []  # (path, lowering)
 
@@ -166,11 +154,11 @@ class LowerMoE(ir.passes.InPlacePass):
         if not self.enabled:
             return ir.passes.PassResult(model, modified=False)
         graph = model.graph
-        nodes = [n for n in graph if n.domain == MOE_DOMAIN and n.op_type == MOE_OP]
+        nodes = [n for n in graph if is_moe_node(n)]
         if not nodes:
             return ir.passes.PassResult(model, modified=False)
         names = NameFactory(graph)
-        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+        opset = model_opset(model)
         for node in nodes:
             spec = _MoESpec.of(node)
             lowering = choose_lowering(
@@ -182,7 +170,7 @@ class LowerMoE(ir.passes.InPlacePass):
                 _note_lowering(model, spec.path, lowering)
                 continue
             dtype = node.inputs[0].dtype.numpy() if node.inputs[0].dtype is not None else spec.w_gate.dtype
-            b = _Builder(graph, names, opset, spec.path, np.dtype(dtype))
+            b = Builder(graph, names, opset, scope_metadata=True, dtype=dtype).sub(spec.path)
             if lowering == "ort-moe":
                 y, mask = _lower_ort_moe(b, node, spec)
                 model.opset_imports.setdefault("com.microsoft", 1)
@@ -206,6 +194,10 @@ def _note_lowering(model: ir.Model, path: str, lowering: str) -> None:
         if entry.path == path:
             detail = dict(entry.detail, lowering=lowering)
             record_dynamic_path(model, DynamicPath(**{**dataclasses.asdict(entry), "detail": detail}))
+
+
+# The v2 routing fields of MoENode that _MoESpec copies.
+_ROUTING_FIELDS = ("n_group", "topk_group", "routed_scaling_factor", "routing", "jitter_eps")
 
 
 @dataclasses.dataclass
@@ -236,18 +228,8 @@ class _MoESpec:
     @staticmethod
     def routing_of(node: ir.Node) -> dict:
         """The node's v2 routing attributes, defaults filled in."""
-
-        def attr(name: str, default: object) -> object:
-            a = node.attributes.get(name)
-            return default if a is None else a.value
-
-        return {
-            "n_group": int(attr("n_group", 1)),
-            "topk_group": int(attr("topk_group", 1)),
-            "routed_scaling_factor": float(attr("routed_scaling_factor", 1.0)),
-            "routing": str(attr("routing", "topk")),
-            "jitter_eps": float(attr("jitter_eps", 0.01)),
-        }
+        view = MoENode.of(node)
+        return {name: getattr(view, name) for name in _ROUTING_FIELDS}
 
     @property
     def routing_v2(self) -> bool:
@@ -256,21 +238,15 @@ class _MoESpec:
 
     @classmethod
     def of(cls, node: ir.Node) -> _MoESpec:
-        def attr(name: str, default: object) -> object:
-            a = node.attributes.get(name)
-            return default if a is None else a.value
-
-        arrays = [_expert_constant(node, value, "expert weight") for value in node.inputs[2:5]]
+        view = MoENode.of(node)
+        arrays = [_expert_constant(node, value, "expert weight") for value in (view.w_gate, view.w_up, view.w_down)]
         experts, ffn, hidden = arrays[0].shape
         biases = []
-        for i, (name, shape) in enumerate(
-            (("b_gate", (experts, ffn)), ("b_up", (experts, ffn)), ("b_down", (experts, hidden)))
+        for name, value, shape in (
+            ("b_gate", view.b_gate, (experts, ffn)),
+            ("b_up", view.b_up, (experts, ffn)),
+            ("b_down", view.b_down, (experts, hidden)),
         ):
-            value = node.inputs[5 + i] if len(node.inputs) > 5 + i else None
-            if value is not None and value.name == THRESHOLD_INPUT:
-                # A node the native lowering kept (lower_moe_native.lower_native): its 6th input is the
-                # run-time threshold, not b_gate.
-                value = None
             bias = None if value is None else _expert_constant(node, value, f"expert bias {name}")
             if bias is not None and bias.shape != shape:
                 raise UnsupportedModelError(
@@ -279,22 +255,22 @@ class _MoESpec:
                 )
             biases.append(bias)
         return cls(
-            path=str(attr("path", node.name)),
-            top_k=int(attr("top_k", 1)),
-            normalize=bool(attr("normalize", 0)),
-            scoring=str(attr("scoring", "softmax")),
-            activation=str(attr("activation", "silu")),
-            threshold=float(attr("zeroing_threshold", 0.0)),
+            path=view.path,
+            top_k=view.top_k,
+            normalize=view.normalize,
+            scoring=view.scoring,
+            activation=view.activation,
+            threshold=view.zeroing_threshold,
             w_gate=arrays[0],
             w_up=arrays[1],
             w_down=arrays[2],
             b_gate=biases[0],
             b_up=biases[1],
             b_down=biases[2],
-            alpha=float(attr("activation_alpha", 1.702)),
-            limit=float(attr("activation_limit", 7.0)),
-            score_bias=node.inputs[8] if len(node.inputs) > 8 else None,
-            **cls.routing_of(node),
+            alpha=view.activation_alpha,
+            limit=view.activation_limit,
+            score_bias=view.score_bias,
+            **{name: getattr(view, name) for name in _ROUTING_FIELDS},
         )
 
     @property
@@ -321,77 +297,7 @@ def _expert_constant(node: ir.Node, value: ir.Value | None, what: str) -> np.nda
     return array
 
 
-class _Builder:
-    """Records nodes on an onnx-ir ``Tape`` (for the root graph, or a subgraph's body) with unique names and a
-    scope; ``nodes`` is the tape's list, inserted by the caller."""
-
-    def __init__(
-        self,
-        root: ir.Graph,
-        names: NameFactory,
-        opset: int,
-        scope: str,
-        dtype: np.dtype,
-        tape: ir.tape.Tape | None = None,
-    ) -> None:
-        self.root = root
-        self.dtype = dtype  # of the hidden state, logits and weights
-        self.names = names
-        self.opset = opset
-        self.scope = scope
-        self.tape = ir.tape.Tape() if tape is None else tape
-
-    @property
-    def nodes(self) -> list[ir.Node]:
-        return list(self.tape.nodes)
-
-    def sub(self, scope: str, *, body: bool = False) -> _Builder:
-        """A builder in another scope: on this builder's tape, or on a tape of its own for a subgraph's ``body``."""
-        return _Builder(self.root, self.names, self.opset, scope, self.dtype, None if body else self.tape)
-
-    def op(self, op_type: str, inputs: list[ir.Value | None], domain: str = "", outputs: int = 1, **attrs: object):
-        attributes: dict[str, object] = {}
-        for key, value in attrs.items():
-            if isinstance(value, (bool, int, float, str, ir.Graph, ir.Tensor)):
-                attributes[key] = int(value) if isinstance(value, bool) else value
-            else:  # a sequence of integers (axes, perm, ...), possibly numpy scalars
-                attributes[key] = [int(v) for v in value]
-        outs = self.tape.op_multi_out(
-            op_type,
-            inputs,
-            attributes,
-            num_outputs=outputs,
-            domain=domain,
-            name=self.names(f"/{self.scope}/{op_type}"),
-            metadata_props={NAME_SCOPES_KEY: repr([self.scope, op_type.lower()])},
-        )
-        for i, out in enumerate(outs):
-            out.name = self.names(f"{self.scope}.{op_type.lower()}" + (f"_{i}" if i else ""))
-        return outs[0] if outputs == 1 else list(outs)
-
-    def const(self, hint: str, array: np.ndarray) -> ir.Value:
-        """A small constant (axes, indices, scalars) as a ``Constant`` node: not a parameter of the model."""
-        value = self.op("Constant", [], value=ir.tensor(np.asarray(array)))
-        value.name = self.names(f"{self.scope}.{hint}")
-        value.dtype = ir.DataType.from_numpy(np.asarray(array).dtype)
-        value.shape = ir.Shape(np.asarray(array).shape)
-        return value
-
-    def weight(self, hint: str, array: np.ndarray) -> ir.Value:
-        """A weight, as an initializer of the root graph (visible to every subgraph)."""
-        return make_constant(self.root, self.names, f"{self.scope}.{hint}", array)
-
-    def ints(self, *values: int) -> ir.Value:
-        return self.const("const", np.array(values, dtype=np.int64))
-
-    def reduce(self, op_type: str, x: ir.Value, axes: list[int], keepdims: int) -> ir.Value:
-        # ReduceSum takes axes as an input from opset 13, the other reductions from opset 18.
-        if op_type == "ReduceSum" or self.opset >= 18:
-            return self.op(op_type, [x, self.ints(*axes)], keepdims=keepdims)
-        return self.op(op_type, [x], axes=axes, keepdims=keepdims)
-
-
-def _activation(b: _Builder, x: ir.Value, activation: str) -> ir.Value:
+def _activation(b: Builder, x: ir.Value, activation: str) -> ir.Value:
     if activation == "silu":
         return b.op("Mul", [x, b.op("Sigmoid", [x])])
     if activation == "relu":
@@ -408,7 +314,7 @@ def _activation(b: _Builder, x: ir.Value, activation: str) -> ir.Value:
     raise UnsupportedModelError(f"MoE block {b.scope}: activation {activation!r} is not lowered")
 
 
-def _gated(b: _Builder, gate: ir.Value, up: ir.Value, spec: _MoESpec) -> ir.Value:
+def _gated(b: Builder, gate: ir.Value, up: ir.Value, spec: _MoESpec) -> ir.Value:
     """``glu(gate, up)`` of the node's activation (plugins/reference.py ``glu``)."""
     if spec.activation != "swiglu_oai":
         return b.op("Mul", [_activation(b, gate, spec.activation), up])
@@ -425,7 +331,7 @@ def _gated(b: _Builder, gate: ir.Value, up: ir.Value, spec: _MoESpec) -> ir.Valu
 
 
 def _routing(
-    b: _Builder, logits: ir.Value, spec: _MoESpec, dense: bool, threshold: ir.Value | None = None
+    b: Builder, logits: ir.Value, spec: _MoESpec, dense: bool, threshold: ir.Value | None = None
 ) -> tuple[ir.Value | None, ir.Value]:
     """``(weights [T, E] or None, selected [T, E] 0/1)``, in the logits' dtype: the top-k weights and which
     experts run."""
@@ -459,7 +365,7 @@ def _routing(
     return weights, selected
 
 
-def _topk(b: _Builder, logits: ir.Value, spec: _MoESpec) -> tuple[ir.Value, ir.Value]:
+def _topk(b: Builder, logits: ir.Value, spec: _MoESpec) -> tuple[ir.Value, ir.Value]:
     """``(weights [T, k], indices [T, k])`` of top-k routing (reference steps 1-4)."""
     dtype = b.dtype
     if spec.scoring == "softmax":
@@ -481,7 +387,7 @@ def _topk(b: _Builder, logits: ir.Value, spec: _MoESpec) -> tuple[ir.Value, ir.V
     return values, indices
 
 
-def _sparsemixer(b: _Builder, logits: ir.Value, spec: _MoESpec) -> tuple[ir.Value, ir.Value]:
+def _sparsemixer(b: Builder, logits: ir.Value, spec: _MoESpec) -> tuple[ir.Value, ir.Value]:
     """PhiMoE's sparsemixer at inference, as the model computes it (reference ``_sparsemixer``): the ArgMax,
     weighed by a softmax of the logits within ``2·jitter_eps`` (relative) of the maximum; again with the first
     choice at -inf. ``(weights [T, 2], indices [T, 2])``."""
@@ -504,7 +410,7 @@ def _sparsemixer(b: _Builder, logits: ir.Value, spec: _MoESpec) -> tuple[ir.Valu
     return b.op("Concat", weights, axis=-1), b.op("Concat", choices, axis=-1)
 
 
-def _selection_scores(b: _Builder, probs: ir.Value, spec: _MoESpec) -> ir.Value:
+def _selection_scores(b: Builder, probs: ir.Value, spec: _MoESpec) -> ir.Value:
     """``probs + score_bias`` with the groups outside the ``topk_group`` best at -inf (moe_op_v2)."""
     # probs [T, E] -> s = probs + bias; groups = Reshape(s, [T, G, E/G]); score = ReduceSum(TopK(groups, 2));
     # keep = ScatterElements(0, TopK(score, topk_group).indices, 1) repeated E/G times; Where(keep, s, -inf)
@@ -524,12 +430,12 @@ def _selection_scores(b: _Builder, probs: ir.Value, spec: _MoESpec) -> ir.Value:
     zeros = b.op("ConstantOfShape", [b.op("Shape", [group_scores])], value=ir.tensor(np.array([0], np.int64)))
     ones = b.op("ConstantOfShape", [b.op("Shape", [best])], value=ir.tensor(np.array([1], np.int64)))
     kept = b.op("ScatterElements", [zeros, best, ones], axis=-1)  # [T, G] 0/1
-    kept = b.op("Expand", [b.op("Unsqueeze", [kept, b.ints(-1)]), b.ints(1, 1, size)])  # [T, G, E/G]
+    kept = b.op("Expand", [b.unsqueeze(kept, [-1]), b.ints(1, 1, size)])  # [T, G, E/G]
     kept = b.op("Cast", [b.op("Reshape", [kept, b.ints(0, spec.experts)])], to=ir.DataType.BOOL)
     return b.op("Where", [kept, select, b.const("minus_inf", np.array(-np.inf, b.dtype))])
 
 
-def _lower_if(b: _Builder, node: ir.Node, spec: _MoESpec, threshold: ir.Value) -> tuple[ir.Value, ir.Value]:
+def _lower_if(b: Builder, node: ir.Node, spec: _MoESpec, threshold: ir.Value) -> tuple[ir.Value, ir.Value]:
     # MoE(x, logits, ...)   ->   routing; acc = 0; per expert e: acc = If(any token routed to e,
     #     then: acc + ScatterND(tokens_e, w_e · down_e(act(gate_e x_e) ⊙ up_e x_e)), else: acc)
     hidden, logits = node.inputs[0], node.inputs[1]
@@ -562,32 +468,32 @@ def _lower_if(b: _Builder, node: ir.Node, spec: _MoESpec, threshold: ir.Value) -
         then = sub.sub(sub.scope, body=True)
         column = then.op("Gather", [mask_t, index], axis=0)  # [T] bool
         nonzero = then.op("NonZero", [column])  # [1, n]
-        tokens = then.op("Squeeze", [nonzero, then.ints(0)])  # [n]
+        tokens = then.squeeze(nonzero, [0])  # [n]
         positions = then.op("Transpose", [nonzero], perm=[1, 0])  # [n, 1]
         x = then.op("Gather", [hidden, tokens], axis=0)  # [n, H]
         fused = then.op("MatMul", [x, w_gate_up])
         if b_gate_up is not None:
             fused = then.op("Add", [fused, b_gate_up])
-        gate, up = then.op("Split", [fused, then.ints(ffn, ffn)], outputs=2, axis=-1)
+        gate, up = then.split(fused, [ffn, ffn], axis=-1)
         h = _gated(then, gate, up, spec)
         y = then.op("MatMul", [h, w_down])  # [n, H]
         if b_down is not None:
             y = then.op("Add", [y, b_down])
         scale = then.op("Gather", [then.op("Gather", [weights_t, index], axis=0), tokens], axis=0)
-        y = then.op("Mul", [y, then.op("Unsqueeze", [scale, then.ints(1)])])
+        y = then.op("Mul", [y, then.unsqueeze(scale, [1])])
         out = then.op("ScatterND", [acc, positions, y], reduction="add")
         out.dtype, out.shape = hidden.dtype, hidden.shape
-        then_graph = ir.Graph([], [out], nodes=then.nodes, name=b.names(f"{sub.scope}.then"))
+        then_graph = then.graph([out], f"{sub.scope}.then")
         otherwise = sub.sub(sub.scope, body=True)
         passed = otherwise.op("Identity", [acc])
         passed.dtype, passed.shape = hidden.dtype, hidden.shape
-        else_graph = ir.Graph([], [passed], nodes=otherwise.nodes, name=b.names(f"{sub.scope}.else"))
+        else_graph = otherwise.graph([passed], f"{sub.scope}.else")
         acc = sub.op("If", [run], then_branch=then_graph, else_branch=else_graph)
         acc.dtype, acc.shape = hidden.dtype, hidden.shape
     return acc, mask
 
 
-def _lower_ort_moe(b: _Builder, node: ir.Node, spec: _MoESpec) -> tuple[ir.Value, ir.Value]:
+def _lower_ort_moe(b: Builder, node: ir.Node, spec: _MoESpec) -> tuple[ir.Value, ir.Value]:
     # MoE(x, logits, w_gate, w_up, w_down)   ->   com.microsoft.MoE(x, logits, fc1 = interleave(w_gate, w_up), fc2)
     hidden, logits = node.inputs[0], node.inputs[1]
     _, selected = _routing(b, logits, spec, dense=False)

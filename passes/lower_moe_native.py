@@ -3,8 +3,8 @@
 ``native`` leaves the skipping form in the graph for ONNX Runtime to run with the custom-op library
 (``plugins/ort``): routing and the routed experts in one kernel, weights read in place from the initializers in
 the form's own ``[out, in]`` layout, which is the kernel's access order (rows streamed), so nothing is re-laid
-out. The node gains the run-time threshold ``layerzero::threshold`` as its 6th input (its 10th, after the v2
-inputs 5-8, when it has any).
+out. The node gains the run-time threshold ``layerzero::threshold`` in its own slot, input 9, after the v2 slots
+5-8 (empty where absent; ``passes/_moe_node.py`` lays the node out).
 
 ``auto`` (``choose_auto``): ``native`` when the library is present and implements the block; otherwise the
 faster of ``if`` and ``ort-moe`` by ``estimate_ms``, a cost model fitted to ``bench/moe.py`` measurements.
@@ -20,7 +20,8 @@ import logging
 
 import onnx_ir as ir
 
-from layerzero.passes._dynamic import MOE_DOMAIN, THRESHOLD_INPUT, threshold_input
+from layerzero.passes._dynamic import MOE_DOMAIN, threshold_input
+from layerzero.passes._moe_node import THRESHOLD_SLOT, MoENode
 
 __all__ = [
     "NATIVE_ACTIVATIONS",
@@ -57,23 +58,9 @@ NATIVE_SCORINGS = ("softmax", "sigmoid")
 NATIVE_ACTIVATIONS = ("silu", "gelu", "relu", "swiglu_oai")
 _NATIVE_WEIGHTS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 _NATIVE_HIDDEN = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
-# The v2 optional inputs (position -> name): expert biases and the selection bias; the kernel reads the
-# run-time threshold as input 9 after them (as input 5 in the v1 layout of 5 inputs).
+# The v2 optional inputs (position -> name; passes/_moe_node.py lays them out): expert biases and the selection
+# bias; the kernel reads the run-time threshold as input 9 after them.
 _V2_INPUTS = {5: "b_gate", 6: "b_up", 7: "b_down", 8: "score_bias"}
-_V2_THRESHOLD_AT = 9
-
-
-def _is_threshold(value: ir.Value | None) -> bool:
-    return value is not None and value.name == THRESHOLD_INPUT
-
-
-def _v2_inputs(node: ir.Node) -> dict[int, ir.Value]:
-    """The node's present v2 inputs 5-8 (an input 5 that is the v1 layout's threshold is not one)."""
-    return {
-        i: node.inputs[i]
-        for i in _V2_INPUTS
-        if len(node.inputs) > i and node.inputs[i] is not None and not (i == 5 and _is_threshold(node.inputs[i]))
-    }
 
 
 def native_supports(node: ir.Node) -> str | None:
@@ -83,23 +70,19 @@ def native_supports(node: ir.Node) -> str | None:
     scaling) except ``routing`` other than ``topk`` (PhiMoE's sparsemixer). Refused: that, any attribute it does
     not know, other dtypes, and weights or v2 inputs that are not constants no feed can override.
     """
-    for value in (*node.inputs[2:5], *_v2_inputs(node).values()):
+    view = MoENode.of(node)
+    v2 = view.v2_inputs
+    for value in (view.w_gate, view.w_up, view.w_down, *v2.values()):
         if value is not None and value.is_graph_input():
             return f"expert weight {value.name} is also a graph input (a feed may override it)"
-    routing = node.attributes.get("routing")
-    if routing is not None and str(routing.value) != "topk":
-        return f"routing {routing.value!r} (liblayerzero_ort.so implements routing = 'topk' only)"
+    if view.routing != "topk":
+        return f"routing {view.routing!r} (liblayerzero_ort.so implements routing = 'topk' only)"
     unknown = sorted(set(node.attributes) - NATIVE_ATTRIBUTES)
     if unknown:
         known = ", ".join(sorted(NATIVE_ATTRIBUTES))
         return f"attributes {', '.join(unknown)} (liblayerzero_ort.so implements {known})"
-    count = len(node.inputs)
-    v1_threshold = count == 6 and _is_threshold(node.inputs[5])
-    v2_threshold = count == _V2_THRESHOLD_AT + 1 and _is_threshold(node.inputs[_V2_THRESHOLD_AT])
-    if count > _V2_THRESHOLD_AT + 1 or (count == _V2_THRESHOLD_AT + 1 and not v2_threshold):
-        return f"{count} inputs (liblayerzero_ort.so implements 5, the v2 inputs 5-8 and the threshold)"
-    if count == 6 and not v1_threshold and node.inputs[5] is None:
-        return "input 5 is absent (liblayerzero_ort.so reads a 6-input node's input 5 as b_gate or the threshold)"
+    if len(node.inputs) > THRESHOLD_SLOT + 1:
+        return f"{len(node.inputs)} inputs (liblayerzero_ort.so implements 5, the v2 inputs 5-8 and the threshold)"
     for name, allowed, default in (("scoring", NATIVE_SCORINGS, "softmax"), ("activation", NATIVE_ACTIVATIONS, "silu")):
         attr = node.attributes.get(name)
         value = default if attr is None else str(attr.value)
@@ -115,7 +98,7 @@ def native_supports(node: ir.Node) -> str | None:
         dtypes.add(value.const_value.dtype)
     if len(dtypes) != 1 or next(iter(dtypes)) not in _NATIVE_WEIGHTS:
         return f"expert weight dtypes {sorted(str(d) for d in dtypes)} (one of float32, float16, bfloat16)"
-    for i, value in _v2_inputs(node).items():
+    for i, value in v2.items():
         if value.const_value is None:
             return f"{_V2_INPUTS[i]} {value.name} is not a constant"
         if value.const_value.dtype not in _NATIVE_WEIGHTS:
@@ -124,19 +107,13 @@ def native_supports(node: ir.Node) -> str | None:
 
 
 def lower_native(model: ir.Model, node: ir.Node, default_threshold: float) -> None:
-    """Keep ``node`` for the custom op; add the run-time threshold input: input 5 of a 5-input node (v1),
-    input 9 after the v2 inputs 5-8 otherwise."""
-    # MoE(x, logits, w_gate, w_up, w_down)            ->   MoE(..., w_down, layerzero::threshold)
-    # MoE(x, logits, w_gate, w_up, w_down, b.., sb)   ->   MoE(..., b_gate, b_up, b_down, score_bias, threshold)
-    count = len(node.inputs)
-    if (count == 6 and _is_threshold(node.inputs[5])) or (
-        count == _V2_THRESHOLD_AT + 1 and _is_threshold(node.inputs[_V2_THRESHOLD_AT])
-    ):
-        return  # lowered before: nothing to do
-    threshold = threshold_input(model, default_threshold)
-    position = 5 if not _v2_inputs(node) else _V2_THRESHOLD_AT
-    node.resize_inputs(position + 1)
-    node.replace_input_with(position, threshold)
+    """Keep ``node`` for the custom op; the run-time threshold ``layerzero::threshold`` goes into its slot, input 9
+    (``passes/_moe_node.py``: the v2 slots 5-8 before it stay as they are, empty where absent)."""
+    # MoE(x, logits, w_gate, w_up, w_down[, b.., sb])   ->   MoE(x, logits, w_gate, w_up, w_down, b.., sb, threshold)
+    view = MoENode.of(node)
+    if view.threshold is None:
+        view.threshold = threshold_input(model, default_threshold)
+    view.write_inputs(node)  # also moves an earlier layout's threshold (input 5) to its slot
     model.opset_imports.setdefault(MOE_DOMAIN, 1)
 
 

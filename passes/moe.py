@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 import math
 
-import numpy as np
 import onnx_ir as ir
 
 from layerzero.errors import InvalidInputError
+from layerzero.passes._builder import Builder
 from layerzero.passes._dynamic import MASK_PREFIX, MOE_DOMAIN, MOE_OP, ROUTER_PREFIX, DynamicPath, record_dynamic_path
 from layerzero.passes._graph import NAME_SCOPES_KEY, NameFactory, make_constant, replace_value
-from layerzero.passes._moe import MoEMatch, Refusal, Router, find_moe_blocks
+from layerzero.passes._moe import MoEMatch, Refusal, find_moe_blocks
+from layerzero.passes._moe_node import MoENode
 
 __all__ = ["MOE_DOMAIN", "MOE_OP", "SkipExperts"]
 
@@ -19,6 +20,8 @@ logger = logging.getLogger(__name__)
 
 # ScatterND(reduction="add") of the ONNX Runtime lowering needs opset 16.
 _MIN_OPSET = 16
+# The v2 routing attributes (recorded in the path's detail too, where the node has them).
+_ROUTING_ATTRIBUTES = frozenset({"n_group", "topk_group", "routed_scaling_factor", "routing", "jitter_eps"})
 
 
 class SkipExperts(ir.passes.InPlacePass):
@@ -54,12 +57,9 @@ class SkipExperts(ir.passes.InPlacePass):
     removed, so a second run finds nothing.
     """
 
-    def __init__(self, options: object | None = None, *, zeroing_threshold: float | None = None) -> None:
-        """``zeroing_threshold`` (default 0) goes into each node; ``options`` (a ``CompileOptions``) gives it
-        when the argument is not given (the pipeline's old way in)."""
+    def __init__(self, zeroing_threshold: float = 0.0) -> None:
+        """``zeroing_threshold`` (``CompileOptions.zeroing_threshold``) goes into each node."""
         super().__init__()
-        if zeroing_threshold is None:
-            zeroing_threshold = 0.0 if options is None else options.zeroing_threshold
         if not (math.isfinite(zeroing_threshold) and zeroing_threshold >= 0):
             raise InvalidInputError(f"zeroing_threshold={zeroing_threshold!r}; expected a finite number >= 0")
         self.zeroing_threshold = float(zeroing_threshold)
@@ -118,30 +118,43 @@ class SkipExperts(ir.passes.InPlacePass):
             make_constant(graph, names, f"{path}.experts.{part}", array)
             for part, array in (("w_gate", m.w_gate), ("w_up", m.w_up), ("w_down", m.w_down))
         ]
-        inputs, routing_attributes = _routing_v2(graph, names, path, router)
+        b_gate, b_up, b_down = _expert_biases(graph, names, path, m)
+        score_bias = None
+        if router.score_bias is not None:
+            score_bias = make_constant(graph, names, f"{path}.router.score_bias", router.score_bias)
         hidden, scoring, before = m.hidden, router.scoring, []
         if m.input_scale:
             # Llama 4 (top-1): the expert reads x · sigmoid(top logit); its weight is then 1, the top-1 softmax
             # probability normalised over itself (p / (p + 1e-20) == 1 for p >= 1 / E).
-            before = _scaled_hidden(names, path, m.hidden, router.logits, opset)
-            hidden, scoring = before[-1].outputs[0], "softmax"
-        node = ir.Node(
-            MOE_DOMAIN,
-            MOE_OP,
-            [hidden, router.logits, *weights, *_v2_inputs(_expert_biases(graph, names, path, m), inputs)],
-            attributes=[
-                ir.AttrInt64("top_k", router.top_k),
-                ir.AttrInt64("normalize", m.normalize),
-                ir.AttrString("scoring", scoring),
-                ir.AttrString("activation", m.activation),
-                ir.AttrFloat32("zeroing_threshold", self.zeroing_threshold),
-                ir.AttrString("path", path),
-                *_activation_attributes(m),
-                *routing_attributes,
-            ],
-            num_outputs=2,
-            name=names(f"/{path}/experts/MoE"),
-            metadata_props={NAME_SCOPES_KEY: repr([path, f"{path}.experts", "moe"])},
+            scaler = Builder(graph, names, opset, node_prefix=f"/{path}/input_scale/",
+                             value_prefix=f"{path}.input_scale.")  # fmt: skip
+            hidden = _scaled_hidden(scaler, m.hidden, router.logits)
+            before, scoring = scaler.nodes, "softmax"
+        view = MoENode(
+            hidden,
+            router.logits,
+            *weights,
+            b_gate=b_gate,
+            b_up=b_up,
+            b_down=b_down,
+            score_bias=score_bias,
+            top_k=router.top_k,
+            normalize=bool(m.normalize),
+            scoring=scoring,
+            activation=m.activation,
+            zeroing_threshold=self.zeroing_threshold,
+            path=path,
+            activation_alpha=m.activation_alpha,
+            activation_limit=m.activation_limit,
+            n_group=router.n_group,
+            topk_group=router.topk_group,
+            routed_scaling_factor=router.routed_scaling_factor,
+            routing=router.routing,
+            jitter_eps=router.jitter_eps,
+        )
+        routing_attributes = [a for a in view.attributes() if a.name in _ROUTING_ATTRIBUTES]
+        node = view.to_node(
+            name=names(f"/{path}/experts/MoE"), metadata_props={NAME_SCOPES_KEY: repr([path, f"{path}.experts", "moe"])}
         )
         y, mask = node.outputs
         y.name = names(f"{path}.moe_output")
@@ -151,34 +164,14 @@ class SkipExperts(ir.passes.InPlacePass):
         tokens = m.hidden.shape[0] if m.hidden.shape is not None else None
         mask.shape = ir.Shape([tokens, m.experts]) if tokens is not None else None
         # The top-1 probability of each token: the router's confidence (routing_confidence).
-        scores = ir.Node(
-            "",
-            router.scores.op_type,
-            [router.logits],
-            attributes=[ir.AttrInt64("axis", -1)] if router.scores.op_type == "Softmax" else [],
-            name=names(f"/{path}/router/{router.scores.op_type}"),
-        )
-        if opset >= 18:
-            axes_node = ir.Node(
-                "", "Constant", [], attributes=[ir.AttrTensor("value", ir.tensor(np.array([-1], np.int64)))]
-            )
-            axes_node.name = names(f"/{path}/router/Constant")
-            axes = axes_node.outputs[0]
-            axes.name = names(f"{path}.router.axes")
-            top1 = ir.Node("", "ReduceMax", [scores.outputs[0], axes], attributes=[ir.AttrInt64("keepdims", 0)])
-        else:
-            top1 = ir.Node(
-                "",
-                "ReduceMax",
-                [scores.outputs[0]],
-                attributes=[ir.AttrInt64s("axes", [-1]), ir.AttrInt64("keepdims", 0)],
-            )
-        top1.name = names(f"/{path}/router/ReduceMax")
-        confidence = top1.outputs[0]
+        build = Builder(graph, names, opset, node_prefix=f"/{path}/router/", value_prefix=f"{path}.router.")
+        axis = {"axis": -1} if router.scores.op_type == "Softmax" else {}
+        scores = build.op1(router.scores.op_type, [router.logits], **axis)
+        confidence = build.reduce("ReduceMax", scores, [-1], 0)
         confidence.name = names(ROUTER_PREFIX + path)
         confidence.dtype = router.logits.dtype
         confidence.shape = ir.Shape([tokens]) if tokens is not None else None
-        graph.insert_after(end, [*before, node, scores, *([axes_node] if opset >= 18 else []), top1])
+        graph.insert_after(end, [*before, node, *build.nodes])
         replace_value(m.output, y, names)
         graph.outputs.extend([mask, confidence])
         _remove_dead(graph, [*m.nodes, end, router.topk, router.scores, *router.nodes])
@@ -211,81 +204,30 @@ class SkipExperts(ir.passes.InPlacePass):
         return y
 
 
-def _scaled_hidden(names: NameFactory, path: str, hidden: ir.Value, logits: ir.Value, opset: int) -> list[ir.Node]:
+def _scaled_hidden(build: Builder, hidden: ir.Value, logits: ir.Value) -> ir.Value:
     """``hidden · Sigmoid(ReduceMax(logits, -1, keepdims))``: each token scaled by the sigmoid of its top logit
-    (Llama 4's top-1 weighting of the expert's input); the last node's output is the scaled hidden state."""
-    nodes: list[ir.Node] = []
-    if opset >= 18:
-        minus_one = ir.AttrTensor("value", ir.tensor(np.array([-1], np.int64)))
-        axes_node = ir.Node("", "Constant", [], attributes=[minus_one])
-        axes_node.name = names(f"/{path}/input_scale/Constant")
-        axes_node.outputs[0].name = names(f"{path}.input_scale.axes")
-        top = ir.Node("", "ReduceMax", [logits, axes_node.outputs[0]], attributes=[ir.AttrInt64("keepdims", 1)])
-        nodes.append(axes_node)
-    else:
-        top = ir.Node(
-            "", "ReduceMax", [logits], attributes=[ir.AttrInt64s("axes", [-1]), ir.AttrInt64("keepdims", 1)]
-        )
-    top.name = names(f"/{path}/input_scale/ReduceMax")
-    weight = ir.Node("", "Sigmoid", [top.outputs[0]], name=names(f"/{path}/input_scale/Sigmoid"))
-    scaled = ir.Node("", "Mul", [hidden, weight.outputs[0]], name=names(f"/{path}/input_scale/Mul"))
-    for n, what in ((top, "top_logit"), (weight, "weight"), (scaled, "hidden")):
-        out = n.outputs[0]
-        out.name = names(f"{path}.input_scale.{what}")
-        out.dtype = hidden.dtype
-    scaled.outputs[0].shape = hidden.shape
-    return [*nodes, top, weight, scaled]
+    (Llama 4's top-1 weighting of the expert's input), built on ``build``."""
+    top = build.reduce("ReduceMax", logits, [-1], 1)
+    weight = build.op1("Sigmoid", [top])
+    scaled = build.op1("Mul", [hidden, weight])
+    for value in (top, weight, scaled):
+        value.dtype = hidden.dtype
+    scaled.shape = hidden.shape
+    return scaled
 
 
 def _has_biases(m: MoEMatch) -> bool:
     return any(b is not None for b in (m.b_gate, m.b_up, m.b_down))
 
 
-def _expert_biases(graph: ir.Graph, names: NameFactory, path: str, m: MoEMatch) -> list[ir.Value | None]:
-    """Inputs 5-7 of the node (``b_gate``, ``b_up``, ``b_down``; None = absent); none at all without biases, so
-    a block without them is the v1 node exactly."""
-    if not _has_biases(m):
-        return []
-    return [
+def _expert_biases(
+    graph: ir.Graph, names: NameFactory, path: str, m: MoEMatch
+) -> tuple[ir.Value | None, ir.Value | None, ir.Value | None]:
+    """``b_gate``, ``b_up``, ``b_down`` of the node (None = absent)."""
+    return tuple(  # type: ignore[return-value]
         None if array is None else make_constant(graph, names, f"{path}.experts.{part}", array)
         for part, array in (("b_gate", m.b_gate), ("b_up", m.b_up), ("b_down", m.b_down))
-    ]
-
-
-def _activation_attributes(m: MoEMatch) -> list[ir.Attr]:
-    """``activation_alpha`` / ``activation_limit``: only for the activation that reads them (swiglu_oai)."""
-    if m.activation != "swiglu_oai":
-        return []
-    return [
-        ir.AttrFloat32("activation_alpha", m.activation_alpha),
-        ir.AttrFloat32("activation_limit", m.activation_limit),
-    ]
-
-
-def _routing_v2(
-    graph: ir.Graph, names: NameFactory, path: str, router: Router
-) -> tuple[list[ir.Value | None], list[ir.Attr]]:
-    """The v2 routing of the node (moe_op_v2): ``score_bias`` as input 8 (inputs 5-7, the expert biases, absent
-    unless given), and ``n_group`` / ``topk_group`` / ``routed_scaling_factor`` only where they differ from their
-    defaults, so a v1 block stays a v1 node every lowering runs."""
-    attributes: list[ir.Attr] = []
-    if router.n_group != 1:
-        attributes += [ir.AttrInt64("n_group", router.n_group), ir.AttrInt64("topk_group", router.topk_group)]
-    if router.routed_scaling_factor != 1.0:
-        attributes.append(ir.AttrFloat32("routed_scaling_factor", router.routed_scaling_factor))
-    if router.routing != "topk":  # PhiMoE's sparsemixer
-        attributes += [ir.AttrString("routing", router.routing), ir.AttrFloat32("jitter_eps", router.jitter_eps)]
-    if router.score_bias is None:
-        return [], attributes
-    bias = make_constant(graph, names, f"{path}.router.score_bias", router.score_bias)
-    return [None, None, None, bias], attributes
-
-
-def _v2_inputs(biases: list[ir.Value | None], routing: list[ir.Value | None]) -> list[ir.Value | None]:
-    """Inputs 5-8 of the node: the expert biases (5-7) and ``score_bias`` (8); trailing absent ones dropped."""
-    if not routing:
-        return biases
-    return [*(biases or [None, None, None]), *routing[3:]]
+    )
 
 
 def _follow(rewired: dict[ir.Value, ir.Value], value: ir.Value) -> ir.Value:

@@ -1,8 +1,8 @@
-"""Solidify: remove for good the dynamic paths a profile found always skipped (``options.solidify``).
+"""Solidify: remove for good the dynamic paths a profile found always skipped (``CompileOptions.solidify``).
 
 Two passes of ``DYNAMIC_PASSES``: ``DropExperts`` on the MoE skipping form (after ``SkipExperts``, before
-the lowering), ``RemoveSkippedBranches`` after the gated-branch pass. Each reads the subpaths to remove from
-``options.solidify`` (e.g. ``layers.0.moe.experts.3``, ``layers.2.mlp``, a group name) and records what it
+the lowering), ``RemoveSkippedBranches`` after the gated-branch pass. Each is given the subpaths to remove
+(``CompileOptions.solidify``) (e.g. ``layers.0.moe.experts.3``, ``layers.2.mlp``, a group name) and records what it
 removed in the model metadata ``layerzero.solidified`` (a JSON list of ``{subpath, path, kind, params}``).
 """
 
@@ -11,21 +11,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Iterable
 
 import numpy as np
 import onnx_ir as ir
 
+from layerzero.contract import SOLIDIFIED_META_KEY
 from layerzero.errors import InvalidInputError
+from layerzero.passes._builder import Builder
 from layerzero.passes._dynamic import DYNAMIC_META_KEY, DynamicPath, read_dynamic_paths, record_dynamic_path
 from layerzero.passes._dynamic_paths import driven_ifs, graph_output, moe_node
 from layerzero.passes._graph import NameFactory, const_array, make_constant
+from layerzero.passes._moe_node import MoENode
 
 __all__ = ["SOLIDIFIED_META_KEY", "DropExperts", "RemoveSkippedBranches", "read_solidified"]
 
 logger = logging.getLogger(__name__)
 
-#: Model metadata entry: a JSON list of ``{"subpath", "path", "kind", "params"}``, one per removed subpath.
-SOLIDIFIED_META_KEY = "layerzero.solidified"
 
 
 def read_solidified(model: ir.Model) -> list[dict]:
@@ -39,14 +41,16 @@ def _record(model: ir.Model, records: list[dict]) -> None:
     model.metadata_props[SOLIDIFIED_META_KEY] = json.dumps(list(done.values()))
 
 
-def _requested(options: object | None) -> set[str]:
-    return {str(s) for s in (getattr(options, "solidify", None) or ())}
+def _requested(solidify: Iterable[str]) -> frozenset[str]:
+    if isinstance(solidify, str):
+        raise TypeError("solidify is a collection of subpaths, not one string")
+    return frozenset(str(s) for s in solidify)
 
 
 class DropExperts(ir.passes.InPlacePass):
     """Remove solidified experts from their MoE blocks: from the router and from the weights.
 
-    For each ``ai.layerzero::MoE`` node (path ``P``) with subpaths ``P.experts.<e>`` in ``options.solidify``:
+    For each ``ai.layerzero::MoE`` node (path ``P``) with subpaths ``P.experts.<e>`` in ``solidify``:
 
     1. Weights: ``w_gate``, ``w_up``, ``w_down`` (and the v2 expert biases / score bias when present) keep the
        other experts only (the old initializers die in dead-code removal).
@@ -63,9 +67,10 @@ class DropExperts(ir.passes.InPlacePass):
     Dropping so many experts that fewer than ``top_k`` remain raises ``InvalidInputError``.
     """
 
-    def __init__(self, options: object | None = None) -> None:
+    def __init__(self, solidify: Iterable[str] = frozenset()) -> None:
+        """``solidify``: the subpaths to remove (``CompileOptions.solidify``)."""
         super().__init__()
-        self.requested = _requested(options)
+        self.requested = _requested(solidify)
         self.dropped: list[dict] = []
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -91,23 +96,20 @@ class DropExperts(ir.passes.InPlacePass):
         graph = model.graph
         experts = len(entry.subpaths)
         kept = [j for j in range(experts) if j not in drop]
-        top_k = int(node.attributes["top_k"].value) if "top_k" in node.attributes else 1
+        view = MoENode.of(node)
+        top_k = view.top_k
         if len(kept) < top_k:
             raise InvalidInputError(
                 f"solidify: removing {len(drop)} of the {experts} experts of {entry.path} would leave fewer than "
                 f"its top_k={top_k}; keep at least {top_k}"
             )
-        n_group = node.attributes.get("n_group")
-        if n_group is not None and int(n_group.value) != 1:
+        if view.n_group != 1:
             raise InvalidInputError(
-                f"solidify: {entry.path} limits top-k to the best of {n_group.value} groups of experts; dropping "
+                f"solidify: {entry.path} limits top-k to the best of {view.n_group} groups of experts; dropping "
                 "experts would change the groups (solidify none of its experts)"
             )
         # Case 1; 5-8: the v2 per-expert inputs (expert biases, score bias), when present.
-        for i in (2, 3, 4, 5, 6, 7, 8):
-            if i > 4 and (i >= len(node.inputs) or node.inputs[i] is None):
-                continue
-            weight = node.inputs[i]
+        for i, weight in view.expert_inputs.items():
             array = const_array(weight)
             if array is None:
                 raise InvalidInputError(
@@ -153,11 +155,10 @@ def _drop_logit_columns(
         if logits.shape is not None:
             logits.shape = ir.Shape([*list(logits.shape)[:-1], len(kept)])
         return removed
-    index = make_constant(graph, names, f"{path}.solidify.kept", np.array(kept, np.int64))
-    gather = ir.Node("", "Gather", [logits, index], attributes=[ir.AttrInt64("axis", -1)])
-    gather.name = names(f"/{path}/LzSolidifyGather")
-    out = gather.outputs[0]
-    out.name = names(f"{path}.kept_logits")
+    build = Builder(graph, names, 0, node_prefix=f"/{path}/LzSolidify", value_prefix=f"{path}.")
+    index = build.initializer(f"{path}.solidify.kept", np.array(kept, np.int64))
+    gather = build.node("Gather", [logits, index], {"axis": -1})
+    out = build.name(gather.outputs[0], f"{path}.kept_logits")
     out.dtype = logits.dtype
     for user, i in list(logits.uses()):
         if user is not gather:
@@ -240,7 +241,7 @@ def _swap_constant(graph: ir.Graph, names: NameFactory, node: ir.Node, index: in
 class RemoveSkippedBranches(ir.passes.InPlacePass):
     """Solidified gated branches and groups take their else path for good.
 
-    For each gate or group whose subpath is in ``options.solidify``:
+    For each gate or group whose subpath is in ``solidify``:
 
     1. Every ``If`` whose condition is computed from the path's mask gets a constant false condition;
        constant folding then inlines the else branch (the residual for a gate, the bypassed layers for a
@@ -248,9 +249,10 @@ class RemoveSkippedBranches(ir.passes.InPlacePass):
     2. The mask output and the path's ``DynamicPath`` go; the removal is recorded (``layerzero.solidified``).
     """
 
-    def __init__(self, options: object | None = None) -> None:
+    def __init__(self, solidify: Iterable[str] = frozenset()) -> None:
+        """``solidify``: the subpaths to remove (``CompileOptions.solidify``)."""
         super().__init__()
-        self.requested = _requested(options)
+        self.requested = _requested(solidify)
         self.removed: list[dict] = []
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:

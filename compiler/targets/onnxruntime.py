@@ -13,7 +13,6 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from layerzero.contract import MOE_DOMAIN, MOE_OP
 from layerzero.errors import InvalidInputError, UnsupportedModelError
 from layerzero.targets.base import Progress, Target
 
@@ -90,22 +89,17 @@ class OnnxRuntimeTarget(Target):
 
 def _lower_for_cuda(model: ir.Model) -> bool:
     """Case 2 of ``OnnxRuntimeTarget.lower``."""
+    from layerzero.passes._moe_node import MoENode, is_moe_node
     from layerzero.passes.lower_moe import LowerMoE, ort_moe_supports
 
     for node in model.graph:
-        if node.domain != MOE_DOMAIN or node.op_type != MOE_OP:
+        if not is_moe_node(node):
             continue
-
-        def attr(name: str, default: object, node: ir.Node = node) -> object:
-            found = node.attributes.get(name)
-            return default if found is None else found.value
-
-        why = ort_moe_supports(
-            str(attr("scoring", "softmax")), str(attr("activation", "silu")), float(attr("zeroing_threshold", 0.0))
-        )
+        view = MoENode.of(node)
+        why = ort_moe_supports(view.scoring, view.activation, view.zeroing_threshold)
         if why is not None:
             raise UnsupportedModelError(
-                f"MoE block {attr('path', node.name)!r}: device 'cuda' lowers MoE to com.microsoft.MoE only, "
+                f"MoE block {view.path!r}: device 'cuda' lowers MoE to com.microsoft.MoE only, "
                 f"which cannot run it: {why}; compile it with --device cpu"
             )
     lower = LowerMoE(lowering="ort-moe", enabled=True, native_present=False)

@@ -36,11 +36,11 @@ def test_registry_lists_the_modules_of_this_package() -> None:
 
 def test_dynamic_passes_are_pass_classes() -> None:
     assert pipeline.DYNAMIC_PASSES, "no dynamic pass registered"
-    for cls in pipeline.DYNAMIC_PASSES:
-        assert isinstance(cls, type) and issubclass(cls, ir.passes.PassBase), cls
-        cls(CompileOptions())  # each is built from the options alone
+    for step in pipeline.DYNAMIC_PASSES:
+        assert isinstance(step.cls, type) and issubclass(step.cls, ir.passes.PassBase), step
+        assert type(step.build(CompileOptions())) is step.cls  # each is built from the options alone
     # Lowering is the target's step, not a dynamic pass's.
-    assert "LowerMoE" not in {cls.__name__ for cls in pipeline.DYNAMIC_PASSES}
+    assert "LowerMoE" not in {step.cls.__name__ for step in pipeline.DYNAMIC_PASSES}
 
 
 def test_targets_lower_the_skipping_form_their_own_way() -> None:

@@ -276,3 +276,20 @@ def test_tokenwise_ops_under_a_token_gate(axis: int, rewritten: bool) -> None:
     np.testing.assert_allclose(got["y"], _run(_session(original), feeds)["y"], atol=1e-6, rtol=0)
     (mask,) = [v for k, v in got.items() if k.startswith(MASK_PREFIX)]
     np.testing.assert_array_equal(mask, logit[..., 0] > -np.inf)
+
+
+def test_refusals_are_match_refusals_recorded_as_before() -> None:
+    # The metadata text is the one RefusedBranch wrote ({"path", "reason", "kind"}); a reader reads it back.
+    from layerzero.contract import REFUSED_META_KEY
+    from layerzero.passes._match import Refusal
+
+    model = ir.from_proto(build_gated_model("token", branch="attention", num_layers=1))
+    _apply(model)
+    (refused,) = read_refused_branches(model)
+    assert isinstance(refused, Refusal) and refused.kind == "gate"
+    assert json.loads(model.metadata_props[REFUSED_META_KEY]) == [
+        {"path": "layers.0.attention", "reason": refused.reason, "kind": "gate"}
+    ]
+    older = ir.from_proto(build_gated_model("token", num_layers=1))
+    older.metadata_props[REFUSED_META_KEY] = json.dumps([{"path": "a", "reason": "b"}])
+    assert read_refused_branches(older) == [Refusal("a", "b", kind="gate")]

@@ -17,7 +17,6 @@ import pytest
 
 from layerzero.errors import InvalidInputError
 from layerzero.models.moe import MoEConfig, build_moe, moe_feeds, moe_layer_weights
-from layerzero.options import CompileOptions
 from layerzero.passes._dynamic import THRESHOLD_INPUT
 from layerzero.passes.lower_moe import LowerMoE
 from layerzero.passes.shape_inference import InferShapes
@@ -49,7 +48,7 @@ def _session(model: ir.Model | onnx.ModelProto) -> ort.InferenceSession:
 def _lowered(config: MoEConfig, lowering: str) -> tuple[onnx.ModelProto, ir.passes.PassResult, LowerMoE]:
     model = ir.from_proto(build_moe(config))
     InferShapes()(model)
-    lower = LowerMoE(CompileOptions(moe_lowering=lowering))
+    lower = LowerMoE(lowering)
     result = lower(model)
     return ir.to_proto(model), result, lower
 
@@ -162,7 +161,7 @@ def test_lowering_pass_contract(lowering: str) -> None:
     assert not [n for n in proto.graph.node if n.domain == "ai.layerzero"]
     assert "ai.layerzero" not in {o.domain for o in proto.opset_import}
     again = ir.from_proto(proto)
-    assert LowerMoE(CompileOptions(moe_lowering=lowering))(again).modified is False
+    assert LowerMoE(lowering)(again).modified is False
     if lowering == "if":
         ifs = [n for n in proto.graph.node if n.op_type == "If"]
         assert len(ifs) == config.experts
@@ -187,7 +186,7 @@ def test_ort_moe_falls_back_to_if_when_it_cannot(caplog) -> None:
 
 def test_other_targets_keep_the_skipping_form() -> None:
     model = ir.from_proto(build_moe(CASES["softmax-norm-silu"]))
-    assert LowerMoE(CompileOptions(target="tensorrt"))(model).modified is False
+    assert LowerMoE(enabled=False)(model).modified is False
     assert [n.op_type for n in model.graph if n.domain == "ai.layerzero"] == ["MoE"]
 
 
@@ -199,9 +198,5 @@ def test_lower_moe_takes_explicit_arguments() -> None:
     kept = ir.from_proto(build_moe(config))
     assert not LowerMoE(lowering="if", enabled=False)(kept).modified
     assert any(n.op_type == "MoE" for n in kept.graph)
-    # The options form still works; explicit arguments win over it.
-    assert not LowerMoE(CompileOptions(target="tensorrt"))(ir.from_proto(build_moe(config))).modified
-    forced = LowerMoE(CompileOptions(target="tensorrt", moe_lowering="ort-moe"), lowering="if", enabled=True)
-    assert forced(ir.from_proto(build_moe(config))).modified and forced.lowered == [("layers.0.moe", "if")]
     with pytest.raises(InvalidInputError, match="moe_lowering='iff'"):
         LowerMoE(lowering="iff")

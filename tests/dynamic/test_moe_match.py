@@ -98,7 +98,7 @@ def test_pass_contract(form: str) -> None:
     config = FORMS[form]
     model = ir.from_proto(build_moe(config))
     _infer(model)
-    skip = SkipExperts(CompileOptions())
+    skip = SkipExperts()
     assert skip(model).modified is True
     assert skip.rewritten == [("layers.0.moe", form.split("-")[0])] and skip.rejected == []
     RemoveDeadCode()(model)
@@ -122,7 +122,7 @@ def test_pass_contract(form: str) -> None:
     }
     assert [tuple(v.shape) for v in moe.inputs[2:]] == [(4, 128, 64), (4, 128, 64), (4, 64, 128)]
     _infer(model)
-    again = SkipExperts(CompileOptions())
+    again = SkipExperts()
     assert again(model).modified is False and again.rejected == []
 
 
@@ -133,7 +133,7 @@ def _expect_rejected(proto: onnx.ModelProto, reason: str) -> None:
     model = ir.from_proto(proto)
     _infer(model)
     before = _ops(model)
-    skip = SkipExperts(CompileOptions())
+    skip = SkipExperts()
     assert skip(model).modified is False
     assert _ops(model) == before
     assert [r.path for r in skip.rejected] == ["layers.0.moe"], skip.rejected

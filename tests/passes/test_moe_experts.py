@@ -349,7 +349,7 @@ def test_native_runs_biases_and_swiglu_oai() -> None:
         node = _moe_node(model)
         assert node.inputs[-1].name == THRESHOLD_INPUT
         assert [v.name if v is not None else None for v in node.inputs[2 : 2 + len(spec)]] == spec  # biases kept
-        assert len(node.inputs) == (10 if biases else 6)
+        assert len(node.inputs) == 10  # the threshold in its own slot, after the (empty) v2 slots
     options = ort.SessionOptions()
     options.register_custom_ops_library(str(_build(asan=False)))
     for biases in (True, False):
@@ -387,7 +387,6 @@ def test_lowering_refuses_an_moe_node_with_an_overridable_weight() -> None:
 
 
 def test_solidify_drops_the_dropped_experts_biases_too() -> None:
-    from types import SimpleNamespace
 
     from layerzero.passes.solidify_paths import DropExperts
 
@@ -395,7 +394,7 @@ def test_solidify_drops_the_dropped_experts_biases_too() -> None:
     node = _moe_node(model)
     before = [v.const_value.numpy() for v in node.inputs[2:8]]
     path = node.attributes["path"].value
-    assert DropExperts(SimpleNamespace(solidify=[f"{path}.experts.1"]))(model).modified
+    assert DropExperts([f"{path}.experts.1"])(model).modified
     node = _moe_node(model)
     after = [v.const_value.numpy() for v in node.inputs[2:8]]
     for old, new in zip(before, after, strict=True):
@@ -623,8 +622,8 @@ def test_biases_in_every_block_shape(form: str, fused: bool, tokens: int) -> Non
 
 
 def test_a_node_kept_for_the_native_kernel_lowers_again_unchanged() -> None:
-    # lower_moe_native appends the run-time threshold as the node's 6th input, where v2 has b_gate: a second
-    # LowerMoE run must read it as the threshold, not as a bias.
+    # lower_moe_native puts the run-time threshold in its own slot (input 9, passes/_moe_node.py), after the empty
+    # v2 slots: a second LowerMoE run reads it as the threshold, not as a bias.
     from layerzero.models.moe import MoEConfig, build_moe
     from layerzero.passes._dynamic import THRESHOLD_INPUT
 
@@ -634,4 +633,4 @@ def test_a_node_kept_for_the_native_kernel_lowers_again_unchanged() -> None:
         lower(model)
         assert [lo for _, lo in lower.lowered] == ["native"]
     node = _moe_node(model)
-    assert len(node.inputs) == 6 and node.inputs[5].name == THRESHOLD_INPUT
+    assert len(node.inputs) == 10 and node.inputs[9].name == THRESHOLD_INPUT and node.inputs[5:9] == (None,) * 4

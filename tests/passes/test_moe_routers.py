@@ -21,7 +21,6 @@ import functools
 import logging
 from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import onnx
@@ -261,7 +260,7 @@ def test_native_lowering_equals_reference(variant: str) -> None:
     assert lower(model).modified and lower.lowered == [("block", "native")]
     node = next(n for n in model.graph if n.op_type == "MoE")
     assert node.inputs[-1].name == THRESHOLD_INPUT
-    assert len(node.inputs) == (10 if VARIANTS[variant][3] else 6)
+    assert len(node.inputs) == 10  # the threshold in its own slot (passes/_moe_node.py)
     inputs = list(node.inputs)
     LowerMoE(lowering="native", native_present=True)(model)
     assert list(node.inputs) == inputs  # a second lowering adds no second threshold
@@ -312,7 +311,7 @@ def _with_dynamic_path(variant: str) -> ir.Model:
 def test_solidify_drops_the_selection_bias_with_its_experts() -> None:
     """DropExperts slices ``score_bias`` like the weights: the kept experts route as the reference says."""
     model = _with_dynamic_path("ernie-softmax-bias")
-    drop = DropExperts(SimpleNamespace(solidify=["block.experts.1"]))
+    drop = DropExperts(["block.experts.1"])
     assert drop(model).modified
     node = next(n for n in model.graph if n.domain == MOE_DOMAIN)
     w = _weights(4, True)
@@ -335,7 +334,7 @@ def test_solidify_drops_the_selection_bias_with_its_experts() -> None:
 def test_solidify_refuses_group_limited_blocks() -> None:
     model = _with_dynamic_path("deepseek-groups-bias-scale")
     with pytest.raises(InvalidInputError, match=r"solidify: block limits top-k to the best of 4 groups"):
-        DropExperts(SimpleNamespace(solidify=["block.experts.1"]))(model)
+        DropExperts(["block.experts.1"])(model)
 
 
 # ---- routers exported from transformers' modules ------------------------------------------------------------

@@ -6,7 +6,8 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from layerzero.passes._scope import ScopeError, Scopes
+from layerzero.errors import CompilerError
+from layerzero.passes._scope import Scopes
 
 TEXT = """
 <ir_version: 9, opset_import: ["" : 18]>
@@ -73,6 +74,6 @@ def test_a_node_out_of_scope_is_refused(reads: str, reader: str) -> None:
     model, nodes, values = _model()
     scopes = Scopes(model.graph)
     node = ir.node("Identity", [values[reads]])
-    with pytest.raises(ScopeError, match=f"would read '{reads}'"):
+    with pytest.raises(CompilerError, match=f"would read '{reads}'"):
         scopes.insert_before(nodes[reader], node)
     assert node.graph is None

@@ -644,7 +644,7 @@ def test_native_lowering_compiles_verifies_and_runs(native_dir, tmp_path, config
     cfg, result = _compile(tmp_path, "native", **config)
     assert result.verification.passed
     moe = [n for n in result.model.graph if n.domain == "ai.layerzero"]
-    assert len(moe) == 1 and len(moe[0].inputs) == 6 and moe[0].inputs[5].name == THRESHOLD
+    assert len(moe) == 1 and len(moe[0].inputs) == 10 and moe[0].inputs[9].name == THRESHOLD  # _moe_node.py's slot
     assert not any(n.op_type == "If" for n in result.model.graph)
     bundle = write_bundle(tmp_path / "m.lz", result.model, {"target": "onnxruntime"})
     assert json.loads((bundle / "manifest.json").read_text())["libraries"] == ["liblayerzero_ort.so"]
