@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "vocab.json",
     "merges.txt",
+    "chat_template.jinja",
     "generation_config.json",
 )
 
@@ -83,8 +85,10 @@ def export_hf(
     exporter: str = "dynamo",
     opset: int | None = None,
     force: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> ExportResult:
-    """Export the causal LM saved (``save_pretrained``) in ``model_dir`` to ``out``.
+    """Export the causal LM saved (``save_pretrained``) in ``model_dir`` to ``out`` (``progress(stage)`` is told each
+    stage: loading, exporting, writing).
 
     Nothing the export did not write is written over (checked before any work): an existing ``out`` is replaced
     only with ``force`` and only when it is a model ``export_hf`` wrote (its metadata says so), and ``<out>.data``
@@ -109,6 +113,8 @@ def export_hf(
     except ImportError as e:
         raise InvalidInputError(f"layerzero export needs torch and transformers (.[export] extra): {e}") from None
 
+    say = progress or (lambda _stage: None)
+    say("loading the model with transformers")
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as e:  # transformers raises many kinds; the user needs its reason, on one line
@@ -149,6 +155,7 @@ def export_hf(
     args = (ids, mask, positions, *pasts)
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    say(f"exporting with torch.onnx ({exporter}{', KV cache' if cache else ''})")
     try:
         with torch.no_grad():
             if exporter == "dynamo":
@@ -170,6 +177,7 @@ def export_hf(
         "exporter": exporter,
         "eos_token_id": _eos(model),
     }
+    say("writing the metadata and the tokenizer files")
     _set_metadata(out, meta)
     if stale_data is not None and stale_data.name not in _external_locations(out):
         stale_data.unlink(missing_ok=True)  # the replaced export's weights; the new one keeps its own inside

@@ -239,6 +239,7 @@ def progress(description: str, enabled: bool = True) -> Iterator:
 
         def say(message: str, done: int | None = None, total: int | None = None) -> None:
             bar.update(task, description=f"{description}: {message}", completed=done or 0, total=total)
+            bar.refresh()  # drawn now, not at the next tick: a short stage is still seen
 
         yield say
 

@@ -21,7 +21,7 @@ import argparse
 import time
 from pathlib import Path
 
-from layerzero.cli._common import add_force, check_output_dir, console, one_line_errors
+from layerzero.cli._common import add_force, check_output_dir, console, one_line_errors, progress
 from layerzero.errors import InvalidInputError
 
 
@@ -49,9 +49,9 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"-o {args.output}: is a directory; give a file name")
     check_output_dir(args.output, "-o")
     start = time.perf_counter()
-    result = export_hf(
-        args.model_dir, args.output, cache=not args.no_cache, exporter=args.exporter, opset=args.opset, force=args.force
-    )
+    with progress(f"exporting {args.model_dir}") as say:
+        result = export_hf(args.model_dir, args.output, cache=not args.no_cache, exporter=args.exporter,
+                           opset=args.opset, force=args.force, progress=say)  # fmt: skip
     seconds = time.perf_counter() - start
     kind = "cache-carrying" if result.cache else "single-pass"
     console.print(

@@ -81,3 +81,17 @@ def test_compile_piped_stays_quiet(model: Path, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "verifying:" not in done.stderr and "static passes" not in done.stderr
     assert "\x1b[" not in done.stderr
+
+
+def test_export_in_a_terminal_shows_its_stages(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch", reason="export needs torch (pip install -e '.[export]')")
+    transformers = pytest.importorskip("transformers", reason="export needs transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=64)  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    code = "from layerzero.cli import main; raise SystemExit(main(['export', 'llama', '-o', 'm.onnx']))"
+    drawn = _in_terminal(code, tmp_path)
+    assert "exporting llama: loading the model with transformers" in drawn
+    assert "exporting llama: exporting with torch.onnx (dynamo, KV cache)" in drawn
+    assert "exported llama" in drawn and (tmp_path / "m.onnx").is_file()
