@@ -78,10 +78,11 @@ def quantize_blocks(w: np.ndarray, bits: int, block: int = BLOCK, axis: int = -1
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(d > 0, np.rint(blocks / np.where(d > 0, d, 1)), 0)
     q = np.clip(q, -qmax, qmax).astype(np.int8).reshape(w.shape)
+    scales = np.ascontiguousarray(scales)
     if bits == 8:
-        return q, scales
+        return np.ascontiguousarray(q), scales
     nib = (q.astype(np.int16) + 8).astype(np.uint8)
-    return (nib[..., 0::2] | (nib[..., 1::2] << 4)).astype(np.uint8), scales
+    return np.ascontiguousarray(nib[..., 0::2] | (nib[..., 1::2] << 4)), scales
 
 
 def unpack_codes(codes: np.ndarray, bits: int) -> np.ndarray:

@@ -4,15 +4,21 @@
 //                                  w_down[E, H, F], threshold? [] float)                          (v1 layout)
 //   y, mask = MoE(hidden, router_logits, w_gate, w_up, w_down, b_gate? [E, F], b_up? [E, F], b_down? [E, H],
 //                 score_bias? [E], threshold? [] float)                                            (v2 layout)
+//   y, mask = MoE(hidden, router_logits, c_gate, c_up, c_down, b_gate?, b_up?, b_down?, score_bias?, threshold?,
+//                 s_gate [E, F, H/32], s_up [E, F, H/32], s_down [E, H, F/32] float16)     (quantized: q8 / q4)
+//     q8: c_gate, c_up [E, F, H] int8, c_down [E, H, F] int8; q4: [E, F, H/2], [E, F, H/2], [E, H, F/2] uint8, two
+//     codes a byte (element 2j low nibble, 2j+1 high, each code + 8); symmetric 32-blocks along each row (the
+//     reduction axis), one float16 scale per block: w = code * scale (plugins/quant.py; H, F multiples of 32)
 //   attributes: top_k (int), normalize (0/1), scoring ("softmax" | "sigmoid"), activation ("silu" | "gelu" |
 //               "relu" | "swiglu_oai"), zeroing_threshold (float), path (string, informative); v2
 //               (moe_op_v2, defaults = v1): n_group, topk_group (int), routed_scaling_factor, activation_alpha,
-//               activation_limit (float), routing ("topk")
+//               activation_limit (float), routing ("topk"); weight_format ("f" | "q8" | "q4"), block_size (32)
 //
 // The layouts: inputs 0-4 and 5-8 at the positions of the op contract (moe_op_v2; "" = absent), the run-time
 // threshold after them (9). A node of exactly 6 inputs whose 6th is named layerzero::threshold (or is declared a
 // scalar) is the v1 layout the native lowering has written from the start: its 6th input is the threshold.
-// Biases and score_bias are float32, float16 or bfloat16.
+// Biases and score_bias are float32, float16 or bfloat16. The quantized layout (weight_format "q8" | "q4", default
+// "f"; block_size 32) is the v2 one with the three scales appended (10-12): always 13 inputs.
 //
 // hidden / router_logits / y are float32 or float16 (one kernel each, same op name); the expert weights are
 // float32, float16 or bfloat16, all three of one type, read in place from the tensors ONNX Runtime holds (no copy).
