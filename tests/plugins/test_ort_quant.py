@@ -548,7 +548,7 @@ def test_best_and_portable_kernels_agree(ort_lib, tmp_path):
         (dict(hidden=80), "w_gate's rows have 80 elements, not a multiple of the block length 32"),
         (dict(ffn=40), "w_down's rows have 40 elements, not a multiple of the block length 32"),
         (dict(inputs=10), "needs 13 inputs"),
-        (dict(scale_dtype="float32"), "Type 'tensor(float)' of input parameter (sg)"),  # the schema: float16
+        (dict(scale_dtype="float32"), "s_gate must be float16"),
         (dict(weight_format="f"), "input size 13"),
         (dict(weight_format="q8"), "codes are int8"),  # q4's uint8 codes under q8
         (dict(activation="tanh"), "activation='tanh' is not implemented"),
@@ -588,6 +588,30 @@ def _unaligned_model(hidden: int, ffn: int) -> onnx.ModelProto:
         if vi.name in ("hidden", "y"):
             vi.type.tensor_type.shape.dim[1].dim_value = hidden
     return model
+
+
+def test_scales_fed_at_run_time(ort_lib):
+    # Scales that are graph inputs, not initializers: read (and checked) when the node runs.
+    model, extra = quant_model(8, 64, 96, 4, top_k=2, normalize=1)
+    graph = model.graph
+    scales = {}
+    for init in list(graph.initializer):
+        if init.name in ("sg", "su", "sd"):
+            scales[init.name] = numpy_helper.to_array(init)
+            graph.initializer.remove(init)
+            graph.input.append(helper.make_tensor_value_info(init.name, TensorProto.FLOAT16, list(init.dims)))
+    sess = session(ort_lib, model)
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((5, 96)).astype(np.float32)
+    logits = rng.standard_normal((5, 8)).astype(np.float32)
+    y, mask = sess.run(None, {"hidden": x, "logits": logits, **scales})
+    ref, ref_mask, slack = reference(extra, x, logits, dict(top_k=2, normalize=1))
+    assert _mismatch(y, mask, ref, ref_mask, slack) is None
+    graph.input[-1].type.tensor_type.shape.dim[2].dim_value = 3
+    bad = dict(scales, sd=np.ones((8, 96, 3), np.float16))
+    with pytest.raises(Exception) as info:
+        session(ort_lib, model).run(None, {"hidden": x, "logits": logits, **bad})
+    assert "s_down must be [8, 96, 2]" in str(info.value) and NODE in str(info.value)
 
 
 def test_address_sanitizer(ort_lib_asan):

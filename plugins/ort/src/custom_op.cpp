@@ -445,7 +445,8 @@ struct MoEOp : Ort::CustomOpBase<MoEOp<V>, MoEKernel<V>, true> {
   ONNXTensorElementDataType GetInputType(size_t i) const {
     if (i <= 1) return Hidden<V>::type;
     if (i == kThreshold) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-    if (i >= kScales) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    // the scales (10-12): float16, checked when the kernel is created (a float format node with 11-13 inputs is
+    // refused there too, with its count)
     // expert weights, biases, score_bias: float32, float16 or bfloat16 (checked when the kernel is created);
     // input 5: b_gate, or the v1 layout's threshold
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
