@@ -99,14 +99,18 @@ const QDotKernels& qdot_kernels() {
 }
 
 void quantize_token(const float* x, int64_t k, int bits, const QTokens& xq, int64_t t) {
+  std::memset(xq.q + t * xq.kp, 0, static_cast<size_t>(xq.kp));
+  std::memset(xq.d + t * xq.nb, 0, sizeof(float) * static_cast<size_t>(xq.nb));
+  std::memset(xq.off + t * xq.nb, 0, sizeof(int32_t) * static_cast<size_t>(xq.nb));
+  quantize_token_blocks(x, 0, k / kQBlock, bits, xq, t);
+}
+
+void quantize_token_blocks(const float* x, int64_t b0, int64_t b1, int bits, const QTokens& xq, int64_t t) {
   int8_t* q = xq.q + t * xq.kp;
   float* d = xq.d + t * xq.nb;
   int32_t* off = xq.off + t * xq.nb;
-  std::memset(q, 0, static_cast<size_t>(xq.kp));
-  std::memset(d, 0, sizeof(float) * static_cast<size_t>(xq.nb));
-  std::memset(off, 0, sizeof(int32_t) * static_cast<size_t>(xq.nb));
   const int32_t offset = bits == 4 ? 8 : 128;
-  for (int64_t b = 0; b < k / kQBlock; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     const float* xb = x + b * kQBlock;
     float amax = 0.0f;
     for (int64_t j = 0; j < kQBlock; ++j) {
@@ -404,8 +408,10 @@ void run_experts_quant(const float* x, int64_t tokens, const MoEWeights& w, cons
   const char* up = static_cast<const char*>(w.up);
   const char* down = static_cast<const char*>(w.down);
 
-  // Phase 1, items = active experts x F pieces: h[n, piece] = act(x W_gate[piece]^T) * (x W_up[piece]^T).
-  const int64_t f_pieces = pieces_for(F, active.size()), f_rows = (F + f_pieces - 1) / f_pieces;
+  // Phase 1, items = active experts x F pieces of whole 32-blocks: h[n, piece] = act(x W_gate[piece]^T) *
+  // (x W_up[piece]^T), then quantized per block (a block's codes and scale depend on that block only).
+  const int64_t want = pieces_for(F, active.size()), f_rows = (F / kQBlock + want - 1) / want * kQBlock;
+  const int64_t f_pieces = (F + f_rows - 1) / f_rows;
   parallel_for(active.size() * static_cast<size_t>(f_pieces), [&](size_t item) {
     const QActive& a = active[item / f_pieces];
     const int64_t f0 = static_cast<int64_t>(item % f_pieces) * f_rows, rows = std::min(f_rows, F - f0);
@@ -423,10 +429,8 @@ void run_experts_quant(const float* x, int64_t tokens, const MoEWeights& w, cons
       const float bu = w.b_up != nullptr ? load_element(w.b_up, w.b_up_type, row + r) : 0.0f;
       for (int64_t i = 0; i < n; ++i) h[i * F + f0 + r] = glu(g[i * rows + r] + bg, u[i * rows + r] + bu, cfg);
     }
-  });
-  // h quantized per (expert, token) row.
-  parallel_for(static_cast<size_t>(inter), [&](size_t i) {
-    quantize_token(hbuf.data() + i * F, F, bits, hall, static_cast<int64_t>(i));
+    for (int64_t i = 0; i < n; ++i)  // (the padding after F stays as allocated: zero)
+      quantize_token_blocks(h + i * F, f0 / kQBlock, (f0 + rows) / kQBlock, bits, hall, a.h_offset + i);
   });
 
   // Phase 2, items = active experts x H pieces: o[n, piece] = h W_down[piece]^T (+ b_down).

@@ -62,53 +62,65 @@ inline float tail_blocks(const uint8_t* w, const uint16_t* s, int64_t b0, int64_
 }
 
 #if LZ_Q_VNNI
+// One 64-byte step of R rows: `i` the step, `ix` the lanes' blocks in d16 (see micro).
+template <int Bits, int R>
+inline void step(const uint8_t* w, int64_t rs, int64_t i, const int8_t* xq, const int32_t* xoff, __m512i ix,
+                 const __m512* d16, __m512* acc) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  if constexpr (Bits == 4) {
+    const __m512i xe = _mm512_loadu_si512(xq + i * 128), xo = _mm512_loadu_si512(xq + i * 128 + 64);
+    const __m512i c = _mm512_maskz_expand_epi32(
+        0x1111, _mm512_zextsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xoff + i * 4))));
+    for (int r = 0; r < R; ++r) {
+      const __m512i v = _mm512_loadu_si512(w + r * rs + i * 64);
+      const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      const __m512i dp = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c, lo, xe), hi, xo);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_permutexvar_ps(ix, d16[r]), acc[r]);
+    }
+  } else {
+    const __m512i xv = _mm512_loadu_si512(xq + i * 64);
+    const __m512i c = _mm512_maskz_expand_epi32(
+        0x0101, _mm512_zextsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(xoff + i * 2))));
+    for (int r = 0; r < R; ++r) {
+      const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(w + r * rs + i * 64), flip);
+      const __m512i dp = _mm512_dpbusd_epi32(c, v, xv);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_permutexvar_ps(ix, d16[r]), acc[r]);
+    }
+  }
+}
+
 // R rows (row stride rs code bytes, ss scales) against one token. q4: a step is one group of 4 blocks, 64 code
 // bytes split into low nibbles (the even elements) and high nibbles (the odd ones), each dpbusd'ed as unsigned
 // (code + 8) against the token's signed codes, the lanes starting from off (-8 x the block's sum of x codes, in
 // lane 4b of block b): 4 exact int32 lanes per block. Those times d_w * d_x of their block (a lane permutation of
 // 16 blocks' products, computed once per 16 blocks), accumulated in float. q8: a step is 2 blocks, the codes
-// XOR 0x80 (= code + 128 as unsigned), the lanes from -128 x the sum.
+// XOR 0x80 (= code + 128 as unsigned), the lanes from -128 x the sum. Whole chunks of 16 blocks run their steps
+// unrolled (constant permutations); the last chunk step by step, the blocks after the last whole step in scalar.
 template <int Bits, int R>
 inline void micro(const uint8_t* w, int64_t rs, const uint16_t* s, int64_t ss, int64_t nb, const int8_t* xq,
                   const float* xd, const int32_t* xoff, float* out, int64_t os) {
   constexpr int64_t kBlocks = Bits == 4 ? 4 : 2;  // blocks per 64-byte step
-  const int64_t steps = nb / kBlocks, nv = steps * kBlocks;
+  constexpr int64_t kSteps = 16 / kBlocks;        // steps per chunk of 16 blocks
+  const int64_t nv = nb / kBlocks * kBlocks;
   __m512 acc[R], d16[R];
-  for (int r = 0; r < R; ++r) acc[r] = d16[r] = _mm512_setzero_ps();
-  const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t i = 0; i < steps; ++i) {
-    const int64_t b0 = i * kBlocks;
-    if (b0 % 16 == 0) {
-      const int64_t left = nv - b0;
-      const __mmask16 m = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-      const __m512 dx = _mm512_maskz_loadu_ps(m, xd + b0);
-      for (int r = 0; r < R; ++r)
-        d16[r] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, s + r * ss + b0)), dx);
-    }
-    // lane l of the step -> its block's product in d16
-    const int64_t first = b0 % 16;
-    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i ix = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first)),
-                                        _mm512_srli_epi32(lanes, Bits == 4 ? 2 : 3));
-    if constexpr (Bits == 4) {
-      const __m512i xe = _mm512_loadu_si512(xq + i * 128), xo = _mm512_loadu_si512(xq + i * 128 + 64);
-      const __m512i c = _mm512_maskz_expand_epi32(0x1111, _mm512_zextsi128_si512(_mm_loadu_si128(
-                                                              reinterpret_cast<const __m128i*>(xoff + b0))));
-      for (int r = 0; r < R; ++r) {
-        const __m512i v = _mm512_loadu_si512(w + r * rs + i * 64);
-        const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-        const __m512i dp = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c, lo, xe), hi, xo);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_permutexvar_ps(ix, d16[r]), acc[r]);
-      }
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i lanes = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          Bits == 4 ? 2 : 3);
+  for (int64_t b0 = 0; b0 < nv; b0 += 16) {
+    const int64_t left = nv - b0;
+    const __mmask16 m = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const __m512 dx = _mm512_maskz_loadu_ps(m, xd + b0);
+    for (int r = 0; r < R; ++r)
+      d16[r] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, s + r * ss + b0)), dx);
+    const int64_t i0 = b0 / kBlocks;
+    if (left >= 16) {
+      for (int64_t j = 0; j < kSteps; ++j)  // (unrolled: the permutations are constants)
+        step<Bits, R>(w, rs, i0 + j, xq, xoff, _mm512_add_epi32(lanes, _mm512_set1_epi32(int(j * kBlocks))), d16,
+                      acc);
     } else {
-      const __m512i xv = _mm512_loadu_si512(xq + i * 64);
-      const __m512i c = _mm512_maskz_expand_epi32(0x0101, _mm512_zextsi128_si512(_mm_loadl_epi64(
-                                                              reinterpret_cast<const __m128i*>(xoff + b0))));
-      for (int r = 0; r < R; ++r) {
-        const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(w + r * rs + i * 64), flip);
-        const __m512i dp = _mm512_dpbusd_epi32(c, v, xv);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_permutexvar_ps(ix, d16[r]), acc[r]);
-      }
+      for (int64_t j = 0; j < left / kBlocks; ++j)
+        step<Bits, R>(w, rs, i0 + j, xq, xoff, _mm512_add_epi32(lanes, _mm512_set1_epi32(int(j * kBlocks))), d16,
+                      acc);
     }
   }
   for (int r = 0; r < R; ++r)

@@ -33,6 +33,8 @@ struct QTokens {
 // d = max|x| / 127, q = clamp(round_half_even(x * (127 / max|x|)), -127, 127) (0 for a zero or non-finite block
 // maximum); plugins/quant.py quantize_activations is the same arithmetic.
 void quantize_token(const float* x, int64_t k, int bits, const QTokens& xq, int64_t t);
+// Blocks [b0, b1) of it only (x is the whole row; the other blocks and the padding are left as they are).
+void quantize_token_blocks(const float* x, int64_t b0, int64_t b1, int bits, const QTokens& xq, int64_t t);
 
 // codes [rows, k] int8 (q8) or [rows, k / 2] uint8 (q4), scales [rows, k / 32] float16 bits; tokens of xq.
 using QDotRowsFn = void (*)(const void* codes, const uint16_t* scales, int64_t rows, int64_t k, const QTokens& x,
