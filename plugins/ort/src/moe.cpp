@@ -412,7 +412,7 @@ void run_experts_quant(const float* x, int64_t tokens, const MoEWeights& w, cons
   // (x W_up[piece]^T), then quantized per block (a block's codes and scale depend on that block only).
   const int64_t want = pieces_for(F, active.size()), f_rows = (F / kQBlock + want - 1) / want * kQBlock;
   const int64_t f_pieces = (F + f_rows - 1) / f_rows;
-  parallel_for(active.size() * static_cast<size_t>(f_pieces), [&](size_t item) {
+  const auto phase1 = [&](size_t item) {
     const QActive& a = active[item / f_pieces];
     const int64_t f0 = static_cast<int64_t>(item % f_pieces) * f_rows, rows = std::min(f_rows, F - f0);
     if (rows <= 0) return;
@@ -431,11 +431,11 @@ void run_experts_quant(const float* x, int64_t tokens, const MoEWeights& w, cons
     }
     for (int64_t i = 0; i < n; ++i)  // (the padding after F stays as allocated: zero)
       quantize_token_blocks(h + i * F, f0 / kQBlock, (f0 + rows) / kQBlock, bits, hall, a.h_offset + i);
-  });
+  };
 
   // Phase 2, items = active experts x H pieces: o[n, piece] = h W_down[piece]^T (+ b_down).
   const int64_t h_pieces = pieces_for(H, active.size()), h_rows = (H + h_pieces - 1) / h_pieces;
-  parallel_for(active.size() * static_cast<size_t>(h_pieces), [&](size_t item) {
+  const auto phase2 = [&](size_t item) {
     const QActive& a = active[item / h_pieces];
     const int64_t h0 = static_cast<int64_t>(item % h_pieces) * h_rows, rows = std::min(h_rows, H - h0);
     if (rows <= 0) return;
@@ -450,7 +450,19 @@ void run_experts_quant(const float* x, int64_t tokens, const MoEWeights& w, cons
         for (int64_t i = 0; i < n; ++i) o[i * H + r] += bd;
       }
     }
-  });
+  };
+  if (f_pieces == 1 && h_pieces == 1) {
+    // Each expert one item in both phases: one dispatch, both phases per expert (the same row dots, so the same
+    // result), the thread pool woken once. E128 H512 F256, 1 token, 2 threads, q4, the same interleaved rounds
+    // (load ~1.8/2): 0.114-0.123 -> 0.110-0.116 ms.
+    parallel_for(active.size(), [&](size_t item) {
+      phase1(item);
+      phase2(item);
+    });
+  } else {
+    parallel_for(active.size() * static_cast<size_t>(f_pieces), phase1);
+    parallel_for(active.size() * static_cast<size_t>(h_pieces), phase2);
+  }
 
   for (const QActive& a : active) {
     const int64_t n = static_cast<int64_t>(a.tokens.size());
