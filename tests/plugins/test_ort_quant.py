@@ -615,6 +615,29 @@ def test_scales_fed_at_run_time(ort_lib):
     assert "s_down must be [8, 96, 2]" in str(info.value) and NODE in str(info.value)
 
 
+def test_codes_are_not_copied(ort_lib, tmp_path):
+    # A 25 MB q8 model from a file with external data: the session's peak RSS stays within weights + 10 %.
+    import textwrap
+
+    model, _ = quant_model(32, 512, 512, 8, top_k=2, normalize=1)
+    onnx.save(model, tmp_path / "m.onnx", save_as_external_data=True, location="m.onnx.data")
+    weights = (tmp_path / "m.onnx.data").stat().st_size
+    script = textwrap.dedent(
+        f"""
+        import resource, numpy as np, onnxruntime as ort
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        o = ort.SessionOptions(); o.intra_op_num_threads = 1; o.register_custom_ops_library({str(ort_lib)!r})
+        s = ort.InferenceSession({str(tmp_path / "m.onnx")!r}, o, providers=["CPUExecutionProvider"])
+        for t in (1, 64):
+            s.run(None, {{"hidden": np.ones((t, 512), np.float32), "logits": np.random.rand(t, 32).astype(np.float32)}})
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300)
+    grown = int(out.stdout.strip().splitlines()[-1])
+    assert grown <= 1.1 * weights, f"peak RSS grew {grown / 1e6:.1f} MB for {weights / 1e6:.1f} MB of codes"
+
+
 def test_address_sanitizer(ort_lib_asan):
     libasan = subprocess.run(["g++", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
     if not libasan or not Path(libasan).exists():
