@@ -310,9 +310,9 @@ struct MoEKernel {
     const int64_t E = gs[0], F = gs[1], H = reduction(gs[2]);
     if (us != gs || ds != std::vector<int64_t>{E, H, format == lz::WeightFormat::q4 ? F / 2 : F} ||
         (format == lz::WeightFormat::q4 && F % 2 != 0))
-      fail(format == lz::WeightFormat::f ? "expert weights [E, F, H], [E, F, H], [E, H, F] expected"
+      fail(format == lz::WeightFormat::f    ? "expert weights [E, F, H], [E, F, H], [E, H, F] expected"
            : format == lz::WeightFormat::q8 ? "expert weight codes [E, F, H], [E, F, H], [E, H, F] expected (q8)"
-                                            : "expert weight codes [E, F, H/2], [E, F, H/2], [E, H, F/2] expected (q4)");
+                                            : "expert weight codes [E, F, H/2], [E, F, H/2], [E, H, F/2] (q4)");
     if (format != lz::WeightFormat::f && (H % lz::kQBlock != 0 || F % lz::kQBlock != 0))
       fail("H=" + std::to_string(H) + ", F=" + std::to_string(F) + ": not multiples of the block length 32");
     if (hs.size() < 1 || hs.back() != H) fail("hidden's last dimension is not " + std::to_string(H));

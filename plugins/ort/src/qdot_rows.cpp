@@ -62,6 +62,27 @@ inline float tail_blocks(const uint8_t* w, const uint16_t* s, int64_t b0, int64_
 }
 
 #if LZ_Q_VNNI
+// The 16-lane sums of R accumulators, every one in the same order (that of _mm512_reduce_add_ps: 256-bit halves,
+// 128-bit halves, then (x0 + x2) + (x1 + x3)); R = 4 transposes as it adds (10 shuffles and adds for 4 rows).
+template <int R>
+inline void reduce_rows(const __m512* acc, float* sums) {
+  if constexpr (R == 4) {
+    // [a.lo256 + a.hi256 | b.lo256 + b.hi256] for the pairs (0, 1) and (2, 3), then the 128-bit halves of those:
+    // one 128-bit lane per row, then within each lane.
+    const __m512 t0 =
+        _mm512_add_ps(_mm512_shuffle_f32x4(acc[0], acc[1], 0x44), _mm512_shuffle_f32x4(acc[0], acc[1], 0xEE));
+    const __m512 t1 =
+        _mm512_add_ps(_mm512_shuffle_f32x4(acc[2], acc[3], 0x44), _mm512_shuffle_f32x4(acc[2], acc[3], 0xEE));
+    __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(t0, t1, 0x88), _mm512_shuffle_f32x4(t0, t1, 0xDD));
+    u = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));
+    u = _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));
+    const __m512i first = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+    _mm_store_ps(sums, _mm512_castps512_ps128(_mm512_permutexvar_ps(first, u)));
+  } else {
+    for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+
 // One 64-byte step of R rows: `i` the step, `ix` the lanes' blocks in d16 (see micro).
 template <int Bits, int R>
 inline void step(const uint8_t* w, int64_t rs, int64_t i, const int8_t* xq, const int32_t* xoff, __m512i ix,
@@ -123,8 +144,9 @@ inline void micro(const uint8_t* w, int64_t rs, const uint16_t* s, int64_t ss, i
                       acc);
     }
   }
-  for (int r = 0; r < R; ++r)
-    out[r * os] = _mm512_reduce_add_ps(acc[r]) + tail_blocks<Bits>(w + r * rs, s + r * ss, nv, nb, xq, xd);
+  alignas(16) float sums[R];
+  reduce_rows<R>(acc, sums);
+  for (int r = 0; r < R; ++r) out[r * os] = sums[r] + tail_blocks<Bits>(w + r * rs, s + r * ss, nv, nb, xq, xd);
 }
 #elif LZ_Q_AVX2
 inline float hsum(__m256 v) {
