@@ -25,6 +25,11 @@ projection's output. Every v2 attribute and input is optional and its default re
 6. ``y[t] = Σ_kept w_e · (w_down[e] @ glu(w_gate[e] @ x_t + b_gate[e], w_up[e] @ x_t + b_up[e]) + b_down[e])``;
    ``mask[t, e]`` is True exactly for the kept experts (the ones that run).
 
+Quantized experts (``weight_format="q8"`` / ``"q4"``: block codes at inputs 2-4, float16 scales at 10-12): the
+format and the reference of the native kernels' arithmetic (activations quantized per block, integer dots) are
+``plugins/quant.py`` (``quantize_blocks``, ``dequantize_blocks``, ``moe_quant_reference``); on the dequantized
+weights the semantics above hold up to the activations' 8-bit rounding.
+
 ``glu(g, u)`` by ``activation``: ``act(g) ⊙ u`` for ``silu``, ``gelu`` (exact, erf) and ``relu``; for
 ``swiglu_oai`` (GPT-OSS) ``g' = min(g, limit)``, ``u' = clip(u, -limit, limit)``,
 ``(u' + 1) ⊙ g' ⊙ sigmoid(alpha · g')`` with ``alpha = activation_alpha`` (default 1.702) and

@@ -4,15 +4,21 @@
 //                                  w_down[E, H, F], threshold? [] float)                          (v1 layout)
 //   y, mask = MoE(hidden, router_logits, w_gate, w_up, w_down, b_gate? [E, F], b_up? [E, F], b_down? [E, H],
 //                 score_bias? [E], threshold? [] float)                                            (v2 layout)
+//   y, mask = MoE(hidden, router_logits, c_gate, c_up, c_down, b_gate?, b_up?, b_down?, score_bias?, threshold?,
+//                 s_gate [E, F, H/32], s_up [E, F, H/32], s_down [E, H, F/32] float16)     (quantized: q8 / q4)
+//     q8: c_gate, c_up [E, F, H] int8, c_down [E, H, F] int8; q4: [E, F, H/2], [E, F, H/2], [E, H, F/2] uint8, two
+//     codes a byte (element 2j low nibble, 2j+1 high, each code + 8); symmetric 32-blocks along each row (the
+//     reduction axis), one float16 scale per block: w = code * scale (plugins/quant.py; H, F multiples of 32)
 //   attributes: top_k (int), normalize (0/1), scoring ("softmax" | "sigmoid"), activation ("silu" | "gelu" |
 //               "relu" | "swiglu_oai"), zeroing_threshold (float), path (string, informative); v2
 //               (moe_op_v2, defaults = v1): n_group, topk_group (int), routed_scaling_factor, activation_alpha,
-//               activation_limit (float), routing ("topk")
+//               activation_limit (float), routing ("topk"); weight_format ("f" | "q8" | "q4"), block_size (32)
 //
 // The layouts: inputs 0-4 and 5-8 at the positions of the op contract (moe_op_v2; "" = absent), the run-time
 // threshold after them (9). A node of exactly 6 inputs whose 6th is named layerzero::threshold (or is declared a
 // scalar) is the v1 layout the native lowering has written from the start: its 6th input is the threshold.
-// Biases and score_bias are float32, float16 or bfloat16.
+// Biases and score_bias are float32, float16 or bfloat16. The quantized layout (weight_format "q8" | "q4", default
+// "f"; block_size 32) is the v2 one with the three scales appended (10-12): always 13 inputs.
 //
 // hidden / router_logits / y are float32 or float16 (one kernel each, same op name); the expert weights are
 // float32, float16 or bfloat16, all three of one type, read in place from the tensors ONNX Runtime holds (no copy).
@@ -37,7 +43,9 @@ namespace {
 
 constexpr const char* kDomain = "ai.layerzero";
 constexpr const char* kOpName = "MoE";
-constexpr size_t kInputs = 10;  // 5 required; 5-8 the v2 optional inputs, 9 the threshold
+constexpr size_t kInputs = 13;  // 5 required; 5-8 the v2 optional inputs, 9 the threshold, 10-12 the scales
+constexpr size_t kFloatInputs = 10;  // weight_format "f": at most the threshold
+constexpr size_t kScales = 10;       // s_gate, s_up, s_down of the quantized formats
 constexpr size_t kScoreBias = 8;
 constexpr size_t kThreshold = 9;
 constexpr const char* kThresholdName = "layerzero::threshold";
@@ -86,6 +94,38 @@ struct MoEKernel {
   size_t inputs = 5;
   int threshold_index = -1;  // the run-time threshold input (5 in the v1 layout, 9 in v2), -1: none
   bool v1_layout = true;
+  lz::WeightFormat format = lz::WeightFormat::f;
+
+  static bool code_type(lz::WeightFormat f, ONNXTensorElementDataType t) {
+    return (f == lz::WeightFormat::q8 && t == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8) ||
+           (f == lz::WeightFormat::q4 && t == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8);
+  }
+  static size_t element_bytes(ONNXTensorElementDataType t) {
+    switch (t) {
+      case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT:
+      case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32:
+        return 4;
+      case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8:
+      case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8:
+        return 1;
+      default:
+        return 2;
+    }
+  }
+  // The reduction length of a matrix's rows from its codes' last dimension (-1 when unknown).
+  int64_t reduction(int64_t last) const { return last < 0 ? -1 : (format == lz::WeightFormat::q4 ? 2 * last : last); }
+  // What the scales of the quantized weights (E, rows, k) must be, "" when they are.
+  static std::string scale_error(const char* name, ONNXTensorElementDataType type, const std::vector<int64_t>& shape,
+                                 const std::vector<int64_t>& want) {
+    if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) return std::string(name) + " must be float16";
+    if (shape.size() != 3) return std::string(name) + " must be rank 3";
+    for (size_t i = 0; i < 3; ++i)
+      if (shape[i] >= 0 && want[i] >= 0 && shape[i] != want[i])
+        return std::string(name) + " must be [" + std::to_string(want[0]) + ", " + std::to_string(want[1]) + ", " +
+               std::to_string(want[2]) + "] (one float16 scale per 32-block of each row), not [" +
+               std::to_string(shape[0]) + ", " + std::to_string(shape[1]) + ", " + std::to_string(shape[2]) + "]";
+    return "";
+  }
 
   // Validates what session creation can know; throws Failure naming the node.
   explicit MoEKernel(const OrtKernelInfo* info) {
@@ -93,10 +133,22 @@ struct MoEKernel {
     node = ki.GetNodeName();
     auto fail = [&](const std::string& what) { throw Failure{ORT_INVALID_ARGUMENT, "ai.layerzero::MoE node '" + node + "': " + what}; };
     inputs = ki.GetInputCount();
+    const std::string format_name = attr_string(info, "weight_format", "f");
+    if (!lz::parse_weight_format(format_name, &format))
+      fail("weight_format='" + format_name + "' is not implemented by liblayerzero_ort.so (f, q8, q4)");
+    const int64_t block_size = attr_int(info, "block_size", lz::kQBlock);
+    if (block_size != lz::kQBlock)
+      fail("block_size=" + std::to_string(block_size) + " is not implemented by liblayerzero_ort.so (32)");
     if (inputs < 5 || inputs > kInputs)
-      fail("has " + std::to_string(inputs) + " inputs; this liblayerzero_ort.so implements 5 to 10 (hidden, "
-           "router_logits, w_gate, w_up, w_down[, b_gate, b_up, b_down, score_bias, threshold]): rebuild it "
-           "(layerzero plugins build)");
+      fail("has " + std::to_string(inputs) + " inputs; this liblayerzero_ort.so implements 5 to 13 (hidden, "
+           "router_logits, w_gate, w_up, w_down[, b_gate, b_up, b_down, score_bias, threshold, s_gate, s_up, "
+           "s_down]): rebuild it (layerzero plugins build)");
+    if (format == lz::WeightFormat::f && inputs > kFloatInputs)
+      fail("input size " + std::to_string(inputs) + ": weight_format='f' takes 5 to 10 inputs (the scales at "
+           "10-12 are for q8 / q4)");
+    if (format != lz::WeightFormat::f && inputs != kInputs)
+      fail("weight_format='" + format_name + "' needs 13 inputs (the scales s_gate, s_up, s_down at 10-12; \"\" for "
+           "absent ones before them), not " + std::to_string(inputs));
     if (inputs == 6) {
       const std::vector<int64_t> sixth = ki.GetInputTypeInfo(5).GetTensorTypeAndShapeInfo().GetShape();
       v1_layout = ki.GetInputName(5) == kThresholdName || sixth.empty();
@@ -132,9 +184,15 @@ struct MoEKernel {
       if (type.GetONNXType() != ONNX_TYPE_TENSOR) fail("input " + std::to_string(i) + " is not a tensor");
       auto tensor = type.GetTensorTypeAndShapeInfo();
       lz::WeightType wt;
-      if (!weight_type(tensor.GetElementType(), &wt))
+      if (format != lz::WeightFormat::f) {
+        if (!code_type(format, tensor.GetElementType()))
+          fail("expert weight input " + std::to_string(i) + " has element type " +
+               std::to_string(static_cast<int>(tensor.GetElementType())) + "; weight_format='" + format_name +
+               "' codes are " + (format == lz::WeightFormat::q8 ? "int8" : "uint8 (two 4-bit codes a byte)"));
+      } else if (!weight_type(tensor.GetElementType(), &wt)) {
         fail("expert weight input " + std::to_string(i) + " has element type " +
              std::to_string(static_cast<int>(tensor.GetElementType())) + " (float32, float16 or bfloat16)");
+      }
       if (i == 2) first = tensor.GetElementType();
       else if (tensor.GetElementType() != first) fail("w_gate, w_up and w_down have different element types");
       shapes[i - 2] = tensor.GetShape();
@@ -142,10 +200,40 @@ struct MoEKernel {
     for (auto& s : shapes)
       if (s.size() != 3) fail("expert weights must be rank 3 ([E, F, H], [E, F, H], [E, H, F])");
     const int64_t E = shapes[0][0];
+    if (format != lz::WeightFormat::f) {
+      // The reduction lengths (H of w_gate / w_up, F of w_down) must be whole 32-blocks: refused, not padded.
+      const int64_t H = reduction(shapes[0][2]), F = reduction(shapes[2][2]);
+      const char* what[3] = {"w_gate", "w_up", "w_down"};
+      for (size_t m = 0; m < 3; ++m) {
+        const int64_t k = reduction(shapes[m][2]);
+        if (k >= 0 && k % lz::kQBlock != 0)
+          fail(std::string(what[m]) + "'s rows have " + std::to_string(k) + " elements, not a multiple of the " +
+               "block length 32 (weight_format='" + format_name + "')");
+      }
+      // The scales, when ONNX Runtime holds them as initializers (else checked when they are read).
+      const char* names[3] = {"s_gate", "s_up", "s_down"};
+      const std::vector<int64_t> want[3] = {{E, shapes[0][1], H < 0 ? -1 : H / lz::kQBlock},
+                                            {E, shapes[1][1], H < 0 ? -1 : H / lz::kQBlock},
+                                            {E, shapes[2][1], F < 0 ? -1 : F / lz::kQBlock}};
+      for (size_t m = 0; m < 3; ++m) {
+        int is_constant = 0;
+        const OrtValue* value = nullptr;
+        OrtStatus* st = Ort::GetApi().KernelInfoGetConstantInput_tensor(info, kScales + m, &is_constant, &value);
+        if (st != nullptr) {
+          Ort::GetApi().ReleaseStatus(st);
+          continue;
+        }
+        if (!is_constant || value == nullptr) continue;
+        auto shape = Ort::ConstValue(value).GetTensorTypeAndShapeInfo();
+        const std::string err = scale_error(names[m], shape.GetElementType(), shape.GetShape(), want[m]);
+        if (!err.empty()) fail(err);
+      }
+    }
     if (E > 0 && cfg.top_k > E) fail("top_k=" + std::to_string(cfg.top_k) + " > " + std::to_string(E) + " experts");
     if (E > 0 && !lz::group_error(cfg, E).empty()) fail(lz::group_error(cfg, E));
     // The expert weights are initializers ONNX Runtime has placed by now: back them with huge pages in place.
-    for (size_t i = 2; i < 5; ++i) {
+    for (size_t i = 2; i < (format == lz::WeightFormat::f ? 5u : kInputs); ++i) {
+      if (i >= 5 && i < kScales) continue;
       int is_constant = 0;
       const OrtValue* value = nullptr;
       OrtStatus* s = Ort::GetApi().KernelInfoGetConstantInput_tensor(info, i, &is_constant, &value);
@@ -156,8 +244,7 @@ struct MoEKernel {
       if (!is_constant || value == nullptr) continue;
       Ort::ConstValue tensor(value);
       auto shape = tensor.GetTensorTypeAndShapeInfo();
-      const size_t element = shape.GetElementType() == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 4 : 2;
-      lz::advise_huge_pages(tensor.GetTensorRawData(), shape.GetElementCount() * element);
+      lz::advise_huge_pages(tensor.GetTensorRawData(), shape.GetElementCount() * element_bytes(shape.GetElementType()));
     }
     // The v2 optional inputs (biases, score_bias) are checked when they are read: the kernel info of an
     // optional input after an absent one did not report its element type reliably (ONNX Runtime 1.32).
@@ -219,10 +306,15 @@ struct MoEKernel {
     const std::vector<int64_t> gs = wg.GetTensorTypeAndShapeInfo().GetShape();
     const std::vector<int64_t> us = wu.GetTensorTypeAndShapeInfo().GetShape();
     const std::vector<int64_t> ds = wd.GetTensorTypeAndShapeInfo().GetShape();
-    if (gs.size() != 3) fail("w_gate must be [E, F, H]");
-    const int64_t E = gs[0], F = gs[1], H = gs[2];
-    if (us != gs || ds != std::vector<int64_t>{E, H, F})
-      fail("expert weights [E, F, H], [E, F, H], [E, H, F] expected");
+    if (gs.size() != 3 || ds.size() != 3) fail("w_gate must be [E, F, H], w_down [E, H, F]");
+    const int64_t E = gs[0], F = gs[1], H = reduction(gs[2]);
+    if (us != gs || ds != std::vector<int64_t>{E, H, format == lz::WeightFormat::q4 ? F / 2 : F} ||
+        (format == lz::WeightFormat::q4 && F % 2 != 0))
+      fail(format == lz::WeightFormat::f    ? "expert weights [E, F, H], [E, F, H], [E, H, F] expected"
+           : format == lz::WeightFormat::q8 ? "expert weight codes [E, F, H], [E, F, H], [E, H, F] expected (q8)"
+                                            : "expert weight codes [E, F, H/2], [E, F, H/2], [E, H, F/2] (q4)");
+    if (format != lz::WeightFormat::f && (H % lz::kQBlock != 0 || F % lz::kQBlock != 0))
+      fail("H=" + std::to_string(H) + ", F=" + std::to_string(F) + ": not multiples of the block length 32");
     if (hs.size() < 1 || hs.back() != H) fail("hidden's last dimension is not " + std::to_string(H));
     int64_t T = 1;
     for (size_t i = 0; i + 1 < hs.size(); ++i) T *= hs[i];
@@ -244,7 +336,25 @@ struct MoEKernel {
     Ort::UnownedValue y = ctx.GetOutput(0, hs);
     Ort::UnownedValue mask = ctx.GetOutput(1, std::vector<int64_t>{T, E});
     lz::MoEWeights w;
-    weight_type(wg.GetTensorTypeAndShapeInfo().GetElementType(), &w.type);
+    w.format = format;
+    if (format == lz::WeightFormat::f) {
+      weight_type(wg.GetTensorTypeAndShapeInfo().GetElementType(), &w.type);
+    } else {
+      const char* names[3] = {"s_gate", "s_up", "s_down"};
+      const std::vector<int64_t> want[3] = {{E, F, H / lz::kQBlock}, {E, F, H / lz::kQBlock}, {E, H, F / lz::kQBlock}};
+      const uint16_t* scales[3] = {};
+      for (size_t m = 0; m < 3; ++m) {
+        Ort::ConstValue v = ctx.GetInput(kScales + m);
+        if (v == nullptr) fail(std::string(names[m]) + " (input " + std::to_string(kScales + m) + ") is absent");
+        auto info = v.GetTensorTypeAndShapeInfo();
+        const std::string err = scale_error(names[m], info.GetElementType(), info.GetShape(), want[m]);
+        if (!err.empty()) fail(err);
+        scales[m] = static_cast<const uint16_t*>(v.GetTensorRawData());
+      }
+      w.s_gate = scales[0];
+      w.s_up = scales[1];
+      w.s_down = scales[2];
+    }
     w.gate = wg.GetTensorRawData();
     w.up = wu.GetTensorRawData();
     w.down = wd.GetTensorRawData();
@@ -335,6 +445,8 @@ struct MoEOp : Ort::CustomOpBase<MoEOp<V>, MoEKernel<V>, true> {
   ONNXTensorElementDataType GetInputType(size_t i) const {
     if (i <= 1) return Hidden<V>::type;
     if (i == kThreshold) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    // the scales (10-12): float16, checked when the kernel is created (a float format node with 11-13 inputs is
+    // refused there too, with its count)
     // expert weights, biases, score_bias: float32, float16 or bfloat16 (checked when the kernel is created);
     // input 5: b_gate, or the v1 layout's threshold
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
@@ -375,6 +487,8 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
 
 // The kernel ISA this process uses (for benchmarks and tests).
 extern "C" __attribute__((visibility("default"))) const char* LayerZeroOrtIsa() { return lz::dot_kernels().isa; }
+// The quantized (q8 / q4) kernels' ISA: avx512vnni, avx2 or generic.
+extern "C" __attribute__((visibility("default"))) const char* LayerZeroOrtQuantIsa() { return lz::qdot_kernels().isa; }
 
 // Benchmarks (bench/moe.py): the kernels' read pattern over n regions without their arithmetic, i.e. how fast this
 // core streams the bytes a call reads at best; and huge pages for a buffer, as the kernel gives the weights.
@@ -386,4 +500,22 @@ extern "C" __attribute__((visibility("default"))) float LayerZeroOrtStreamRead(c
 }
 extern "C" __attribute__((visibility("default"))) size_t LayerZeroOrtAdviseHugePages(const void* data, size_t bytes) {
   return lz::advise_huge_pages(data, bytes);
+}
+
+// Tests (tests/plugins/test_ort_quant.py): the quantized row kernel alone. x [tokens, k] float is quantized per
+// 32-block as the op quantizes it; out[t * rows + r] = the row dot of codes row r (q8 [rows, k] int8, q4
+// [rows, k / 2] uint8) with scales [rows, k / 32] (float16 bits). Returns 0, or -1 for bits not 8 / 4 or k not a
+// multiple of 32.
+extern "C" __attribute__((visibility("default"))) int LayerZeroOrtQDotRows(const void* codes, const uint16_t* scales,
+                                                                          int64_t rows, int64_t k, int bits,
+                                                                          const float* x, int64_t tokens, float* out) {
+  if ((bits != 8 && bits != 4) || k % lz::kQBlock != 0 || rows < 0 || tokens < 0) return -1;
+  const int64_t kp = (k + lz::kQPad - 1) / lz::kQPad * lz::kQPad;
+  std::vector<int8_t> q(static_cast<size_t>(tokens * kp));
+  std::vector<float> d(static_cast<size_t>(tokens * kp / lz::kQBlock));
+  std::vector<int32_t> off(d.size());
+  const lz::QTokens xq{q.data(), d.data(), off.data(), kp, kp / lz::kQBlock};
+  for (int64_t t = 0; t < tokens; ++t) lz::quantize_token(x + t * k, k, bits, xq, t);
+  (bits == 4 ? lz::qdot_kernels().q4 : lz::qdot_kernels().q8)(codes, scales, rows, k, xq, tokens, out, rows);
+  return 0;
 }

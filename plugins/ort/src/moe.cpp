@@ -79,6 +79,62 @@ float load_element(const void* p, WeightType type, int64_t i) {
   return 0.0f;
 }
 
+bool parse_weight_format(const std::string& s, WeightFormat* out) {
+  if (s == "f") *out = WeightFormat::f;
+  else if (s == "q8") *out = WeightFormat::q8;
+  else if (s == "q4") *out = WeightFormat::q4;
+  else return false;
+  return true;
+}
+
+const QDotKernels& qdot_kernels() {
+  static const QDotKernels* chosen = [] {
+    const char* isa = std::getenv("LAYERZERO_ORT_ISA");
+    const std::string want = isa != nullptr ? isa : "";
+    if (want == "generic") return &generic::kQKernels;
+    if (want != "avx2" && avx512vnni::q_available()) return &avx512vnni::kQKernels;
+    return avx2::q_available() ? &avx2::kQKernels : &generic::kQKernels;
+  }();
+  return *chosen;
+}
+
+void quantize_token(const float* x, int64_t k, int bits, const QTokens& xq, int64_t t) {
+  std::memset(xq.q + t * xq.kp, 0, static_cast<size_t>(xq.kp));
+  std::memset(xq.d + t * xq.nb, 0, sizeof(float) * static_cast<size_t>(xq.nb));
+  std::memset(xq.off + t * xq.nb, 0, sizeof(int32_t) * static_cast<size_t>(xq.nb));
+  quantize_token_blocks(x, 0, k / kQBlock, bits, xq, t);
+}
+
+void quantize_token_blocks(const float* x, int64_t b0, int64_t b1, int bits, const QTokens& xq, int64_t t) {
+  int8_t* q = xq.q + t * xq.kp;
+  float* d = xq.d + t * xq.nb;
+  int32_t* off = xq.off + t * xq.nb;
+  const int32_t offset = bits == 4 ? 8 : 128;
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* xb = x + b * kQBlock;
+    float amax = 0.0f;
+    for (int64_t j = 0; j < kQBlock; ++j) {
+      const float a = std::fabs(xb[j]);
+      amax = (a > amax || a != a) ? a : amax;  // NaN wins, as numpy's max
+    }
+    d[b] = amax / 127.0f;
+    const float inv = (amax > 0.0f && amax <= 3.4028234663852886e38f) ? 127.0f / amax : 0.0f;
+    int32_t sum = 0;
+    for (int64_t j = 0; j < kQBlock; ++j) {
+      float v = std::nearbyint(xb[j] * inv);  // round half to even, as np.rint
+      v = v != v ? 0.0f : (v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
+      const int8_t c = static_cast<int8_t>(v);
+      sum += c;
+      if (bits == 8) {
+        q[b * kQBlock + j] = c;
+      } else {  // groups of 4 blocks: the even elements of each block, then the odd ones
+        q[(b / 4) * 128 + (j % 2) * 64 + (b % 4) * 16 + j / 2] = c;
+      }
+    }
+    off[b] = -offset * sum;
+  }
+}
+
 const DotKernels& dot_kernels() {
   static const DotKernels* chosen = [] {
     const char* isa = std::getenv("LAYERZERO_ORT_ISA");
@@ -271,6 +327,155 @@ struct Active {
   int64_t o_offset;             // into the output buffer [n, H] (its share of y before the routing weight)
 };
 
+
+// A 64-byte aligned buffer of n elements, zeroed.
+template <class T>
+struct Aligned {
+  std::vector<unsigned char> raw;
+  T* data = nullptr;
+  explicit Aligned(size_t n) : raw(n * sizeof(T) + 64, 0) {
+    data = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
+  }
+};
+
+struct QActive {
+  int64_t expert;
+  std::vector<int64_t> tokens;  // routed to it, ascending
+  QTokens x;                    // its tokens' quantized x (the all-token buffer itself when every token is routed)
+  int64_t h_offset;             // into the intermediate buffers ([n, F] float, [n, kpF] quantized)
+  int64_t o_offset;             // into the output buffer [n, H]
+};
+
+// The quantized formats (weight_format q8 / q4): as run_experts' float path, with x quantized once per token
+// (all tokens, then gathered per expert: a few bytes a token), h quantized per (expert, token) between the phases.
+void run_experts_quant(const float* x, int64_t tokens, const MoEWeights& w, const MoEConfig& cfg,
+                       const std::vector<float>& weights, const uint8_t* mask, float* y,
+                       const ParallelFor& parallel_for) {
+  const int64_t E = w.experts, F = w.ffn, H = w.hidden;
+  const int bits = w.format == WeightFormat::q4 ? 4 : 8;
+  const auto pad = [](int64_t k) { return (k + kQPad - 1) / kQPad * kQPad; };
+  const int64_t kpH = pad(H), kpF = pad(F), nbH = kpH / kQBlock, nbF = kpF / kQBlock;
+  std::vector<QActive> active;
+  int64_t gathered = 0, inter = 0, outs = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    QActive a{e, {}, {}, 0, 0};
+    for (int64_t t = 0; t < tokens; ++t)
+      if (mask[t * E + e]) a.tokens.push_back(t);
+    if (a.tokens.empty()) continue;  // no token routed: its weights are never read
+    const int64_t n = static_cast<int64_t>(a.tokens.size());
+    if (n < tokens) {
+      a.x.kp = gathered;  // (offset in tokens, set to the buffer below)
+      gathered += n;
+    } else {
+      a.x.kp = -1;
+    }
+    a.h_offset = inter;
+    inter += n;
+    a.o_offset = outs;
+    outs += n * H;
+    active.push_back(std::move(a));
+  }
+  if (active.empty()) return;
+  // All tokens' x quantized (each token on its own: the same codes at any thread count).
+  Aligned<int8_t> xq_all(static_cast<size_t>(tokens * kpH)), xq_g(static_cast<size_t>(gathered * kpH));
+  std::vector<float> xd_all(static_cast<size_t>(tokens * nbH)), xd_g(static_cast<size_t>(gathered * nbH));
+  std::vector<int32_t> xo_all(xd_all.size()), xo_g(xd_g.size());
+  const QTokens all{xq_all.data, xd_all.data(), xo_all.data(), kpH, nbH};
+  parallel_for(static_cast<size_t>(tokens), [&](size_t t) { quantize_token(x + t * H, H, bits, all, t); });
+  for (QActive& a : active) {
+    if (a.x.kp < 0) {
+      a.x = all;
+      continue;
+    }
+    const int64_t base = a.x.kp;
+    a.x = QTokens{xq_g.data + base * kpH, xd_g.data() + base * nbH, xo_g.data() + base * nbH, kpH, nbH};
+    for (size_t i = 0; i < a.tokens.size(); ++i) {
+      const int64_t t = a.tokens[i];
+      std::memcpy(a.x.q + i * kpH, all.q + t * kpH, static_cast<size_t>(kpH));
+      std::memcpy(a.x.d + i * nbH, all.d + t * nbH, sizeof(float) * static_cast<size_t>(nbH));
+      std::memcpy(a.x.off + i * nbH, all.off + t * nbH, sizeof(int32_t) * static_cast<size_t>(nbH));
+    }
+  }
+  std::vector<float> hbuf(static_cast<size_t>(inter * F)), obuf(static_cast<size_t>(outs));
+  Aligned<int8_t> hq(static_cast<size_t>(inter * kpF));
+  std::vector<float> hd(static_cast<size_t>(inter * nbF));
+  std::vector<int32_t> ho(hd.size());
+  const QTokens hall{hq.data, hd.data(), ho.data(), kpF, nbF};
+  const QDotKernels& kernels = qdot_kernels();
+  const QDotRowsFn dot = bits == 4 ? kernels.q4 : kernels.q8;
+  const int64_t rbH = bits == 4 ? H / 2 : H, rbF = bits == 4 ? F / 2 : F;  // code bytes per row
+  const char* gate = static_cast<const char*>(w.gate);
+  const char* up = static_cast<const char*>(w.up);
+  const char* down = static_cast<const char*>(w.down);
+
+  // Phase 1, items = active experts x F pieces of whole 32-blocks: h[n, piece] = act(x W_gate[piece]^T) *
+  // (x W_up[piece]^T), then quantized per block (a block's codes and scale depend on that block only).
+  const int64_t want = pieces_for(F, active.size()), f_rows = (F / kQBlock + want - 1) / want * kQBlock;
+  const int64_t f_pieces = (F + f_rows - 1) / f_rows;
+  const auto phase1 = [&](size_t item) {
+    const QActive& a = active[item / f_pieces];
+    const int64_t f0 = static_cast<int64_t>(item % f_pieces) * f_rows, rows = std::min(f_rows, F - f0);
+    if (rows <= 0) return;
+    const int64_t n = static_cast<int64_t>(a.tokens.size());
+    const int64_t row = a.expert * F + f0;
+    thread_local std::vector<float> g, u;
+    g.resize(static_cast<size_t>(n * rows));
+    u.resize(static_cast<size_t>(n * rows));
+    dot(gate + row * rbH, w.s_gate + row * (H / kQBlock), rows, H, a.x, n, g.data(), rows);
+    dot(up + row * rbH, w.s_up + row * (H / kQBlock), rows, H, a.x, n, u.data(), rows);
+    float* h = hbuf.data() + a.h_offset * F;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float bg = w.b_gate != nullptr ? load_element(w.b_gate, w.b_gate_type, row + r) : 0.0f;
+      const float bu = w.b_up != nullptr ? load_element(w.b_up, w.b_up_type, row + r) : 0.0f;
+      for (int64_t i = 0; i < n; ++i) h[i * F + f0 + r] = glu(g[i * rows + r] + bg, u[i * rows + r] + bu, cfg);
+    }
+    for (int64_t i = 0; i < n; ++i)  // (the padding after F stays as allocated: zero)
+      quantize_token_blocks(h + i * F, f0 / kQBlock, (f0 + rows) / kQBlock, bits, hall, a.h_offset + i);
+  };
+
+  // Phase 2, items = active experts x H pieces: o[n, piece] = h W_down[piece]^T (+ b_down).
+  const int64_t h_pieces = pieces_for(H, active.size()), h_rows = (H + h_pieces - 1) / h_pieces;
+  const auto phase2 = [&](size_t item) {
+    const QActive& a = active[item / h_pieces];
+    const int64_t h0 = static_cast<int64_t>(item % h_pieces) * h_rows, rows = std::min(h_rows, H - h0);
+    if (rows <= 0) return;
+    const int64_t n = static_cast<int64_t>(a.tokens.size());
+    const int64_t row = a.expert * H + h0;
+    const QTokens hx{hall.q + a.h_offset * kpF, hall.d + a.h_offset * nbF, hall.off + a.h_offset * nbF, kpF, nbF};
+    float* o = obuf.data() + a.o_offset + h0;  // [n, H] with row stride H
+    dot(down + row * rbF, w.s_down + row * (F / kQBlock), rows, F, hx, n, o, H);
+    if (w.b_down != nullptr) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const float bd = load_element(w.b_down, w.b_down_type, row + r);
+        for (int64_t i = 0; i < n; ++i) o[i * H + r] += bd;
+      }
+    }
+  };
+  if (f_pieces == 1 && h_pieces == 1) {
+    // Each expert one item in both phases: one dispatch, both phases per expert (the same row dots, so the same
+    // result), the thread pool woken once. E128 H512 F256, 1 token, 2 threads, q4, the same interleaved rounds
+    // (load ~1.8/2): 0.114-0.123 -> 0.110-0.116 ms.
+    parallel_for(active.size(), [&](size_t item) {
+      phase1(item);
+      phase2(item);
+    });
+  } else {
+    parallel_for(active.size() * static_cast<size_t>(f_pieces), phase1);
+    parallel_for(active.size() * static_cast<size_t>(h_pieces), phase2);
+  }
+
+  for (const QActive& a : active) {
+    const int64_t n = static_cast<int64_t>(a.tokens.size());
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = a.tokens[i];
+      const float scale = weights[t * E + a.expert];
+      const float* o = obuf.data() + a.o_offset + i * H;
+      float* yt = y + t * H;
+      for (int64_t r = 0; r < H; ++r) yt[r] += scale * o[r];
+    }
+  }
+}
+
 }  // namespace
 
 void run_experts(const float* x, int64_t tokens, const MoEWeights& w, const MoEConfig& cfg,
@@ -278,6 +483,10 @@ void run_experts(const float* x, int64_t tokens, const MoEWeights& w, const MoEC
   const int64_t E = w.experts, F = w.ffn, H = w.hidden;
   std::memset(y, 0, sizeof(float) * static_cast<size_t>(tokens * H));
   if (tokens == 0) return;
+  if (w.format != WeightFormat::f) {
+    run_experts_quant(x, tokens, w, cfg, weights, mask, y, parallel_for);
+    return;
+  }
   std::vector<Active> active;
   // Each token block starts on a cache line: the kernels' 32-byte loads of x and h then never straddle two lines
   // (a straddling load costs two; with std::vector's 16-byte alignment every other one did: the GEMM ran ~1.4x

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "dot_rows.h"
+#include "qdot_rows.h"
 
 namespace lz {
 
@@ -34,12 +35,22 @@ struct MoEConfig {
 // Why (n_group, topk_group, top_k) cannot split E experts (empty when they can; n_group 1 always can).
 std::string group_error(const MoEConfig& cfg, int64_t experts);
 
-// Expert weights read in place: w_gate, w_up [E, F, H], w_down [E, H, F], all of one WeightType.
+// How the expert weights are stored (the weight_format attribute): float (WeightType), or block-quantized codes
+// with float16 scales per 32-block along the reduction axis (q8: int8 codes, q4: two offset nibbles a byte).
+enum class WeightFormat { f = 0, q8 = 1, q4 = 2 };
+
+// Expert weights read in place: w_gate, w_up [E, F, H], w_down [E, H, F], all of one WeightType (format f); or
+// their codes (q8 [E, F, H] int8, q4 [E, F, H / 2] uint8, ...) with the scales s_gate, s_up [E, F, H / 32],
+// s_down [E, H, F / 32] (float16 bits).
 struct MoEWeights {
   const void* gate = nullptr;
   const void* up = nullptr;
   const void* down = nullptr;
   WeightType type = WeightType::f32;
+  WeightFormat format = WeightFormat::f;
+  const uint16_t* s_gate = nullptr;
+  const uint16_t* s_up = nullptr;
+  const uint16_t* s_down = nullptr;
   int64_t experts = 0, ffn = 0, hidden = 0;
   // Optional expert biases (v2 inputs 5-7; nullptr = absent = 0): b_gate, b_up [E, F], b_down [E, H].
   const void* b_gate = nullptr;
@@ -68,7 +79,13 @@ using ParallelFor = std::function<void(size_t total, const std::function<void(si
 void route(const float* logits, int64_t tokens, int64_t experts, const MoEConfig& cfg, float threshold,
            const float* score_bias, std::vector<float>* weights, uint8_t* mask);
 
+// The format's name ("f", "q8", "q4"); false for one this kernel does not implement.
+bool parse_weight_format(const std::string& s, WeightFormat* out);
+
 // y[T, H] (float) = sum over kept (t, e) of weight * down_e(act(gate_e x_t) * up_e x_t); x is [T, H] float.
+// Quantized formats: each token's x and each expert's intermediate h quantized per 32-block to int8
+// (quantize_token), then the integer row dots of qdot_kernels(); the rest (routing weights, biases, glu, the sum
+// in expert order) in float as for the float weights.
 void run_experts(const float* x, int64_t tokens, const MoEWeights& w, const MoEConfig& cfg,
                  const std::vector<float>& weights, const uint8_t* mask, float* y, const ParallelFor& parallel_for);
 

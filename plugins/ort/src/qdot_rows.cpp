@@ -1,0 +1,288 @@
+// Quantized row-dot micro-kernels (see qdot_rows.h). Compiled once per instruction set; LZ_ISA_NS names the
+// namespace (avx512vnni, avx2, generic).
+#include <cstring>
+
+#include "dot_rows.h"
+#include "qdot_rows.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define LZ_Q_VNNI 1
+#else
+#define LZ_Q_VNNI 0
+#endif
+#if !LZ_Q_VNNI && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LZ_Q_AVX2 1
+#else
+#define LZ_Q_AVX2 0
+#endif
+
+#if LZ_Q_VNNI || LZ_Q_AVX2
+// GCC 12's AVX-512 headers pass _mm512_undefined_*() to the masked builtins behind the unmasked intrinsics, which
+// -Wuninitialized reports inside the header at every use (GCC bug 105593): silenced for these headers' lines.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+#endif
+
+#ifndef LZ_ISA_NS
+#error "LZ_ISA_NS must name the instruction-set namespace (avx512vnni, avx2 or generic)"
+#endif
+
+namespace lz {
+namespace LZ_ISA_NS {
+namespace {
+
+// One block's exact integer dot, any ISA (the vector loops' tails): signed codes against the token's order.
+inline int32_t block_dot_q8(const int8_t* w, const int8_t* x) {
+  int32_t s = 0;
+  for (int j = 0; j < 32; ++j) s += int32_t(w[j]) * int32_t(x[j]);
+  return s;
+}
+// q4 block b: its 16 code bytes against the token's even / odd elements of that block (QTokens' q4 order).
+inline int32_t block_dot_q4(const uint8_t* w, const int8_t* xq, int64_t b) {
+  const int8_t* xe = xq + (b / 4) * 128 + (b % 4) * 16;
+  const int8_t* xo = xe + 64;
+  int32_t s = 0;
+  for (int j = 0; j < 16; ++j) s += (int32_t(w[j] & 15) - 8) * xe[j] + (int32_t(w[j] >> 4) - 8) * xo[j];
+  return s;
+}
+
+template <int Bits>
+inline float tail_blocks(const uint8_t* w, const uint16_t* s, int64_t b0, int64_t nb, const int8_t* xq,
+                         const float* xd) {
+  float acc = 0.0f;
+  for (int64_t b = b0; b < nb; ++b) {
+    const int32_t dot = Bits == 8 ? block_dot_q8(reinterpret_cast<const int8_t*>(w) + b * 32, xq + b * 32)
+                                  : block_dot_q4(w + b * 16, xq, b);
+    acc += (half_to_float(s[b]) * xd[b]) * static_cast<float>(dot);
+  }
+  return acc;
+}
+
+#if LZ_Q_VNNI
+// The 16-lane sums of R accumulators, every one in the same order (that of _mm512_reduce_add_ps: 256-bit halves,
+// 128-bit halves, then (x0 + x2) + (x1 + x3)); R = 4 transposes as it adds (10 shuffles and adds for 4 rows).
+template <int R>
+inline void reduce_rows(const __m512* acc, float* sums) {
+  if constexpr (R == 4) {
+    // [a.lo256 + a.hi256 | b.lo256 + b.hi256] for the pairs (0, 1) and (2, 3), then the 128-bit halves of those:
+    // one 128-bit lane per row, then within each lane.
+    const __m512 t0 =
+        _mm512_add_ps(_mm512_shuffle_f32x4(acc[0], acc[1], 0x44), _mm512_shuffle_f32x4(acc[0], acc[1], 0xEE));
+    const __m512 t1 =
+        _mm512_add_ps(_mm512_shuffle_f32x4(acc[2], acc[3], 0x44), _mm512_shuffle_f32x4(acc[2], acc[3], 0xEE));
+    __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(t0, t1, 0x88), _mm512_shuffle_f32x4(t0, t1, 0xDD));
+    u = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));
+    u = _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));
+    const __m512i first = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+    _mm_store_ps(sums, _mm512_castps512_ps128(_mm512_permutexvar_ps(first, u)));
+  } else {
+    for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+
+// One 64-byte step of R rows: `i` the step, `ix` the lanes' blocks in d16 (see micro).
+template <int Bits, int R>
+inline void step(const uint8_t* w, int64_t rs, int64_t i, const int8_t* xq, const int32_t* xoff, __m512i ix,
+                 const __m512* d16, __m512* acc) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  if constexpr (Bits == 4) {
+    const __m512i xe = _mm512_loadu_si512(xq + i * 128), xo = _mm512_loadu_si512(xq + i * 128 + 64);
+    const __m512i c = _mm512_maskz_expand_epi32(
+        0x1111, _mm512_zextsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xoff + i * 4))));
+    for (int r = 0; r < R; ++r) {
+      const __m512i v = _mm512_loadu_si512(w + r * rs + i * 64);
+      const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      const __m512i dp = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c, lo, xe), hi, xo);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_permutexvar_ps(ix, d16[r]), acc[r]);
+    }
+  } else {
+    const __m512i xv = _mm512_loadu_si512(xq + i * 64);
+    const __m512i c = _mm512_maskz_expand_epi32(
+        0x0101, _mm512_zextsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(xoff + i * 2))));
+    for (int r = 0; r < R; ++r) {
+      const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(w + r * rs + i * 64), flip);
+      const __m512i dp = _mm512_dpbusd_epi32(c, v, xv);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_permutexvar_ps(ix, d16[r]), acc[r]);
+    }
+  }
+}
+
+// R rows (row stride rs code bytes, ss scales) against one token. q4: a step is one group of 4 blocks, 64 code
+// bytes split into low nibbles (the even elements) and high nibbles (the odd ones), each dpbusd'ed as unsigned
+// (code + 8) against the token's signed codes, the lanes starting from off (-8 x the block's sum of x codes, in
+// lane 4b of block b): 4 exact int32 lanes per block. Those times d_w * d_x of their block (a lane permutation of
+// 16 blocks' products, computed once per 16 blocks), accumulated in float. q8: a step is 2 blocks, the codes
+// XOR 0x80 (= code + 128 as unsigned), the lanes from -128 x the sum. Whole chunks of 16 blocks run their steps
+// unrolled (constant permutations); the last chunk step by step, the blocks after the last whole step in scalar.
+template <int Bits, int R>
+inline void micro(const uint8_t* w, int64_t rs, const uint16_t* s, int64_t ss, int64_t nb, const int8_t* xq,
+                  const float* xd, const int32_t* xoff, float* out, int64_t os) {
+  constexpr int64_t kBlocks = Bits == 4 ? 4 : 2;  // blocks per 64-byte step
+  constexpr int64_t kSteps = 16 / kBlocks;        // steps per chunk of 16 blocks
+  const int64_t nv = nb / kBlocks * kBlocks;
+  __m512 acc[R], d16[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i lanes = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          Bits == 4 ? 2 : 3);
+  for (int64_t b0 = 0; b0 < nv; b0 += 16) {
+    const int64_t left = nv - b0;
+    const __mmask16 m = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const __m512 dx = _mm512_maskz_loadu_ps(m, xd + b0);
+    for (int r = 0; r < R; ++r)
+      d16[r] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, s + r * ss + b0)), dx);
+    const int64_t i0 = b0 / kBlocks;
+    if (left >= 16) {
+      for (int64_t j = 0; j < kSteps; ++j)  // (unrolled: the permutations are constants)
+        step<Bits, R>(w, rs, i0 + j, xq, xoff, _mm512_add_epi32(lanes, _mm512_set1_epi32(int(j * kBlocks))), d16,
+                      acc);
+    } else {
+      for (int64_t j = 0; j < left / kBlocks; ++j)
+        step<Bits, R>(w, rs, i0 + j, xq, xoff, _mm512_add_epi32(lanes, _mm512_set1_epi32(int(j * kBlocks))), d16,
+                      acc);
+    }
+  }
+  alignas(16) float sums[R];
+  reduce_rows<R>(acc, sums);
+  for (int r = 0; r < R; ++r) out[r * os] = sums[r] + tail_blocks<Bits>(w + r * rs, s + r * ss, nv, nb, xq, xd);
+}
+#elif LZ_Q_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// R rows against one token. q4: a step is 2 blocks (32 code bytes): low / high nibbles as unsigned (code + 8)
+// against the token's even / odd codes (maddubs: at most 2 x 15 x 127 per int16, no saturation), madd to 8 int32
+// lanes (4 per block), times d_w * d_x of the block, float; the + 8 is taken back per row in float as
+// sum_b d_w d_x off_b. q8: a step is one block, the sign trick (|w| unsigned x (x with w's sign): at most
+// 2 x 128 x 127 per int16).
+template <int Bits, int R>
+inline void micro(const uint8_t* w, int64_t rs, const uint16_t* s, int64_t ss, int64_t nb, const int8_t* xq,
+                  const float* xd, const int32_t* xoff, float* out, int64_t os) {
+  constexpr int64_t kBlocks = Bits == 4 ? 2 : 1;
+  const int64_t steps = nb / kBlocks, nv = steps * kBlocks;
+  __m256 acc[R], corr[R], d8[R];
+  for (int r = 0; r < R; ++r) acc[r] = corr[r] = d8[r] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t i = 0; i < steps; ++i) {
+    const int64_t b0 = i * kBlocks;
+    if (b0 % 8 == 0) {
+      const int64_t left = nv - b0;
+      alignas(16) uint16_t sb[R][8];
+      alignas(32) float db[8];
+      alignas(32) int32_t ob[8];
+      const bool whole = left >= 8;
+      if (!whole) {
+        std::memset(sb, 0, sizeof(sb));
+        std::memset(db, 0, sizeof(db));
+        std::memset(ob, 0, sizeof(ob));
+        for (int64_t b = 0; b < left; ++b) {
+          for (int r = 0; r < R; ++r) sb[r][b] = s[r * ss + b0 + b];
+          db[b] = xd[b0 + b];
+          ob[b] = xoff[b0 + b];
+        }
+      }
+      const __m256 dx = whole ? _mm256_loadu_ps(xd + b0) : _mm256_load_ps(db);
+      for (int r = 0; r < R; ++r) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(whole ? s + r * ss + b0 : sb[r]));
+        d8[r] = _mm256_mul_ps(_mm256_cvtph_ps(h), dx);
+        if constexpr (Bits == 4) {
+          const __m256 off = _mm256_cvtepi32_ps(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(whole ? xoff + b0 : ob)));
+          corr[r] = _mm256_fmadd_ps(d8[r], off, corr[r]);
+        }
+      }
+    }
+    const int first = static_cast<int>(b0 % 8);
+    if constexpr (Bits == 4) {
+      const __m256i ix = _mm256_setr_epi32(first, first, first, first, first + 1, first + 1, first + 1, first + 1);
+      const int64_t g = b0 / 4, half = (b0 % 4) / 2;
+      const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 128 + half * 32));
+      const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 128 + 64 + half * 32));
+      for (int r = 0; r < R; ++r) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * rs + i * 32));
+        const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+        acc[r] = _mm256_fmadd_ps(f, _mm256_permutevar8x32_ps(d8[r], ix), acc[r]);
+      }
+    } else {
+      const __m256i ix = _mm256_set1_epi32(first);
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * 32));
+      for (int r = 0; r < R; ++r) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * rs + i * 32));
+        const __m256i s16 = _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(xv, v));
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+        acc[r] = _mm256_fmadd_ps(f, _mm256_permutevar8x32_ps(d8[r], ix), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    out[r * os] = hsum(acc[r]) + hsum(corr[r]) + tail_blocks<Bits>(w + r * rs, s + r * ss, nv, nb, xq, xd);
+}
+#else
+// Portable: block by block, the signed codes' exact integer dot times d_w * d_x, in float.
+template <int Bits, int R>
+inline void micro(const uint8_t* w, int64_t rs, const uint16_t* s, int64_t ss, int64_t nb, const int8_t* xq,
+                  const float* xd, const int32_t* xoff, float* out, int64_t os) {
+  (void)xoff;
+  for (int r = 0; r < R; ++r) out[r * os] = tail_blocks<Bits>(w + r * rs, s + r * ss, 0, nb, xq, xd);
+}
+#endif
+
+// As the float kernels (dot_rows.cpp): the rows taken kSegments at a time from kSegments equal segments of the
+// block (rows i, i + seg, ...: sequential streams pages apart); every token of the call against those rows
+// (then in L1) before the next rows stream in, so each weight byte comes from memory once per call.
+constexpr int kSegments = 4;
+
+template <int Bits>
+void qdot_rows_t(const void* codes, const uint16_t* scales, int64_t rows, int64_t k, const QTokens& x,
+                 int64_t tokens, float* out, int64_t ldo) {
+  const uint8_t* w = static_cast<const uint8_t*>(codes);
+  const int64_t rb = Bits == 8 ? k : k / 2, nb = k / kQBlock;  // code bytes and blocks per row
+  const int64_t seg = rows / kSegments;
+  for (int64_t i = 0; i < seg; ++i)
+    for (int64_t t = 0; t < tokens; ++t)
+      micro<Bits, kSegments>(w + i * rb, seg * rb, scales + i * nb, seg * nb, nb, x.q + t * x.kp, x.d + t * x.nb,
+                             x.off + t * x.nb, out + t * ldo + i, seg);
+  for (int64_t r = seg * kSegments; r < rows; ++r)
+    for (int64_t t = 0; t < tokens; ++t)
+      micro<Bits, 1>(w + r * rb, rb, scales + r * nb, nb, nb, x.q + t * x.kp, x.d + t * x.nb, x.off + t * x.nb,
+                     out + t * ldo + r, 1);
+}
+
+}  // namespace
+
+const QDotKernels kQKernels = {
+#if LZ_Q_VNNI
+    "avx512vnni",
+#elif LZ_Q_AVX2
+    "avx2",
+#else
+    "generic",
+#endif
+    &qdot_rows_t<8>,
+    &qdot_rows_t<4>,
+};
+
+bool q_available() {
+#if LZ_Q_VNNI
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+         __builtin_cpu_supports("f16c");
+#elif LZ_Q_AVX2
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return true;
+#endif
+}
+
+}  // namespace LZ_ISA_NS
+}  // namespace lz

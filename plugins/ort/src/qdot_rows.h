@@ -1,0 +1,63 @@
+// Row-dot micro-kernels of the quantized expert weights (weight_format q8 / q4; the format: plugins/quant.py and
+// plugins/ort/README.md): out[t * ldo + r] = sum over the row's 32-blocks b of (d_w[r, b] * d_x[t, b]) *
+// sum_j code_w[r, b, j] * q_x[t, b, j], the tokens' x already quantized per 32-block to int8 (QTokens).
+//
+// qdot_rows.cpp is compiled once per instruction set (LZ_ISA_NS = avx512vnni with -march=x86-64-v4 -mavx512vnni,
+// avx2 with -march=x86-64-v3, generic with the compiler's baseline); qdot_kernels() picks the best one the CPU
+// runs, once (LAYERZERO_ORT_ISA=generic / avx2 forces one).
+#pragma once
+
+#include <cstdint>
+
+namespace lz {
+
+constexpr int64_t kQBlock = 32;
+// A token's quantized row is padded to a multiple of kQPad elements (zero codes, zero scales): the kernels'
+// vector steps (up to 8 blocks) never read past it.
+constexpr int64_t kQPad = 256;
+
+// Quantized tokens [tokens, kp] (kp = k rounded up to kQPad): q int8 codes, d float scales and off int32 per
+// block (kp / 32 each). For q4 the codes of each group of 4 blocks (128 elements) are stored as the 64 even
+// elements (block 0's 16, block 1's, ...) then the 64 odd ones: the order of the weight nibbles once a kernel has
+// split 64 code bytes into low and high nibbles (the integer dot does not depend on the order). For q8 the natural
+// order. off[b] = -offset * sum_j q[b, j] (offset 8 for q4, 128 for q8): what the kernels that multiply the
+// codes as unsigned (code + offset) subtract.
+struct QTokens {
+  int8_t* q = nullptr;
+  float* d = nullptr;
+  int32_t* off = nullptr;
+  int64_t kp = 0, nb = 0;  // padded elements and blocks per token
+};
+
+// Quantize one token's x[k] (k a multiple of 32) into token t of xq, for `bits` 8 or 4. Per block, in float32:
+// d = max|x| / 127, q = clamp(round_half_even(x * (127 / max|x|)), -127, 127) (0 for a zero or non-finite block
+// maximum); plugins/quant.py quantize_activations is the same arithmetic.
+void quantize_token(const float* x, int64_t k, int bits, const QTokens& xq, int64_t t);
+// Blocks [b0, b1) of it only (x is the whole row; the other blocks and the padding are left as they are).
+void quantize_token_blocks(const float* x, int64_t b0, int64_t b1, int bits, const QTokens& xq, int64_t t);
+
+// codes [rows, k] int8 (q8) or [rows, k / 2] uint8 (q4), scales [rows, k / 32] float16 bits; tokens of xq.
+using QDotRowsFn = void (*)(const void* codes, const uint16_t* scales, int64_t rows, int64_t k, const QTokens& x,
+                            int64_t tokens, float* out, int64_t ldo);
+
+struct QDotKernels {
+  const char* isa;
+  QDotRowsFn q8, q4;
+};
+
+namespace avx512vnni {
+extern const QDotKernels kQKernels;
+bool q_available();
+}  // namespace avx512vnni
+namespace avx2 {
+extern const QDotKernels kQKernels;
+bool q_available();
+}  // namespace avx2
+namespace generic {
+extern const QDotKernels kQKernels;
+bool q_available();
+}  // namespace generic
+
+const QDotKernels& qdot_kernels();
+
+}  // namespace lz
