@@ -226,3 +226,60 @@ def _raw(server: GenerateServer, path: str, body: bytes) -> tuple[int, dict]:
         return resp.status, json.loads(resp.read())
     finally:
         conn.close()
+
+
+def test_layerzero_serve_answers_the_openai_client(bundle: Path, tmp_path: Path) -> None:
+    # The real `layerzero serve` process (Triton for KServe, the generate port with the OpenAI routes).
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from layerzero.runtime.server import pytriton_available
+
+    if not pytriton_available():
+        pytest.skip("PyTriton is not importable (pip install 'layerzero[serve]')")
+    ports = []
+    for _ in range(4):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    http_port, grpc_port, control_port, generate_port = ports
+    log = tmp_path / "serve.log"
+    command = [sys.executable, "-m", "layerzero", "serve", str(bundle), "--port-http", str(http_port),
+               "--port-grpc", str(grpc_port), "--port-metrics", str(control_port), "--port-generate",
+               str(generate_port), "--no-grpc", "--no-reference", "--model-name", "tiny"]  # fmt: skip
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{generate_port}/v1", api_key="unused", max_retries=0)
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, log.read_text()[-3000:]
+            try:
+                models = client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.5)
+        assert [m.id for m in models.data] == ["tiny"]
+        codec = TextCodec.for_engine(Engine.load(bundle))
+        messages = [{"role": "user", "content": "w4 w8 w15"}]
+        want = codec.decode(Engine.load(bundle).generate(codec.chat_ids(messages), max_new_tokens=8).ids)
+        got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+        assert got.choices[0].message.content == want
+        stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                                stream=True)  # fmt: skip
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+    finally:
+        import contextlib
+        import os
+        import signal
+
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
