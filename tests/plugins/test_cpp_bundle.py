@@ -22,12 +22,10 @@ import onnxruntime
 import pytest
 
 from layerzero.plugins import ort_library
-from layerzero.plugins.loader import PluginError
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = REPO / "plugins" / "examples" / "run_bundle"
 BUILD_DIR = REPO / "build" / "run-bundle-test"
-ORT_BUILD_DIR = Path(os.environ.get("LAYERZERO_ORT_TEST_BUILD") or REPO / "build" / "ort-test")
 REQUIRE = os.environ.get("LAYERZERO_REQUIRE_NATIVE") == "1"
 
 
@@ -35,17 +33,6 @@ def _absent(reason: str):
     if REQUIRE:
         pytest.fail(f"LAYERZERO_REQUIRE_NATIVE=1: {reason}")
     pytest.skip(reason)
-
-
-@pytest.fixture(scope="module")
-def ort_lib() -> Path:
-    if shutil.which("cmake") is None or shutil.which("g++") is None:
-        _absent("cmake / g++ not found: the C++ example cannot be built")
-    try:
-        return ort_library.build_ort_library(ORT_BUILD_DIR, fetch_headers=REQUIRE)
-    except PluginError as e:
-        _absent(str(e))
-        raise
 
 
 @pytest.fixture(scope="module")

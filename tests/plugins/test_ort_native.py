@@ -17,7 +17,6 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -45,26 +44,7 @@ def _absent(reason: str):
     pytest.skip(reason)
 
 
-def _build(asan: bool) -> Path:
-    if shutil.which("cmake") is None or shutil.which("g++") is None:
-        _absent("cmake / g++ not found: liblayerzero_ort.so cannot be built")
-    if ort_library.find_ort_headers() is None and not REQUIRE:
-        _absent("ONNX Runtime headers not found: run scripts/fetch_ort_headers.sh (or set LAYERZERO_ORT_INCLUDE)")
-    try:
-        return ort_library.build_ort_library(BUILD_DIR, asan=asan, fetch_headers=REQUIRE)
-    except PluginError as e:
-        _absent(str(e))
-        raise
-
-
-@pytest.fixture(scope="session")
-def ort_lib() -> Path:
-    return _build(asan=False)
-
-
-@pytest.fixture(scope="session")
-def ort_lib_asan() -> Path:
-    return _build(asan=True)
+# ort_lib / ort_lib_asan: tests/plugins/conftest.py (one build per session for every plugin test).
 
 
 # ------------------------------------------------------------------------------------------------ the model

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,8 +25,6 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from layerzero.plugins import ort_library
-from layerzero.plugins.loader import PluginError
 from layerzero.plugins.quant import (
     dequantize_blocks,
     moe_quant_reference,
@@ -39,8 +36,6 @@ from layerzero.plugins.quant import (
 )
 from layerzero.plugins.reference import moe_reference
 
-REPO = Path(__file__).resolve().parents[2]
-BUILD_DIR = Path(os.environ.get("LAYERZERO_ORT_TEST_BUILD") or REPO / "build" / "ort-test")
 REQUIRE = os.environ.get("LAYERZERO_REQUIRE_NATIVE") == "1"
 THRESHOLD = "layerzero::threshold"
 NODE = "layers.0.moe/MoE"
@@ -52,26 +47,7 @@ def _absent(reason: str):
     pytest.skip(reason)
 
 
-def _build(asan: bool) -> Path:
-    if shutil.which("cmake") is None or shutil.which("g++") is None:
-        _absent("cmake / g++ not found: liblayerzero_ort.so cannot be built")
-    if ort_library.find_ort_headers() is None and not REQUIRE:
-        _absent("ONNX Runtime headers not found: run scripts/fetch_ort_headers.sh (or set LAYERZERO_ORT_INCLUDE)")
-    try:
-        return ort_library.build_ort_library(BUILD_DIR, asan=asan, fetch_headers=REQUIRE)
-    except PluginError as e:
-        _absent(str(e))
-        raise
-
-
-@pytest.fixture(scope="session")
-def ort_lib() -> Path:
-    return _build(asan=False)
-
-
-@pytest.fixture(scope="session")
-def ort_lib_asan() -> Path:
-    return _build(asan=True)
+# ort_lib / ort_lib_asan: tests/plugins/conftest.py (one build per session for every plugin test).
 
 
 # ------------------------------------------------------------------------------------------------ the format
