@@ -86,6 +86,7 @@ def export_hf(
     opset: int | None = None,
     force: bool = False,
     progress: Callable[[str], None] | None = None,
+    gguf_file: str | Path | None = None,
 ) -> ExportResult:
     """Export the causal LM saved (``save_pretrained``) in ``model_dir`` to ``out`` (``progress(stage)`` is told each
     stage: loading, exporting, writing).
@@ -104,8 +105,10 @@ def export_hf(
     model_dir, out = Path(model_dir), Path(out)
     if exporter not in EXPORTERS:
         raise InvalidInputError(f"exporter {exporter!r}: choose one of {', '.join(EXPORTERS)}")
-    if not (model_dir / "config.json").is_file():
-        raise InvalidInputError(f"{model_dir}: no config.json (a folder written by save_pretrained expected)")
+    gguf = None if gguf_file is None else _gguf_path(model_dir, Path(gguf_file))
+    if gguf is None and not (model_dir / "config.json").is_file():
+        raise InvalidInputError(f"{model_dir}: no config.json (a folder written by save_pretrained expected; "
+                                "a GGUF file: --gguf FILE)")  # fmt: skip
     stale_data, to_copy = _check_outputs(model_dir, out, force)
     try:
         import torch
@@ -114,9 +117,20 @@ def export_hf(
         raise InvalidInputError(f"layerzero export needs torch and transformers (.[export] extra): {e}") from None
 
     say = progress or (lambda _stage: None)
-    say("loading the model with transformers")
+    load: dict[str, Any] = {"local_files_only": True}
+    tokenizer_dir = None
+    if gguf is not None:
+        # transformers reads the GGUF's config and dequantizes its tensors to float; its tokenizer (and chat
+        # template) are written beside the export as a Hugging Face folder's would be.
+        load["gguf_file"] = gguf.name
+        model_dir = gguf.parent
+        say("reading the GGUF file's tokenizer")
+        tokenizer_dir = _gguf_tokenizer(transformers, gguf)
+        if tokenizer_dir is not None:
+            stale_data, to_copy = _check_outputs(tokenizer_dir, out, force)
+    say("loading the model with transformers" + (" (dequantizing the GGUF file)" if gguf is not None else ""))
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), **load)
     except Exception as e:  # transformers raises many kinds; the user needs its reason, on one line
         raise UnsupportedModelError(f"{model_dir}: not loadable as a causal LM: {_one_line(e)}") from None
     model.eval()
@@ -182,12 +196,44 @@ def export_hf(
     if stale_data is not None and stale_data.name not in _external_locations(out):
         stale_data.unlink(missing_ok=True)  # the replaced export's weights; the new one keeps its own inside
     copied = []
+    source_dir = tokenizer_dir if tokenizer_dir is not None else model_dir
     for name in to_copy:
         target = out.parent / name
         if not os.path.lexists(target):  # checked up front; a file that appeared since is not ours either
-            _copy_new(model_dir / name, target)
+            _copy_new(source_dir / name, target)
             copied.append(name)
+    if tokenizer_dir is not None:
+        shutil.rmtree(tokenizer_dir, ignore_errors=True)
     return ExportResult(out, meta["model_type"], layers, cache, exporter, input_names, output_names, copied)
+
+
+def _gguf_path(model_dir: Path, gguf: Path) -> Path:
+    """The GGUF file: ``gguf`` as given, else inside ``model_dir``; one line when it is not a GGUF file."""
+    path = gguf if gguf.is_absolute() or gguf.exists() else model_dir / gguf
+    if not path.is_file():
+        raise InvalidInputError(f"--gguf {gguf}: no such file (looked in {path.parent})")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise InvalidInputError(f"--gguf {gguf}: not a GGUF file (no GGUF magic)")
+    return path
+
+
+def _gguf_tokenizer(transformers: Any, gguf: Path) -> Path | None:
+    """The GGUF's tokenizer saved as tokenizer files in a temporary folder (None when transformers cannot build
+    one from it: the export goes on without text)."""
+    import tempfile
+
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as e:  # a GGUF without tokenizer metadata, or one transformers cannot convert
+        logger.warning("%s: no tokenizer from the GGUF file (%s); the export has none", gguf, _one_line(e))
+        return None
+    import atexit
+
+    folder = Path(tempfile.mkdtemp(prefix="layerzero-gguf-tokenizer-"))
+    atexit.register(shutil.rmtree, folder, True)  # also when the export fails on the way
+    tokenizer.save_pretrained(str(folder))
+    return folder
 
 
 def _check_outputs(model_dir: Path, out: Path, force: bool) -> tuple[Path | None, list[str]]:

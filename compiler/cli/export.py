@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default: the exporter's)")
     add_force(p, "replace OUTPUT if it is a model layerzero export wrote")
+    p.add_argument("--gguf", type=Path, metavar="FILE",
+                   help="export a GGUF file (llama.cpp's format; in MODEL_DIR or a path): transformers reads its "
+                        "config and tokenizer and dequantizes its weights")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with progress(f"exporting {args.model_dir}") as say:
         result = export_hf(args.model_dir, args.output, cache=not args.no_cache, exporter=args.exporter,
-                           opset=args.opset, force=args.force, progress=say)  # fmt: skip
+                           opset=args.opset, force=args.force, progress=say, gguf_file=args.gguf)  # fmt: skip
     seconds = time.perf_counter() - start
     kind = "cache-carrying" if result.cache else "single-pass"
     console.print(
