@@ -489,7 +489,7 @@ class _staged:
         return self.tmp
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
-        from layerzero.runtime.bundle import current_umask, locked
+        from layerzero.runtime.bundle_files import current_umask, locked
 
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)

@@ -248,7 +248,6 @@ LONG_MODULES = {
     "passes/_moe/router.py",
     "passes/_shapes.py",
     "passes/lower_moe.py",
-    "runtime/bundle.py",
 }
 MAX_LINES = 600
 
