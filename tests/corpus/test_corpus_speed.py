@@ -76,7 +76,7 @@ def test_speed_table_rows() -> None:
     assert all(line.count("|") == 11 for line in rows.values()), rows  # 10 columns
     summary = next(line for line in lines if line.startswith("Compiled p50 above the export's"))
     assert "jetmoe/dynamo (6.34 vs 5.94 ms)" in summary and "mixtral/torchscript" in summary
-    assert "Below the 1.15× target of issue 8: jetmoe/dynamo (0.94×)." in summary
+    assert "Below the 1.15× target: jetmoe/dynamo (0.94×)." in summary
     assert lines[-1].startswith("- jetmoe / dynamo is the closest row")  # the row's note, since the row is there
     alone = table._speed_notes({"mixtral/dynamo": speed["mixtral/dynamo"]})
     assert not any(line.startswith("- jetmoe") for line in alone)
