@@ -109,7 +109,10 @@ def compile_model(
         source_path: Path | None = Path(source)
         model = load_model(source_path)
     elif isinstance(source, onnx.ModelProto):
-        source_path, model = None, ir.from_proto(source)
+        # A copy: the IR shares the proto's tensors, and renaming a value would rename the caller's initializer.
+        copied = onnx.ModelProto()
+        copied.CopyFrom(source)
+        source_path, model = None, ir.from_proto(copied)
     else:
         source_path, model = None, source
     _check_reserved_names(model)

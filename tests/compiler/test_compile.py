@@ -215,3 +215,18 @@ def test_a_compiled_model_onnxruntime_cannot_run_names_the_pass(monkeypatch) -> 
     assert info.value.exit_code == 1
     monkeypatch.undo()
     assert compile_model(model).verification.passed  # with the guard
+
+
+def test_compile_model_leaves_the_callers_proto_as_it_was() -> None:
+    # The IR shares a ModelProto's tensors: a renamed value renamed the caller's initializer (fuzz seed 534278).
+    import onnx
+
+    from layerzero.compile import compile_model
+    from layerzero.models import TransformerConfig, build_transformer
+    from layerzero.options import CompileOptions
+
+    model = build_transformer(TransformerConfig(num_layers=2, zero_blocks=(1,)))
+    before = model.SerializeToString()
+    compile_model(model, CompileOptions(verify=False))
+    assert model.SerializeToString() == before
+    assert isinstance(model, onnx.ModelProto)
