@@ -9,7 +9,8 @@ noise of a shared machine falls on both alike.
 
 Printed per round and as medians: the solo tokens/s, the aggregate tokens/s of N clients (all new tokens / the
 wall time from the first request to the last token), their ratio, the p50 time to first token and the p50
-inter-token latency over all clients, the mean batch the batcher ran (rows per decode step). Checked: every
+inter-token latency over all clients, the mean batch the batcher ran (rows per decode step). Each client is a
+process of its own (as real clients are: none shares the server's interpreter and GIL). Checked: every
 client's ids equal its prompt's solo ids (greedy, from ``Engine.generate``).
 
 Target (issue 24): aggregate ≥ 4 × one client alone on the dense model; the exit status is 1 when it is missed or
@@ -35,7 +36,6 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -126,13 +126,13 @@ def _bundle(family: str, size: str) -> Path:
     return bundle
 
 
-def _client(port: int, prompt: list[int], new: int, out: dict) -> None:
+def _client(port: int, prompt: list[int], new: int) -> dict:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     body = json.dumps({"prompt_ids": prompt, "max_new_tokens": new, "stop_ids": [], "stream": True})
     start = time.perf_counter()
     conn.request("POST", "/v1/generate", body=body, headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
-    times, ids = [], []
+    times, ids, out = [], [], {}
     while True:
         line = resp.readline()
         if not line:
@@ -145,19 +145,42 @@ def _client(port: int, prompt: list[int], new: int, out: dict) -> None:
             out["error"] = doc["error"]
     conn.close()
     out.update(start=start, times=times, ids=ids)
+    return out
 
 
-def _round(port: int, prompts: list[list[int]], new: int) -> list[dict]:
-    results = [{} for _ in prompts]
-    threads = [threading.Thread(target=_client, args=(port, p, new, r)) for p, r in zip(prompts, results)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+def _round(pool, port: int, prompts: list[list[int]], new: int) -> list[dict]:
+    """Each prompt from a client process of its own (time.perf_counter is the machine's monotonic clock: the
+    processes' stamps compare), so that no client shares the server's interpreter."""
+    results = list(pool.map(_client, [port] * len(prompts), prompts, [new] * len(prompts)))
     for r in results:
         if "error" in r or len(r.get("ids", [])) != new:
             sys.exit(f"bench/serve_batch.py: a client failed: {r.get('error', 'short answer')}")
     return results
+
+
+def step_bound(engine, rows: int, past: int = 64, runs: int = 10) -> tuple[float, float]:
+    """The model's own ceiling on batching: the median time of one decode step (one token per row, ``past``
+    cached) at 1 row and at ``rows``, run directly on the engine (no server, no batcher)."""
+    import numpy as np
+
+    from layerzero.runtime.generate import cache_layout
+
+    layout = cache_layout(engine)
+    heads, head_dim = layout.shape
+    times = []
+    for batch in (1, rows):
+        feeds = {"input_ids": np.ones((batch, 1), np.int64), "attention_mask": np.ones((batch, past + 1), np.int64),
+                 "position_ids": np.full((batch, 1), past, np.int64)}  # fmt: skip
+        for name, _ in layout.names:
+            feeds[name] = np.random.default_rng(0).random((batch, heads, past, head_dim), dtype=np.float32)
+        engine.run(feeds)
+        samples = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            engine.run(feeds)
+            samples.append(time.perf_counter() - start)
+        times.append(statistics.median(samples))
+    return times[0], times[1]
 
 
 def main() -> int:
@@ -188,13 +211,17 @@ def main() -> int:
                                   batch_rows=args.clients, max_queue=args.clients)  # fmt: skip
     rows = []
     wrong = 0
-    with GenerateServer(engine, config) as server:
-        _round(server.port, prompts[:1], 4)  # warm-up
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    pool = ProcessPoolExecutor(max_workers=len(prompts), mp_context=multiprocessing.get_context("spawn"))
+    with pool, GenerateServer(engine, config) as server:
+        _round(pool, server.port, prompts, 2)  # warm-up: every client process started
         for k in range(args.rounds):
-            solo = _round(server.port, prompts[k % len(prompts) : k % len(prompts) + 1], new)[0]
+            solo = _round(pool, server.port, prompts[k % len(prompts) : k % len(prompts) + 1], new)[0]
             solo_rate = new / (solo["times"][-1] - solo["start"])
             steps0, rows0 = server.batcher.steps_run, server.batcher.rows_stepped
-            many = _round(server.port, prompts, new)
+            many = _round(pool, server.port, prompts, new)
             mean_batch = (server.batcher.rows_stepped - rows0) / max(1, server.batcher.steps_run - steps0)
             wall = max(r["times"][-1] for r in many) - min(r["start"] for r in many)
             rate = len(prompts) * new / wall
@@ -214,6 +241,10 @@ def main() -> int:
     if bound is not None:
         print(f"bound ({args.family}: a batch of {args.clients} reads the union of its rows' experts): "
               f"{bound:.2f}x; measured {med[2]:.2f}x = {med[2] / bound:.0%} of it")  # fmt: skip
+    one, many_rows = step_bound(engine, args.clients)
+    print(f"the model's own ceiling: a decode step takes {one * 1e3:.1f} ms at 1 row, {many_rows * 1e3:.1f} ms at "
+          f"{args.clients} rows: {args.clients} x {one / many_rows:.2f} = {args.clients * one / many_rows:.2f}x at "
+          f"most; measured {med[2]:.2f}x = {med[2] / (args.clients * one / many_rows):.0%} of it")  # fmt: skip
     ok_ids = wrong == 0
     print(f"ids of every client equal its solo run: {'met' if ok_ids else f'NOT met ({wrong} differ)'}")
     if args.quick or args.family != "llama":

@@ -61,7 +61,8 @@ class GenerationRequest:
     """One generation: its prompt, sampling options and stop condition.
 
     ``on_token(id)`` is called with each new id as it is chosen (streaming); returning True ends the request
-    there (``stop_reason`` ``"stop"``: the caller's own condition, e.g. a stop string).
+    there (``stop_reason`` ``"stop"``: the caller's own condition, e.g. a stop string). ``on_done()`` is called
+    once when it has finished or failed (a streaming caller's wake-up). Both run in the batcher's thread.
     """
 
     prompt_ids: Sequence[int]
@@ -73,6 +74,7 @@ class GenerationRequest:
     stop_tokens: Sequence[int] | None = None  # None: the export's eos ids
     max_tokens: int | None = None  # prompt + new tokens
     on_token: Callable[[int], bool | None] | None = None
+    on_done: Callable[[], None] | None = None  # called once the request has finished (or failed)
 
 
 class Ticket:
@@ -105,6 +107,11 @@ class Ticket:
     def _finish(self, generation: Generation | None, error: BaseException | None = None) -> None:
         self._generation, self._error = generation, error
         self._done.set()
+        if self.request.on_done is not None:
+            try:
+                self.request.on_done()
+            except Exception:  # the caller's callback must not stop the batch
+                logger.debug("on_done failed", exc_info=True)
 
 
 @dataclasses.dataclass

@@ -51,6 +51,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import queue
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -317,17 +318,17 @@ class _GenerateHandler(BaseHTTPRequestHandler):
 
         server = self.server_
         stream = request.pop("stream")
-        tokens: list[int] = []
+        tokens: queue.Queue[int | None] = queue.Queue()  # the batcher's thread puts, this request's thread sends
         times = [time.perf_counter()]
         started = False
-        gone = threading.Event()
 
         def on_token(token: int) -> None:
             times.append(time.perf_counter())
-            tokens.append(token)
+            tokens.put(token)
 
         request.pop("pad_token_id", None)  # one prompt: nothing to pad
-        job = GenerationRequest(request.pop("prompt_ids"), **request, on_token=on_token)
+        job = GenerationRequest(request.pop("prompt_ids"), **request, on_token=on_token,
+                                on_done=lambda: tokens.put(None))  # fmt: skip
         try:
             ticket = server.batcher.submit(job)
         except QueueFull as exc:
@@ -337,22 +338,17 @@ class _GenerateHandler(BaseHTTPRequestHandler):
         except InvalidInputError as exc:
             self._error(400, str(exc))
             return
-        sent = 0
-        while stream and not gone.is_set():
-            finished = ticket.done()
-            while sent < len(tokens):
-                if not started:
-                    self._start_chunks()
-                    started = True
-                self._chunk({"token": tokens[sent]})
-                sent += 1
-                if self.close_connection:  # the client went away
-                    ticket.cancel()
-                    gone.set()
-                    break
-            if finished:
+        while stream:  # a thread that sleeps until a token comes (no polling: the batcher's thread needs the GIL)
+            token = tokens.get()
+            if token is None:  # on_done: every token is in the queue before it
                 break
-            time.sleep(0.005)
+            if not started:
+                self._start_chunks()
+                started = True
+            self._chunk({"token": token})
+            if self.close_connection:  # the client went away
+                ticket.cancel()
+                break
         try:
             out = ticket.result(timeout=None)
         except Exception as exc:

@@ -293,6 +293,7 @@ class OpenAIRoutes:
             return text.add(token) if stops else False
 
         request.on_token = on_token
+        request.on_done = lambda: tokens.put(None)  # wakes the stream at the end
         try:
             ticket = self.batcher.submit(request)
         except QueueFull as e:
@@ -361,12 +362,9 @@ class OpenAIRoutes:
         alive = event(piece("", first=True)) if chat else True
         count = 0
         while alive:
-            try:
-                token = tokens.get(timeout=0.05)
-            except queue.Empty:
-                if ticket.done() and tokens.empty():
-                    break
-                continue
+            token = tokens.get()  # sleeps until a token or the end (on_done puts None)
+            if token is None:
+                break
             count += 1
             if not has_stops:
                 text.add(token)
