@@ -336,7 +336,7 @@ def test_native_runs_biases_and_swiglu_oai() -> None:
     """The native kernel implements moe_op_v2's experts: the node keeps its biases (5-7), the threshold goes to 9,
     and the kernel computes the reference (when liblayerzero_ort.so can be built here)."""
     from layerzero.passes._dynamic import THRESHOLD_INPUT
-    from tests.plugins.test_ort_native import _build
+    from tests.plugins.native_build import build_ort_test_library as _build
 
     for biases in (True, False):
         model, _, _ = _skip(gpt_oss_block("dynamo", biases=biases))

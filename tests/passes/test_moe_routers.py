@@ -253,7 +253,7 @@ def test_other_lowerings_refuse_v2_routing(variant: str, caplog) -> None:
 @pytest.mark.parametrize("variant", [v for v, spec in VARIANTS.items() if spec[2].get("routing", "topk") == "topk"])
 def test_native_lowering_equals_reference(variant: str) -> None:
     """The node kept for liblayerzero_ort.so (v2 inputs 5-8, the threshold at 9) computes the reference."""
-    from tests.plugins.test_ort_native import _build
+    from tests.plugins.native_build import build_ort_test_library as _build
 
     model = _moe_node_model(variant)
     lower = LowerMoE(lowering="native", native_present=True)

@@ -18,7 +18,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from layerzero.plugins import loader, ort_library
+from layerzero.plugins import loader
+from tests.plugins.native_build import build_ort_test_library
 
 FAKE_TENSORRT = Path(__file__).parent / "fake_tensorrt"
 FETCH_TRT_HEADERS = Path(__file__).resolve().parents[2] / "scripts" / "fetch_trt_headers.sh"
@@ -205,31 +206,13 @@ def gxx() -> str:
     return path
 
 
-#: Where the tests build liblayerzero_ort.so (never the user's ~/.cache); LAYERZERO_ORT_TEST_BUILD overrides.
-ORT_TEST_BUILD = Path(os.environ.get("LAYERZERO_ORT_TEST_BUILD") or Path(__file__).resolve().parents[2] / "build"
-                      / "ort-test")  # fmt: skip
-
-
-def _build_ort_library(asan: bool) -> Path:
-    require = os.environ.get("LAYERZERO_REQUIRE_NATIVE") == "1"
-    if shutil.which("cmake") is None or shutil.which("g++") is None:
-        native_missing("cmake / g++ not found: liblayerzero_ort.so cannot be built")
-    if ort_library.find_ort_headers() is None and not require:
-        native_missing("ONNX Runtime headers not found: run scripts/fetch_ort_headers.sh (or LAYERZERO_ORT_INCLUDE)")
-    try:
-        return ort_library.build_ort_library(ORT_TEST_BUILD, asan=asan, fetch_headers=require)
-    except loader.PluginError as e:
-        native_missing(str(e))
-        raise
-
-
 @pytest.fixture(scope="session")
 def ort_lib() -> Path:
-    """liblayerzero_ort.so, built once per session."""
-    return _build_ort_library(asan=False)
+    """liblayerzero_ort.so, built once per session (tests/plugins/native_build.py)."""
+    return build_ort_test_library(asan=False)
 
 
 @pytest.fixture(scope="session")
 def ort_lib_asan() -> Path:
     """liblayerzero_ort.so built with AddressSanitizer, once per session."""
-    return _build_ort_library(asan=True)
+    return build_ort_test_library(asan=True)
