@@ -360,12 +360,10 @@ class OpenAIRoutes:
 
         start_stream()
         alive = event(piece("", first=True)) if chat else True
-        count = 0
         while alive:
             token = tokens.get()  # sleeps until a token or the end (on_done puts None)
             if token is None:
                 break
-            count += 1
             if not has_stops:
                 text.add(token)
             chunk = text.ready(final=False)
