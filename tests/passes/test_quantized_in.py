@@ -1,0 +1,370 @@
+"""Quantized models in (issue 22): the zeroing passes through MatMulNBits, weight-only QDQ and QMoE.
+
+- a tiny Hugging Face Llama exported (``torch.onnx.export(dynamo=True)``), then quantized by ONNX Runtime's own
+  ``MatMulNBitsQuantizer`` (4 bits, block 32, accuracy level 4, symmetric and not; its QOperator form
+  ``MatMulNBits`` and its QDQ form ``DequantizeLinear`` (blocked int4) -> ``MatMul``), and an 8-bit weight-only
+  QDQ form (``DequantizeLinear`` int8 per output channel -> ``MatMul``) written here;
+- a declared zero flag removes its layer in every form; a pruned block of neurons (32 zero columns of layer 0's
+  gate projection) is found through the quantization and removed (the projections' node shapes shrink); a
+  single pruned neuron in a blocked int4 down projection cannot go exactly (not a whole block of K): the refusal
+  says so; an all-zero MatMulNBits weight folds;
+- ``com.microsoft::QMoE`` (int4 and int8 experts) rewritten to ``ai.layerzero::MoE`` with quantized experts.
+
+Every compile verifies (compiled vs original on seeded inputs) and the tests compare with ONNX Runtime again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+from layerzero.compile import compile_model
+from layerzero.options import CompileOptions
+from layerzero.passes import InferShapes, PropagateUniforms, RemoveDeadCode
+from layerzero.passes._quantized import quantized_weight
+from layerzero.passes.structured_zeros import RemoveStructuredZeros
+
+torch = pytest.importorskip("torch", reason="real-export tests need torch (pip install -e '.[export]')")
+transformers = pytest.importorskip("transformers", reason="real-export tests need transformers")
+pytest.importorskip("onnxscript", reason="torch.onnx.export(dynamo=True) needs onnxscript")
+nbits = pytest.importorskip("onnxruntime.quantization.matmul_nbits_quantizer", reason="ORT's quantizer")
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
+
+VOCAB = 128
+LAYERS = 2
+ATOL = 1e-4
+FORMS = ["nbits_sym", "nbits_asym", "qdq4_sym", "qdq4_asym", "qdq8"]
+PRUNED = slice(32, 64)  # layer 0's gate columns (neurons) 32..63: one whole block of 32 of down's K
+
+
+def _llama(prune: slice | None = None, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn_like(param))
+        if prune is not None:
+            model.model.layers[0].mlp.gate_proj.weight[prune] = 0.0  # [out, in]: neurons' gate columns
+    return model
+
+
+def _export(model: torch.nn.Module, path: Path) -> Path:
+    ids = torch.randint(0, VOCAB, (2, 8))
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
+    program = torch.onnx.export(
+        model,
+        (ids,),
+        dynamo=True,
+        input_names=["input_ids"],
+        output_names=["logits"],
+        dynamic_shapes=({0: batch, 1: seq},),
+        verbose=False,
+    )
+    program.save(str(path))
+    return path
+
+
+def _qdq8(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """8-bit weight-only QDQ: each MatMul's constant [K, N] weight becomes DequantizeLinear(int8, scale[N], axis=1),
+    symmetric per output channel (``s = max|w| / 127``, 0 for a zero column)."""
+    inits = {t.name: t for t in proto.graph.initializer}
+    nodes = []
+    for node in proto.graph.node:
+        if node.op_type == "MatMul" and node.input[1] in inits and len(inits[node.input[1]].dims) == 2:
+            w = onnx.numpy_helper.to_array(inits.pop(node.input[1])).astype(np.float32)
+            scale = (np.abs(w).max(axis=0) / 127).astype(np.float32)
+            q = np.where(scale > 0, np.rint(w / np.where(scale > 0, scale, 1)), 0).clip(-127, 127).astype(np.int8)
+            name = node.input[1]
+            inits[f"{name}_q8"] = onnx.numpy_helper.from_array(q, f"{name}_q8")
+            inits[f"{name}_s8"] = onnx.numpy_helper.from_array(scale, f"{name}_s8")
+            nodes.append(onnx.helper.make_node("DequantizeLinear", [f"{name}_q8", f"{name}_s8"], [f"{name}_dq8"],
+                                               name=f"{node.name}_DQ8", axis=1))  # fmt: skip
+            node.input[1] = f"{name}_dq8"
+        nodes.append(node)
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    del proto.graph.initializer[:]
+    proto.graph.initializer.extend(inits.values())
+    return proto
+
+
+def _quantize(source: Path, form: str, path: Path) -> Path:
+    proto = onnx.load(str(source))
+    if form == "qdq8":
+        onnx.save(_qdq8(proto), str(path))
+        return path
+    fmt = nbits.QuantFormat.QOperator if form.startswith("nbits") else nbits.QuantFormat.QDQ
+    config = nbits.DefaultWeightOnlyQuantConfig(
+        block_size=32, is_symmetric=form.endswith("_sym"), accuracy_level=4, quant_format=fmt
+    )
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
+    quantizer = nbits.MatMulNBitsQuantizer(proto, algo_config=config)
+    quantizer.process()
+    quantizer.model.save_model_to_file(str(path))
+    return path
+
+
+def _feeds(batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"input_ids": rng.integers(0, VOCAB, size=(batch, seq), dtype=np.int64)}
+
+
+def _ort(model: Path | onnx.ModelProto | ir.Model, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    if isinstance(model, ir.Model):
+        model = ir.to_proto(model)
+    source = str(model) if isinstance(model, Path) else model.SerializeToString()
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"]).run(["logits"], feeds)[0]
+
+
+def _quantized_nodes(model: ir.Model) -> list[ir.Node]:
+    return [n for n in model.graph.all_nodes() if n.op_type in ("MatMulNBits", "DequantizeLinear")]
+
+
+def _scope_nodes(model: ir.Model, prefix: str) -> list[ir.Node]:
+    from layerzero.passes._graph import scope_of
+
+    return [n for n in model.graph.all_nodes() if scope_of(n) == prefix or scope_of(n).startswith(prefix + ".")]
+
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _math_shape(model: ir.Model, projection: str, layer: int = 0) -> tuple[int, int]:
+    """[K, N] of layer ``layer``'s quantized ``projection``. ONNX Runtime's quantizer drops the name scopes: the
+    exporter's node names count the linears in order (``node_linear_<i>``, 7 per layer), its nodes keep them."""
+    name = f"node_linear_{7 * layer + _PROJECTIONS.index(projection)}"
+    for node in model.graph:
+        if node.name != name and not node.name.startswith(name + "_"):
+            continue
+        weight = quantized_weight(node)
+        if weight is None and len(node.inputs) > 1 and node.inputs[1] is not None:
+            weight = quantized_weight(node.inputs[1].producer())  # QDQ: the MatMul reads the DequantizeLinear
+        if weight is not None:
+            return weight.k, weight.n
+    raise AssertionError(f"no quantized weight of {name}")
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The float exports (plain, layer 0 with a pruned block of neurons) and each quantized form of them."""
+    tmp = tmp_path_factory.mktemp("quantized_in")
+    out: dict[str, Path] = {}
+    for kind, prune in (("plain", None), ("pruned", PRUNED), ("omitted", None)):
+        model = _llama(prune)
+        if kind == "omitted":  # the oracle of the flag: layer 1 deleted, the same weights otherwise
+            model.model.layers = torch.nn.ModuleList([model.model.layers[0]])
+            model.config.num_hidden_layers = 1
+        source = _export(model, tmp / f"{kind}.onnx")
+        for form in FORMS:
+            out[f"{kind}_{form}"] = _quantize(source, form, tmp / f"{kind}_{form}.onnx")
+    return out
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_declared_flag_removes_its_layer_through_the_quantization(
+    exports: dict[str, Path], tmp_path: Path, form: str
+) -> None:
+    scope = "model.layers.1"
+    proto = onnx.load(str(exports[f"plain_{form}"]))
+    proto.graph.initializer.append(onnx.numpy_helper.from_array(np.zeros(1, np.float32), f"{scope}.flag"))
+    path = tmp_path / "flagged.onnx"
+    onnx.save(proto, str(path))
+    original = ir.load(path)
+    before = len(_quantized_nodes(original))
+    assert before >= 7 * LAYERS  # q, k, v, o, gate, up, down of each layer (+ lm_head)
+
+    result = compile_model(path, CompileOptions(atol=ATOL, rtol=0))
+
+    assert [b.scope for b in result.pipeline.bypassed] == [scope]
+    assert _scope_nodes(result.model, scope) == []
+    after = _quantized_nodes(result.model)
+    assert len(after) == before - 7, Counter(n.op_type for n in after)  # the layer's 7 projections, still quantized
+    assert not any(n.op_type == "MatMul" and quantized_weight(n.inputs[1].producer()) is None
+                   and n.inputs[1].const_value is not None for n in result.model.graph)  # fmt: skip
+    v = result.verification
+    assert v is not None and v.passed
+    assert v.impact is not None and max(o.max_abs for o in v.impact) > 1e-3  # the layer did something
+    for batch, seq in [(1, 1), (2, 16)]:
+        feeds = _feeds(batch, seq)
+        # ONNX Runtime's quantizer on the model without layer 1: the same codes for every other weight
+        np.testing.assert_allclose(_ort(result.model, feeds), _ort(exports[f"omitted_{form}"], feeds), atol=ATOL)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_pruned_neurons_are_found_through_the_quantization(exports: dict[str, Path], form: str) -> None:
+    path = exports[f"pruned_{form}"]
+    original = ir.load(path)
+    assert _math_shape(original, "gate_proj") == (64, 128)
+    assert _math_shape(original, "down_proj") == (128, 64)
+
+    result = compile_model(path, CompileOptions(atol=ATOL, rtol=0))
+
+    live = 128 - (PRUNED.stop - PRUNED.start)
+    assert _math_shape(result.model, "gate_proj") == (64, live)
+    assert _math_shape(result.model, "up_proj") == (64, live)
+    assert _math_shape(result.model, "down_proj") == (live, 64)
+    assert _math_shape(result.model, "down_proj", layer=1) == (128, 64)  # layer 1 is dense
+    v = result.verification
+    assert v is not None and v.passed
+    for batch, seq in [(1, 1), (2, 16)]:
+        feeds = _feeds(batch, seq)
+        np.testing.assert_allclose(_ort(result.model, feeds), _ort(path, feeds), atol=ATOL, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------- unit graphs
+
+
+def _mlp(tmp: Path, gate: np.ndarray, up: np.ndarray, down: np.ndarray, form: str) -> Path:
+    """y = x + (silu(x @ gate) * (x @ up)) @ down, quantized by ONNX Runtime's quantizer (``form`` of FORMS)."""
+    h = gate.shape[0]
+    nodes = [
+        onnx.helper.make_node("MatMul", ["x", "w_gate"], ["g"], name="node_linear_4"),
+        onnx.helper.make_node("Sigmoid", ["g"], ["sg"]),
+        onnx.helper.make_node("Mul", ["g", "sg"], ["act"]),
+        onnx.helper.make_node("MatMul", ["x", "w_up"], ["u"], name="node_linear_5"),
+        onnx.helper.make_node("Mul", ["act", "u"], ["m"]),
+        onnx.helper.make_node("MatMul", ["m", "w_down"], ["d"], name="node_linear_6"),
+        onnx.helper.make_node("Add", ["x", "d"], ["logits"]),
+    ]
+    inits = [onnx.numpy_helper.from_array(a.astype(np.float32), n)
+             for n, a in (("w_gate", gate), ("w_up", up), ("w_down", down))]  # fmt: skip
+    graph = onnx.helper.make_graph(
+        nodes,
+        "mlp",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["T", h])],
+        [onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["T", h])],
+        inits,
+    )
+    source = tmp / "mlp.onnx"
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+    # The intermediate shapes as value_info, as exporters write them: onnx's shape inference does not know
+    # com.microsoft ops, so nothing after a MatMulNBits would have a shape.
+    onnx.save(onnx.shape_inference.infer_shapes(model), str(source))
+    return _quantize(source, form, tmp / f"mlp_{form}.onnx")
+
+
+def _weights(seed: int = 0, h: int = 64, f: int = 128) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.normal(0, 0.2, (h, f)), rng.normal(0, 0.2, (h, f)), rng.normal(0, 0.2, (f, h))
+
+
+@pytest.mark.parametrize("form", ["nbits_sym", "qdq4_asym"])
+def test_a_single_pruned_neuron_is_kept_in_blocked_int4_and_the_refusal_says_why(tmp_path: Path, form: str) -> None:
+    gate, up, down = _weights()
+    gate[:, 5] = 0.0  # one neuron: not a whole block of 32 of down's K
+    path = _mlp(tmp_path, gate, up, down, form)
+    model = ir.load(path)
+    InferShapes()(model)
+    zeros = RemoveStructuredZeros()
+    assert not zeros(model).modified
+    (line,) = zeros.refusals
+    assert "node_linear_6" in line and "1 dead entries" in line and "not whole blocks of 32" in line, line
+    assert _math_shape(model, "gate_proj") == (64, 128) and _math_shape(model, "down_proj") == (128, 64)
+
+
+def test_a_single_pruned_neuron_goes_through_int8_per_channel_qdq(tmp_path: Path) -> None:
+    gate, up, down = _weights()
+    gate[:, 5] = 0.0  # per-output-channel scales: K slices freely
+    path = _mlp(tmp_path, gate, up, down, "qdq8")
+    result = compile_model(path, CompileOptions(atol=1e-5, rtol=0))
+    assert _math_shape(result.model, "gate_proj") == (64, 127)
+    assert _math_shape(result.model, "down_proj") == (127, 64)
+    assert result.verification is not None and result.verification.passed
+
+
+@pytest.mark.parametrize("form", ["nbits_sym", "nbits_asym", "qdq4_sym", "qdq8"])
+def test_an_all_zero_quantized_weight_folds(tmp_path: Path, form: str) -> None:
+    gate, up, down = _weights()
+    down[:] = 0.0  # the whole MLP computes 0: y = x
+    path = _mlp(tmp_path, gate, up, down, form)
+    weight = quantized_weight(next(n for n in ir.load(path).graph if n.name.startswith("node_linear_6")))
+    if weight is None:  # QDQ: the MatMul reads the DequantizeLinear
+        mm = next(n for n in ir.load(path).graph if n.name.startswith("node_linear_6"))
+        weight = quantized_weight(mm.inputs[1].producer())
+    assert weight is not None and weight.all_zero() and not np.any(weight.dequantize())
+    model = ir.load(path)
+    InferShapes()(model)
+    assert PropagateUniforms()(model).modified
+    RemoveDeadCode()(model)
+    assert not _quantized_nodes(model), Counter(n.op_type for n in model.graph)
+    feeds = {"x": np.random.default_rng(1).normal(size=(3, 64)).astype(np.float32)}
+    np.testing.assert_array_equal(_run(model, feeds), feeds["x"])
+
+
+def test_dequantize_is_onnx_runtime_arithmetic(tmp_path: Path) -> None:
+    """The reader's float weight equals ONNX Runtime's own dequantization, bit for bit, in every form."""
+    gate, up, down = _weights(3)
+    for form in FORMS:
+        model = ir.load(_mlp(tmp_path, gate, up, down, form))
+        for node in model.graph:
+            if node.op_type != "DequantizeLinear":
+                continue
+            weight = quantized_weight(node)
+            assert weight is not None, form
+            (expected,) = _run_node(node)
+            np.testing.assert_array_equal(weight.dequantize(), expected)
+        for node in model.graph:
+            if node.op_type == "MatMulNBits":
+                weight = quantized_weight(node)
+                assert weight is not None
+                eye = np.eye(weight.k, dtype=np.float32)  # A = I: the output is the dequantized weight
+                (expected,) = _run_node(node, eye)
+                np.testing.assert_allclose(weight.dequantize(), expected, rtol=0, atol=0)
+
+
+def _run(model: ir.Model, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    proto = ir.to_proto(model).SerializeToString()
+    return ort.InferenceSession(proto, options, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+
+def _run_node(node: ir.Node, a: np.ndarray | None = None) -> list[np.ndarray]:
+    """ONNX Runtime's output of ``node`` alone (its constant inputs as initializers; ``a`` as MatMulNBits' A)."""
+    inputs, inits = [], []
+    for i, value in enumerate(node.inputs):
+        if value is None:
+            inputs.append("")
+            continue
+        if i == 0 and a is not None:
+            inputs.append("a")
+            continue
+        inits.append(ir.to_proto(value.const_value))
+        inits[-1].name = f"in{i}"
+        inputs.append(f"in{i}")
+    attrs = {k: v.value for k, v in node.attributes.items()}
+    if "accuracy_level" in attrs:
+        attrs["accuracy_level"] = 0  # float A: A = I reads the dequantized weight exactly (level 4 rounds A to int8)
+    proto = onnx.helper.make_node(node.op_type, inputs, ["out"], domain=node.domain, **attrs)
+    graph_inputs = []
+    if a is not None:
+        graph_inputs.append(onnx.helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, list(a.shape)))
+    graph = onnx.helper.make_graph([proto], "one", graph_inputs, [onnx.ValueInfoProto(name="out")], inits)
+    opsets = [onnx.helper.make_opsetid("", 21), onnx.helper.make_opsetid("com.microsoft", 1)]
+    model = onnx.helper.make_model(graph, opset_imports=opsets)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, {"a": a} if a is not None else {})
