@@ -548,3 +548,41 @@ def test_qmoe_the_rewrite_cannot_convert_is_left_and_the_refusal_says_why(kwargs
     (refusal,) = skip.rejected
     assert refusal.kind == "moe" and refusal.path == "layers.0.moe" and reason in refusal.reason, refusal
     assert [n.op_type for n in model.graph] == ["QMoE"]
+
+
+@pytest.mark.parametrize("form", ["nbits_asym", "qdq4_sym", "qdq8"])
+def test_zero_columns_and_whole_zero_blocks_of_rows_slice_a_quantized_weight(tmp_path: Path, form: str) -> None:
+    """Cases 3 and 4 of RemoveStructuredZeros through the quantization: y = -(Relu(x) @ W) with W's first 16
+    output columns zero (a pruned head: the MatMul narrows, a Pad puts the zeros back) and its first 32 input rows
+    zero (one whole block of K: the MatMul reads a Slice of its input).
+
+    NOTE: a Neg, not an Add, reads the MatMul: ONNX Runtime fuses a QDQ MatMul followed by an Add into a float
+    Gemm, and a MatMul followed by a Pad into MatMulNBits (int8 activations at its default accuracy level 4), so
+    with an Add the compiled model ran another ORT kernel than the original (1.2e-2 apart; verification refused
+    it)."""
+    rng = np.random.default_rng(4)
+    w = rng.normal(0, 0.2, (64, 64))
+    w[:, :16] = 0.0
+    w[:32] = 0.0
+    nodes = [
+        onnx.helper.make_node("Relu", ["x"], ["r"]),
+        onnx.helper.make_node("MatMul", ["r", "w"], ["p"], name="node_linear_0"),
+        onnx.helper.make_node("Neg", ["p"], ["logits"]),
+    ]
+    tensor = onnx.helper.make_tensor_value_info
+    x_info, y_info = tensor("x", onnx.TensorProto.FLOAT, ["T", 64]), tensor("logits", onnx.TensorProto.FLOAT, ["T", 64])
+    weight = onnx.numpy_helper.from_array(w.astype(np.float32), "w")
+    graph = onnx.helper.make_graph(nodes, "g", [x_info], [y_info], [weight])
+    source = tmp_path / "heads.onnx"
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+    onnx.save(onnx.shape_inference.infer_shapes(model), str(source))
+    path = _quantize(source, form, tmp_path / f"heads_{form}.onnx")
+
+    result = compile_model(path, CompileOptions(atol=1e-5, rtol=0))
+
+    assert _math_shape(result.model, "q_proj") == (32, 48)  # node_linear_0
+    ops = Counter(n.op_type for n in result.model.graph)
+    assert ops["Pad"] == 1 and ops["Slice"] == 1, ops
+    assert result.verification is not None and result.verification.passed
+    feeds = {"x": rng.normal(size=(5, 64)).astype(np.float32)}
+    np.testing.assert_allclose(_run(result.model, feeds), _run(ir.load(path), feeds), atol=1e-5, rtol=0)
