@@ -16,6 +16,7 @@ import numpy as np
 import onnx_ir as ir
 
 from layerzero.passes._graph import const_array
+from layerzero.passes._quantized import is_zero_weight, quantized_weight
 
 __all__ = [
     "ABSORBING",
@@ -262,11 +263,12 @@ def _cast(c: np.ndarray, value: ir.Value) -> np.ndarray | None:
 def transfer(node: ir.Node, ins: list[np.ndarray | None], *, assume_finite: bool) -> list[np.ndarray | None]:
     """Uniform scalars of ``node``'s outputs given those of its inputs (None = unknown)."""
     outs: list[np.ndarray | None] = [None] * len(node.outputs)
-    if node.domain not in ("", "ai.onnx") or not node.outputs:
+    if not node.outputs:
         return outs
     op = node.op_type
     first = node.outputs[0]
-    rule = TRANSFERS.get(op)
+    # Another domain's op has its row under "domain::op" (com.microsoft::MatMulNBits).
+    rule = TRANSFERS.get(op if node.domain in ("", "ai.onnx") else f"{node.domain}::{op}")
     if rule is None:
         return outs
     with np.errstate(all="ignore"):
@@ -431,6 +433,9 @@ TRANSFERS: dict[str, Transfer] = {
     "CumSum": _sum_of_zeros,  # CumSum(0) -> 0
     "Pad": _pad,  # Pad(c) with c (or edge / reflect) -> c
     "ConstantOfShape": _constant_of_shape,  # ConstantOfShape(value=c) -> c
+    "DequantizeLinear": lambda node, ins, assume_finite: _dequantize(node, ins),  # a zero weight -> 0
+    # MatMulNBits(x, W) with W all zero by its blocks (passes/_quantized.py), or x = 0 -> 0 (+ bias)
+    "com.microsoft::MatMulNBits": lambda node, ins, assume_finite: _matmul_nbits(node, ins, assume_finite),
 }
 
 
@@ -521,3 +526,31 @@ def _transfer_contraction(
         if shape is not None and len(shape) >= 1 and isinstance(shape[-1], int):
             return a * b * shape[-1]
     return None
+
+
+def _dequantize(node: ir.Node, ins: list[np.ndarray | None]) -> np.ndarray | None:
+    """DequantizeLinear(x, scale, zero_point): (x - zp) * scale of uniform operands; 0 for a constant weight
+    whose every block is zero (codes equal to the zero point, or a zero scale), read by passes/_quantized.py."""
+    x, scale = (ins[k] if k < len(ins) else None for k in (0, 1))
+    has_zp = len(node.inputs) > 2 and node.inputs[2] is not None
+    zp = ins[2] if has_zp and len(ins) > 2 else (np.int64(0) if not has_zp else None)
+    if x is not None and scale is not None and zp is not None and np.isfinite(scale):
+        return np.float32((np.int64(x) - np.int64(zp)) * np.float32(scale))
+    if is_zero_weight(node):
+        weight = quantized_weight(node)
+        return None if weight is None else np.zeros((), dtype=weight.out_dtype)
+    return None
+
+
+def _matmul_nbits(node: ir.Node, ins: list[np.ndarray | None], assume_finite: bool) -> np.ndarray | None:
+    """MatMulNBits(A, B, scales, zero_points, g_idx, bias): zero when the weight is (NOTE: assumes A finite, as
+    MatMul's rule) or A is uniform 0; plus the bias, when it has one and it is uniform."""
+    if not assume_finite:
+        return None
+    a = ins[0] if ins else None
+    if not _is_zero(a) and not is_zero_weight(node):
+        return None
+    if len(node.inputs) > 5 and node.inputs[5] is not None:
+        bias = ins[5] if len(ins) > 5 else None
+        return None if bias is None else np.asarray(bias)
+    return np.zeros((), dtype=np.float32)

@@ -8,9 +8,11 @@ empty slots are dropped, so a v1 block is a 5-input node)::
         2 w_gate [E, F, H], 3 w_up [E, F, H], 4 w_down [E, H, F],     expert weights, [out, in]
         5 b_gate [E, F], 6 b_up [E, F], 7 b_down [E, H],                 optional: expert biases (absent = 0)
         8 score_bias [E],                                                optional: the selection bias (v2 routing)
-        9 threshold [] float32)                                          optional: the run-time zeroing threshold
+        9 threshold [] float32,                                          optional: the run-time zeroing threshold
                                                                          (the graph input ``layerzero::threshold``,
                                                                          given by the native lowering)
+        10 s_gate, 11 s_up, 12 s_down)                                   quantized experts only (weight_format
+                                                                         q8 / q4): the codes' float16 scales
 
 Attributes: ``top_k`` (1), ``normalize`` (0), ``scoring`` ("softmax"), ``activation`` ("silu"),
 ``zeroing_threshold`` (0.0, the compiled threshold), ``path`` (the node's name); ``activation_alpha`` (1.702) and
@@ -46,6 +48,9 @@ INPUTS = (
     "b_down",
     "score_bias",
     "threshold",
+    "s_gate",
+    "s_up",
+    "s_down",
 )
 #: The expert biases' and the selection bias' positions (the v2 inputs), and the threshold's.
 V2_SLOTS = (5, 6, 7, 8)
@@ -73,6 +78,13 @@ class MoENode:
     b_down: ir.Value | None = None
     score_bias: ir.Value | None = None
     threshold: ir.Value | None = None
+    #: Quantized experts (``weight_format`` "q8" / "q4", blocks of ``block_size`` along the reduction axis): the
+    #: codes at 2-4 and their float16 scales at 10-12 (plugins/ort/README.md); "f": float weights, no scales.
+    s_gate: ir.Value | None = None
+    s_up: ir.Value | None = None
+    s_down: ir.Value | None = None
+    weight_format: str = "f"
+    block_size: int = 32
     top_k: int = 1
     normalize: bool = False
     scoring: str = "softmax"
@@ -124,6 +136,8 @@ class MoENode:
             routed_scaling_factor=float(attr("routed_scaling_factor", 1.0)),
             routing=str(attr("routing", "topk")),
             jitter_eps=float(attr("jitter_eps", 0.01)),
+            weight_format=str(attr("weight_format", "f")),
+            block_size=int(attr("block_size", 32)),
             extra={k: a for k, a in node.attributes.items() if k not in known},
         )
 
@@ -168,6 +182,8 @@ class MoENode:
             attrs.append(ir.AttrFloat32("routed_scaling_factor", self.routed_scaling_factor))
         if self.routing != "topk":
             attrs += [ir.AttrString("routing", self.routing), ir.AttrFloat32("jitter_eps", self.jitter_eps)]
+        if self.weight_format != "f":
+            attrs += [ir.AttrString("weight_format", self.weight_format), ir.AttrInt64("block_size", self.block_size)]
         written = {a.name for a in attrs}
         attrs += [a for k, a in self.extra.items() if k not in written]
         return attrs

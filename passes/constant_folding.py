@@ -38,8 +38,12 @@ _LOW_PRECISION = frozenset(
         ir.DataType.FLOAT8E5M2FNUZ,
     }
 )
-# Ops we never fold, because their output would be large or their folding gains nothing.
-_NEVER_FOLD = frozenset({"Constant", "ConstantOfShape", "Loop", "Scan", "SequenceConstruct", "Optional"})
+# Ops we never fold, because their output would be large or their folding gains nothing. DequantizeLinear: a
+# quantized weight stays quantized (ONNX Runtime fuses DQ -> MatMul into MatMulNBits, whose arithmetic a folded
+# float weight would not reproduce); the zeroing passes read it through passes/_quantized.py.
+_NEVER_FOLD = frozenset(
+    {"Constant", "ConstantOfShape", "Loop", "Scan", "SequenceConstruct", "Optional", "DequantizeLinear"}
+)
 
 
 class FoldConstants(ir.passes.InPlacePass):

@@ -12,6 +12,7 @@ from layerzero.passes._builder import Builder
 from layerzero.passes._dynamic import MASK_PREFIX, MOE_DOMAIN, MOE_OP, ROUTER_PREFIX, DynamicPath, record_dynamic_path
 from layerzero.passes._graph import NAME_SCOPES_KEY, NameFactory, make_constant, replace_value
 from layerzero.passes._moe import MoEMatch, Refusal, find_moe_blocks
+from layerzero.passes._moe.qmoe import rewrite_qmoe
 from layerzero.passes._moe_node import MoENode
 
 __all__ = ["MOE_DOMAIN", "MOE_OP", "SkipExperts"]
@@ -44,6 +45,7 @@ class SkipExperts(ir.passes.InPlacePass):
     3. Unrolled blocks: one FFN per expert scaled by its routing column and summed.
     4. Sorted blocks (JetMoE, dynamo): the slots sorted by expert, split by the experts' token counts, one
        projection per expert, added back into the tokens' rows (``ScatterND`` add).
+    5. ``com.microsoft::QMoE`` nodes: quantized or dequantized experts, or left with a refusal (``_moe/qmoe.py``).
     Expert variants (``passes/_moe/experts.py``): biases (inputs 5-7, only when the block has them), GPT-OSS's
     clamped SwiGLU (``activation="swiglu_oai"``), fused gate/up concatenated or interleaved (de-interleaved here).
     A block is rewritten only on an exact match (structure, attributes, constants, weight shapes, no
@@ -103,9 +105,10 @@ class SkipExperts(ir.passes.InPlacePass):
             logger.info(
                 "MoE candidate at %s: not rewritten (at node %s): %s", r.path or "(no scope)", r.node or "?", r.reason
             )
-        if matches:
+        quantized = rewrite_qmoe(model, names, self.zeroing_threshold, used_paths, self.rewritten, self.rejected)
+        if matches or quantized:
             model.opset_imports[MOE_DOMAIN] = 1
-        return ir.passes.PassResult(model, modified=bool(matches))
+        return ir.passes.PassResult(model, modified=bool(matches) or quantized)
 
     def _rewrite(self, model: ir.Model, m: MoEMatch, path: str, names: NameFactory, opset: int) -> ir.Value:
         """Replace the block by the skipping form; return the value that now stands for ``m.output``."""

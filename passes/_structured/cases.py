@@ -13,6 +13,7 @@ import onnx_ir as ir
 
 from layerzero.passes._graph import const_array, rename_output
 from layerzero.passes._match import NoMatch
+from layerzero.passes._quantized import is_matmul_nbits
 from layerzero.passes._structured.chain import Chain
 from layerzero.passes._structured.leaves import (
     Matrix,
@@ -20,6 +21,7 @@ from layerzero.passes._structured.leaves import (
     linear,
     linear_node,
     node_label,
+    quantized_matmul,
     set_last_dim,
     std,
     weight_array,
@@ -46,6 +48,12 @@ class Consumer:
 def consumer_of(node: ir.Node) -> Consumer | None:
     if not node.outputs or (not node.outputs[0].uses() and not node.outputs[0].is_graph_output()):
         return None  # dead: DCE's
+    quantized = quantized_matmul(node)
+    if quantized is not None:  # MatMulNBits, MatMul(A, DequantizeLinear(...)): passes/_quantized.py
+        a = node.inputs[0]
+        if a is None or a.shape is None or len(a.shape) < 2 or weight_array(a) is not None:
+            return None
+        return Consumer(node, Matrix(quantized[0], None, quant=quantized[1]))
     if std(node, "MatMul") and len(node.inputs) == 2 and node.inputs[0] is not None:
         weight = weight_array(node.inputs[1], own=True)
         a = node.inputs[0]
@@ -82,6 +90,14 @@ def narrow_chain(consumer: Consumer, rewriter: Rewriter, assume_finite: bool, re
             logger.debug("structured zeros at %s: %s", consumer.node.name, exc)
         return 0
     dead = dead_rows | known
+    quant = weight.quant
+    if quant is not None and dead.any():
+        removable = quant.removable_rows(dead)  # a quantized consumer loses whole blocks of K only
+        if (dead & ~removable).any():
+            kept = int((dead & ~removable).sum())
+            reason = f"{kept} of them kept: not whole blocks of {quant.block} of its quantized weight (K)"
+            refuse(refusals, consumer, int(dead.sum()), NoMatch(reason, consumer.node))
+        dead = removable
     if not dead.any():
         return 0
     try:
@@ -95,6 +111,8 @@ def narrow_chain(consumer: Consumer, rewriter: Rewriter, assume_finite: bool, re
     zero_consumer = keep.size == 0
     if zero_consumer:
         keep = np.array([0])  # one column stays, read by a zero weight row: the lattice folds the MatMul
+        if quant is not None and quant.layout == "blocked":
+            keep = np.arange(min(quant.block, width))  # one block stays, its scales 0
     removed = chain.narrow(keep, rewriter)
     removed += narrow_consumer(consumer, keep, zero_consumer, row, rewriter)
     logger.debug(
@@ -115,14 +133,20 @@ def narrow_consumer(
     consumer: Consumer, keep: np.ndarray, zero: bool, row: np.ndarray | None, rewriter: Rewriter
 ) -> int:
     node = consumer.node
-    raw = const_array(node.inputs[1])
-    assert raw is not None
-    transposed = node.op_type == "Gemm" and node.attributes.get_int("transB", 0)
-    new = np.take(raw, keep, axis=1 if transposed else 0)
-    if zero:
-        new = np.zeros_like(new)
-    removed = raw.size - new.size
-    node.replace_input_with(1, rewriter.constant(node.inputs[1].name or "lz_weight", new))
+    quant = consumer.weight.quant
+    if quant is not None:
+        removed = quant.take_rows(keep, rewriter.constant)
+        if zero:
+            quant.zeroed(rewriter.constant)
+    else:
+        raw = const_array(node.inputs[1])
+        assert raw is not None
+        transposed = node.op_type == "Gemm" and node.attributes.get_int("transB", 0)
+        new = np.take(raw, keep, axis=1 if transposed else 0)
+        if zero:
+            new = np.zeros_like(new)
+        removed = raw.size - new.size
+        node.replace_input_with(1, rewriter.constant(node.inputs[1].name or "lz_weight", new))
     if row is None:
         return removed
     out = node.outputs[0]
@@ -156,7 +180,7 @@ def narrow_consumer(
 
 def pad_output(node: ir.Node, rewriter: Rewriter) -> int:
     """Case 3: zero output columns of ``x @ W (+ b)`` come back as a Pad (or Gather) of a narrower MatMul."""
-    if not std(node, "MatMul", "Gemm") or not node.outputs or not node.outputs[0].uses():
+    if not (std(node, "MatMul", "Gemm") or is_matmul_nbits(node)) or not node.outputs or not node.outputs[0].uses():
         return 0
     out = node.outputs[0]
     leaf = None
@@ -234,6 +258,8 @@ def slice_input(consumer: Consumer, rewriter: Rewriter) -> int:
     weight = consumer.weight
     width = weight.shape[0]
     zero = weight.zero_rows()
+    if weight.quant is not None:
+        zero = weight.quant.removable_rows(zero)  # whole blocks of a quantized weight only
     lead, trail = run_lengths(zero)
     if not worth_a_node(weight.shape, width, int(zero.sum())):
         return 0
@@ -285,6 +311,8 @@ def read_live(consumer: Consumer, cut: ir.Node, live: np.ndarray, rewriter: Rewr
         set_last_dim(sliced, len(live))
     rewriter.scopes.insert_before(node, cut)
     node.replace_input_with(0, sliced)
+    if consumer.weight.quant is not None:
+        return consumer.weight.quant.take_rows(live, rewriter.constant)
     raw = const_array(node.inputs[1])
     assert raw is not None
     transposed = node.op_type == "Gemm" and node.attributes.get_int("transB", 0)

@@ -14,6 +14,7 @@ import onnx_ir as ir
 from layerzero.passes._graph import const_array
 from layerzero.passes._lattice import ELEMENTWISE_BINARY, UNARY, UNARY_ATTR
 from layerzero.passes._match import NoMatch
+from layerzero.passes._quantized import is_matmul_nbits
 from layerzero.passes._structured.ints import INT_OPS, int_vector
 from layerzero.passes._structured.leaves import (
     STD,
@@ -85,7 +86,7 @@ class Chain:
         if value.is_graph_output() or value.is_graph_input() or last_dim(value) not in (None, self.width):
             raise NoMatch(f"{value.name}: not a width-{self.width} intermediate")
         node = value.producer()
-        if node is None or node.domain not in STD or len(node.outputs) < 1:
+        if node is None or (node.domain not in STD and not is_matmul_nbits(node)) or len(node.outputs) < 1:
             raise NoMatch(f"{value.name}: no standard producer")
         result = self._visit_node(node, value)
         self.values[value] = result

@@ -8,6 +8,7 @@ import numpy as np
 import onnx_ir as ir
 
 from layerzero.passes._graph import const_array
+from layerzero.passes._quantized import QuantizedWeight, is_matmul_nbits, quantized_operand, quantized_weight
 
 MAX_WEIGHT_READ = 1 << 28  # elements: bigger weights are not read for structure
 STD = ("", "ai.onnx")
@@ -78,29 +79,80 @@ def zero_lines(value: ir.Value, array: np.ndarray) -> tuple[np.ndarray, np.ndarr
 @dataclasses.dataclass
 class Matrix:
     """A constant weight in its math form ``[in, out]``: the stored array (``transposed`` for Gemm's
-    ``transB``) times ``alpha``, read lazily."""
+    ``transB``) times ``alpha``, read lazily; or a quantized weight (``quant``: MatMulNBits, DequantizeLinear,
+    read through passes/_quantized.py, ``array`` None)."""
 
     value: ir.Value
-    array: np.ndarray
+    array: np.ndarray | None
     transposed: bool = False
     alpha: float = 1.0
+    quant: QuantizedWeight | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.quant is not None:
+            return self.quant.k, self.quant.n
+        assert self.array is not None
         rows, cols = self.array.shape
         return (cols, rows) if self.transposed else (rows, cols)
 
+    def _lines(self) -> tuple[np.ndarray, np.ndarray]:
+        if self.quant is not None:
+            return quantized_lines(self.quant)
+        assert self.array is not None
+        return zero_lines(self.value, self.array)
+
     def zero_rows(self) -> np.ndarray:
-        lines = zero_lines(self.value, self.array)
+        lines = self._lines()
         return lines[1] if self.transposed else lines[0]
 
     def zero_cols(self) -> np.ndarray:
-        lines = zero_lines(self.value, self.array)
+        lines = self._lines()
         return lines[0] if self.transposed else lines[1]
 
     def rows(self, index: np.ndarray) -> np.ndarray:
+        if self.quant is not None:
+            return self.alpha * self.quant.rows(index).astype(np.float64)
+        assert self.array is not None
         picked = self.array[:, index].T if self.transposed else self.array[index]
         return self.alpha * picked.astype(np.float64)
+
+
+def quantized_lines(weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
+    """(zero rows, zero columns) of a quantized weight, cached on its node for its current inputs."""
+    key = tuple(id(v) for v in weight.node.inputs)
+    cached = weight.node.meta.get(LINES_META_KEY)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    lines = (weight.zero_rows(), weight.zero_cols())
+    weight.node.meta[LINES_META_KEY] = (key, lines)
+    return lines
+
+
+def _owned(value: ir.Value | None, reader: ir.Node) -> bool:
+    return value is None or (not value.is_graph_output() and {user for user, _ in value.uses()} == {reader})
+
+
+def quantized_matmul(node: ir.Node | None) -> tuple[ir.Value, QuantizedWeight] | None:
+    """``(weight value, weight)`` of a MatMulNBits, or of a MatMul reading a DequantizeLinear of constants as its
+    weight, when the node alone reads that weight (a shared one would be duplicated by narrowing it)."""
+    if node is None:
+        return None
+    if is_matmul_nbits(node):
+        weight = quantized_weight(node)
+        if weight is None or weight.raw["B"].size > MAX_WEIGHT_READ:
+            return None
+        if not all(_owned(v, node) for v in node.inputs[1:]):
+            return None
+        return node.inputs[1], weight  # type: ignore[return-value]
+    if std(node, "MatMul") and len(node.inputs) == 2 and node.inputs[1] is not None:
+        weight = quantized_operand(node.inputs[1])
+        if weight is None or weight.raw["x"].size > MAX_WEIGHT_READ or not _owned(node.inputs[1], node):
+            return None
+        if not all(_owned(v, weight.node) for v in weight.node.inputs):
+            return None
+        return node.inputs[1], weight
+    return None
 
 
 def set_last_dim(value: ir.Value, size: int) -> None:
@@ -173,6 +225,16 @@ def linear(value: ir.Value) -> Linear | None:
 
 def linear_node(value: ir.Value) -> Linear | None:
     node = value.producer()
+    quantized = quantized_matmul(node)
+    if quantized is not None:  # MatMulNBits (its bias input 5 included), or MatMul(x, DequantizeLinear(...))
+        assert node is not None
+        x = node.inputs[0]
+        if x is None or x.shape is None or len(x.shape) < 1:
+            return None
+        weight_value, weight = quantized
+        bias = weight.raw.get("bias")
+        vector = None if bias is None else bias.reshape(-1).astype(np.float64)
+        return Linear(node, Matrix(weight_value, None, quant=weight), vector, None, 0, value)
     if std(node, "MatMul") and len(node.inputs) == 2:
         weight = weight_array(node.inputs[1], own=True)
         x = node.inputs[0]

@@ -26,12 +26,16 @@ class Rewriter:
         """Keep ``columns`` of the leaf's output; parameters removed."""
         node = leaf.node
         removed = 0
-        raw = const_array(node.inputs[1])
-        assert raw is not None
-        axis = 0 if node.op_type == "Gemm" and node.attributes.get_int("transB", 0) else 1
-        new = np.take(raw, columns, axis=axis)
-        removed += raw.size - new.size
-        node.replace_input_with(1, self.constant(node.inputs[1].name or "lz_weight", new))
+        if leaf.weight.quant is not None:
+            # A quantized weight keeps its codes: the output columns are whole rows of its blocks.
+            removed += leaf.weight.quant.take_cols(columns, self.constant)
+        else:
+            raw = const_array(node.inputs[1])
+            assert raw is not None
+            axis = 0 if node.op_type == "Gemm" and node.attributes.get_int("transB", 0) else 1
+            new = np.take(raw, columns, axis=axis)
+            removed += raw.size - new.size
+            node.replace_input_with(1, self.constant(node.inputs[1].name or "lz_weight", new))
         if node.op_type == "Gemm" and len(node.inputs) > 2 and node.inputs[2] is not None:
             c = const_array(node.inputs[2])
             assert c is not None

@@ -103,6 +103,7 @@ _EXAMPLES: dict[str, tuple[int, list, ir.DataType]] = {
     "Conv": (2, [np.float32(0), None], ir.DataType.FLOAT),
     "Einsum": (2, [np.float32(0), None], ir.DataType.FLOAT),
     "MatMulInteger": (2, [np.uint8(1), np.uint8(2)], ir.DataType.UINT8),
+    "com.microsoft::MatMulNBits": (2, [np.float32(0), None], ir.DataType.FLOAT),
 }
 _ONE_INPUT = {"Clip", "Softmax", "LogSoftmax", "Split", "Concat"}
 
