@@ -5,6 +5,7 @@ lowerings that replace the node, ``lower_if`` (an ``If`` per expert) and ``lower
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -21,45 +22,41 @@ __all__ = ["NORMALIZE_EPS", "MoESpec", "expert_constant", "lower_if", "lower_ort
 NORMALIZE_EPS = 1e-20
 
 
-# The v2 routing fields of MoENode that MoESpec copies.
-_ROUTING_FIELDS = ("n_group", "topk_group", "routed_scaling_factor", "routing", "jitter_eps")
-
-
 @dataclasses.dataclass
 class MoESpec:
-    path: str
-    top_k: int
-    normalize: bool
-    scoring: str
-    activation: str
-    threshold: float
+    """A node to lower: its ``MoENode`` view (every attribute, read once, by MoENode: ``spec.top_k``,
+    ``spec.routing``, ... are the view's) and its expert weights and biases as the constants the lowering lays
+    out (biases [E, F] / [E, F] / [E, H], None: absent)."""
+
+    view: MoENode
     w_gate: np.ndarray
     w_up: np.ndarray
     w_down: np.ndarray
-    # v2 expert variants: biases [E, F] / [E, F] / [E, H] (None: absent) and swiglu_oai's parameters.
     b_gate: np.ndarray | None = None
     b_up: np.ndarray | None = None
     b_down: np.ndarray | None = None
-    alpha: float = 1.702
-    limit: float = 7.0
-    # v2 routing (moe_op_v2; defaults = v1): the selection bias input (8), group limits, scaling.
-    score_bias: ir.Value | None = None
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    routing: str = "topk"
-    jitter_eps: float = 0.01
 
-    @staticmethod
-    def routing_of(node: ir.Node) -> dict:
-        """The node's v2 routing attributes, defaults filled in."""
-        view = MoENode.of(node)
-        return {name: getattr(view, name) for name in _ROUTING_FIELDS}
+    def __getattr__(self, name: str) -> Any:
+        if name == "view":  # not set yet (copying, unpickling): no attribute of the view to give
+            raise AttributeError(name)
+        return getattr(self.view, name)  # the node's attributes (path, top_k, scoring, routing, score_bias, ...)
+
+    @property
+    def threshold(self) -> float:
+        return self.view.zeroing_threshold
+
+    @property
+    def alpha(self) -> float:
+        return self.view.activation_alpha
+
+    @property
+    def limit(self) -> float:
+        return self.view.activation_limit
 
     @property
     def routing_v2(self) -> bool:
         """Chosen by other scores than the weights (a bias or group limits): the weights are gathered."""
-        return self.score_bias is not None or self.n_group != 1
+        return self.view.score_bias is not None or self.view.n_group != 1
 
     @classmethod
     def of(cls, node: ir.Node) -> MoESpec:
@@ -79,24 +76,7 @@ class MoESpec:
                     f"expected {list(shape)}"
                 )
             biases.append(bias)
-        return cls(
-            path=view.path,
-            top_k=view.top_k,
-            normalize=view.normalize,
-            scoring=view.scoring,
-            activation=view.activation,
-            threshold=view.zeroing_threshold,
-            w_gate=arrays[0],
-            w_up=arrays[1],
-            w_down=arrays[2],
-            b_gate=biases[0],
-            b_up=biases[1],
-            b_down=biases[2],
-            alpha=view.activation_alpha,
-            limit=view.activation_limit,
-            score_bias=view.score_bias,
-            **{name: getattr(view, name) for name in _ROUTING_FIELDS},
-        )
+        return cls(view, *arrays, *biases)
 
     @property
     def experts(self) -> int:

@@ -62,13 +62,13 @@ def ort_moe_routing_supports(node: ir.Node) -> str | None:
     chooses the top-k of the logits' softmax, with no selection bias, no group limits and no scaling."""
     if MoENode.of(node).score_bias is not None:
         return "score_bias (com.microsoft.MoE chooses by the softmax of the logits, without a selection bias)"
-    spec = MoESpec.routing_of(node)
-    if spec["n_group"] != 1:
-        return f"n_group {spec['n_group']} (com.microsoft.MoE has no group-limited top-k)"
-    if spec["routed_scaling_factor"] != 1.0:
-        return f"routed_scaling_factor {spec['routed_scaling_factor']:g} (com.microsoft.MoE does not scale the weights)"
-    if spec["routing"] != "topk":
-        return f"routing {spec['routing']!r} (only top-k routing is lowered to com.microsoft.MoE)"
+    view = MoENode.of(node)
+    if view.n_group != 1:
+        return f"n_group {view.n_group} (com.microsoft.MoE has no group-limited top-k)"
+    if view.routed_scaling_factor != 1.0:
+        return f"routed_scaling_factor {view.routed_scaling_factor:g} (com.microsoft.MoE does not scale the weights)"
+    if view.routing != "topk":
+        return f"routing {view.routing!r} (only top-k routing is lowered to com.microsoft.MoE)"
     return None
 
 

@@ -276,11 +276,14 @@ class _GraphRewriter:
         if constant is None:
             constant = make_constant(self.root, self.names, f"{value.name}_row", row.astype(dtype))
         shape = self._shape_tensor(dims, producer)
-        node = self.build.node("Expand", [constant, shape], name="lz_row")
-        new = self.build.name(node.outputs[0], f"{value.name}_row")
-        new.shape = value.shape
-        new.type = value.type
-        self.scopes.insert_before(producer, node)
+        return self._replace_by(value, self.build.node("Expand", [constant, shape], name="lz_row"), producer, "row")
+
+    def _replace_by(self, value: ir.Value, node: ir.Node, before: ir.Node, suffix: str) -> bool:
+        """Place ``node`` before ``before``; ``value``'s readers read its output (``<value>_<suffix>``, with
+        ``value``'s shape and type) instead."""
+        new = self.build.name(node.outputs[0], f"{value.name}_{suffix}")
+        new.shape, new.type = value.shape, value.type
+        self.scopes.insert_before(before, node)
         replace_value(value, new, self.names)
         return True
 
@@ -431,9 +434,4 @@ class _GraphRewriter:
         shape = self._shape_tensor(dims, anchor)
         fill = ir.tensor(np.asarray(c).reshape(1))
         node = self.build.node("ConstantOfShape", [shape], {"value": fill}, name="lz_uniform")
-        new = self.build.name(node.outputs[0], f"{value.name}_uniform")
-        new.shape = value.shape
-        new.type = value.type
-        self.scopes.insert_before(anchor, node)
-        replace_value(value, new, self.names)
-        return True
+        return self._replace_by(value, node, anchor, "uniform")
