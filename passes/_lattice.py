@@ -26,6 +26,8 @@ __all__ = [
     "UNARY_ATTR",
     "UNIFORM_META_KEY",
     "Absorbing",
+    "is_true",
+    "is_zero",
     "transfer",
     "uniform_of_constant",
 ]
@@ -194,7 +196,8 @@ _DATA_MOVEMENT = frozenset(
 _FILLABLE_KINDS = frozenset("biuf")
 
 
-def _is_zero(c: np.ndarray | None) -> bool:
+def is_zero(c: np.ndarray | None) -> bool:
+    """A uniform that is 0 (false)."""
     return c is not None and not bool(c)
 
 
@@ -288,8 +291,12 @@ class _Ins(list):
         return self[k] if k < len(self) else None
 
 
-def _is_true(c: np.ndarray | None) -> bool:
+def is_true(c: np.ndarray | None) -> bool:
+    """A uniform that is nonzero (true)."""
     return c is not None and bool(c)
+
+
+_is_zero, _is_true = is_zero, is_true  # their former private names, for rules written against those
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,9 +323,9 @@ def _zero_like(c: np.ndarray) -> np.ndarray:
 
 # One row per rule: an operand that decides the result alone. Checked before the operands' own transfer.
 ABSORBING: tuple[Absorbing, ...] = (
-    *_both_orders("Mul", _is_zero, _zero_like, finite=True),  # x * 0 -> 0, 0 * x -> 0
-    *_both_orders("And", _is_zero, lambda c: np.asarray(False)),  # x and false -> false, false and x -> false
-    *_both_orders("Or", _is_true, lambda c: np.asarray(True)),  # x or true -> true, true or x -> true
+    *_both_orders("Mul", is_zero, _zero_like, finite=True),  # x * 0 -> 0, 0 * x -> 0
+    *_both_orders("And", is_zero, lambda c: np.asarray(False)),  # x and false -> false, false and x -> false
+    *_both_orders("Or", is_true, lambda c: np.asarray(True)),  # x or true -> true, true or x -> true
 )
 _ABSORBING_BY_OP: dict[str, tuple[Absorbing, ...]] = {}
 for _rule in ABSORBING:
@@ -383,7 +390,7 @@ def _concat(node: ir.Node, ins: _Ins, assume_finite: bool) -> np.ndarray | None:
 
 
 def _sum_of_zeros(node: ir.Node, ins: _Ins, assume_finite: bool) -> np.ndarray | None:
-    return ins.at(0) if _is_zero(ins.at(0)) else None
+    return ins.at(0) if is_zero(ins.at(0)) else None
 
 
 def _pad(node: ir.Node, ins: _Ins, assume_finite: bool) -> np.ndarray | None:
@@ -504,7 +511,7 @@ def _transfer_contraction(
 ) -> np.ndarray | None:
     if op == "Einsum":
         # Einsum is a sum of products: any all-zero operand makes it zero.
-        if assume_finite and any(_is_zero(c) for c in ins):
+        if assume_finite and any(is_zero(c) for c in ins):
             return np.zeros((), dtype=next(c for c in ins if c is not None).dtype)
         return None
     a = ins[0] if ins else None
@@ -512,7 +519,7 @@ def _transfer_contraction(
     bias = ins[2] if len(ins) > 2 else None
     has_bias = len(node.inputs) > 2 and node.inputs[2] is not None
     # MatMul(x, 0) / Gemm(x, 0) / Conv(x, W=0) -> 0 (NOTE: assumes x finite)
-    if assume_finite and (_is_zero(a) or _is_zero(b)):
+    if assume_finite and (is_zero(a) or is_zero(b)):
         zero = np.zeros((), dtype=(a if a is not None else b).dtype)
         if op == "MatMul" or not has_bias:
             return zero

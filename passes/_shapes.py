@@ -10,26 +10,35 @@ union-find over dim keys. Two dims are provably equal when their keys share a cl
 Every class remembers the values that carry it, so a uniform can be materialised with ``Shape`` of
 a value that exists at run time (a graph input where possible) instead of a dim name.
 
-Rules beyond the op's own shape function (each a small function below; unknown is no fact, never a guess):
-- ``reshape_wildcard``: a Reshape's ``-1`` is the operand's element count over the target's other dims
-  (split heads ``[b, s, 64] -> [b, s, -1, 16]`` gives 4, merge heads gives 64 back);
-- ``slice_length`` / ``split_lengths``: exact lengths of Slice / Split along a static axis, the whole axis
-  for ``[0:INT_MAX]`` of a symbolic one;
-- shape-vector contents through ``ConstantOfShape``, elementwise ``Add/Sub/Mul/Div/Equal/Max/Min``
-  (``vector_elementwise``: a symbolic element is a size, so never negative) and ``Where``
-  (``vector_where``): torch's ``expand(b, -1, s, s)`` becomes ``[b, 1, s, s]`` again.
+The one evaluator of integer vectors (shape tensors, bounds, sizes) of ``passes/``: its rules and op table are
+in ``passes/_shape_rules.py`` (unknown is no fact, never a guess). Built on a graph, it proves every value's
+dims and vectors in order; built without one (``SymbolicShapes()``), it answers on demand from inference's
+dims and the producers (``ints``: structured zeros' bounds; ``static_vector``: the MoE matcher's shape
+arithmetic, with the nodes it read).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
-import numpy as np
 import onnx_ir as ir
 
 from layerzero.passes._graph import const_array
+from layerzero.passes._shape_rules import (
+    SHAPE_VECTOR_MAX,
+    VECTOR_RULES,
+    Dim,
+    reshape_wildcard,
+    shape_slice,
+    slice_length,
+    split_lengths,
+    split_sizes,
+    vector_elementwise,
+    vector_where,
+)
 
 __all__ = [
     "Dim",
@@ -37,13 +46,12 @@ __all__ = [
     "reshape_wildcard",
     "slice_length",
     "split_lengths",
+    "split_sizes",
     "vector_elementwise",
     "vector_where",
 ]
 
 logger = logging.getLogger(__name__)
-
-Dim = int | str  # a static size, or the key of a union-find class of equal run-time sizes
 
 # Ops whose output 0 has the shape of input 0.
 _SAME_AS_INPUT = frozenset(
@@ -64,145 +72,24 @@ _BROADCAST = frozenset(
         "BitwiseOr", "BitwiseXor",
     }
 )  # fmt: skip
-_SHAPE_VECTOR_MAX = 16  # int64 tensors longer than this are not shape vectors
-_VECTOR_DTYPES = (ir.DataType.INT64, ir.DataType.INT32, ir.DataType.BOOL)
-_VECTOR_ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Equal", "Max", "Min"})
-
-
-def reshape_wildcard(source: list[Dim], known: list[Dim]) -> Dim | None:
-    """The size a Reshape's ``-1`` stands for: the element count of ``source`` over that of ``known``.
-
-    ``source`` is the operand's dims, ``known`` the target's other dims (both canonical). Each side is
-    a static product times a multiset of symbolic classes; the classes of ``known`` must all cancel
-    against ``source``'s (``[b, s, 64] -> [b, s, -1, 16]``: ``-1`` is 4; ``[b, s, h, 16] -> [b, s, -1]``
-    with ``h`` = 4: 64). The quotient is an int, or one class when exactly one is left with factor 1
-    (``[b, s] -> [-1, s]``: ``b``); anything else (a product of classes) is None: no fact.
-    """
-    left = [d for d in source if not isinstance(d, int)]
-    for d in known:
-        if isinstance(d, int):
-            continue
-        if d not in left:
-            return None
-        left.remove(d)
-    num = int(np.prod([d for d in source if isinstance(d, int)], dtype=np.int64))
-    den = int(np.prod([d for d in known if isinstance(d, int)], dtype=np.int64))
-    if den <= 0 or num % den:
-        return None
-    ratio = num // den
-    if not left:
-        return ratio
-    if len(left) == 1 and ratio == 1:
-        return left[0]
-    return None
-
-
-def slice_length(dim: Dim, start: int, end: int, step: int) -> Dim | None:
-    """Length of ``dim`` sliced ``[start:end:step]`` (ONNX clamps like Python's ``slice.indices``).
-
-    A static ``dim`` gives the exact count; a symbolic one only the whole axis
-    (``[0:INT_MAX:1]`` and the like, which torch.onnx writes for ``x[:, :]``); otherwise None.
-    """
-    if step == 0:
-        return None
-    if isinstance(dim, int):
-        return len(range(dim)[slice(start, end, step)])
-    big = 2**31 - 1  # exporters write INT_MAX or INT64_MAX for "to the end"
-    if step == 1 and start in (0,) and end >= big:
-        return dim
-    if step == 1 and start <= -big and end >= big:
-        return dim
-    return None
-
-
-def split_lengths(dim: Dim, sizes: list[int] | None, parts: int) -> list[Dim | None]:
-    """Lengths of the ``parts`` outputs of Split along an axis of size ``dim``.
-
-    Explicit ``sizes`` (the ``split`` input or attribute) are the lengths. Without them the axis is cut
-    into equal parts (opset 18: the last part takes the remainder of ``ceil(dim / parts)`` chunks); a
-    symbolic axis cut into one part keeps its dim, into several gives no fact.
-    """
-    if sizes is not None:
-        return list(sizes) if len(sizes) == parts else [None] * parts
-    if parts == 1:
-        return [dim]
-    if not isinstance(dim, int):
-        return [None] * parts
-    chunk = -(-dim // parts)
-    out: list[Dim | None] = [chunk] * (parts - 1)
-    out.append(dim - chunk * (parts - 1))
-    return out if out[-1] >= 0 else [None] * parts  # type: ignore[operator]
-
-
-def vector_elementwise(op: str, a: list[Dim], b: list[Dim]) -> list[Dim] | None:
-    """Contents of ``op(a, b)`` for two shape vectors (1-element vectors broadcast); None when unknown.
-
-    Symbolic elements are run-time sizes, so they are >= 0: ``Equal(s, -1)`` is 0 (false), ``Equal(s, s)``
-    is 1, ``s * 1``, ``s + 0``, ``s - 0`` and ``s / 1`` are ``s``, ``s * 0`` is 0. Any element that cannot
-    be stated that way makes the whole result unknown (an unknown element is never given a fresh size:
-    it may be negative).
-    """
-    if len(a) != len(b) and 1 not in (len(a), len(b)):
-        return None
-    n = max(len(a), len(b))
-    a, b = (a * n if len(a) == 1 else a), (b * n if len(b) == 1 else b)
-    out: list[Dim] = []
-    for x, y in zip(a, b):
-        r = _element(op, x, y)
-        if r is None:
-            return None
-        out.append(r)
-    return out
-
-
-def _element(op: str, x: Dim, y: Dim) -> Dim | None:
-    both = isinstance(x, int) and isinstance(y, int)
-    if op == "Equal":
-        if both or x == y:
-            return int(x == y)
-        other = y if isinstance(y, int) else x if isinstance(x, int) else None
-        return 0 if other is not None and other < 0 else None  # a size is never negative
-    if op == "Add":
-        return x + y if both else x if y == 0 else y if x == 0 else None  # type: ignore[operator]
-    if op == "Sub":
-        return x - y if both else x if y == 0 else 0 if x == y else None  # type: ignore[operator]
-    if op == "Mul":
-        if both:
-            return x * y  # type: ignore[operator]
-        if 0 in (x, y):
-            return 0
-        return x if y == 1 else y if x == 1 else None
-    if op == "Div":
-        if both:
-            return x // y if x >= 0 and y > 0 else None  # type: ignore[operator]  # (ONNX truncates; Python floors)
-        return x if y == 1 else None
-    if op in ("Max", "Min") and both:
-        return max(x, y) if op == "Max" else min(x, y)  # type: ignore[type-var]
-    return None
-
-
-def vector_where(cond: list[Dim], x: list[Dim], y: list[Dim]) -> list[Dim] | None:
-    """Contents of ``Where(cond, x, y)`` over shape vectors whose condition is known element by element."""
-    n = max(len(cond), len(x), len(y))
-    if any(len(v) not in (1, n) for v in (cond, x, y)):
-        return None
-    cond, x, y = (v * n if len(v) == 1 else v for v in (cond, x, y))
-    if not all(isinstance(c, int) for c in cond):
-        return None
-    return [xi if c else yi for c, xi, yi in zip(cond, x, y)]
 
 
 class SymbolicShapes:
-    """Dims of every value of a graph (and its subgraphs), proved from operands and inference."""
+    """Dims of every value of a graph (and its subgraphs), proved from operands and inference; the contents of
+    its small integer tensors. Without a graph: dims from inference, contents evaluated on demand."""
 
-    def __init__(self, graph: ir.Graph, graphs: Iterable[ir.Graph] | None = None) -> None:
+    def __init__(self, graph: ir.Graph | None = None, graphs: Iterable[ir.Graph] | None = None) -> None:
         self._parent: dict[str, str] = {}
         self._static: dict[str, int] = {}
         self._carriers: dict[str, list[tuple[ir.Value, int]]] = {}
         self._dims: dict[ir.Value, list[Dim] | None] = {}
-        self._vectors: dict[ir.Value, list[Dim]] = {}  # contents of small int shape tensors
+        # contents of small int shape tensors (None elements: not known), None when evaluated and unknown
+        self._vectors: dict[ir.Value, list[Dim | None] | None] = {}
+        self._reads: dict[ir.Value, tuple[ir.Node, ...]] = {}  # the nodes a value's contents were read from
+        self._reading: list[list[ir.Node]] = []  # the nodes read by the rules being evaluated
         self._fresh = itertools.count()
-        self._root = graph
+        if graph is None:
+            return
         for value in graph.inputs:
             self._set(value, self._from_inference(value))
         for g in graphs if graphs is not None else [graph]:
@@ -274,15 +161,74 @@ class SymbolicShapes:
         return sorted(found, key=lambda c: 0 if c[0].is_graph_input() else 1)
 
     def vector(self, value: ir.Value | None) -> list[Dim] | None:
-        """Contents of a small 1-D int shape tensor, as dims (None when not traced)."""
+        """Contents of a small 1-D int shape tensor, as dims (None when not every element is known)."""
+        found = self.partial(value)
+        return None if found is None or any(d is None for d in found) else found  # type: ignore[return-value]
+
+    def ints(self, value: ir.Value | None) -> list[int | None] | None:
+        """Contents of a small int tensor as static ints (None entries: sizes not known at compile time)."""
+        found = self.partial(value)
+        return None if found is None else [d if isinstance(d, int) else None for d in found]
+
+    def static_vector(self, value: ir.Value | None) -> tuple[list[int], tuple[ir.Node, ...]] | None:
+        """Contents known to the last element at compile time, with the nodes they were computed by (the
+        producers the evaluation read, constants aside); None otherwise."""
+        found = self.ints(value)
+        if found is None or any(d is None for d in found):
+            return None
+        return found, self._reads.get(value, ())  # type: ignore[return-value]
+
+    def partial(self, value: ir.Value | None, depth: int = 0) -> list[Dim | None] | None:
+        """Contents of a small int tensor, an element None where not known; None when not traced. Evaluated once
+        per value (``VECTOR_RULES`` of its producer), from constants, dims and the operands' contents."""
         if value is None:
             return None
         if value in self._vectors:
-            return [self.canon(d) for d in self._vectors[value]]
+            found = self._vectors[value]
+        else:
+            found = self._evaluate(value, depth)
+        if self._reading:
+            reading = self._reading[-1]
+            reading.extend(n for n in self._reads.get(value, ()) if n not in reading)
+        return None if found is None else [self.canon(d) if isinstance(d, str) else d for d in found]
+
+    def _evaluate(self, value: ir.Value, depth: int) -> list[Dim | None] | None:
         array = const_array(value)
-        if array is not None and array.dtype.kind in "iub" and array.ndim <= 1 and array.size <= _SHAPE_VECTOR_MAX:
-            return [int(x) for x in array.reshape(-1)]
-        return None
+        if array is not None:
+            found = None
+            if array.dtype.kind in "iub" and array.ndim <= 1 and array.size <= SHAPE_VECTOR_MAX:
+                found = [int(x) for x in array.reshape(-1)]
+            self._vectors[value] = found
+            return found
+        node = value.producer()
+        rule = None if node is None or node.domain not in ("", "ai.onnx") else VECTOR_RULES.get(node.op_type)
+        if rule is None or value is not node.outputs[0] or depth > _MAX_DEPTH:  # type: ignore[union-attr]
+            return None  # not memoised past the depth: a shallower question may get the answer
+        operands = _Depth(self, depth + 1)
+        with self._read(node) as reads:  # type: ignore[arg-type]
+            try:
+                found = rule(node, operands)  # type: ignore[arg-type]
+            except Exception as exc:  # a malformed node: its output is not traced
+                logger.debug("vector rule of %s (%s) failed: %s", node.name, node.op_type, exc)  # type: ignore[union-attr]
+                found = None
+            if found is not None and node.op_type != "Shape":  # (Shape reads its operand's dims, not contents)
+                # What computes the other operands (a Reshape's shape, the axes) is read too.
+                for operand in node.inputs:  # type: ignore[union-attr]
+                    operands.partial(operand)
+        if found is not None and len(found) > SHAPE_VECTOR_MAX:
+            found = None
+        self._vectors[value] = found
+        self._reads[value] = tuple(reads)
+        return found
+
+    @contextmanager
+    def _read(self, node: ir.Node) -> Iterator[list[ir.Node]]:
+        reads = [node]
+        self._reading.append(reads)
+        try:
+            yield reads
+        finally:
+            self._reading.pop()
 
     # ------------------------------------------------------------------ building
     def _from_inference(self, value: ir.Value) -> list[Dim] | None:
@@ -330,9 +276,8 @@ class SymbolicShapes:
                 logger.debug("shape rule of %s (%s) failed: %s", node.name, node.op_type, exc)
         for out, dims in zip(node.outputs, outs):
             self._set(out, dims)
-        if node.domain in ("", "ai.onnx") and node.outputs:
-            with _suppress():
-                self._value_rule(node)
+        if node.domain in ("", "ai.onnx") and node.outputs and node.op_type in VECTOR_RULES:
+            self.partial(node.outputs[0])
 
     def _in(self, node: ir.Node, k: int) -> list[Dim] | None:
         return self.dims(node.inputs[k]) if k < len(node.inputs) and node.inputs[k] is not None else None
@@ -418,7 +363,7 @@ class SymbolicShapes:
             return None
         if op == "Shape":
             a = self._in(node, 0)
-            return None if a is None else [[len(self._shape_slice(node, a))]]
+            return None if a is None else [[len(shape_slice(node, a))]]
         if op in ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2"):
             return [self._reduced(node)]
         return None
@@ -502,8 +447,7 @@ class SymbolicShapes:
         a = [self.canon(d) for d in a]
         if node.op_type == "Split":
             axis = node.attributes.get_int("axis", 0) % len(a)
-            sizes = self._split_sizes(node)
-            lengths = split_lengths(a[axis], sizes, len(node.outputs))
+            lengths = split_sizes(node, a[axis])
             return [[*a[:axis], self._new() if n is None else n, *a[axis + 1 :]] for n in lengths]
         axes = self._axes(node, 3)
         if axes is None:
@@ -529,15 +473,6 @@ class SymbolicShapes:
             out.append(self._new() if n is None else n)
         return [out]
 
-    def _split_sizes(self, node: ir.Node) -> list[int] | None:
-        """The explicit ``split`` sizes of a Split (input 1 from opset 13, the attribute before)."""
-        if "split" in node.attributes:
-            return list(node.attributes.get_ints("split", []))
-        if len(node.inputs) > 1 and node.inputs[1] is not None:
-            array = const_array(node.inputs[1])
-            return None if array is None else [int(x) for x in array.reshape(-1)]
-        return None
-
     def _reduced(self, node: ir.Node) -> list[Dim] | None:
         a = self._in(node, 0)
         axes = self._axes(node, 1)
@@ -549,72 +484,19 @@ class SymbolicShapes:
             return [1 if i in chosen else d for i, d in enumerate(a)]
         return [d for i, d in enumerate(a) if i not in chosen]
 
-    @staticmethod
-    def _shape_slice(node: ir.Node, dims: list[Dim]) -> list[Dim]:
-        rank = len(dims)
-        start = node.attributes.get_int("start", 0)
-        end = node.attributes.get_int("end", rank)
-        start = max(0, min(rank, start + rank if start < 0 else start))
-        end = max(0, min(rank, end + rank if end < 0 else end))
-        return dims[start:end]
 
-    # ------------------------------------------------------------------ shape-tensor contents
-    def _value_rule(self, node: ir.Node) -> None:
-        op = node.op_type
-        out = node.outputs[0]
-        result: list[Dim] | None = None
-        if op == "Shape":
-            a = self._in(node, 0)
-            result = None if a is None else self._shape_slice(node, a)
-        elif op in ("Cast", "Identity", "Squeeze", "Unsqueeze", "Reshape") and out.dtype in _VECTOR_DTYPES:
-            result = self.vector(node.inputs[0])
-            if result is not None and out.dtype == ir.DataType.BOOL:  # Cast to bool: nonzero -> 1
-                result = [int(d != 0) for d in result] if all(isinstance(d, int) for d in result) else None
-            if result is not None and op in ("Reshape", "Unsqueeze", "Squeeze"):
-                # The contents keep their order; a result of rank > 1 is no vector. A Reshape of unknown
-                # rank keeps a 1-element vector only (a scalar <-> [1]).
-                dims = self.dims(out)
-                if (dims is not None and len(dims) > 1) or (dims is None and op == "Reshape" and len(result) != 1):
-                    result = None
-        elif op == "ConstantOfShape":
-            # ConstantOfShape([n]) filled with an integer: n copies (the "ones" of expand(-1) handling)
-            target = self.vector(node.inputs[0])
-            attr = node.attributes.get("value")
-            fill = attr.as_tensor().numpy() if attr is not None else np.zeros(1, np.float32)
-            if target is not None and len(target) == 1 and isinstance(target[0], int) and fill.dtype.kind in "iub":
-                result = [int(fill.reshape(-1)[0])] * target[0]
-        elif op in _VECTOR_ELEMENTWISE and len(node.inputs) == 2:
-            a, b = self.vector(node.inputs[0]), self.vector(node.inputs[1])
-            if a is not None and b is not None:
-                result = vector_elementwise(op, a, b)
-        elif op == "Where":
-            cond, x, y = (self.vector(v) for v in node.inputs)
-            if cond is not None and x is not None and y is not None:
-                result = vector_where(cond, x, y)
-        elif op == "Gather":
-            data, idx = self.vector(node.inputs[0]), const_array(node.inputs[1])
-            if data is not None and idx is not None and idx.ndim <= 1:
-                result = [data[int(i)] for i in idx.reshape(-1)]
-        elif op == "Concat":
-            parts = [self.vector(v) for v in node.inputs]
-            if all(p is not None for p in parts):
-                result = [d for p in parts for d in p]  # type: ignore[union-attr]
-        elif op == "Slice":
-            data = self.vector(node.inputs[0])
-            starts, ends = const_array(node.inputs[1]), const_array(node.inputs[2])
-            steps = const_array(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
-            if data is not None and starts is not None and ends is not None and starts.size == 1:
-                step = 1 if steps is None else int(steps.reshape(-1)[0])
-                result = data[int(starts.reshape(-1)[0]) : int(np.clip(ends.reshape(-1)[0], -(2**62), 2**62)) : step]
-        if result is not None and len(result) <= _SHAPE_VECTOR_MAX:
-            self._vectors[out] = result
+# Operand chains deeper than this are not followed (a shape computation is a handful of nodes).
+_MAX_DEPTH = 48
 
 
-class _suppress:
-    """Contents tracing is a help: a malformed node leaves its output untraced."""
+class _Depth:
+    """The evaluator as a rule sees it: operands evaluated one level deeper."""
 
-    def __enter__(self) -> None:
-        return None
+    def __init__(self, shapes: SymbolicShapes, depth: int) -> None:
+        self._shapes, self._depth = shapes, depth
 
-    def __exit__(self, *exc: object) -> bool:
-        return exc[0] is not None and issubclass(exc[0], Exception)  # type: ignore[arg-type]
+    def partial(self, value: ir.Value | None) -> list[Dim | None] | None:
+        return self._shapes.partial(value, self._depth)
+
+    def dims(self, value: ir.Value | None) -> list[Dim] | None:
+        return self._shapes.dims(value)

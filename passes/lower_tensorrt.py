@@ -19,14 +19,17 @@ The plugin's mask output is int32 (IPluginV3 outputs may not be bool), so a ``Ca
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
 import onnx_ir as ir
 
 from layerzero.errors import UnsupportedModelError
+from layerzero.passes._builder import Builder, model_opset
 from layerzero.passes._dynamic import MOE_DOMAIN, MOE_OP
 from layerzero.passes._graph import NameFactory, replace_value
+from layerzero.passes._moe_node import MoENode
 
 __all__ = [
     "MOE_DOMAIN",
@@ -52,6 +55,9 @@ _SCORINGS = ("softmax", "sigmoid")
 _ACTIVATIONS = ("silu", "gelu", "relu")
 _FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 _MAX_TOP_K = 32  # LZ_MAX_TOP_K of layerzero_kernels.h
+# What an attribute the node leaves out means: MoENode's default, as for every other reader of the node (the
+# reference, LowerMoE, the ORT custom op). The plugin's own defaults differ (normalize 1): every field is written.
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(MoENode) if f.name in (*PLUGIN_FIELDS, "routing")}
 
 
 class LowerMoEToTensorRT(ir.passes.InPlacePass):
@@ -68,11 +74,11 @@ class LowerMoEToTensorRT(ir.passes.InPlacePass):
     """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        names = NameFactory(model.graph)
+        build = Builder(model.graph, NameFactory(model.graph), model_opset(model))
         lowered = 0
         for node in list(model.graph.all_nodes()):  # a snapshot: _lower replaces the node
             if node.domain == MOE_DOMAIN and node.op_type == MOE_OP:
-                _lower(node, names)
+                _lower(node, build)
                 lowered += 1
         if lowered:
             model.opset_imports[PLUGIN_DOMAIN] = 1
@@ -89,9 +95,9 @@ def _describe(node: ir.Node) -> str:
 def _plugin_fields(node: ir.Node) -> dict[str, int | float | str]:
     """The node's attributes as plugin field values, validated; raises UnsupportedModelError naming the node."""
 
-    def get(name: str, default: object) -> object:
+    def get(name: str, default: object = None) -> object:
         attr = node.attributes.get(name)
-        return default if attr is None else attr.value
+        return _DEFAULTS.get(name, default) if attr is None else attr.value
 
     # v2 routing (moe_op_v2) is not in the plugin (plugins/src/moe_plugin.cpp routes top-k of the scores).
     if len(node.inputs) > 8 and node.inputs[8] is not None:
@@ -101,23 +107,23 @@ def _plugin_fields(node: ir.Node) -> dict[str, int | float | str]:
             raise UnsupportedModelError(
                 f"{_describe(node)}: {name} = {get(name, default)!r} is not implemented by the TensorRT plugin"
             )
-    top_k = get("top_k", None)
+    top_k = get("top_k")
     if not isinstance(top_k, int) or not 1 <= top_k <= _MAX_TOP_K:
         raise UnsupportedModelError(
             f"{_describe(node)}: top_k must be an int in [1, {_MAX_TOP_K}] for the TensorRT plugin, got {top_k!r}"
         )
-    normalize = get("normalize", 1)
+    normalize = get("normalize")
     if normalize not in (0, 1):
         raise UnsupportedModelError(f"{_describe(node)}: normalize must be 0 or 1, got {normalize!r}")
-    scoring = str(get("scoring", "softmax")).lower()
+    scoring = str(get("scoring")).lower()
     if scoring not in _SCORINGS:
         raise UnsupportedModelError(f"{_describe(node)}: scoring {scoring!r} is not one of {', '.join(_SCORINGS)}")
-    activation = str(get("activation", "silu")).lower()
+    activation = str(get("activation")).lower()
     if activation not in _ACTIVATIONS:
         raise UnsupportedModelError(
             f"{_describe(node)}: activation {activation!r} is not one of {', '.join(_ACTIVATIONS)}"
         )
-    threshold = float(get("zeroing_threshold", 0.0))
+    threshold = float(get("zeroing_threshold"))  # type: ignore[arg-type]
     if not math.isfinite(threshold) or threshold < 0:
         raise UnsupportedModelError(f"{_describe(node)}: zeroing_threshold must be finite and >= 0, got {threshold}")
     experts = _dim(node.inputs[2], 0) if len(node.inputs) > 2 else None  # w_gate [E, F, H]
@@ -161,8 +167,9 @@ def _attributes(fields: dict[str, int | float | str]) -> list[ir.Attr]:
     return attrs
 
 
-def _lower(node: ir.Node, names: NameFactory) -> None:
+def _lower(node: ir.Node, build: Builder) -> None:
     graph = node.graph
+    names = build.names
     _plugin_fields(node)  # the attributes' refusals (v2 routing included) say more than the input count
     if len(node.inputs) != 5 or any(v is None for v in node.inputs):
         raise UnsupportedModelError(
@@ -182,10 +189,8 @@ def _lower(node: ir.Node, names: NameFactory) -> None:
     for value in node.inputs[1:]:
         if dtype is not None and value.dtype is not None and value.dtype != dtype:
             # Case 3: one dtype for all plugin inputs.
-            cast = ir.Node(
-                "", "Cast", [value], [ir.AttrInt64("to", dtype.value)], name=names(f"{value.name}__to_{dtype.name}")
-            )
-            cast.outputs[0].name = names(f"{value.name}__{dtype.name.lower()}")
+            cast = build.node("Cast", [value], {"to": dtype.value}, name=f"{value.name}__to_{dtype.name}")
+            build.name(cast.outputs[0], f"{value.name}__{dtype.name.lower()}")
             cast.outputs[0].dtype = dtype
             cast.outputs[0].shape = value.shape
             before.append(cast)
@@ -193,15 +198,16 @@ def _lower(node: ir.Node, names: NameFactory) -> None:
         inputs.append(value)
 
     path = node.attributes.get("path")
-    plugin = ir.Node(
-        PLUGIN_DOMAIN,
+    plugin = build.node(
         PLUGIN_NAME,
         inputs,
-        _attributes(fields),
-        num_outputs=2,
-        name=names(f"{node.name or PLUGIN_NAME}__plugin"),
-        metadata_props={"layerzero.path": str(path.value)} if path is not None else None,
+        {a.name: a for a in _attributes(fields)},
+        domain=PLUGIN_DOMAIN,
+        outputs=2,
+        name=f"{node.name or PLUGIN_NAME}__plugin",
     )
+    if path is not None:
+        plugin.metadata_props["layerzero.path"] = str(path.value)
     y_old = node.outputs[0]
     y_new, mask_i32 = plugin.outputs
     # y is [T, H] of hidden's dtype, the mask [T, E]: known even where shape inference skipped the custom op.
@@ -217,9 +223,7 @@ def _lower(node: ir.Node, names: NameFactory) -> None:
     mask_used = mask_old is not None and (mask_old.uses() or mask_old.is_graph_output())
     if mask_used:
         # Case 1: restore the bool mask (IPluginV3 outputs cannot be kBOOL).
-        cast = ir.Node(
-            "", "Cast", [mask_i32], [ir.AttrInt64("to", ir.DataType.BOOL.value)], name=names(f"{plugin.name}__mask")
-        )
+        cast = build.node("Cast", [mask_i32], {"to": ir.DataType.BOOL.value}, name=f"{plugin.name}__mask")
         cast.outputs[0].dtype, cast.outputs[0].shape = ir.DataType.BOOL, mask_shape
         new_nodes.append(cast)
     graph.insert_before(node, new_nodes)

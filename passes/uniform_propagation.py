@@ -9,8 +9,9 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
+from layerzero.passes._builder import Builder, model_opset
 from layerzero.passes._graph import NameFactory, const_array, make_constant, replace_value
-from layerzero.passes._lattice import transfer, uniform_of_constant
+from layerzero.passes._lattice import is_true, is_zero, transfer, uniform_of_constant
 from layerzero.passes._rows import MAX_ROW_ELEMENTS, transfer_row
 from layerzero.passes._scope import Scopes
 from layerzero.passes._shapes import SymbolicShapes
@@ -30,14 +31,6 @@ _MAX_CONSTANT_READ = 1 << 24
 
 def _is_one(c: np.ndarray | None) -> bool:
     return c is not None and c.dtype != np.bool_ and bool(c == 1)
-
-
-def _is_zero(c: np.ndarray | None) -> bool:
-    return c is not None and not bool(c)
-
-
-def _is_true(c: np.ndarray | None) -> bool:
-    return c is not None and bool(c)
 
 
 def _always(c: np.ndarray | None) -> bool:
@@ -64,15 +57,15 @@ def _both_orders(op: str, test: Callable[[np.ndarray | None], bool]) -> tuple[Id
 
 # One row per identity, tried in order (the first that holds wins). Adding an op's identity is one row.
 IDENTITIES: tuple[Identity, ...] = (
-    *_both_orders("Add", _is_zero),  # x + 0 -> x, 0 + x -> x
-    Identity("Sub", 1, _is_zero, 0),  # x - 0 -> x
+    *_both_orders("Add", is_zero),  # x + 0 -> x, 0 + x -> x
+    Identity("Sub", 1, is_zero, 0),  # x - 0 -> x
     *_both_orders("Mul", _is_one),  # x * 1 -> x, 1 * x -> x
     Identity("Div", 1, _is_one, 0),  # x / 1 -> x
     Identity("Pow", 1, _is_one, 0),  # x ** 1 -> x
-    Identity("Where", 0, _is_true, 1),  # Where(true, x, y) -> x
-    Identity("Where", 0, _is_zero, 2),  # Where(false, y, x) -> x
-    *_both_orders("And", _is_true),  # x and true -> x, true and x -> x
-    *_both_orders("Or", _is_zero),  # x or false -> x, false or x -> x
+    Identity("Where", 0, is_true, 1),  # Where(true, x, y) -> x
+    Identity("Where", 0, is_zero, 2),  # Where(false, y, x) -> x
+    *_both_orders("And", is_true),  # x and true -> x, true and x -> x
+    *_both_orders("Or", is_zero),  # x or false -> x, false or x -> x
     Identity("Reshape", None, _always, 0),  # Reshape(x, shape of x) -> x
     Identity("Expand", None, _always, 0),  # Expand(x, shape of x) -> x
     Identity("Cast", None, _always, 0),  # Cast(x, to its own dtype) -> x
@@ -125,7 +118,8 @@ class PropagateUniforms(ir.passes.InPlacePass):
         scopes = Scopes(root)
         modified = False
         for graph in graphs:
-            rewriter = _GraphRewriter(graph, root, names, shapes, self.assume_finite, use_shape_range, scopes)
+            build = Builder(root, names, model_opset(model))
+            rewriter = _GraphRewriter(graph, build, shapes, self.assume_finite, use_shape_range, scopes)
             modified |= rewriter.run()
         return ir.passes.PassResult(model, modified=modified)
 
@@ -134,17 +128,17 @@ class _GraphRewriter:
     def __init__(
         self,
         graph: ir.Graph,
-        root: ir.Graph,
-        names: NameFactory,
+        build: Builder,
         shapes: SymbolicShapes,
         assume_finite: bool,
         use_shape_range: bool,
         scopes: Scopes,
     ) -> None:
         self.graph = graph
-        self.root = root
+        self.build = build  # the new nodes' builder (model-wide unique names); they are placed by ``scopes``
+        self.root = build.root
         self.scopes = scopes
-        self.names = names
+        self.names = build.names
         self.shapes = shapes
         self.position = {node: i for i, node in enumerate(graph)}
         self.assume_finite = assume_finite
@@ -282,12 +276,14 @@ class _GraphRewriter:
         if constant is None:
             constant = make_constant(self.root, self.names, f"{value.name}_row", row.astype(dtype))
         shape = self._shape_tensor(dims, producer)
-        node = ir.Node("", "Expand", [constant, shape], name=self.names("lz_row"))
-        new = node.outputs[0]
-        new.name = self.names(f"{value.name}_row")
-        new.shape = value.shape
-        new.type = value.type
-        self.scopes.insert_before(producer, node)
+        return self._replace_by(value, self.build.node("Expand", [constant, shape], name="lz_row"), producer, "row")
+
+    def _replace_by(self, value: ir.Value, node: ir.Node, before: ir.Node, suffix: str) -> bool:
+        """Place ``node`` before ``before``; ``value``'s readers read its output (``<value>_<suffix>``, with
+        ``value``'s shape and type) instead."""
+        new = self.build.name(node.outputs[0], f"{value.name}_{suffix}")
+        new.shape, new.type = value.shape, value.type
+        self.scopes.insert_before(before, node)
         replace_value(value, new, self.names)
         return True
 
@@ -403,19 +399,15 @@ class _GraphRewriter:
                 pending = []
             source, axis = d
             if self.use_shape_range:
-                node = ir.Node(
-                    "",
-                    "Shape",
-                    [source],
-                    attributes=[ir.AttrInt64("start", axis), ir.AttrInt64("end", axis + 1)],
-                    name=self.names(f"{source.name}_dim{axis}"),
+                node = self.build.node(
+                    "Shape", [source], {"start": axis, "end": axis + 1}, name=f"{source.name}_dim{axis}"
                 )
             else:
-                full = ir.Node("", "Shape", [source], name=self.names(f"{source.name}_shape"))
+                full = self.build.node("Shape", [source], name=f"{source.name}_shape")
                 index = make_constant(self.root, self.names, "lz_axis", np.array([axis], np.int64))
                 new_nodes.append(full)
-                node = ir.Node("", "Gather", [full.outputs[0], index], name=self.names("lz_gather_dim"))
-            node.outputs[0].name = self.names(f"{source.name}_dim{axis}")
+                node = self.build.node("Gather", [full.outputs[0], index], name="lz_gather_dim")
+            self.build.name(node.outputs[0], f"{source.name}_dim{axis}")
             new_nodes.append(node)
             pieces.append(node.outputs[0])
         if pending:
@@ -423,8 +415,8 @@ class _GraphRewriter:
         if len(pieces) == 1:
             shape = pieces[0]
         else:
-            concat = ir.Node("", "Concat", pieces, attributes=[ir.AttrInt64("axis", 0)], name=self.names("lz_shape"))
-            concat.outputs[0].name = self.names("lz_shape")
+            concat = self.build.node("Concat", pieces, {"axis": 0}, name="lz_shape")
+            self.build.name(concat.outputs[0], "lz_shape")
             new_nodes.append(concat)
             shape = concat.outputs[0]
         self.scopes.insert_before(before, new_nodes)
@@ -441,17 +433,5 @@ class _GraphRewriter:
         anchor = producer
         shape = self._shape_tensor(dims, anchor)
         fill = ir.tensor(np.asarray(c).reshape(1))
-        node = ir.Node(
-            "",
-            "ConstantOfShape",
-            [shape],
-            attributes=[ir.AttrTensor("value", fill)],
-            name=self.names("lz_uniform"),
-        )
-        new = node.outputs[0]
-        new.name = self.names(f"{value.name}_uniform")
-        new.shape = value.shape
-        new.type = value.type
-        self.scopes.insert_before(anchor, node)
-        replace_value(value, new, self.names)
-        return True
+        node = self.build.node("ConstantOfShape", [shape], {"value": fill}, name="lz_uniform")
+        return self._replace_by(value, node, anchor, "uniform")

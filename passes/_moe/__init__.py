@@ -1,8 +1,10 @@
 """Recognise mixture-of-experts blocks in the shapes real exports take, as parts with variants.
 
 - ``walk``: backward matching over producers, the shared checks, one commute helper;
-- ``router``: scores, top-k, normalisation, the routing matrix;
-- ``experts``: the per-expert FFN (activation, gate/up fused or not, the projection variants);
+- ``router``: scores, top-k, normalisation, the routing matrix; one file per router variant in ``routers/``
+  (``ROUTER_VARIANTS``: a new variant is one part file and one row);
+- ``experts``: the per-expert FFN (gate/up fused or not), with ``gating`` (the gated units: activation, swiglu)
+  and ``projections`` (the projection variants and their biases);
 - ``combine``: how expert outputs are combined, one matcher per block shape (``FORMS``: rules as data);
 - ``blocks``: the search from each router, the block check, and the refusals with their reasons.
 

@@ -18,6 +18,7 @@ import onnx_ir as ir
 
 from layerzero.passes._graph import const_array
 from layerzero.passes._match import Attempts, NoMatch, label, need
+from layerzero.passes._shapes import SymbolicShapes
 
 __all__ = [
     "STD",
@@ -120,6 +121,9 @@ class Walk:
         # The failed attempt that matched most nodes: why, with the last node it accepted (where it stopped)
         # and how many it had (its progress).
         self.deepest: NoMatch | None = None
+        # The passes' one integer-vector evaluator, on demand (inference's dims; the graph is not changed while
+        # a walk matches).
+        self.shapes = SymbolicShapes()
 
     def node(self, value: ir.Value | None, ops: str | tuple[str, ...], what: str) -> ir.Node:
         ops = (ops,) if isinstance(ops, str) else ops
@@ -176,89 +180,21 @@ def reshape_dims(node: ir.Node) -> list[int] | None:
     return dims if dims.count(-1) <= 1 else None
 
 
-_SHAPE_ARITHMETIC = {"Add": lambda a, b: a + b, "Sub": lambda a, b: a - b, "Mul": lambda a, b: a * b}
-
-
-def static_ints(w: Walk, value: ir.Value | None, depth: int = 8) -> list[int] | None:
-    """An integer vector known at compile time: a constant, or computed from static dims of ``Shape`` by
-    ``Gather`` / ``Concat`` / ``Unsqueeze`` / ``Squeeze`` / ``Cast`` / ``Add`` / ``Sub`` / ``Mul`` / ``Div``
-    (TorchScript's ``chunk`` bounds: ``(Shape(x)[-1] + 1) / 2 * i``). The nodes it reads are accepted into the
-    walk as shareable (they compute the block's bounds; what else reads them keeps them)."""
-    found = _static(value, depth, [])
+def static_ints(w: Walk, value: ir.Value | None) -> list[int] | None:
+    """An integer vector known at compile time: a constant, or computed from static dims of ``Shape`` (TorchScript's
+    ``chunk`` bounds: ``(Shape(x)[-1] + 1) / 2 * i``), by the passes' one evaluator (``SymbolicShapes``, its op
+    table in ``passes/_shape_rules.py``). The nodes it reads are accepted into the walk as shareable (they compute
+    the block's bounds; what else reads them keeps them)."""
+    found = w.shapes.static_vector(value)
     if found is None:
         return None
     ints, nodes = found
-    if any(v is None for v in ints):
-        return None
     for node in nodes:
         if node not in w.nodes:
             w.nodes.append(node)
     # Shape arithmetic other shape computations may read too (TorchScript shares it): it goes when dead.
     w.shareable.update(nodes)
     return ints
-
-
-def _static(value: ir.Value | None, depth: int, nodes: list[ir.Node]) -> tuple[list, list[ir.Node]] | None:
-    """``(ints with None for dims not static, nodes read)`` or None."""
-    ints = const_ints(value)
-    if ints is not None or value is None or depth == 0:
-        return None if ints is None else (ints, nodes)
-    node = value.producer()
-    if node is None or node.domain not in STD:
-        return None
-    nodes = [*nodes, node]
-    if node.op_type == "Shape":
-        shape = node.inputs[0].shape
-        if shape is None:
-            return None
-        dims = [d if isinstance(d, int) else None for d in shape]
-        start, end = attr_of(node, "start", 0), attr_of(node, "end", None)
-        return dims[slice(start, end)], nodes
-    operands = []
-    for v in node.inputs:
-        found = _static(v, depth - 1, [])
-        if found is None:
-            return None
-        operands.append(found[0])
-        nodes.extend(n for n in found[1] if n not in nodes)
-    if node.op_type == "Gather" and len(operands) == 2 and attr_of(node, "axis", 0) == 0:
-        data, index = operands
-        if any(i is None or not -len(data) <= i < len(data) for i in index):
-            return None
-        return [data[i] for i in index], nodes
-    if node.op_type in ("Unsqueeze", "Squeeze", "Cast", "Identity", "Reshape") and operands:
-        return operands[0], nodes  # 0-D and 1-D integer vectors: the same elements
-    if node.op_type == "Slice" and len(operands) >= 3:
-        data, starts, ends = operands[:3]
-        steps = operands[4] if len(operands) > 4 else [1]
-        one_axis = len(operands) <= 3 or operands[3] in ([0], [-1])
-        if len(starts) != 1 or None in (*starts, *ends, *steps) or not one_axis:
-            return None
-        return data[slice(starts[0], ends[0], steps[0])], nodes
-    if node.op_type == "OneHot" and len(operands) == 3 and attr_of(node, "axis", -1) == -1:
-        # TorchScript's repeat_interleave builds its repeats [1, k, 1] as OneHot([1], 3, [1, k]).
-        (depth,), (off, on) = operands[1], operands[2]
-        if None in (depth, off, on) or None in operands[0]:
-            return None
-        return [on if j == i % depth else off for i in operands[0] for j in range(depth)], nodes
-    if node.op_type == "Concat":
-        return [v for part in operands for v in part], nodes
-    if node.op_type in (*_SHAPE_ARITHMETIC, "Div") and len(operands) == 2:
-        a, b = operands
-        if len(a) != len(b) and 1 not in (len(a), len(b)):
-            return None
-        n = max(len(a), len(b))
-        a, b = (a * n if len(a) == 1 else a), (b * n if len(b) == 1 else b)
-        out = []
-        for x, y in zip(a, b):
-            if x is None or y is None or (node.op_type == "Div" and y == 0):
-                out.append(None)
-            elif node.op_type == "Div":
-                out.append(int(x / y))  # ONNX integer Div truncates
-            else:
-                out.append(_SHAPE_ARITHMETIC[node.op_type](x, y))
-        return out, nodes
-    return None
 
 
 def zeros_node(w: Walk, value: ir.Value, what: str) -> ir.Node:

@@ -165,10 +165,13 @@ def narrow_consumer(
                 node.replace_input_with(2, rewriter.constant(f"{node.name}_bias", merged))
             return removed
     # before: y = MatMul(A, W)   after: y = Add(MatMul(A', W'), row)
-    add = ir.Node("", "Add", [out, rewriter.constant(f"{node.name}_row", row.astype(dtype))])
-    add.name = rewriter.names(f"{node.name}_lz_row")
+    add = rewriter.node(
+        "Add",
+        [out, rewriter.constant(f"{node.name}_row", row.astype(dtype))],
+        name=f"{node.name}_lz_row",
+        output=f"{out.name}_lz_row",
+    )
     new_out = add.outputs[0]
-    new_out.name = rewriter.names(f"{out.name}_lz_row")
     new_out.shape, new_out.type = out.shape, out.type
     rewriter.scopes.insert_after(node, add)
     for user, index in list(out.uses()):
@@ -217,15 +220,16 @@ def pad_output(node: ir.Node, rewriter: Rewriter) -> int:
         pad = zero_pad(node, target, rank, 0, 1, rewriter)
         index = np.full(width, len(live), np.int64)
         index[live] = np.arange(len(live))
-        gather = ir.Node(
-            "",
+        gather = rewriter.node(
             "Gather",
             [pad.outputs[0], rewriter.constant(f"{node.name}_columns", index)],
-            attributes=[ir.AttrInt64("axis", rank - 1)],
-            name=rewriter.names(f"{node.name}_lz_gather"),
+            {"axis": rank - 1},
+            name=f"{node.name}_lz_gather",
+            output=f"{target.name}_lz_padded",
         )
         nodes, new = [pad, gather], gather.outputs[0]
-    new.name = rewriter.names(f"{target.name}_lz_padded")
+    if ends_only:
+        rewriter.build.name(new, f"{target.name}_lz_padded")
     new.shape, new.type = original_shape, original_type
     producer = target.producer()
     assert producer is not None and producer.graph is not None
@@ -244,12 +248,12 @@ def pad_output(node: ir.Node, rewriter: Rewriter) -> int:
 def zero_pad(node: ir.Node, target: ir.Value, rank: int, lead: int, trail: int, rewriter: Rewriter) -> ir.Node:
     """``Pad(target)`` with zeros: ``lead`` / ``trail`` columns before / after its last axis."""
     pads = [0] * (rank - 1) + [lead] + [0] * (rank - 1) + [trail]
+    name, output = f"{node.name}_lz_pad", f"{target.name}_lz_pad"
     if opset(rewriter.root, node) >= 11:
-        pad = ir.Node("", "Pad", [target, rewriter.constant(f"{node.name}_pads", np.array(pads, np.int64))])
+        pads_value = rewriter.constant(f"{node.name}_pads", np.array(pads, np.int64))
+        pad = rewriter.node("Pad", [target, pads_value], name=name, output=output)
     else:
-        pad = ir.Node("", "Pad", [target], attributes=[ir.AttrInt64s("pads", pads)])
-    pad.name = rewriter.names(f"{node.name}_lz_pad")
-    pad.outputs[0].name = rewriter.names(f"{target.name}_lz_pad")
+        pad = rewriter.node("Pad", [target], {"pads": pads}, name=name, output=output)
     pad.outputs[0].dtype = target.dtype
     return pad
 
@@ -269,14 +273,11 @@ def slice_input(consumer: Consumer, rewriter: Rewriter) -> int:
     if rank is None or rank < 1 or last_dim(a) not in (None, width):
         return 0
     live = np.flatnonzero(~zero)
+    live_name = f"{node.name}_lz_live"
     if lead + trail != int(zero.sum()):
         # Interior zero rows: before: y = A @ W     after: y = Gather(A, live, axis=-1) @ W[live]
-        cut = ir.Node(
-            "",
-            "Gather",
-            [a, rewriter.constant(f"{node.name}_live", live.astype(np.int64))],
-            attributes=[ir.AttrInt64("axis", rank - 1)],
-        )
+        index = rewriter.constant(f"{node.name}_live", live.astype(np.int64))
+        cut = rewriter.node("Gather", [a, index], {"axis": rank - 1}, name=live_name, output=f"{a.name}_lz_live")
         return read_live(consumer, cut, live, rewriter)
     # before: y = A @ W     after: y = Slice(A, lead:K-trail, last axis) @ W[lead:K-trail]
     bounds = [
@@ -285,26 +286,21 @@ def slice_input(consumer: Consumer, rewriter: Rewriter) -> int:
         rewriter.constant(f"{node.name}_axes", np.array([rank - 1], np.int64)),
     ]
     if opset(rewriter.root, node) >= 10:
-        cut = ir.Node("", "Slice", [a, *bounds])
+        cut = rewriter.node("Slice", [a, *bounds], name=live_name, output=f"{a.name}_lz_live")
     else:
-        cut = ir.Node(
-            "",
+        cut = rewriter.node(
             "Slice",
             [a],
-            attributes=[
-                ir.AttrInt64s("starts", [lead]),
-                ir.AttrInt64s("ends", [width - trail]),
-                ir.AttrInt64s("axes", [rank - 1]),
-            ],
+            {"starts": [lead], "ends": [width - trail], "axes": [rank - 1]},
+            name=live_name,
+            output=f"{a.name}_lz_live",
         )
     return read_live(consumer, cut, live, rewriter)
 
 def read_live(consumer: Consumer, cut: ir.Node, live: np.ndarray, rewriter: Rewriter) -> int:
     """The consumer reads ``cut``'s output (the live entries of its input) with the live rows of its weight."""
     node, a = consumer.node, consumer.input
-    cut.name = rewriter.names(f"{node.name}_lz_live")
     sliced = cut.outputs[0]
-    sliced.name = rewriter.names(f"{a.name}_lz_live")
     sliced.dtype = a.dtype
     if a.shape is not None:
         sliced.shape = a.shape

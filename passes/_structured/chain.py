@@ -15,7 +15,8 @@ from layerzero.passes._graph import const_array
 from layerzero.passes._lattice import ELEMENTWISE_BINARY, UNARY, UNARY_ATTR
 from layerzero.passes._match import NoMatch
 from layerzero.passes._quantized import is_matmul_nbits
-from layerzero.passes._structured.ints import INT_OPS, int_vector
+from layerzero.passes._shape_rules import VECTOR_OPS, split_sizes
+from layerzero.passes._shapes import SymbolicShapes
 from layerzero.passes._structured.leaves import (
     STD,
     Linear,
@@ -117,7 +118,7 @@ class Chain:
             in_dims, out_dims = static_dims(node.inputs[0]), static_dims(value)
             if not in_dims or not out_dims or in_dims[-1] not in (None, self.width):
                 raise NoMatch(f"{node.name}: a Reshape that does not keep the last axis", node)
-            shape = int_vector(node.inputs[1])
+            shape = SymbolicShapes().ints(node.inputs[1])
             if shape is None or shape[-1] != self.width:
                 raise NoMatch(f"{node.name}: the Reshape's last size is not provably {self.width}", node)
             self.reshapes.append(node)
@@ -240,7 +241,7 @@ class Chain:
             for user, index in value.uses():
                 if (user, index) in replaced:
                     continue
-                if user.domain not in STD or user.op_type not in INT_OPS or value.is_graph_output():
+                if user.domain not in STD or user.op_type not in VECTOR_OPS or value.is_graph_output():
                     return False
                 if user.op_type == "Gather" and positions is not None and index == 0:
                     picked = const_array(user.inputs[1])
@@ -291,14 +292,17 @@ def pieces_of(source: ir.Value, rank: int, width: int) -> list[Piece]:
             if user.attributes.get_int("axis", 0) % rank != rank - 1:
                 raise NoMatch(f"{user.name}: Split not along the last axis", user)
             sizes = split_sizes(user, width)
+            if None in sizes:
+                raise NoMatch(f"{user.name}: run-time split sizes", user)
             offset = 0
             for i, size in enumerate(sizes):
                 pieces.append(Piece(user, i, offset, size))
                 offset += size
         elif std(user, "Slice"):
-            starts, ends = int_vector(user.inputs[1]), int_vector(user.inputs[2])
-            axes = int_vector(user.inputs[3]) if len(user.inputs) > 3 and user.inputs[3] is not None else [0]
-            steps = int_vector(user.inputs[4]) if len(user.inputs) > 4 and user.inputs[4] is not None else [1]
+            ints = SymbolicShapes().ints  # the passes' one integer evaluator, on inference's dims
+            starts, ends = ints(user.inputs[1]), ints(user.inputs[2])
+            axes = ints(user.inputs[3]) if len(user.inputs) > 3 and user.inputs[3] is not None else [0]
+            steps = ints(user.inputs[4]) if len(user.inputs) > 4 and user.inputs[4] is not None else [1]
             if None in (starts, ends, axes, steps) or len(starts) != 1 or len(axes) != 1:  # type: ignore[arg-type]
                 raise NoMatch(f"{user.name}: Slice bounds not provably constant along one axis", user)
             if None in starts + ends + axes + steps or axes[0] % rank != rank - 1 or steps[0] != 1:  # type: ignore[operator]
@@ -316,18 +320,3 @@ def pieces_of(source: ir.Value, rank: int, width: int) -> list[Piece]:
         # The narrowed source is the pieces laid end to end: a Split must be its only reader to partition it.
         raise NoMatch(f"{source.name}: a Split next to other readers")
     return pieces
-
-
-def split_sizes(node: ir.Node, width: int) -> list[int]:
-    count = len(node.outputs)
-    if len(node.inputs) > 1 and node.inputs[1] is not None:
-        sizes = const_array(node.inputs[1])
-        if sizes is None:
-            raise NoMatch(f"{node.name}: run-time split sizes", node)
-        return [int(s) for s in sizes.reshape(-1)]
-    if "split" in node.attributes:
-        return list(node.attributes.get_ints("split", []))
-    size = -(-width // count)
-    return [min(size, width - i * size) for i in range(count)]
-
-

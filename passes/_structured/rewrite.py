@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from layerzero.passes._builder import Builder
 from layerzero.passes._graph import NameFactory, const_array, make_constant
 from layerzero.passes._scope import Scopes
 from layerzero.passes._structured.chain import Source
@@ -12,12 +13,21 @@ from layerzero.passes._structured.leaves import Linear, set_last_dim
 
 
 class Rewriter:
-    """Builds the narrowed weights and the few new nodes."""
+    """Builds the narrowed weights and the few new nodes (on the passes' builder: model-wide unique names)."""
 
     def __init__(self, root: ir.Graph, names: NameFactory) -> None:
         self.root = root
         self.names = names
         self.scopes = Scopes(root)
+        self.build = Builder(root, names, opset(root))
+
+    def node(
+        self, op_type: str, inputs: list[ir.Value], attributes: dict | None = None, *, name: str, output: str
+    ) -> ir.Node:
+        """A new node, not placed yet (``scopes`` places it), named after ``name``, its output after ``output``."""
+        node = self.build.node(op_type, inputs, attributes, name=name)
+        self.build.name(node.outputs[0], output)
+        return node
 
     def constant(self, hint: str, array: np.ndarray) -> ir.Value:
         return make_constant(self.root, self.names, f"{hint}_lz_narrowed", np.ascontiguousarray(array))
@@ -94,31 +104,30 @@ class Rewriter:
             new[-1] = size
             node.replace_input_with(1, self.constant(shape.name or "lz_shape", new.astype(np.int64)))
         else:
-            head = ir.Node(
-                "",
+            head = self.node(
                 "Slice",
                 [
                     shape,
                     self.constant("lz_zero", np.array([0], np.int64)),
                     self.constant("lz_minus_one", np.array([-1], np.int64)),
                 ],
-                name=self.names(f"{node.name}_lz_head"),
+                name=f"{node.name}_lz_head",
+                output=f"{node.name}_lz_head",
             )
-            head.outputs[0].name = self.names(f"{node.name}_lz_head")
-            concat = ir.Node(
-                "",
+            concat = self.node(
                 "Concat",
                 [head.outputs[0], self.constant("lz_size", np.array([size], np.int64))],
-                attributes=[ir.AttrInt64("axis", 0)],
-                name=self.names(f"{node.name}_lz_shape"),
+                {"axis": 0},
+                name=f"{node.name}_lz_shape",
+                output=f"{node.name}_lz_shape",
             )
-            concat.outputs[0].name = self.names(f"{node.name}_lz_shape")
             self.scopes.insert_before(node, [head, concat])
             node.replace_input_with(1, concat.outputs[0])
         set_last_dim(node.outputs[0], size)
 
 
-def opset(root: ir.Graph, node: ir.Node) -> int:
+def opset(root: ir.Graph, node: ir.Node | None = None) -> int:
+    """The default-domain opset of ``root``'s imports (13 when it names none)."""
     model_opsets = root.opset_imports
     return int(model_opsets.get("", model_opsets.get("ai.onnx", 13)))
 

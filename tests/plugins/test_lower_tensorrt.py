@@ -6,6 +6,7 @@ Parser conventions (onnx-tensorrt's fallback plugin importer): op_type = the plu
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
@@ -152,3 +153,41 @@ def test_the_example_skipping_model_lowers_too():
     assert not any(d == "ai.layerzero" for d, _ in ops(after))
     assert [o.name for o in after.graph.output] == [o.name for o in proto.graph.output]
     onnx.checker.check_model(after, full_check=True)
+
+
+@pytest.mark.parametrize("missing", ["normalize", "top_k", "scoring", "activation", "zeroing_threshold"])
+def test_an_attribute_left_out_means_what_the_reference_reads(moe_model, missing):
+    # A node without an attribute means MoENode's default to every other reader (LowerMoE, the ORT custom op,
+    # verification's model): the plugin gets that value, not its own default. Before: normalize was read with
+    # default 1, so a node without it normalized under TensorRT and not in the reference (and a node without
+    # top_k was refused).
+    import onnxruntime as ort
+
+    from layerzero.passes._moe_node import MoENode
+    from layerzero.passes.lower_moe import LowerMoE
+    from layerzero.plugins.reference import moe_reference
+
+    proto = moe_model(attributes={"zeroing_threshold": 0.3} if missing == "zeroing_threshold" else None)
+    moe = next(n for n in proto.graph.node if n.op_type == "MoE")
+    kept = [a for a in moe.attribute if a.name != missing]
+    del moe.attribute[:]
+    moe.attribute.extend(kept)
+    view = MoENode.of(next(n for n in ir.from_proto(proto).graph if n.op_type == "MoE"))
+    after, _ = lower(proto)
+    fields = attrs(next(n for n in after.graph.node if n.op_type == PLUGIN_NAME))
+    plugin = {k: v.decode() if isinstance(v, bytes) else v for k, v in fields.items() if k in PLUGIN_FIELDS}
+    assert plugin == {k: getattr(view, k) for k in PLUGIN_FIELDS}
+
+    # Numerically: the plugin's computation (the reference with the plugin's fields) is the ONNX Runtime model
+    # verification runs (LowerMoE of the same node).
+    model = ir.from_proto(proto)
+    infer_shapes(model)
+    LowerMoE("if")(model)
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
+    hidden = np.random.default_rng(7).standard_normal((9, 16)).astype(np.float32)
+    y, mask = session.run(["y", MASK], {"hidden": hidden})
+    logits = hidden @ weights["router"].T
+    y_ref, mask_ref = moe_reference(hidden, logits, weights["w_gate"], weights["w_up"], weights["w_down"], **plugin)
+    np.testing.assert_array_equal(mask, mask_ref)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
