@@ -67,7 +67,9 @@ def quantize_ort_moe(
             builder.initializer(f"{hint}_Q{bits}", packed),
             builder.initializer(f"{hint}_scales", scales.astype(dtype)),
         ]
-        zero_points.append(None if zp is None else builder.initializer(f"{hint}_zp", pack_codes(zp, bits)))
+        if zp is not None:
+            zp = builder.initializer(f"{hint}_zp", pack_codes(zp, bits, pad=1 << (bits - 1)))
+        zero_points.append(zp)
     qmoe_inputs: list[ir.Value | None] = [
         x, probs, quantized[0], quantized[1], fc1_bias, quantized[2], quantized[3], fc2_bias,
     ]  # fmt: skip

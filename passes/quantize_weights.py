@@ -90,13 +90,14 @@ def _check_format(bits: int, block: int) -> None:
         raise InvalidInputError(f"weight quantization block={block}: expected a power of two >= 16")
 
 
-def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
-    """uint8 codes ``[..., n]`` (0..2^bits-1) packed along the last axis (int4: element 2j low nibble of byte j)."""
+def pack_codes(codes: np.ndarray, bits: int, pad: int = 0) -> np.ndarray:
+    """uint8 codes ``[..., n]`` (0..2^bits-1) packed along the last axis (int4: element 2j low nibble of byte j; an
+    odd count padded with ``pad``: ONNX Runtime pads zero points with the default one, 8)."""
     codes = codes.astype(np.uint8)
     if bits == 8:
         return np.ascontiguousarray(codes)
     if codes.shape[-1] % 2:
-        codes = np.concatenate([codes, np.zeros((*codes.shape[:-1], 1), np.uint8)], axis=-1)
+        codes = np.concatenate([codes, np.full((*codes.shape[:-1], 1), pad, np.uint8)], axis=-1)
     return np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4))
 
 
@@ -162,7 +163,7 @@ def quantize_matrix(
     codes, scales, zp = quantize_rows(np.asarray(b).T, bits, block, symmetric)
     n, nb = scales.shape
     packed = pack_codes(codes, bits)  # [N, nb, block*bits/8]
-    zero_points = None if zp is None else pack_codes(zp, bits).reshape(-1)
+    zero_points = None if zp is None else pack_codes(zp, bits, pad=1 << (bits - 1)).reshape(-1)
     return packed, scales.reshape(n * nb), zero_points
 
 
