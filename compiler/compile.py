@@ -203,6 +203,7 @@ def _quantized_reference(model: ir.Model, options: CompileOptions) -> ir.Model:
     compiled model holds them quantized. The float rewrite is what every float compile verifies against the original.
     """
     from layerzero.passes import FoldConstants
+    from layerzero.passes._moe_node import MoENode, is_moe_node
     from layerzero.passes.lower_moe import LowerMoE
     from layerzero.passes.moe import SkipExperts
     from layerzero.passes.shape_inference import InferShapes
@@ -210,7 +211,11 @@ def _quantized_reference(model: ir.Model, options: CompileOptions) -> ir.Model:
     InferShapes()(model)
     FoldConstants(options.fold_max_elements)(model)
     InferShapes()(model)
-    if SkipExperts(0.0)(model).modified:
+    SkipExperts(0.0)(model)
+    # Float skipping forms (this one's, or a bisection checkpoint's) lowered to If; a quantized one (a checkpoint
+    # already quantized) is left as it is.
+    forms = [MoENode.of(n) for g in model.graphs() for n in g if is_moe_node(n)]
+    if forms and not any(f.quantized for f in forms):
         InferShapes()(model)
         LowerMoE(lowering="if", enabled=True, native_present=False)(model)
     quantize_weights(model, options)

@@ -15,7 +15,8 @@ per-expert MatMuls are ordinary MatMuls here):
    10-12 (``passes/_moe_node.py``). The kernel reads symmetric blocks of 32 only: another ``block`` or
    ``symmetric=False`` with a native block is refused (``InvalidInputError`` naming the option), never
    quantized in another format than the verification's quantized-dense reference (which quantizes the original's
-   expert MatMuls with the options given).
+   expert MatMuls with the options given); so is an MoE block whose hidden or expert size the block does not divide
+   (its experts are quantized whole or not at all; cases 3 and 4).
 4. ``com.microsoft.MoE`` (the ``ort-moe`` lowering) → ``com.microsoft.QMoE`` (``passes/lower_qmoe.py``).
 
 What stays float, and why: routers (a MatMul / Gemm whose output reaches a ``TopK``, the MoE node's logits or
@@ -342,9 +343,8 @@ class QuantizeWeights(ir.passes.InPlacePass):
             need(array is not None and value.const_value is not None, f"expert weight {value.name} is not a constant",
                  node)  # fmt: skip
             need(value.const_value.dtype in _FLOATS, f"expert weight {value.name} is not a float type", node)
-            need(array.ndim == 3 and array.shape[-1] % EXPERT_BLOCK == 0,
-                 f"expert weight {value.name} {list(array.shape)}: the reduction axis is not a multiple of 32",
-                 node)  # fmt: skip
+            need(array.ndim == 3, f"expert weight {value.name} is not [E, out, in]", node)
+            _check_expert_block(view.path or node.name, value.name, array.shape[-1], EXPERT_BLOCK)
             arrays.append(array)
         stored = [native_expert_codes(w, self.bits) for w in arrays]
         fmt = f"q{self.bits}"
@@ -359,6 +359,16 @@ class QuantizeWeights(ir.passes.InPlacePass):
             node.attributes[name] = value
         for old in olds:
             _drop_if_unused(old)
+
+
+def _check_expert_block(path: str, name: str, k: int, block: int) -> None:
+    """An MoE block's experts are quantized whole or the compile is refused: the quantized-dense reference quantizes
+    each expert matrix whose K the block divides, so a block left float for one matrix would not be that model."""
+    if k % block:
+        raise InvalidInputError(
+            f"option quant_block: MoE block {path}: expert weight {name} has K={k}, not a multiple of the block "
+            f"{block}; its experts cannot be quantized (choose a --quant-block dividing the hidden and expert sizes)"
+        )
 
 
 def _case(node: ir.Node) -> str | None:

@@ -493,8 +493,15 @@ def test_no_quantization_by_default():
 @pytest.mark.parametrize(("bits", "block"), [(4, 64), (8, 32)])
 def test_qmoe_with_zero_points_and_other_blocks(bits, block):
     options = CompileOptions(weights=f"int{bits}", moe_lowering="ort-moe", quant_symmetric=False, quant_block=block)
-    result = compile_model(build_moe(_moe_config()), options)
+    config = MoEConfig(form="batched_mm", hidden=64, ffn=128, experts=4, top_k=2)
+    result = compile_model(build_moe(config), options)
     node = next(n for n in result.model.graph if n.op_type == "QMoE")
     assert node.attributes["block_size"].value == block and node.attributes["expert_weight_bits"].value == bits
     assert len(node.inputs) == 13 and node.inputs[11] is not None  # fc1 / fc2 zero points
     assert result.verification.passed and result.verification.needed_atol < 1e-5
+
+
+def test_moe_sizes_the_block_does_not_divide_are_refused():
+    options = CompileOptions(weights="int4", moe_lowering="ort-moe", quant_block=64)
+    with pytest.raises(InvalidInputError, match="K=96, not a multiple of the block 64"):
+        compile_model(build_moe(_moe_config()), options)  # ffn 96
