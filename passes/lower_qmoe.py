@@ -43,7 +43,7 @@ def quantize_ort_moe(
 ) -> None:
     """Replace the ``com.microsoft.MoE`` ``node`` by ``QMoE`` on the same inputs' quantized weights (NoMatch:
     a weight that is not a constant, an fc3 input; ``InvalidInputError``: K not a multiple of ``block``)."""
-    from layerzero.passes.quantize_weights import _check_expert_block, pack_codes, quantize_rows  # one format
+    from layerzero.passes.quantize_weights import check_expert_block, pack_codes, quantize_rows  # one format
 
     inputs = list(node.inputs) + [None] * (8 - len(node.inputs))
     x, probs, fc1, fc1_bias, fc2, fc2_bias = inputs[:6]
@@ -52,7 +52,7 @@ def quantize_ort_moe(
     for value in (fc1, fc2):
         array = const_array(value)
         need(array is not None and array.ndim == 3, f"expert weight {value and value.name} is not a constant 3-D", node)
-        _check_expert_block(node.name, value.name, array.shape[-1], block)
+        check_expert_block(node.name, value.name, array.shape[-1], block)
         weights.append(array)
     dtype = x.dtype.numpy() if x.dtype is not None else np.dtype(np.float32)
     scope = builder.sub(node.name.strip("/") or "qmoe", body=True)  # a tape of its own

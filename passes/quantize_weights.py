@@ -65,6 +65,7 @@ __all__ = [
     "ACCURACY_LEVELS",
     "EXPERT_BLOCK",
     "QuantizeWeights",
+    "check_expert_block",
     "dequantize_matrix",
     "is_router",
     "native_expert_codes",
@@ -344,7 +345,7 @@ class QuantizeWeights(ir.passes.InPlacePass):
                  node)  # fmt: skip
             need(value.const_value.dtype in _FLOATS, f"expert weight {value.name} is not a float type", node)
             need(array.ndim == 3, f"expert weight {value.name} is not [E, out, in]", node)
-            _check_expert_block(view.path or node.name, value.name, array.shape[-1], EXPERT_BLOCK)
+            check_expert_block(view.path or node.name, value.name, array.shape[-1], EXPERT_BLOCK)
             arrays.append(array)
         stored = [native_expert_codes(w, self.bits) for w in arrays]
         fmt = f"q{self.bits}"
@@ -361,7 +362,7 @@ class QuantizeWeights(ir.passes.InPlacePass):
             _drop_if_unused(old)
 
 
-def _check_expert_block(path: str, name: str, k: int, block: int) -> None:
+def check_expert_block(path: str, name: str, k: int, block: int) -> None:
     """An MoE block's experts are quantized whole or the compile is refused: the quantized-dense reference quantizes
     each expert matrix whose K the block divides, so a block left float for one matrix would not be that model."""
     if k % block:
