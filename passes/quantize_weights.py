@@ -202,7 +202,8 @@ class QuantizeWeights(ir.passes.InPlacePass):
     ``symmetric`` (False: with zero points); ``accuracy_level`` (MatMulNBits' 0-4, also QMoE's).
 
     After a run: ``quantized`` (node names rewritten, by case: "matmul", "gemm", "moe", "qmoe"), ``kept``
-    (``Refusal`` records of the MatMul / Gemm / MoE nodes left float, with why)."""
+    (``Refusal`` records of the MatMul / Gemm / MoE nodes with a constant weight left float, with why; a MatMul of
+    two activations is no candidate and is not listed)."""
 
     def __init__(self, bits: int, block: int = 32, symmetric: bool = True, accuracy_level: int = 4) -> None:
         super().__init__()
@@ -224,6 +225,8 @@ class QuantizeWeights(ir.passes.InPlacePass):
                 kind = _case(node)
                 if kind is None:
                     continue
+                if kind in ("matmul", "gemm") and (len(node.inputs) < 2 or const_array(node.inputs[1]) is None):
+                    continue  # two activations (attention's MatMuls): no weight, nothing to keep or refuse
                 try:
                     if kind == "matmul":
                         self._matmul(builder, graph, node)

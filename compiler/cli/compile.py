@@ -245,8 +245,10 @@ def print_quantization(q: dict | None) -> None:
     counts = q["quantized"]
     done = ", ".join(f"{n} {kind}" for kind, n in counts.items() if n) or "nothing"
     console.print(f"weights     {form}, accuracy level {q['accuracy_level']}: quantized {done}")
+    console.print("            (the parameter counts above count stored elements: an int4 byte holds two weights)")
     if q["kept_float"]:
-        console.print(f"  {len(q['kept_float'])} kept float (e.g. {q['kept_float'][0]['reason']})")
+        first = q["kept_float"][0]
+        console.print(f"  {len(q['kept_float'])} kept float (e.g. {first['path']}: {first['reason']})")
     d = q.get("deviation")
     if d is None:
         console.print("  quantization deviation not measured (--no-verify)")
