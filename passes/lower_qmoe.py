@@ -11,7 +11,9 @@ zero point ``2^(bits-1)``, no zero-point input; asymmetric: ``fc1_zero_points`` 
 ``expert_weight_bits``, ``block_size``, ``accuracy_level`` (4: int8 activations in ONNX Runtime's CPU kernel).
 
 QMoE's inputs (1.32): 0 input, 1 router_probs, 2 fc1_experts_weights, 3 fc1_scales, 4 fc1_experts_bias,
-5 fc2_experts_weights, 6 fc2_scales, 7 fc2_experts_bias, 8-10 fc3 (absent), 11 fc1_zero_points, 12 fc2_zero_points.
+5 fc2_experts_weights, 6 fc2_scales, 7 fc2_experts_bias, 8-10 fc3 (absent), 11 fc1_zero_points, 12 fc2_zero_points,
+13 fc3_zero_points (absent), 14 router_weights: with ``normalize_routing_weights = 0`` the softmax of the router
+logits over every expert (QMoE's CPU kernel renormalises the chosen experts' weights otherwise: measured).
 """
 
 from __future__ import annotations
@@ -72,8 +74,15 @@ def quantize_ort_moe(
     qmoe_inputs: list[ir.Value | None] = [
         x, probs, quantized[0], quantized[1], fc1_bias, quantized[2], quantized[3], fc2_bias,
     ]  # fmt: skip
-    if zero_points[0] is not None:
-        qmoe_inputs += [None, None, None, zero_points[0], zero_points[1]]
+    qmoe_inputs += [None, None, None, zero_points[0], zero_points[1]]
+    normalize = node.attributes.get("normalize_routing_weights")
+    if normalize is not None and not normalize.value:
+        # QMoE's CPU kernel renormalises the top-k weights whatever normalize_routing_weights says (measured, ORT
+        # 1.32: y off by the renormalisation); router_weights (input 14) makes it mix by the softmax over every
+        # expert, gathered at the chosen ones, which is what MoE computes with normalize_routing_weights = 0.
+        weights = scope.op("Softmax", [probs], axis=-1)
+        weights.dtype, weights.shape = probs.dtype, probs.shape
+        qmoe_inputs += [None, weights]
     while qmoe_inputs[-1] is None:
         qmoe_inputs.pop()
     attrs: dict[str, object] = {k: node.attributes[k] for k in _COPIED if k in node.attributes}

@@ -490,14 +490,16 @@ def test_no_quantization_by_default():
     assert result.manifest(None, None)["quantization"] is None
 
 
-@pytest.mark.parametrize(("bits", "block"), [(4, 64), (8, 32)])
-def test_qmoe_with_zero_points_and_other_blocks(bits, block):
+@pytest.mark.parametrize(("bits", "block", "normalize"), [(4, 64, True), (8, 32, False)])
+def test_qmoe_with_zero_points_and_other_blocks(bits, block, normalize):
     options = CompileOptions(weights=f"int{bits}", moe_lowering="ort-moe", quant_symmetric=False, quant_block=block)
-    config = MoEConfig(form="batched_mm", hidden=64, ffn=128, experts=4, top_k=2)
+    config = MoEConfig(form="batched_mm", hidden=64, ffn=128, experts=4, top_k=2, normalize=normalize)
     result = compile_model(build_moe(config), options)
     node = next(n for n in result.model.graph if n.op_type == "QMoE")
     assert node.attributes["block_size"].value == block and node.attributes["expert_weight_bits"].value == bits
-    assert len(node.inputs) == 13 and node.inputs[11] is not None  # fc1 / fc2 zero points
+    assert node.inputs[11] is not None and node.inputs[12] is not None  # fc1 / fc2 zero points
+    # normalize_routing_weights = 0: the softmax over every expert as router_weights (input 14)
+    assert (len(node.inputs) == 15 and node.inputs[14].producer().op_type == "Softmax") == (not normalize)
     assert result.verification.passed and result.verification.needed_atol < 1e-5
 
 
