@@ -507,3 +507,75 @@ def test_moe_sizes_the_block_does_not_divide_are_refused():
     options = CompileOptions(weights="int4", moe_lowering="ort-moe", quant_block=64)
     with pytest.raises(InvalidInputError, match="K=96, not a multiple of the block 64"):
         compile_model(build_moe(_moe_config()), options)  # ffn 96
+
+
+def _quantized_moe_node(bits: int = 4) -> tuple[ir.Model, ir.Node]:
+    config = MoEConfig(form="skipping", hidden=64, ffn=96, experts=3, top_k=2)
+    model = ir.from_proto(build_moe(config))
+    InferShapes()(model)
+    from layerzero.passes.lower_moe_native import lower_native
+
+    node = next(n for n in model.graph if n.op_type == "MoE")
+    lower_native(model, node, 0.0)  # the threshold in slot 9, as the native lowering leaves it
+    QuantizeWeights(bits)(model)
+    return model, next(n for n in model.graph if n.op_type == "MoE")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_moe_node_owns_the_quantized_layout(bits):
+    from layerzero.passes._moe_node import SCALE_SLOTS, MoENode
+    from layerzero.passes.lower_moe_native import native_supports
+
+    _model, node = _quantized_moe_node(bits)
+    view = MoENode.of(node)
+    assert view.weight_format == f"q{bits}" and view.quantized and view.block_size == 32
+    assert [view.s_gate, view.s_up, view.s_down] == [node.inputs[i] for i in SCALE_SLOTS]
+    assert view.w_gate.const_value.dtype == (ir.DataType.UINT8 if bits == 4 else ir.DataType.INT8)
+    assert view.s_down.const_value.numpy().shape == (3, 64, 96 // 32)
+    assert set(view.expert_inputs) == {2, 3, 4, 10, 11, 12}  # per-expert: weights and their scales
+    again = view.to_node()
+    assert len(again.inputs) == 13 and again.attributes["weight_format"].value == f"q{bits}"
+    assert again.attributes["block_size"].value == 32 and MoENode.of(again).s_up is view.s_up
+    assert native_supports(node) is None
+    # What the kernel refuses, the check refuses too (nothing is lowered natively that fails at session creation).
+    node.attributes["block_size"] = ir.AttrInt64("block_size", 64)
+    assert "block_size 64" in native_supports(node)
+    node.attributes["block_size"] = ir.AttrInt64("block_size", 32)
+    node.replace_input_with(12, None)
+    assert "s_down" in native_supports(node)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lowering", ["native", "ort-moe"])
+def test_qwen3_moe_export_int4_generates_the_quantized_dense_references_ids(lowering, monkeypatch, tmp_path):
+    import dataclasses
+    import sys
+
+    pytest.importorskip("torch", reason="the export needs torch")
+    pytest.importorskip("transformers", reason="the export needs transformers")
+    pytest.importorskip("onnxscript", reason="torch.onnx.export(dynamo=True) needs onnxscript")
+    if lowering == "native":
+        monkeypatch.setenv("LAYERZERO_PLUGIN_DIR", str(_native_lib().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "corpus"))
+    from corpus_export import get_generate_export
+    from corpus_families import FAMILIES
+
+    from layerzero.runtime import Engine
+
+    family = FAMILIES["qwen3_moe"]
+    kwargs = {**family.kwargs, "initializer_range": 0.2, "eos_token_id": None, "bos_token_id": None}
+    folder = get_generate_export(dataclasses.replace(family, name="qwen3_moe_generate", kwargs=kwargs))
+    bundle = tmp_path / "int4.lz"
+    argv = ["compile", str(folder / "model.onnx"), "-o", str(bundle), "--weights", "int4", "--moe-lowering", lowering]
+    assert main(argv) == 0
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    q = manifest["quantization"]
+    assert q["quantized"]["moe" if lowering == "native" else "qmoe"] == 2 and q["quantized"]["matmul"] == 4 * 2 + 1
+    assert {r["reason"] for r in q["kept_float"]} == {"a router (its output chooses experts): kept float"}
+    assert manifest["verification"]["passed"] and manifest["verification"]["needed_atol"] < 1e-5
+    assert q["deviation"]["logits"]["next_token_kl_mean"] > 0
+    reference = _quantized_reference(ir.load(folder / "model.onnx"), CompileOptions(weights="int4"))
+    path = tmp_path / "reference.onnx"
+    ir.save(reference, path)
+    want = Engine.load(path).generate(PROMPT, max_new_tokens=12, stop_tokens=()).ids
+    assert Engine.load(bundle).generate(PROMPT, max_new_tokens=12, stop_tokens=()).ids == want
