@@ -417,8 +417,8 @@ def _bisect(
     if runners.bisect_skipped is not None:
         return runners.bisect_skipped
 
-    def agrees(model: ir.Model) -> bool:
-        if options.quant_bits:  # the reference is quantized: each checkpoint is judged quantized the same way
+    def agrees(model: ir.Model, quantized: bool = False) -> bool:
+        if options.quant_bits and not quantized:  # the reference is quantized: a checkpoint is judged quantized so
             model = _quantized_reference(ir.from_proto(ir.to_proto(model)), options)
         try:
             got_names, got = runners.checkpoint(model).run(input_set.feeds)
@@ -430,9 +430,9 @@ def _bisect(
     model = load_original()
     good = agrees(model)
 
-    def check(name: str, current: ir.Model) -> None:
+    def check(name: str, current: ir.Model, quantized: bool = False) -> None:
         nonlocal culprit, good
-        if agrees(current):
+        if agrees(current, quantized):
             good, culprit = True, None
         elif good or culprit is None:
             culprit, good = name, False
@@ -446,6 +446,9 @@ def _bisect(
             run_static_passes(model, options, after_pass=check)
         # What ONNX Runtime runs in place of the compiled graph (TensorRT: the onnxruntime lowering of its MoE nodes).
         check(f"the {target.name} target's verification model", target.verification_model(model, options))
+        if options.quant_bits:  # the compile's own quantization, as the compiled model holds it
+            quantize_weights(model, options)
+            check(f"QuantizeWeights ({options.weights})", target.verification_model(model, options), quantized=True)
     except Exception as exc:  # the re-run itself failed: say so rather than guess
         return f"pass bisection failed ({type(exc).__name__}: {exc})"
     if culprit is None:

@@ -579,3 +579,15 @@ def test_qwen3_moe_export_int4_generates_the_quantized_dense_references_ids(lowe
     ir.save(reference, path)
     want = Engine.load(path).generate(PROMPT, max_new_tokens=12, stop_tokens=()).ids
     assert Engine.load(bundle).generate(PROMPT, max_new_tokens=12, stop_tokens=()).ids == want
+
+
+def test_a_mismatch_is_blamed_on_the_quantization_when_it_is_the_culprit(native):
+    # The native q4 kernel sums in another order than the reference's MatMulNBits (~1e-6): at atol = rtol = 0 that
+    # fails, and the bisection (each checkpoint quantized the reference's way, then the compile's own quantization)
+    # names the quantization, not the lowering (the float native node, quantized the reference's way, agrees).
+    from layerzero.errors import VerificationError
+
+    options = CompileOptions(weights="int4", moe_lowering="native", atol=0.0, rtol=0.0)
+    config = MoEConfig(form="batched_mm", hidden=64, ffn=128, experts=4, top_k=2, layers=2, residual=True)
+    with pytest.raises(VerificationError, match=r"first diverging pass: QuantizeWeights \(int4\)"):
+        compile_model(build_moe(config), options)
