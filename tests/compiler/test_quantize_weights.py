@@ -591,3 +591,18 @@ def test_a_mismatch_is_blamed_on_the_quantization_when_it_is_the_culprit(native)
     config = MoEConfig(form="batched_mm", hidden=64, ffn=128, experts=4, top_k=2, layers=2, residual=True)
     with pytest.raises(VerificationError, match=r"first diverging pass: QuantizeWeights \(int4\)"):
         compile_model(build_moe(config), options)
+
+
+def test_threshold_deviation_and_quantization_deviation_are_kept_apart():
+    config = MoEConfig(form="batched_mm", hidden=64, ffn=128, experts=8, top_k=4, layers=2, residual=True)
+    exact = compile_model(build_moe(config), CompileOptions(weights="int8", moe_lowering="if"))
+    skipping = compile_model(
+        build_moe(config), CompileOptions(weights="int8", moe_lowering="if", zeroing_threshold=0.3, max_deviation=5.0)
+    )
+    v = skipping.verification
+    assert "--threshold 0.3 vs the reference = the original, its weights quantized the same way" in v.compared
+    # The zeroing's deviation (vs the quantized-dense model) is its own number; the quantization's is the same with
+    # or without skipping: it is measured between the float and the quantized dense models only.
+    assert v.outputs[0].max_abs > 10 * exact.verification.outputs[0].max_abs
+    assert v.quantization == exact.verification.quantization
+    assert skipping.quantization["deviation"]["worst_rel_l2"] == exact.quantization["deviation"]["worst_rel_l2"] > 0
