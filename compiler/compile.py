@@ -47,7 +47,7 @@ from layerzero.verify import (
 if TYPE_CHECKING:
     from layerzero.targets.tensorrt import TensorRTOptions
 
-__all__ = ["CompileResult", "RemovedScope", "compile_file", "compile_model"]
+__all__ = ["CompileResult", "RemovedScope", "compile_file", "compile_model", "quantized_dense_reference"]
 
 logger = logging.getLogger(__name__)
 
@@ -191,9 +191,10 @@ def compile_model(
     )
 
 
-def _quantized_reference(model: ir.Model, options: CompileOptions) -> ir.Model:
-    """The quantized-dense reference: ``model`` (the original, or it with its declared layers bypassed) with the
-    compile's weight quantization (``QuantizeWeights``, the same options), nothing skipped.
+def quantized_dense_reference(model: ir.Model, options: CompileOptions) -> ir.Model:
+    """The quantized-dense reference, in place: ``model`` (the original, or it with its declared layers bypassed) with
+    the compile's weight quantization (``QuantizeWeights``, the same options), nothing skipped. Verification compares
+    the compiled model with it; a benchmark compares a quantized bundle's greedy ids with its.
 
     Constants are folded first, as the compile's static passes fold them (a weight computed from a constant, e.g. a
     Transpose of one, is a constant the compiled model quantizes). Its MoE blocks are rewritten into their exact
@@ -211,7 +212,8 @@ def _quantized_reference(model: ir.Model, options: CompileOptions) -> ir.Model:
     InferShapes()(model)
     FoldConstants(options.fold_max_elements)(model)
     InferShapes()(model)
-    SkipExperts(0.0)(model)
+    if options.dynamic:  # as the compile rewrites them (without dynamic passes both keep the exported form)
+        SkipExperts(0.0)(model)
     # Float skipping forms (this one's, or a bisection checkpoint's) lowered to If; a quantized one (a checkpoint
     # already quantized) is left as it is.
     forms = [MoENode.of(n) for g in model.graphs() for n in g if is_moe_node(n)]
@@ -326,7 +328,7 @@ def verify_compiled(
                     from layerzero.solidify_plan import force_off_reference
 
                     force_off_reference(reference, options)
-            run_reference = runners.of(_quantized_reference(reference, options), "quantized-reference")
+            run_reference = runners.of(quantized_dense_reference(reference, options), "quantized-reference")
             floats, references = references, []
             for input_set, _ in originals:
                 running(f"the quantized-dense reference on the {input_set.label} inputs")
@@ -419,7 +421,7 @@ def _bisect(
 
     def agrees(model: ir.Model, quantized: bool = False) -> bool:
         if options.quant_bits and not quantized:  # the reference is quantized: a checkpoint is judged quantized so
-            model = _quantized_reference(ir.from_proto(ir.to_proto(model)), options)
+            model = quantized_dense_reference(ir.from_proto(ir.to_proto(model)), options)
         try:
             got_names, got = runners.checkpoint(model).run(input_set.feeds)
         except (InvalidInputError, UnsupportedModelError):

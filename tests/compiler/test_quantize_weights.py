@@ -27,7 +27,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from layerzero.cli import main
-from layerzero.compile import _quantized_reference, compile_model
+from layerzero.compile import compile_model, quantized_dense_reference
 from layerzero.errors import InvalidInputError
 from layerzero.models.moe import MoEConfig, build_moe, moe_layer_weights
 from layerzero.options import CompileOptions
@@ -439,7 +439,7 @@ def test_llama_generate_equals_the_quantized_dense_reference(llama: Path, int4_b
     from layerzero.runtime import Engine
 
     options = CompileOptions(weights="int4")
-    reference = _quantized_reference(ir.load(llama), options)
+    reference = quantized_dense_reference(ir.load(llama), options)
     path = tmp_path / "reference.onnx"
     ir.save(reference, path)
     want = Engine.load(path).generate(PROMPT, max_new_tokens=12, stop_tokens=()).ids
@@ -574,7 +574,7 @@ def test_qwen3_moe_export_int4_generates_the_quantized_dense_references_ids(lowe
     assert {r["reason"] for r in q["kept_float"]} == {"a router (its output chooses experts): kept float"}
     assert manifest["verification"]["passed"] and manifest["verification"]["needed_atol"] < 1e-5
     assert q["deviation"]["logits"]["next_token_kl_mean"] > 0
-    reference = _quantized_reference(ir.load(folder / "model.onnx"), CompileOptions(weights="int4"))
+    reference = quantized_dense_reference(ir.load(folder / "model.onnx"), CompileOptions(weights="int4"))
     path = tmp_path / "reference.onnx"
     ir.save(reference, path)
     want = Engine.load(path).generate(PROMPT, max_new_tokens=12, stop_tokens=()).ids
@@ -606,3 +606,11 @@ def test_threshold_deviation_and_quantization_deviation_are_kept_apart():
     assert v.outputs[0].max_abs > 10 * exact.verification.outputs[0].max_abs
     assert v.quantization == exact.verification.quantization
     assert skipping.quantization["deviation"]["worst_rel_l2"] == exact.quantization["deviation"]["worst_rel_l2"] > 0
+
+
+def test_without_dynamic_passes_the_reference_keeps_the_exported_moe_form():
+    # No SkipExperts in the compile: the stacked 3-D expert weights stay float in the compiled model, and in the
+    # reference too (rewriting them there would compare against experts the bundle does not quantize).
+    result = compile_model(build_moe(_moe_config()), CompileOptions(weights="int4", dynamic=False))
+    assert result.quantization["quantized"] == {"matmul": 0, "gemm": 0, "moe": 0, "qmoe": 0}
+    assert result.verification.passed and result.verification.needed_atol == 0
