@@ -49,8 +49,6 @@ blocks of ``block`` consecutive elements along the reduction axis K of each outp
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import onnx_ir as ir
 
@@ -73,8 +71,6 @@ __all__ = [
     "quantize_matrix",
     "quantize_rows",
 ]
-
-logger = logging.getLogger(__name__)
 
 MS_DOMAIN = "com.microsoft"
 #: The native op's block length (liblayerzero_ort.so implements 32 only).
@@ -225,7 +221,7 @@ class QuantizeWeights(ir.passes.InPlacePass):
                 kind = _case(node)
                 if kind is None:
                     continue
-                if kind in ("matmul", "gemm") and (len(node.inputs) < 2 or const_array(node.inputs[1]) is None):
+                if kind in ("matmul", "gemm") and (len(node.inputs) < 2 or _constant_weight(node.inputs[1]) is None):
                     continue  # two activations (attention's MatMuls): no weight, nothing to keep or refuse
                 try:
                     if kind == "matmul":
@@ -253,11 +249,12 @@ class QuantizeWeights(ir.passes.InPlacePass):
     def _weight(self, node: ir.Node, a: ir.Value | None, b: ir.Value | None, trans: bool) -> np.ndarray:
         """The constant weight as ``[K, N]`` (NoMatch when it is not one this pass quantizes)."""
         need(a is not None and b is not None, "an input is missing", node)
-        array = const_array(b)
-        need(array is not None, f"weight {b.name} is not a constant (or a feed may override it)", node)
-        need(b.const_value is not None, f"weight {b.name} is a Constant node, not an initializer", node)
+        found = _constant_weight(b)
+        need(found is not None, f"weight {b.name} is not a constant (or a feed may override it)", node)
+        array, source = found
+        need(source.const_value is not None, f"weight {b.name} is a Constant node, not an initializer", node)
         need(array.ndim == 2, f"weight {b.name} has rank {array.ndim}, not 2", node)
-        dtype = b.const_value.dtype
+        dtype = source.const_value.dtype
         need(dtype in _FLOATS, f"weight {b.name} is {dtype}, not a float type", node)
         need(a.dtype == dtype, f"activation {a.name} is {a.dtype}, the weight {dtype}", node)
         need(a.shape is not None and len(a.shape) >= 2, f"activation {a.name} has no known rank >= 2", node)
@@ -301,6 +298,11 @@ class QuantizeWeights(ir.passes.InPlacePass):
         graph.insert_before(node, sub.take())
         replace_value(old, out, builder.names)
         graph.remove(node, safe=True)
+        transpose = b.producer()
+        if transpose is not None and not b.uses() and not b.is_graph_output():
+            source = transpose.inputs[0]
+            transpose.graph.remove(transpose, safe=True)
+            _drop_if_unused(source)
         _drop_if_unused(b)
 
     def _matmul(self, builder: Builder, graph: ir.Graph, node: ir.Node) -> None:
@@ -410,6 +412,24 @@ def is_router(node: ir.Node, depth: int = 6) -> bool:
                     nxt.extend(user.outputs)
         frontier = nxt
     return False
+
+
+def _constant_weight(value: ir.Value | None) -> tuple[np.ndarray, ir.Value] | None:
+    """``(array, initializer)`` of a constant weight: an initializer (not a graph input), or the 2-D ``Transpose`` of
+    one (a tied ``lm_head`` whose table is too large for constant folding: ``Gather`` reads the table, the MatMul
+    its transpose); None otherwise."""
+    array = const_array(value)
+    if array is not None:
+        return array, value
+    producer = value.producer() if value is not None else None
+    if producer is None or producer.op_type != "Transpose" or producer.domain not in ("", "ai.onnx"):
+        return None
+    source = producer.inputs[0]
+    table = const_array(source)
+    perm = producer.attributes.get("perm")
+    if table is None or table.ndim != 2 or (perm is not None and list(perm.value) != [1, 0]):
+        return None
+    return table.T, source
 
 
 def _drop_if_unused(value: ir.Value | None) -> None:
