@@ -431,12 +431,13 @@ def test_llama_int4_and_int8(llama: Path, int4_bundle: Path, tmp_path: Path, cap
     printed = capsys.readouterr().out
     assert "quantization deviation from the float original" in printed and "top-1 agreement" in printed
     d8 = json.loads((out8 / "manifest.json").read_text())["quantization"]["deviation"]
+    assert _ops(onnx.load(str(out8 / "model.onnx")))["com.microsoft::MatMulNBits"] == PROJECTIONS * LAYERS + 1
     assert d8["worst_rel_l2"] < d["worst_rel_l2"] / 4
     assert d8["logits"]["next_token_kl_mean"] < d["logits"]["next_token_kl_mean"]
 
 
 @pytest.mark.slow
-def test_llama_generate_equals_the_quantized_dense_reference(llama: Path, int4_bundle: Path, tmp_path: Path):
+def test_llama_generate_equals_the_quantized_dense_reference(llama: Path, int4_bundle: Path, tmp_path: Path, capsys):
     from layerzero.runtime import Engine
 
     options = CompileOptions(weights="int4")
@@ -446,6 +447,11 @@ def test_llama_generate_equals_the_quantized_dense_reference(llama: Path, int4_b
     want = Engine.load(path).generate(PROMPT, max_new_tokens=12, stop_tokens=()).ids
     got = Engine.load(int4_bundle).generate(PROMPT, max_new_tokens=12, stop_tokens=()).ids
     assert got == want and len(set(want)) > 2
+    # ... and through `layerzero generate`
+    capsys.readouterr()
+    ids = ",".join(map(str, PROMPT))
+    assert main(["generate", str(int4_bundle), "--prompt-ids", ids, "--max-new-tokens", "12", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ids"] == want
 
 
 @pytest.mark.slow
