@@ -389,9 +389,11 @@ def _case(node: ir.Node) -> str | None:
     return None
 
 
-# What a router's logits pass through on their way to the choice (shape, type, bias, scores).
+# What a router's logits pass through on their way to the choice (shape, type, bias, scores; Where: the
+# solidify reference's expert forced off with -inf).
 _ROUTE_THROUGH = frozenset(
-    {"Reshape", "Cast", "Add", "Softmax", "Sigmoid", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Div", "Mul"}
+    {"Reshape", "Cast", "Add", "Softmax", "Sigmoid", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Div", "Mul",
+     "Where"}
 )
 
 

@@ -621,3 +621,13 @@ def test_without_dynamic_passes_the_reference_keeps_the_exported_moe_form():
     result = compile_model(build_moe(_moe_config()), CompileOptions(weights="int4", dynamic=False))
     assert result.quantization["quantized"] == {"matmul": 0, "gemm": 0, "moe": 0, "qmoe": 0}
     assert result.verification.passed and result.verification.needed_atol == 0
+
+
+def test_a_solidified_expert_is_dropped_and_never_quantized():
+    # The verification reference forces the expert off with Where(off, -inf, logits) before the router's softmax:
+    # the router is still recognised (kept float there too), and only the kept experts are quantized.
+    options = CompileOptions(weights="int4", moe_lowering="if", solidify=("layers.0.moe.experts.1",))
+    result = compile_model(build_moe(MoEConfig(form="batched_mm", hidden=64, ffn=128, experts=4, top_k=2)), options)
+    assert [r["subpath"] for r in result.solidified] == ["layers.0.moe.experts.1"]
+    assert result.quantization["quantized"]["matmul"] == 3 * 2  # gate/up and down of the 3 experts left
+    assert result.verification.passed and result.verification.needed_atol < 1e-6
