@@ -247,6 +247,11 @@ def verify_compiled(
 
     Models run through the verification's runners (``layerzero.verify.verification_runners``: whole models, or
     a few layers at a time above ``chunked_verify_bytes``) and are judged by one ``Comparator``.
+
+    With quantized weights (``options.weights`` int4 / int8) the reference is quantized the same way
+    (``quantized_dense_reference``: nothing skipped), so the comparison above judges the zeroing alone; the
+    quantization's own deviation (the float reference against the quantized one, on the same sets:
+    ``verify.quantization_deviation``) is reported apart and refused above ``max_quant_deviation`` (exit 2).
     """
     comparator = Comparator(options.atol, options.rtol, options.zeroing_threshold, options.max_deviation)
     say = progress or (lambda *_a, **_k: None)
