@@ -631,3 +631,13 @@ def test_a_solidified_expert_is_dropped_and_never_quantized():
     assert [r["subpath"] for r in result.solidified] == ["layers.0.moe.experts.1"]
     assert result.quantization["quantized"]["matmul"] == 3 * 2  # gate/up and down of the 3 experts left
     assert result.verification.passed and result.verification.needed_atol < 1e-6
+
+
+def test_max_quant_deviation_bounds_the_worst_relative_l2():
+    config = MoEConfig(form="unrolled", hidden=64, ffn=128, experts=4, top_k=2)
+    ok = compile_model(build_moe(config), CompileOptions(weights="int8", moe_lowering="if", max_quant_deviation=0.5))
+    worst = ok.quantization["deviation"]["worst_rel_l2"]
+    assert 0 < worst < 0.5 and ok.options.max_quant_deviation == 0.5
+    bound = worst / 2
+    with pytest.raises(InvalidInputError, match=rf"output 'y' by relative L2 {worst:.4g}, above --max-quant-deviation"):
+        compile_model(build_moe(config), CompileOptions(weights="int8", moe_lowering="if", max_quant_deviation=bound))
