@@ -24,6 +24,7 @@ from layerzero.pipeline import (
     bypass_declared_layers,
     lower_for_target,
     needs_dynamic_reference,
+    quantize_weights,
     run_dynamic_passes,
     run_static_passes,
 )
@@ -39,13 +40,14 @@ from layerzero.verify import (
     input_sets,
     make_inputs,
     merge_comparisons,
+    quantization_deviation,
     verification_runners,
 )
 
 if TYPE_CHECKING:
     from layerzero.targets.tensorrt import TensorRTOptions
 
-__all__ = ["CompileResult", "RemovedScope", "compile_file", "compile_model"]
+__all__ = ["CompileResult", "RemovedScope", "compile_file", "compile_model", "quantized_dense_reference"]
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +139,9 @@ def compile_model(
         bypassed = pipeline.bypassed
         pipeline = run_static_passes(model, options)
         pipeline.bypassed = bypassed + pipeline.bypassed
+    if options.quant_bits:
+        say(f"quantizing weights ({options.weights})")
+    quantizer = quantize_weights(model, options)  # last: what the passes removed is never quantized
     after = summarize(model, options.flag_pattern)
     kinds = {b.scope: "declared-flag" for b in pipeline.bypassed}
     kinds.update({s: "consumed-flag" for s in consumed if s not in kinds})
@@ -158,6 +163,18 @@ def compile_model(
         checked = target.verification_model(model, options)
         verification = verify_compiled(source_path, original_proto, checked, pipeline, options, progress=say)
     seconds = time.perf_counter() - start
+    quantization = None
+    if quantizer is not None:
+        quantization = {
+            "weights": options.weights,
+            "bits": options.quant_bits,
+            "block": options.quant_block,
+            "symmetric": options.quant_symmetric,
+            "accuracy_level": options.quant_accuracy_level,
+            "quantized": {kind: len(nodes) for kind, nodes in quantizer.quantized.items()},
+            "kept_float": [r.to_json() for r in quantizer.kept],
+            "deviation": None if verification is None else verification.quantization,
+        }
     return CompileResult(
         model,
         options,
@@ -170,7 +187,41 @@ def compile_model(
         backend=target.backend,
         solidified=solidified,
         solidify_plan=plan,
+        quantization=quantization,
     )
+
+
+def quantized_dense_reference(model: ir.Model, options: CompileOptions) -> ir.Model:
+    """The quantized-dense reference, in place: ``model`` (the original, or it with its declared layers bypassed) with
+    the compile's weight quantization (``QuantizeWeights``, the same options), nothing skipped. Verification compares
+    the compiled model with it; a benchmark compares a quantized bundle's greedy ids with its.
+
+    Constants are folded first, as the compile's static passes fold them (a weight computed from a constant, e.g. a
+    Transpose of one, is a constant the compiled model quantizes). Its MoE blocks are rewritten into their exact
+    form first (``SkipExperts`` at threshold 0: every routed expert computed, as the original does; lowered to
+    per-expert ``If`` with 2-D MatMuls): a block exported with stacked 3-D expert weights (``batched_mm``, dense
+    forms) has no 2-D MatMul the quantization could reach, and the reference would keep those experts float while the
+    compiled model holds them quantized. The float rewrite is what every float compile verifies against the original.
+    """
+    from layerzero.passes import FoldConstants
+    from layerzero.passes._moe_node import MoENode, is_moe_node
+    from layerzero.passes.lower_moe import LowerMoE
+    from layerzero.passes.moe import SkipExperts
+    from layerzero.passes.shape_inference import InferShapes
+
+    InferShapes()(model)
+    FoldConstants(options.fold_max_elements)(model)
+    InferShapes()(model)
+    if options.dynamic:  # as the compile rewrites them (without dynamic passes both keep the exported form)
+        SkipExperts(0.0)(model)
+    # Float skipping forms (this one's, or a bisection checkpoint's) lowered to If; a quantized one (a checkpoint
+    # already quantized) is left as it is.
+    forms = [MoENode.of(n) for g in model.graphs() for n in g if is_moe_node(n)]
+    if forms and not any(f.quantized for f in forms):
+        InferShapes()(model)
+        LowerMoE(lowering="if", enabled=True, native_present=False)(model)
+    quantize_weights(model, options)
+    return model
 
 
 def verify_compiled(
@@ -196,6 +247,11 @@ def verify_compiled(
 
     Models run through the verification's runners (``layerzero.verify.verification_runners``: whole models, or
     a few layers at a time above ``chunked_verify_bytes``) and are judged by one ``Comparator``.
+
+    With quantized weights (``options.weights`` int4 / int8) the reference is quantized the same way
+    (``quantized_dense_reference``: nothing skipped), so the comparison above judges the zeroing alone; the
+    quantization's own deviation (the float reference against the quantized one, on the same sets:
+    ``verify.quantization_deviation``) is reported apart and refused above ``max_quant_deviation`` (exit 2).
     """
     comparator = Comparator(options.atol, options.rtol, options.zeroing_threshold, options.max_deviation)
     say = progress or (lambda *_a, **_k: None)
@@ -228,8 +284,10 @@ def verify_compiled(
             # Big models run a few layers at a time, each set costing a pass over all weights: two sets.
             sets = input_sets(header, options.shapes, options.seed, full=runners.all_input_sets)
 
-        reference_runs = bool(pipeline.bypassed or needs_dynamic_reference(options) or options.solidify)
-        state["total"] = len(sets) * (3 if reference_runs else 2)
+        bypassing = bool(pipeline.bypassed or needs_dynamic_reference(options) or options.solidify)
+        quantizing = options.quant_bits > 0
+        reference_runs = bypassing + quantizing  # model runs per set besides the original and the compiled one
+        state["total"] = len(sets) * (2 + reference_runs)
         # The original on every set; a set it cannot run on is no test of the compiler (the default must run).
         original = runners.original()
         names: list[str] = []
@@ -248,8 +306,8 @@ def verify_compiled(
         del original
         impact = None
         references: list[list[np.ndarray]] = [outs for _, outs in originals]
-        state["total"] = state["done"] + len(originals) * (2 if reference_runs else 1)
-        if reference_runs:
+        state["total"] = state["done"] + len(originals) * (1 + reference_runs)
+        if bypassing:
             reference = load_original()
             bypass_declared_layers(reference, options)
             if options.solidify:
@@ -264,6 +322,30 @@ def verify_compiled(
                 state["done"] += 1
             del reference, run_reference
             impact = comparator.compare_all(names, originals[0][1], references[0])
+        deviation = None
+        if quantizing:
+            # The zeroing is verified against the quantized-dense model; the quantization's own deviation from the
+            # float model (the original, or it bypassed as above) is measured here, apart.
+            reference = load_original()
+            if bypassing:
+                bypass_declared_layers(reference, options)
+                if options.solidify:
+                    from layerzero.solidify_plan import force_off_reference
+
+                    force_off_reference(reference, options)
+            run_reference = runners.of(quantized_dense_reference(reference, options), "quantized-reference")
+            floats, references = references, []
+            for input_set, _ in originals:
+                running(f"the quantized-dense reference on the {input_set.label} inputs")
+                ref_names, ref_outputs = Comparator.user_outputs(*run_reference.run(input_set.feeds))
+                if ref_names != names:
+                    raise VerificationError(f"the quantized-dense reference's outputs {ref_names} are not {names}")
+                references.append(ref_outputs)
+                state["done"] += 1
+            del reference, run_reference
+            deviation = quantization_deviation(names, floats, references)
+            deviation["weights"] = options.weights
+            _check_quant_deviation(deviation, options)
         run_compiled = runners.of(compiled, "compiled")
         per_set: list[list[OutputComparison]] = []
         for (input_set, _), reference_outputs in zip(originals, references):
@@ -294,6 +376,7 @@ def verify_compiled(
         input_sets=[{"label": s.label, "inputs": s.shapes()} for s, _ in originals],
         zeroing_threshold=options.zeroing_threshold,
         max_deviation=options.max_deviation,
+        quantization=deviation,
     )
     if not result.passed:
         worst, k = comparator.worst(outputs, per_set)
@@ -301,6 +384,24 @@ def verify_compiled(
         culprit = _bisect(load_original, options, failing, references[k], names, runners, comparator)
         raise VerificationError(comparator.mismatch(result, worst, failing, culprit), result=result)
     return result
+
+
+def _check_quant_deviation(deviation: dict, options: CompileOptions) -> None:
+    """``--max-quant-deviation``: a quantization that moves an output further (relative L2) is refused, one line."""
+    bound = options.max_quant_deviation
+    worst = deviation["worst_rel_l2"]
+    if bound is None or worst <= bound:
+        return
+    name = max(deviation["outputs"], key=lambda n: deviation["outputs"][n]["rel_l2"])
+    extra = ""
+    if "logits" in deviation:
+        lg = deviation["logits"]
+        extra = f" (next-token KL mean {lg['next_token_kl_mean']:.3g}, top-1 agreement {lg['top1_agreement']:.3g})"
+    raise InvalidInputError(
+        f"--weights {options.weights}: the quantization moves output {name!r} by relative L2 {worst:.4g}{extra}, "
+        f"above --max-quant-deviation {bound:g}; nothing was written (a larger bound, --weights int8, a smaller "
+        "--quant-block or --quant-asymmetric deviate less)"
+    )
 
 
 def _bisect(
@@ -323,7 +424,9 @@ def _bisect(
     if runners.bisect_skipped is not None:
         return runners.bisect_skipped
 
-    def agrees(model: ir.Model) -> bool:
+    def agrees(model: ir.Model, quantized: bool = False) -> bool:
+        if options.quant_bits and not quantized:  # the reference is quantized: a checkpoint is judged quantized so
+            model = quantized_dense_reference(ir.from_proto(ir.to_proto(model)), options)
         try:
             got_names, got = runners.checkpoint(model).run(input_set.feeds)
         except (InvalidInputError, UnsupportedModelError):
@@ -334,9 +437,9 @@ def _bisect(
     model = load_original()
     good = agrees(model)
 
-    def check(name: str, current: ir.Model) -> None:
+    def check(name: str, current: ir.Model, quantized: bool = False) -> None:
         nonlocal culprit, good
-        if agrees(current):
+        if agrees(current, quantized):
             good, culprit = True, None
         elif good or culprit is None:
             culprit, good = name, False
@@ -350,6 +453,9 @@ def _bisect(
             run_static_passes(model, options, after_pass=check)
         # What ONNX Runtime runs in place of the compiled graph (TensorRT: the onnxruntime lowering of its MoE nodes).
         check(f"the {target.name} target's verification model", target.verification_model(model, options))
+        if options.quant_bits:  # the compile's own quantization, as the compiled model holds it
+            quantize_weights(model, options)
+            check(f"QuantizeWeights ({options.weights})", target.verification_model(model, options), quantized=True)
     except Exception as exc:  # the re-run itself failed: say so rather than guess
         return f"pass bisection failed ({type(exc).__name__}: {exc})"
     if culprit is None:

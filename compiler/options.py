@@ -12,7 +12,7 @@ from typing import Any
 from layerzero.errors import InvalidInputError
 from layerzero.targets.registry import TARGETS
 
-__all__ = ["DEVICES", "MOE_LOWERINGS", "STABILITY_UNITS", "CompileOptions"]
+__all__ = ["DEVICES", "MOE_LOWERINGS", "STABILITY_UNITS", "WEIGHTS", "CompileOptions"]
 
 #: ``device``: where the bundle runs (the onnxruntime target lowers for it; the manifest records it).
 DEVICES = ("cpu", "cuda")
@@ -20,6 +20,9 @@ DEVICES = ("cpu", "cuda")
 #: ``moe_lowering``: "auto" | "if" (per-expert If subgraphs) | "ort-moe" (com.microsoft.MoE); the onnxruntime
 #: target's choices (``passes/lower_moe.py`` ``LOWERINGS``; a test keeps the two equal).
 MOE_LOWERINGS = ("auto", "if", "ort-moe", "native")
+#: ``weights``: "float" (as the model has them) | "int4" | "int8" (weight-only quantization after the zeroing passes:
+#: MatMulNBits, the native MoE's q4 / q8 experts, QMoE; ``passes/quantize_weights.py``).
+WEIGHTS = ("float", "int4", "int8")
 #: ``stability_unit``: what ``stability_window`` counts.
 STABILITY_UNITS = ("requests", "tokens")
 
@@ -68,12 +71,23 @@ class CompileOptions:
     stability_unit: str = "requests"  # one of STABILITY_UNITS
     impact_tolerance: float = 0.01
     solidify: tuple[str, ...] = ()  # the subpaths to remove (filled from `profile`, or given directly)
+    # Weight quantization (after the zeroing passes and the lowering; passes/quantize_weights.py): "int4" | "int8"
+    # weights in blocks of `quant_block` (MatMulNBits' block_size: a power of two >= 16; the native MoE kernel reads
+    # 32 only), symmetric or with zero points, MatMulNBits' `quant_accuracy_level` (0-4; 4: int8 activations).
+    # Verification measures the quantization's deviation from the float original on the sample inputs (output
+    # relative L2; next-token KL and top-1 agreement of a causal LM's logits) and refuses a compile whose worst
+    # relative L2 exceeds `max_quant_deviation` (None: reported, never refused).
+    weights: str = "float"  # one of WEIGHTS
+    quant_block: int = 32
+    quant_symmetric: bool = True
+    quant_accuracy_level: int = 4
+    max_quant_deviation: float | None = None
 
     def __post_init__(self) -> None:
         # Cases: 1. flags are bools; 2. counts are ints (not bools) in range; 3. tolerances and thresholds are
         # finite numbers >= 0 (ints become floats); 4. names are one of the known ones; 5. paths are str or
         # os.PathLike (stored as Path); 6. shapes map names to dims >= 0, solidify is a sequence of names.
-        for name in ("assume_finite", "verify", "dynamic"):
+        for name in ("assume_finite", "verify", "dynamic", "quant_symmetric"):
             _check_bool(name, getattr(self, name))
         _check_int("max_iterations", self.max_iterations, 1)
         _check_int("fold_max_elements", self.fold_max_elements, 0)
@@ -89,6 +103,7 @@ class CompileOptions:
         if not isinstance(self.flag_pattern, str) or not self.flag_pattern:
             raise InvalidInputError(f"option flag_pattern: expected a non-empty pattern, got {self.flag_pattern!r}")
         _check_choice("target", self.target, TARGETS)
+        self._check_quantization()
         _check_choice("moe_lowering", self.moe_lowering, MOE_LOWERINGS)
         _check_choice("device", self.device, DEVICES)
         if self.device == "cuda" and self.moe_lowering in ("if", "native"):
@@ -104,6 +119,35 @@ class CompileOptions:
         if isinstance(self.solidify, str) or not all(isinstance(s, str) for s in _iterable("solidify", self.solidify)):
             raise InvalidInputError(f"option solidify: expected a sequence of subpath names, got {self.solidify!r}")
         self.solidify = tuple(self.solidify)
+
+    def _check_quantization(self) -> None:
+        # Case 7: weights is a known precision; quant_block a power of two >= 16; the accuracy level 0-4; the
+        # deviation bound a finite number >= 0, meaningful only when the weights are quantized and verified.
+        _check_choice("weights", self.weights, WEIGHTS)
+        _check_int("quant_block", self.quant_block, 16)
+        if self.quant_block & (self.quant_block - 1):
+            raise InvalidInputError(f"option quant_block: must be a power of two >= 16, got {self.quant_block}")
+        self.quant_block = int(self.quant_block)
+        _check_int("quant_accuracy_level", self.quant_accuracy_level, 0)
+        if self.quant_accuracy_level > 4:
+            raise InvalidInputError(f"option quant_accuracy_level: must be 0-4, got {self.quant_accuracy_level}")
+        self.quant_accuracy_level = int(self.quant_accuracy_level)
+        if self.weights != "float" and self.target != "onnxruntime":
+            raise InvalidInputError(
+                f"option weights: {self.weights!r} is for target 'onnxruntime' (MatMulNBits, QMoE, the native MoE "
+                f"op), not {self.target!r}"
+            )
+        if self.max_quant_deviation is not None:
+            self.max_quant_deviation = _finite("max_quant_deviation", self.max_quant_deviation)
+            if self.weights == "float":
+                raise InvalidInputError("option max_quant_deviation: needs quantized weights (weights int4 or int8)")
+            if not self.verify:
+                raise InvalidInputError("option max_quant_deviation: the deviation is measured by verification")
+
+    @property
+    def quant_bits(self) -> int:
+        """4 or 8 for quantized weights, 0 for float."""
+        return {"int4": 4, "int8": 8}.get(self.weights, 0)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)

@@ -23,6 +23,7 @@ from layerzero.passes import (
 from layerzero.passes._graph import node_subgraphs, read_round_trip_sources
 from layerzero.passes.gated_branches import SkipGatedBranches
 from layerzero.passes.moe import SkipExperts
+from layerzero.passes.quantize_weights import QuantizeWeights
 from layerzero.passes.shape_inference import InferShapes
 from layerzero.passes.solidify_paths import DropExperts, RemoveSkippedBranches
 from layerzero.passes.structured_zeros import RemoveStructuredZeros
@@ -38,6 +39,7 @@ __all__ = [
     "bypass_declared_layers",
     "lower_for_target",
     "needs_dynamic_reference",
+    "quantize_weights",
     "run_dynamic_passes",
     "run_static_passes",
 ]
@@ -233,6 +235,23 @@ def run_dynamic_passes(
         if changed and after_pass is not None:
             after_pass(step.cls.__name__, model)
     return modified
+
+
+def quantize_weights(
+    model: ir.Model, options: CompileOptions, after_pass: Callable[[str, ir.Model], None] | None = None
+) -> QuantizeWeights | None:
+    """``--weights int4|int8``: ``QuantizeWeights`` on the compiled model, after the zeroing passes and the
+    lowering (what is removed is never quantized); the verification's quantized-dense reference gets the same
+    pass. Returns the pass (what it quantized and kept), None for float weights."""
+    if options.quant_bits == 0:
+        return None
+    InferShapes()(model)  # the pass reads the activations' dtypes and ranks
+    step = QuantizeWeights(
+        options.quant_bits, options.quant_block, options.quant_symmetric, options.quant_accuracy_level
+    )
+    if run_pass(step, model).modified and after_pass is not None:
+        after_pass(f"QuantizeWeights ({options.weights})", model)
+    return step
 
 
 def lower_for_target(

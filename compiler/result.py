@@ -56,6 +56,9 @@ class CompileResult:
     # Paths solidified from a profile (layerzero.solidify_plan): what went, with the profile's numbers; the plan.
     solidified: list[dict] = dataclasses.field(default_factory=list)
     solidify_plan: SolidifyPlan | None = None
+    # --weights int4|int8: the format, what was quantized and kept float, and the quantization's own deviation from
+    # the float original (``verify.quantization_deviation``; None unverified). None for float weights.
+    quantization: dict | None = None
 
     @property
     def zeroed_layers(self) -> list[str]:
@@ -83,5 +86,6 @@ class CompileResult:
             "removed": [dataclasses.asdict(r) for r in self.removed],
             "dynamic": [d.to_dict() for d in read_dynamic_paths(self.model)],
             "solidified": self.solidified,
+            "quantization": self.quantization,
             "verification": None if self.verification is None else self.verification.to_dict(),
         }

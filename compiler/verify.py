@@ -43,6 +43,7 @@ __all__ = [
     "make_inputs",
     "merge_comparisons",
     "pass_hint",
+    "quantization_deviation",
     "run_model",
     "tolerance_at_least",
     "verification_runners",
@@ -79,6 +80,9 @@ class VerificationResult:
     # deviation is at most ``max_deviation`` (None: reported, never failed) instead of atol/rtol.
     zeroing_threshold: float = 0.0
     max_deviation: float | None = None
+    # With quantized weights (--weights int4|int8): the reference is the original quantized the same way, and this
+    # is the quantization's own deviation from the float original (``quantization_deviation``), kept apart.
+    quantization: dict | None = None
 
     @property
     def needed_atol(self) -> float:
@@ -92,6 +96,8 @@ class VerificationResult:
             if self.impact is not None
             else "the original"
         )
+        if self.quantization is not None:
+            reference += f", its weights quantized the same way ({self.quantization['weights']}, nothing skipped)"
         if self.zeroing_threshold > 0:
             rule = (
                 f"passes when max |compiled - reference| <= --max-deviation {self.max_deviation:g}"
@@ -111,6 +117,62 @@ class VerificationResult:
         out = dataclasses.asdict(self)
         out["needed_atol"] = self.needed_atol
         return out
+
+
+def _softmax64(x: np.ndarray) -> np.ndarray:
+    z = x.astype(np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def quantization_deviation(
+    names: list[str], floats: list[list[np.ndarray]], quantized: list[list[np.ndarray]], logits: str = "logits"
+) -> dict:
+    """The quantization's own deviation: the float model's outputs against the quantized one's on the same input sets
+    (one list of outputs per set, in ``names``' order; runtime outputs left out).
+
+    Per float output: ``rel_l2`` = the worst over the sets of ``||q - f|| / ||f||``. For a causal LM's ``logits``
+    (``[batch, seq, vocab]`` or ``[batch, vocab]``), at every position: the next-token distribution's KL divergence
+    ``KL(softmax(f) || softmax(q))`` (nats; mean and max) and ``top1_agreement``, the fraction of positions whose
+    argmax is the same. ``worst_rel_l2``: the largest ``rel_l2`` (what ``--max-quant-deviation`` bounds)."""
+    outputs: dict[str, dict] = {}
+    kls: list[np.ndarray] = []
+    agree: list[np.ndarray] = []
+    for i, name in enumerate(names):
+        if is_runtime_output(name):
+            continue
+        worst = 0.0
+        for fs, qs in zip(floats, quantized):
+            f, q = np.asarray(fs[i]), np.asarray(qs[i])
+            if not np.issubdtype(f.dtype, np.floating) or f.shape != q.shape or f.size == 0:
+                break
+            f64, q64 = f.astype(np.float64), q.astype(np.float64)
+            norm = float(np.linalg.norm(f64))
+            err = float(np.linalg.norm(q64 - f64))
+            worst = max(worst, err / norm if norm > 0 else (0.0 if err == 0 else math.inf))
+            if name == logits and f.ndim in (2, 3):
+                p, r = _softmax64(f64), _softmax64(q64)
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    terms = np.where(p > 0, p * (np.log(p) - np.log(np.maximum(r, 1e-300))), 0.0)
+                kls.append(terms.sum(axis=-1).ravel())
+                agree.append((f.argmax(axis=-1) == q.argmax(axis=-1)).ravel())
+        else:
+            outputs[name] = {"rel_l2": worst}
+    result: dict = {
+        "outputs": outputs,
+        "worst_rel_l2": max((o["rel_l2"] for o in outputs.values()), default=0.0),
+        "input_sets": len(floats),
+    }
+    if kls:
+        kl = np.concatenate(kls)
+        result["logits"] = {
+            "next_token_kl_mean": float(kl.mean()),
+            "next_token_kl_max": float(kl.max()),
+            "top1_agreement": float(np.concatenate(agree).mean()),
+            "positions": int(kl.size),
+        }
+    return result
 
 
 def compare_outputs(

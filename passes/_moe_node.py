@@ -11,8 +11,14 @@ empty slots are dropped, so a v1 block is a 5-input node)::
         9 threshold [] float32,                                          optional: the run-time zeroing threshold
                                                                          (the graph input ``layerzero::threshold``,
                                                                          given by the native lowering)
-        10 s_gate, 11 s_up, 12 s_down)                                   quantized experts only (weight_format
-                                                                         q8 / q4): the codes' float16 scales
+        10 s_gate [E, F, H/32], 11 s_up [E, F, H/32], 12 s_down [E, H, F/32] float16)
+                                                                         the quantized experts' scales (only with
+                                                                         weight_format q8 / q4: 13 inputs)
+
+Quantized experts (``weight_format`` "q8" / "q4", ``block_size`` 32; default "f", float weights): inputs 2-4 hold
+the codes (q8 int8 ``[E, out, in]``, q4 uint8 ``[E, out, in/2]``, two codes a byte) and 10-12 their float16
+scales, blocks of 32 along each row's ``in`` axis (``plugins/quant.py`` ``quantize_blocks(axis=-1)``;
+``passes/quantize_weights.py`` writes them).
 
 Attributes: ``top_k`` (1), ``normalize`` (0), ``scoring`` ("softmax"), ``activation`` ("silu"),
 ``zeroing_threshold`` (0.0, the compiled threshold), ``path`` (the node's name); ``activation_alpha`` (1.702) and
@@ -34,7 +40,16 @@ import onnx_ir as ir
 
 from layerzero.passes._dynamic import MOE_DOMAIN, MOE_OP
 
-__all__ = ["INPUTS", "THRESHOLD_SLOT", "V2_SLOTS", "MoENode", "is_moe_node"]
+__all__ = [
+    "INPUTS",
+    "QUANT_BLOCK",
+    "SCALE_SLOTS",
+    "THRESHOLD_SLOT",
+    "V2_SLOTS",
+    "WEIGHT_FORMATS",
+    "MoENode",
+    "is_moe_node",
+]
 
 #: The inputs, by position.
 INPUTS = (
@@ -55,6 +70,11 @@ INPUTS = (
 #: The expert biases' and the selection bias' positions (the v2 inputs), and the threshold's.
 V2_SLOTS = (5, 6, 7, 8)
 THRESHOLD_SLOT = 9
+#: The quantized experts' scales (weight_format q8 / q4), per expert like the weights 2-4.
+SCALE_SLOTS = (10, 11, 12)
+#: weight_format -> code bits ("f": the float weights).
+WEIGHT_FORMATS = {"f": 0, "q8": 8, "q4": 4}
+QUANT_BLOCK = 32
 
 _SWIGLU_ALPHA = 1.702
 _SWIGLU_LIMIT = 7.0
@@ -78,13 +98,9 @@ class MoENode:
     b_down: ir.Value | None = None
     score_bias: ir.Value | None = None
     threshold: ir.Value | None = None
-    #: Quantized experts (``weight_format`` "q8" / "q4", blocks of ``block_size`` along the reduction axis): the
-    #: codes at 2-4 and their float16 scales at 10-12 (plugins/ort/README.md); "f": float weights, no scales.
     s_gate: ir.Value | None = None
     s_up: ir.Value | None = None
     s_down: ir.Value | None = None
-    weight_format: str = "f"
-    block_size: int = 32
     top_k: int = 1
     normalize: bool = False
     scoring: str = "softmax"
@@ -98,6 +114,9 @@ class MoENode:
     routed_scaling_factor: float = 1.0
     routing: str = "topk"
     jitter_eps: float = 0.01
+    #: "f" (float experts) | "q8" | "q4" (codes at 2-4, scales at 10-12), in blocks of ``block_size``.
+    weight_format: str = "f"
+    block_size: int = QUANT_BLOCK
     #: Attributes of the node this view was read from that the layout does not know (kept by ``to_node``).
     extra: dict[str, ir.Attr] = dataclasses.field(default_factory=dict)
 
@@ -137,7 +156,7 @@ class MoENode:
             routing=str(attr("routing", "topk")),
             jitter_eps=float(attr("jitter_eps", 0.01)),
             weight_format=str(attr("weight_format", "f")),
-            block_size=int(attr("block_size", 32)),
+            block_size=int(attr("block_size", QUANT_BLOCK)),
             extra={k: a for k, a in node.attributes.items() if k not in known},
         )
 
@@ -151,8 +170,27 @@ class MoENode:
 
     @property
     def expert_inputs(self) -> dict[int, ir.Value]:
-        """The per-expert inputs that are present, by position: weights 2-4, biases 5-7, score_bias 8."""
-        return {i: v for i, v in enumerate(self.inputs[:THRESHOLD_SLOT]) if i >= 2 and v is not None}
+        """The per-expert inputs that are present, by position: weights 2-4, biases 5-7, score_bias 8, the quantized
+        experts' scales 10-12."""
+        return {
+            i: v
+            for i, v in enumerate(self.inputs)
+            if (2 <= i < THRESHOLD_SLOT or i in SCALE_SLOTS) and v is not None
+        }
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the experts are codes + scales (``weight_format`` q8 / q4)."""
+        return self.weight_format != "f"
+
+    def format_attributes(self) -> dict[str, ir.Attr]:
+        """The quantized layout's attributes (none for float experts)."""
+        if not self.quantized:
+            return {}
+        return {
+            "weight_format": ir.AttrString("weight_format", self.weight_format),
+            "block_size": ir.AttrInt64("block_size", self.block_size),
+        }
 
     @property
     def v2_inputs(self) -> dict[int, ir.Value]:
@@ -182,8 +220,7 @@ class MoENode:
             attrs.append(ir.AttrFloat32("routed_scaling_factor", self.routed_scaling_factor))
         if self.routing != "topk":
             attrs += [ir.AttrString("routing", self.routing), ir.AttrFloat32("jitter_eps", self.jitter_eps)]
-        if self.weight_format != "f":
-            attrs += [ir.AttrString("weight_format", self.weight_format), ir.AttrInt64("block_size", self.block_size)]
+        attrs += list(self.format_attributes().values())
         written = {a.name for a in attrs}
         attrs += [a for k, a in self.extra.items() if k not in written]
         return attrs

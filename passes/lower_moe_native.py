@@ -21,7 +21,7 @@ import logging
 import onnx_ir as ir
 
 from layerzero.passes._dynamic import MOE_DOMAIN, threshold_input
-from layerzero.passes._moe_node import THRESHOLD_SLOT, MoENode
+from layerzero.passes._moe_node import QUANT_BLOCK, SCALE_SLOTS, THRESHOLD_SLOT, WEIGHT_FORMATS, MoENode
 
 __all__ = [
     "NATIVE_ACTIVATIONS",
@@ -52,6 +52,8 @@ NATIVE_ATTRIBUTES = frozenset(
         "routing",
         "activation_alpha",
         "activation_limit",
+        "weight_format",
+        "block_size",
     }
 )
 NATIVE_SCORINGS = ("softmax", "sigmoid")
@@ -67,8 +69,10 @@ def native_supports(node: ir.Node) -> str | None:
     """Why liblayerzero_ort.so cannot run this ``ai.layerzero::MoE`` node (None when it can).
 
     The kernel implements moe_op_v2 (expert biases, ``swiglu_oai``, selection bias, group-limited top-k, routed
-    scaling) except ``routing`` other than ``topk`` (PhiMoE's sparsemixer). Refused: that, any attribute it does
-    not know, other dtypes, and weights or v2 inputs that are not constants no feed can override.
+    scaling) except ``routing`` other than ``topk`` (PhiMoE's sparsemixer), with float experts or quantized ones
+    (``weight_format`` q8: int8 codes, q4: uint8 nibbles, float16 scales at 10-12, ``block_size`` 32). Refused:
+    that, any attribute it does not know, other dtypes, and weights, scales or v2 inputs that are not constants no
+    feed can override.
     """
     view = MoENode.of(node)
     v2 = view.v2_inputs
@@ -81,16 +85,23 @@ def native_supports(node: ir.Node) -> str | None:
     if unknown:
         known = ", ".join(sorted(NATIVE_ATTRIBUTES))
         return f"attributes {', '.join(unknown)} (liblayerzero_ort.so implements {known})"
-    if len(node.inputs) > THRESHOLD_SLOT + 1:
-        return f"{len(node.inputs)} inputs (liblayerzero_ort.so implements 5, the v2 inputs 5-8 and the threshold)"
+    if view.weight_format not in WEIGHT_FORMATS:
+        return f"weight_format {view.weight_format!r} (liblayerzero_ort.so implements {', '.join(WEIGHT_FORMATS)})"
     for name, allowed, default in (("scoring", NATIVE_SCORINGS, "softmax"), ("activation", NATIVE_ACTIVATIONS, "silu")):
         attr = node.attributes.get(name)
         value = default if attr is None else str(attr.value)
         if value not in allowed:
             return f"{name} {value!r} (liblayerzero_ort.so implements {', '.join(allowed)})"
+    if view.quantized:
+        return _quantized_supports(view, len(node.inputs))
+    if len(node.inputs) > THRESHOLD_SLOT + 1:
+        return f"{len(node.inputs)} inputs (liblayerzero_ort.so implements 5, the v2 inputs 5-8 and the threshold)"
     hidden = node.inputs[0]
     if hidden is None or hidden.dtype not in _NATIVE_HIDDEN:
         return f"hidden dtype {hidden and hidden.dtype} (float32 or float16)"
+    why = _v2_supports(v2)
+    if why is not None:
+        return why
     dtypes = set()
     for value in node.inputs[2:5]:
         if value is None or value.const_value is None:
@@ -98,12 +109,37 @@ def native_supports(node: ir.Node) -> str | None:
         dtypes.add(value.const_value.dtype)
     if len(dtypes) != 1 or next(iter(dtypes)) not in _NATIVE_WEIGHTS:
         return f"expert weight dtypes {sorted(str(d) for d in dtypes)} (one of float32, float16, bfloat16)"
+    return None
+
+
+def _v2_supports(v2: dict[int, ir.Value]) -> str | None:
     for i, value in v2.items():
         if value.const_value is None:
             return f"{_V2_INPUTS[i]} {value.name} is not a constant"
         if value.const_value.dtype not in _NATIVE_WEIGHTS:
             return f"{_V2_INPUTS[i]} dtype {value.const_value.dtype} (one of float32, float16, bfloat16)"
     return None
+
+
+def _quantized_supports(view: MoENode, inputs: int) -> str | None:
+    """Why the kernel cannot run these quantized experts (None when it can): codes int8 (q8) / uint8 (q4) at 2-4,
+    float16 scales at 10-12 (blocks of 32 along each row), all constants."""
+    if view.block_size != QUANT_BLOCK:
+        return f"block_size {view.block_size} (liblayerzero_ort.so implements {QUANT_BLOCK})"
+    hidden = view.hidden
+    if hidden.dtype not in _NATIVE_HIDDEN:
+        return f"hidden dtype {hidden.dtype} (float32 or float16)"
+    code_type = ir.DataType.INT8 if view.weight_format == "q8" else ir.DataType.UINT8
+    for name in ("w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down"):
+        value = getattr(view, name)
+        if value is None or value.const_value is None:
+            return f"{name} {value and value.name} is not a constant"
+        want = code_type if name.startswith("w_") else ir.DataType.FLOAT16
+        if value.const_value.dtype != want:
+            return f"{name} {value.name} is {value.const_value.dtype}, {view.weight_format} needs {want}"
+    if inputs != SCALE_SLOTS[-1] + 1:
+        return f"{inputs} inputs ({view.weight_format} takes {SCALE_SLOTS[-1] + 1}: the scales at 10-12)"
+    return _v2_supports(view.v2_inputs)
 
 
 def lower_native(model: ir.Model, node: ir.Node, default_threshold: float) -> None:

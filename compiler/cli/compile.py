@@ -16,6 +16,16 @@ examples:
   layerzero compile moe.onnx -o moe.lz --device cuda
   layerzero compile model.onnx -o model.lz --target tensorrt --precision fp16 --shape hidden:1,64/32,64/256,64
   layerzero compile moe.onnx -o solid.lz --profile profile.json --stability-window 100 --impact-tolerance 0.01
+  layerzero compile model.onnx -o model-int4.lz --weights int4 --max-quant-deviation 0.05
+
+--weights int4|int8 quantizes the weights after the zeroing passes (what is removed is never quantized): dense
+MatMuls / Gemms become ONNX Runtime's MatMulNBits (blocks of --quant-block along K, symmetric unless
+--quant-asymmetric, --quant-accuracy-level 4: int8 activations), the native MoE op reads q4 / q8 experts (blocks
+of 32), the ort-moe lowering writes QMoE. Verification then compares the compiled model with the original quantized
+the same way (nothing skipped), at --atol / --rtol, and measures the quantization's own deviation from the float
+original on the same inputs (relative L2 per output; next-token KL and top-1 agreement of a causal LM's logits),
+printed and recorded in the manifest ("quantization"); above --max-quant-deviation (relative L2) the compile is
+refused (exit 2, nothing written).
 
 --profile (written by `layerzero profile` on a bundle of the same model) solidifies: a dynamic path (MoE expert,
 gated branch, group) skipped at least --stability-window consecutive requests (--stability-unit tokens: tokens)
@@ -103,8 +113,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_stability_unit(solid, "what --stability-window counts (default requests)")
     add_impact_tolerance(solid, "... and whose measured impact on the output (relative L2) is below T (default 0.01)")
+    add_quant_arguments(p)
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     add_target_arguments(p)
+
+
+def add_quant_arguments(p: argparse.ArgumentParser) -> None:
+    """``--weights`` and its options (``CompileOptions.weights``, ``quant_*``, ``max_quant_deviation``)."""
+    from layerzero.options import WEIGHTS
+
+    q = p.add_argument_group("weight quantization (--weights)")
+    q.add_argument("--weights", choices=WEIGHTS, default="float", help="weight precision of the bundle (default float)")
+    q.add_argument(
+        "--quant-block", type=integer(16, 1 << 20), default=32, metavar="N",
+        help="block length along K (a power of two >= 16; default 32; the native MoE kernel reads 32 only)",
+    )  # fmt: skip
+    q.add_argument("--quant-asymmetric", action="store_true", help="blocks with zero points (default symmetric)")
+    q.add_argument(
+        "--quant-accuracy-level", type=integer(0, 4), default=4, metavar="N",
+        help="MatMulNBits' accuracy_level: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 activations (default 4)",
+    )  # fmt: skip
+    q.add_argument(
+        "--max-quant-deviation", type=number(0), metavar="X",
+        help="refuse the compile when the quantization moves an output by more than X (relative L2)",
+    )  # fmt: skip
 
 
 def add_target_arguments(p: argparse.ArgumentParser) -> None:
@@ -169,6 +201,11 @@ def options_from(args: argparse.Namespace) -> CompileOptions:
         stability_window=getattr(args, "stability_window", 100),
         stability_unit=getattr(args, "stability_unit", "requests"),
         impact_tolerance=getattr(args, "impact_tolerance", 0.01),
+        weights=getattr(args, "weights", "float"),
+        quant_block=getattr(args, "quant_block", 32),
+        quant_symmetric=not getattr(args, "quant_asymmetric", False),
+        quant_accuracy_level=getattr(args, "quant_accuracy_level", 4),
+        max_quant_deviation=getattr(args, "max_quant_deviation", None),
     )
 
 
@@ -195,7 +232,38 @@ def print_result(result: CompileResult) -> None:
             f"  dynamic {d.path:<40} {d.kind:<14} {len(d.subpaths):>5} paths {sum(d.params):>10,} params{how}"
         )
     print_solidified(result)
+    print_quantization(result.quantization)
     print_verification(result.verification)
+
+
+def print_quantization(q: dict | None) -> None:
+    """What was quantized, and the quantization's own deviation from the float original (apart from the zeroing's
+    verification below, which compares against the original quantized the same way)."""
+    if q is None:
+        return
+    form = f"{q['weights']}, blocks of {q['block']}, {'symmetric' if q['symmetric'] else 'with zero points'}"
+    counts = q["quantized"]
+    done = ", ".join(f"{n} {kind}" for kind, n in counts.items() if n) or "nothing"
+    console.print(f"weights     {form}, accuracy level {q['accuracy_level']}: quantized {done}")
+    console.print("            (the parameter counts above count stored elements: an int4 byte holds two weights)")
+    if q["kept_float"]:
+        first = q["kept_float"][0]
+        console.print(f"  {len(q['kept_float'])} kept float (e.g. {first['path']}: {first['reason']})")
+    d = q.get("deviation")
+    if d is None:
+        console.print("  quantization deviation not measured (--no-verify)")
+        return
+    console.print(
+        f"  quantization deviation from the float original (on {d['input_sets']} input set(s); not a zeroing error):"
+    )
+    for name, o in d["outputs"].items():
+        console.print(f"  {name:<20} relative L2 {o['rel_l2']:.3g}")
+    if "logits" in d:
+        lg = d["logits"]
+        console.print(
+            f"  next token           KL mean {lg['next_token_kl_mean']:.3g} max {lg['next_token_kl_max']:.3g} nats, "
+            f"top-1 agreement {lg['top1_agreement']:.3f} of {lg['positions']} positions"
+        )
 
 
 def layer_counts(result: CompileResult) -> str:

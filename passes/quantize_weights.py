@@ -1,0 +1,443 @@
+"""``QuantizeWeights``: weight-only int4 / int8 quantization of the constant weights ONNX Runtime and
+liblayerzero_ort.so run quantized (``layerzero compile --weights int4|int8``).
+
+It runs after the zeroing passes and the target's lowering (``compiler/pipeline.py`` ``quantize_weights``), so what
+was removed is never quantized. Cases, in every graph of the model (subgraph bodies too: the ``if`` MoE lowering's
+per-expert MatMuls are ordinary MatMuls here):
+
+1. ``MatMul(A, B)`` with ``B`` a constant 2-D float initializer ``[K, N]`` (float32 / float16 / bfloat16, A of the
+   same dtype and rank >= 2), ``K`` a multiple of the block → ``com.microsoft.MatMulNBits(A, B_q, scales[, zero
+   points])`` with attributes ``K``, ``N``, ``bits``, ``block_size``, ``accuracy_level``.
+2. ``Gemm(A, B[, C])`` with ``transA = 0``, ``alpha = 1``, ``B`` constant (``transB`` either way), ``C`` absent or a
+   constant ``[N]`` with ``beta = 1`` → ``MatMulNBits`` with ``C`` as its bias (input 5).
+3. ``ai.layerzero::MoE`` (the native skipping form, kept for liblayerzero_ort.so) with float constant experts →
+   ``weight_format`` ``"q4"`` (int4) / ``"q8"`` (int8), ``block_size`` 32: codes at inputs 2-4, float16 scales at
+   10-12 (``passes/_moe_node.py``). The kernel reads symmetric blocks of 32 only: another ``block`` or
+   ``symmetric=False`` with a native block is refused (``InvalidInputError`` naming the option), never
+   quantized in another format than the verification's quantized-dense reference (which quantizes the original's
+   expert MatMuls with the options given); so is an MoE block whose hidden or expert size the block does not divide
+   (its experts are quantized whole or not at all; cases 3 and 4).
+4. ``com.microsoft.MoE`` (the ``ort-moe`` lowering) → ``com.microsoft.QMoE`` (``passes/lower_qmoe.py``).
+
+What stays float, and why: routers (a MatMul / Gemm whose output reaches a ``TopK``, the MoE node's logits or
+``com.microsoft`` MoE's router probabilities through reshapes, casts, a bias, softmax / sigmoid: ``is_router``; a
+routing decision flips on a small change and the weight is tiny; llama.cpp keeps it float too); ``Gather`` embedding
+tables (a lookup reads one row: nothing to gain); a weight a ``Gather`` also reads (a tied ``lm_head``): the MatMul
+gets its quantized copy, the ``Gather`` keeps the float table; a ``B`` that is a graph input (a feed may override
+it) or computed; ``K`` not a multiple of the block; ``Conv``, biases, norms, anything but the weights above; an
+already quantized graph (MatMulNBits, QMoE, a ``weight_format`` q4/q8 MoE) is left as it is, so a second run
+changes nothing.
+
+The block format (``quantize_matrix``; the one for every case above, so the MatMuls of the ``if`` lowering, the
+native experts, QMoE and the verification's quantized-dense reference hold the same codes for the same weight):
+blocks of ``block`` consecutive elements along the reduction axis K of each output column n;
+
+- symmetric (default): ``d = max|w| / qmax`` (qmax 7 for int4, 127 for int8) rounded to float16 (the native
+  experts' scale type; exact in a float32 scale), codes ``round(w / d)`` (half to even) in ``-qmax..qmax``, stored
+  offset by ``2^(bits-1)`` (ONNX Runtime's default zero point: no zero-point input). This is
+  ``plugins/quant.py``'s ``quantize_blocks`` (the native op's format; a test checks the codes are equal).
+  NOTE: ONNX Runtime's own quantizer (``matmul_nbits_quantizer``, symmetric) writes ``d = w_max / -2^(bits-1)``
+  (the signed extreme, 16 levels, negative scales) instead: the layout is the same (a test dequantizes its codes
+  with ``dequantize_matrix``), the codes differ;
+- asymmetric (``symmetric=False``): ONNX Runtime's formula (MLAS blockwise quantization): ``lo = min(w, 0)``,
+  ``hi = max(w, 0)``, ``d = (hi - lo) / (2^bits - 1)``, ``zp = round(-lo / d)``, codes ``round(w / d) + zp``
+  clipped to ``0..2^bits-1`` (a test checks the codes equal ``matmul_nbits_quantizer``'s); float32 / the A dtype
+  scales, zero points packed like the codes (QMoE takes them too; the native experts do not: case 3);
+- int4: two codes a byte, element ``2j`` of a block in the low nibble of byte ``j``; ``B_q [N, K / block,
+  block * bits / 8]`` uint8, ``scales [N * K / block]``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from layerzero.errors import InvalidInputError
+from layerzero.passes import lower_qmoe
+from layerzero.passes._builder import Builder
+from layerzero.passes._graph import NameFactory, const_array, replace_value
+from layerzero.passes._match import NoMatch, Refusal, need
+from layerzero.passes._moe_node import MoENode, is_moe_node
+
+__all__ = [
+    "ACCURACY_LEVELS",
+    "EXPERT_BLOCK",
+    "QuantizeWeights",
+    "check_expert_block",
+    "dequantize_matrix",
+    "is_router",
+    "native_expert_codes",
+    "pack_codes",
+    "quantize_matrix",
+    "quantize_rows",
+]
+
+MS_DOMAIN = "com.microsoft"
+#: The native op's block length (liblayerzero_ort.so implements 32 only).
+EXPERT_BLOCK = 32
+#: MatMulNBits' accuracy_level: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 activations.
+ACCURACY_LEVELS = (0, 1, 2, 3, 4)
+_FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+_QMAX = {4: 7, 8: 127}
+
+
+def _check_format(bits: int, block: int) -> None:
+    if bits not in _QMAX:
+        raise InvalidInputError(f"weight quantization bits={bits}: expected 4 or 8")
+    if block < 16 or block & (block - 1):
+        raise InvalidInputError(f"weight quantization block={block}: expected a power of two >= 16")
+
+
+def pack_codes(codes: np.ndarray, bits: int, pad: int = 0) -> np.ndarray:
+    """uint8 codes ``[..., n]`` (0..2^bits-1) packed along the last axis (int4: element 2j low nibble of byte j; an
+    odd count padded with ``pad``: ONNX Runtime pads zero points with the default one, 8)."""
+    codes = codes.astype(np.uint8)
+    if bits == 8:
+        return np.ascontiguousarray(codes)
+    if codes.shape[-1] % 2:
+        codes = np.concatenate([codes, np.full((*codes.shape[:-1], 1), pad, np.uint8)], axis=-1)
+    return np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4))
+
+
+def _unpack(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
+    packed = np.asarray(packed, np.uint8)
+    if bits == 8:
+        return packed[..., :count]
+    out = np.empty((*packed.shape[:-1], packed.shape[-1] * 2), np.uint8)
+    out[..., 0::2] = packed & 0x0F
+    out[..., 1::2] = packed >> 4
+    return out[..., :count]
+
+
+def quantize_rows(
+    w: np.ndarray, bits: int, block: int, symmetric: bool = True
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """``(codes, scales, zero_points)`` of ``w [..., rows, K]`` in blocks of ``block`` along its last axis.
+
+    codes: unsigned ``[..., rows, K / block, block]`` (0..2^bits-1, not packed); scales float32 ``[..., rows,
+    K / block]``; zero points ``[..., rows, K / block]`` uint8, or None when symmetric (the default zero point
+    ``2^(bits-1)``). The module docstring gives the formulas."""
+    w = np.asarray(w, np.float32)
+    k = w.shape[-1]
+    if k % block:
+        raise InvalidInputError(f"weight quantization: K={k} is not a multiple of the block {block}")
+    blocks = w.reshape(*w.shape[:-1], k // block, block)
+    if not np.all(np.isfinite(blocks)):
+        raise InvalidInputError("weight quantization: a weight holds NaN or Inf")
+    levels = (1 << bits) - 1
+    if symmetric:
+        qmax = _QMAX[bits]
+        ideal = np.abs(blocks).max(axis=-1) / np.float32(qmax)
+        if np.any(ideal > np.finfo(np.float16).max):
+            raise InvalidInputError("weight quantization: a block's scale max|w| / qmax is beyond float16 (> 65504)")
+        d = ideal.astype(np.float16).astype(np.float32)
+        dd = d[..., None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.where(dd > 0, np.rint(blocks / np.where(dd > 0, dd, 1)), 0)
+        codes = (np.clip(q, -qmax, qmax) + (1 << (bits - 1))).astype(np.uint8)
+        return codes, d, None
+    lo = np.minimum(blocks.min(axis=-1), 0.0)
+    hi = np.maximum(blocks.max(axis=-1), 0.0)
+    d = ((hi - lo) / np.float32(levels)).astype(np.float32)
+    safe = np.where(d > 0, d, np.float32(1))
+    zp = np.clip(_round_away(-lo / safe), 0, levels)
+    zp = np.where(d > 0, zp, 0).astype(np.uint8)
+    q = _round_away(blocks / safe[..., None]) + zp[..., None]
+    codes = np.where(d[..., None] > 0, np.clip(q, 0, levels), zp[..., None]).astype(np.uint8)
+    return codes, d, zp
+
+
+def _round_away(x: np.ndarray) -> np.ndarray:
+    """C's ``roundf``: halves away from zero."""
+    return np.sign(x) * np.floor(np.abs(x) + 0.5)
+
+
+def quantize_matrix(
+    b: np.ndarray, bits: int, block: int, symmetric: bool = True
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """MatMulNBits' inputs of a MatMul weight ``b [K, N]``: ``(B_q [N, K/block, block*bits/8] uint8, scales
+    [N * K/block] float32, zero_points [N * ceil(K/block * bits/8)] uint8 or None)``."""
+    _check_format(bits, block)
+    codes, scales, zp = quantize_rows(np.asarray(b).T, bits, block, symmetric)
+    n, nb = scales.shape
+    packed = pack_codes(codes, bits)  # [N, nb, block*bits/8]
+    zero_points = None if zp is None else pack_codes(zp, bits, pad=1 << (bits - 1)).reshape(-1)
+    return packed, scales.reshape(n * nb), zero_points
+
+
+def dequantize_matrix(
+    packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, bits: int, block: int, k: int, n: int
+) -> np.ndarray:
+    """float32 ``[K, N]`` of MatMulNBits' ``B``, ``scales`` and ``zero_points`` (the numpy reference)."""
+    nb = -(-k // block)
+    codes = _unpack(np.asarray(packed).reshape(n, nb, -1), bits, block).astype(np.float32)
+    if zero_points is None:
+        zp = np.full((n, nb), 1 << (bits - 1), np.float32)
+    else:
+        per_row = -(-nb * bits // 8)
+        zp = _unpack(np.asarray(zero_points).reshape(n, per_row), bits, nb).astype(np.float32)
+    s = np.asarray(scales, np.float32).reshape(n, nb)
+    w = ((codes - zp[..., None]) * s[..., None]).reshape(n, nb * block)[:, :k]
+    return np.ascontiguousarray(w.T)
+
+
+def native_expert_codes(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """The native op's ``(codes, scales)`` of ``[E, out, in]`` experts (blocks of 32 along ``in``): q8 int8 codes,
+    q4 uint8 nibbles; float16 scales ``[E, out, in / 32]`` (``plugins/quant.py`` ``quantize_blocks(axis=-1)``)."""
+    codes, scales, _ = quantize_rows(w, bits, EXPERT_BLOCK, symmetric=True)
+    flat = codes.reshape(*codes.shape[:-2], -1)
+    if bits == 8:
+        stored = (flat.astype(np.int16) - 128).astype(np.int8)
+    else:
+        stored = pack_codes(flat, 4)
+    return np.ascontiguousarray(stored), np.ascontiguousarray(scales.astype(np.float16))
+
+
+class QuantizeWeights(ir.passes.InPlacePass):
+    """The module docstring's cases. ``bits`` 4 or 8; ``block`` (MatMulNBits' block_size: a power of two >= 16);
+    ``symmetric`` (False: with zero points); ``accuracy_level`` (MatMulNBits' 0-4, also QMoE's).
+
+    After a run: ``quantized`` (node names rewritten, by case: "matmul", "gemm", "moe", "qmoe"), ``kept``
+    (``Refusal`` records of the MatMul / Gemm / MoE nodes with a constant weight left float, with why; a MatMul of
+    two activations is no candidate and is not listed)."""
+
+    def __init__(self, bits: int, block: int = 32, symmetric: bool = True, accuracy_level: int = 4) -> None:
+        super().__init__()
+        _check_format(bits, block)
+        if accuracy_level not in ACCURACY_LEVELS:
+            raise InvalidInputError(f"weight quantization accuracy_level={accuracy_level}: expected 0-4")
+        self.bits, self.block, self.symmetric, self.accuracy_level = bits, block, symmetric, accuracy_level
+        self.quantized: dict[str, list[str]] = {}
+        self.kept: list[Refusal] = []
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.quantized = {"matmul": [], "gemm": [], "moe": [], "qmoe": []}
+        self.kept = []
+        names = NameFactory(model.graph)
+        builder = Builder.for_model(model, names)
+        modified = False
+        for graph in list(model.graphs()):
+            for node in list(graph):
+                kind = _case(node)
+                if kind is None:
+                    continue
+                if kind in ("matmul", "gemm") and (len(node.inputs) < 2 or _constant_weight(node.inputs[1]) is None):
+                    continue  # two activations (attention's MatMuls): no weight, nothing to keep or refuse
+                try:
+                    if kind == "matmul":
+                        self._matmul(builder, graph, node)
+                    elif kind == "gemm":
+                        self._gemm(builder, graph, node)
+                    elif kind == "moe":
+                        self._moe(builder, node)
+                    else:
+                        lower_qmoe.quantize_ort_moe(
+                            builder, graph, node, self.bits, self.block, self.symmetric, self.accuracy_level
+                        )
+                        model.opset_imports.setdefault(MS_DOMAIN, 1)
+                except NoMatch as failure:
+                    self.kept.append(Refusal.of(node.name or "", failure, kind))
+                    continue
+                self.quantized[kind].append(node.name or "")
+                modified = True
+        if self.quantized["matmul"] or self.quantized["gemm"]:
+            model.opset_imports.setdefault(MS_DOMAIN, 1)
+        return ir.passes.PassResult(model, modified=modified)
+
+    # ---------------------------------------------------------------------------------- MatMul / Gemm
+
+    def _weight(self, node: ir.Node, a: ir.Value | None, b: ir.Value | None, trans: bool) -> np.ndarray:
+        """The constant weight as ``[K, N]`` (NoMatch when it is not one this pass quantizes)."""
+        need(a is not None and b is not None, "an input is missing", node)
+        found = _constant_weight(b)
+        need(found is not None, f"weight {b.name} is not a constant (or a feed may override it)", node)
+        array, source = found
+        need(source.const_value is not None, f"weight {b.name} is a Constant node, not an initializer", node)
+        need(array.ndim == 2, f"weight {b.name} has rank {array.ndim}, not 2", node)
+        dtype = source.const_value.dtype
+        need(dtype in _FLOATS, f"weight {b.name} is {dtype}, not a float type", node)
+        need(a.dtype == dtype, f"activation {a.name} is {a.dtype}, the weight {dtype}", node)
+        need(a.shape is not None and len(a.shape) >= 2, f"activation {a.name} has no known rank >= 2", node)
+        w = array.T if trans else array
+        need(w.shape[0] % self.block == 0, f"K={w.shape[0]} is not a multiple of the block {self.block}", node)
+        return np.asarray(w, np.float32)
+
+    def _nbits(
+        self, builder: Builder, graph: ir.Graph, node: ir.Node, a: ir.Value, b: ir.Value, w: np.ndarray,
+        bias: ir.Value | None,
+    ) -> None:  # fmt: skip
+        k, n = w.shape
+        packed, scales, zero_points = quantize_matrix(w, self.bits, self.block, self.symmetric)
+        dtype = a.dtype.numpy()
+        hint = b.name or "weight"
+        # The node's own name scope (metadata) and name: the quantized MatMul still reads as part of its module.
+        prefix = f"{node.name or hint}_"
+        sub = Builder(builder.root, builder.names, builder.opset, node_prefix=prefix, metadata=node.metadata_props)
+        inputs: list[ir.Value | None] = [
+            a,
+            builder.initializer(f"{hint}_Q{self.bits}", packed),
+            builder.initializer(f"{hint}_scales", scales.astype(dtype)),
+            None if zero_points is None else builder.initializer(f"{hint}_zp", zero_points),
+        ]
+        if bias is not None:
+            inputs += [None, bias]
+        while inputs[-1] is None:
+            inputs.pop()
+        out = sub.op(
+            "MatMulNBits",
+            inputs,
+            domain=MS_DOMAIN,
+            K=k,
+            N=n,
+            bits=self.bits,
+            block_size=self.block,
+            accuracy_level=self.accuracy_level,
+        )
+        old = node.outputs[0]
+        out.dtype, out.shape = old.dtype, old.shape
+        graph.insert_before(node, sub.take())
+        replace_value(old, out, builder.names)
+        graph.remove(node, safe=True)
+        transpose = b.producer()
+        if transpose is not None and not b.uses() and not b.is_graph_output():
+            source = transpose.inputs[0]
+            transpose.graph.remove(transpose, safe=True)
+            _drop_if_unused(source)
+        _drop_if_unused(b)
+
+    def _matmul(self, builder: Builder, graph: ir.Graph, node: ir.Node) -> None:
+        need(not is_router(node), "a router (its output chooses experts): kept float", node)
+        a, b = node.inputs[0], node.inputs[1]
+        w = self._weight(node, a, b, trans=False)
+        self._nbits(builder, graph, node, a, b, w, None)
+
+    def _gemm(self, builder: Builder, graph: ir.Graph, node: ir.Node) -> None:
+        def attr(name: str, default: float) -> float:
+            value = node.attributes.get(name)
+            return default if value is None else value.value
+
+        need(not is_router(node), "a router (its output chooses experts): kept float", node)
+        need(attr("transA", 0) == 0, "Gemm with transA = 1", node)
+        need(attr("alpha", 1.0) == 1.0, "Gemm with alpha != 1", node)
+        a, b = node.inputs[0], node.inputs[1]
+        c = node.inputs[2] if len(node.inputs) > 2 else None
+        w = self._weight(node, a, b, trans=bool(attr("transB", 0)))
+        if c is not None:
+            need(attr("beta", 1.0) == 1.0, "Gemm with a bias and beta != 1", node)
+            bias = const_array(c)
+            need(bias is not None and bias.shape == (w.shape[1],), f"bias {c.name} is not a constant [N]", node)
+            need(c.dtype == a.dtype, f"bias {c.name} is {c.dtype}, not {a.dtype}", node)
+        self._nbits(builder, graph, node, a, b, w, c)
+
+    # -------------------------------------------------------------------------------------- native MoE
+
+    def _moe(self, builder: Builder, node: ir.Node) -> None:
+        view = MoENode.of(node)
+        need(view.weight_format == "f", f"experts already {view.weight_format}", node)
+        if self.block != EXPERT_BLOCK or not self.symmetric:
+            # Refused, not approximated: the quantized-dense reference quantizes these experts' MatMuls with the
+            # options given, so experts in another format would not be the model verification compares against.
+            what = f"blocks of {self.block}" if self.block != EXPERT_BLOCK else "zero points (--quant-asymmetric)"
+            raise InvalidInputError(
+                f"option quant_block / quant_symmetric: the native MoE kernel (liblayerzero_ort.so, block "
+                f"{view.path or node.name}) reads symmetric blocks of {EXPERT_BLOCK} only, not {what}; use "
+                f"--quant-block {EXPERT_BLOCK} without --quant-asymmetric, or --moe-lowering if / ort-moe"
+            )
+        arrays = []
+        for value in (view.w_gate, view.w_up, view.w_down):
+            array = const_array(value)
+            need(array is not None and value.const_value is not None, f"expert weight {value.name} is not a constant",
+                 node)  # fmt: skip
+            need(value.const_value.dtype in _FLOATS, f"expert weight {value.name} is not a float type", node)
+            need(array.ndim == 3, f"expert weight {value.name} is not [E, out, in]", node)
+            check_expert_block(view.path or node.name, value.name, array.shape[-1], EXPERT_BLOCK)
+            arrays.append(array)
+        stored = [native_expert_codes(w, self.bits) for w in arrays]
+        fmt = f"q{self.bits}"
+        base = view.path or node.name or "moe"
+        olds = (view.w_gate, view.w_up, view.w_down)
+        for slot, (codes, scales) in zip(("gate", "up", "down"), stored):
+            setattr(view, f"w_{slot}", builder.initializer(f"{base}.experts.{slot}_{fmt}", codes))
+            setattr(view, f"s_{slot}", builder.initializer(f"{base}.experts.{slot}_scales", scales))
+        view.weight_format = fmt
+        view.write_inputs(node)
+        for name, value in view.format_attributes().items():
+            node.attributes[name] = value
+        for old in olds:
+            _drop_if_unused(old)
+
+
+def check_expert_block(path: str, name: str, k: int, block: int) -> None:
+    """An MoE block's experts are quantized whole or the compile is refused: the quantized-dense reference quantizes
+    each expert matrix whose K the block divides, so a block left float for one matrix would not be that model."""
+    if k % block:
+        raise InvalidInputError(
+            f"option quant_block: MoE block {path}: expert weight {name} has K={k}, not a multiple of the block "
+            f"{block}; its experts cannot be quantized (choose a --quant-block dividing the hidden and expert sizes)"
+        )
+
+
+def _case(node: ir.Node) -> str | None:
+    if node.domain in ("", "ai.onnx") and node.op_type == "MatMul":
+        return "matmul"
+    if node.domain in ("", "ai.onnx") and node.op_type == "Gemm":
+        return "gemm"
+    if is_moe_node(node):
+        return "moe"
+    if node.domain == MS_DOMAIN and node.op_type == "MoE":
+        return "qmoe"
+    return None
+
+
+# What a router's logits pass through on their way to the choice (shape, type, bias, scores; Where: the
+# solidify reference's expert forced off with -inf).
+_ROUTE_THROUGH = frozenset(
+    {"Reshape", "Cast", "Add", "Softmax", "Sigmoid", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Div", "Mul",
+     "Where"}
+)
+
+
+def is_router(node: ir.Node, depth: int = 6) -> bool:
+    """Whether ``node``'s output chooses experts: it reaches a ``TopK``, an ``ai.layerzero::MoE``'s logits (input
+    1) or a ``com.microsoft`` ``MoE`` / ``QMoE``'s router probabilities (input 1) through at most ``depth`` nodes
+    of ``_ROUTE_THROUGH``."""
+    frontier = [node.outputs[0]]
+    for _ in range(depth):
+        nxt = []
+        for value in frontier:
+            for user, index in value.uses():
+                if user.op_type == "TopK" and index == 0:
+                    return True
+                if index == 1 and (is_moe_node(user) or (user.domain == MS_DOMAIN and user.op_type in ("MoE", "QMoE"))):
+                    return True
+                if user.domain in ("", "ai.onnx") and user.op_type in _ROUTE_THROUGH:
+                    nxt.extend(user.outputs)
+        frontier = nxt
+    return False
+
+
+def _constant_weight(value: ir.Value | None) -> tuple[np.ndarray, ir.Value] | None:
+    """``(array, initializer)`` of a constant weight: an initializer (not a graph input), or the 2-D ``Transpose`` of
+    one (a tied ``lm_head`` whose table is too large for constant folding: ``Gather`` reads the table, the MatMul
+    its transpose); None otherwise."""
+    array = const_array(value)
+    if array is not None:
+        return array, value
+    producer = value.producer() if value is not None else None
+    if producer is None or producer.op_type != "Transpose" or producer.domain not in ("", "ai.onnx"):
+        return None
+    source = producer.inputs[0]
+    table = const_array(source)
+    perm = producer.attributes.get("perm")
+    if table is None or table.ndim != 2 or (perm is not None and list(perm.value) != [1, 0]):
+        return None
+    return table.T, source
+
+
+def _drop_if_unused(value: ir.Value | None) -> None:
+    """A float weight nothing reads any more leaves its graph (a tied one a Gather reads stays)."""
+    if value is None or value.uses() or value.is_graph_output() or value.is_graph_input():
+        return
+    graph = value.graph
+    if graph is not None and value.name in graph.initializers and graph.initializers[value.name] is value:
+        graph.initializers.pop(value.name)
