@@ -548,7 +548,7 @@ def _run_any(model: ir.Model, feeds: dict[str, np.ndarray]) -> np.ndarray:
 @pytest.mark.parametrize(
     ("kwargs", "quantized", "reason"),
     [
-        (dict(bits=8), None, "this build's MoE lowering has no quantized experts"),
+        (dict(bits=8), False, "this build's MoE lowering has no quantized experts"),
         (dict(bits=8, block=16), True, "blocks of 16 (a block of 32 would take two different scales)"),
         (dict(bits=4, activation="relu"), None, "activation_type 'relu': non-gated experts"),
     ],
@@ -560,6 +560,14 @@ def test_qmoe_the_rewrite_cannot_convert_is_left_and_the_refusal_says_why(kwargs
     (refusal,) = skip.rejected
     assert refusal.kind == "moe" and refusal.path == "layers.0.moe" and reason in refusal.reason, refusal
     assert [n.op_type for n in model.graph] == ["QMoE"]
+
+
+def test_qmoe_becomes_quantized_experts_by_default_now_the_native_lowering_reads_them() -> None:
+    # The switch is the native lowering's attribute set (passes/lower_moe_native.py): with weight_format in it,
+    # an int8 QMoE becomes q8 experts without forcing.
+    model, skip, result = _skip_experts(_qmoe(bits=8))
+    assert result.modified and skip.rewritten, skip.rejected
+    assert MoENode.of(_moe_node(model)).weight_format == "q8"
 
 
 @pytest.mark.parametrize("form", ["nbits_asym", "qdq4_sym", "qdq8"])
