@@ -38,6 +38,18 @@ constexpr size_t kScale = 3, kBias = 4, kWScales = 5;
 constexpr int64_t kGroup = 8;    // tokens whose kept rows are streamed together (T > 1)
 constexpr int64_t kColumns = 64;  // the column split's granule
 
+// How many column ranges a call is split into: the hardware threads (at most one range each, so a thread streams
+// one contiguous part of every kept row), or LAYERZERO_ORT_SPARSE_SPLIT (tests: the result must not depend on it).
+int64_t split_items() {
+  static const int64_t items = [] {
+    const char* v = std::getenv("LAYERZERO_ORT_SPARSE_SPLIT");
+    const long forced = v != nullptr ? std::strtol(v, nullptr, 10) : 0;
+    if (forced > 0) return static_cast<int64_t>(forced);
+    return std::max<int64_t>(1, std::thread::hardware_concurrency());
+  }();
+  return items;
+}
+
 struct Failure {
   OrtErrorCode code;
   std::string message;
@@ -316,8 +328,7 @@ struct SparseLinearKernel {
 
     const SparseRowsFn fn = sparse_kernels().by_format[static_cast<int>(fmt)];
     const int64_t units = (N + kColumns - 1) / kColumns;
-    const int64_t hw = std::max<int64_t>(1, std::thread::hardware_concurrency());
-    const int64_t items = std::min(units, hw);
+    const int64_t items = std::min(units, split_items());
     const int64_t group = T == 1 ? 1 : kGroup;
     std::vector<int32_t> rows(static_cast<size_t>(K)), ntok, tok;
     std::vector<float> vals(static_cast<size_t>(K * group));
