@@ -168,13 +168,17 @@ def check_matrix(lib: Path, quick: bool = False) -> list[str]:
         w, ws, _ = weights(k, n, fmt, wtype, seed=ci)
         rng = np.random.default_rng(100 + ci)
         per_channel = (np.abs(rng.laplace(size=k)) * 0.8).astype(np.float32)
-        for thr_name, thr in (("zero", np.zeros(k, np.float32)), ("channel", per_channel),
-                              ("scalar", np.array(0.7, np.float32))):  # fmt: skip
+        for thr_name, thr in (
+            ("zero", np.zeros(k, np.float32)),
+            ("channel", per_channel),
+            ("scalar", np.array(0.7, np.float32)),
+        ):
             for with_bias in (False, True):
                 bias = rng.standard_normal(n).astype(np.float32) if with_bias else None
                 for scale in (None, 0.5, 0.0):
-                    model = sparse_model(w, thr, fmt=fmt, w_scales=ws, bias=bias, scale_input=scale is not None,
-                                         bf16=bf16)  # fmt: skip
+                    model = sparse_model(
+                        w, thr, fmt=fmt, w_scales=ws, bias=bias, scale_input=scale is not None, bf16=bf16
+                    )
                     sess = session(lib, model)
                     for t in (0, 1, 3, 17):
                         x = activations(t, k, seed=t + 7 * ci)
@@ -194,8 +198,9 @@ def check_matrix(lib: Path, quick: bool = False) -> list[str]:
                             if not np.array_equal(kept, (x != 0).sum(axis=-1)):
                                 what = "thresholds 0 / scale 0: kept is not the nonzero count"
                         if what is not None:
-                            failures.append(f"{fmt}/{wtype} K={k} N={n} T={t} thr={thr_name} bias={with_bias} "
-                                            f"scale={scale}: {what}")  # fmt: skip
+                            failures.append(
+                                f"{fmt}/{wtype} K={k} N={n} T={t} thr={thr_name} bias={with_bias} scale={scale}: {what}"
+                            )
     return failures
 
 
@@ -203,8 +208,9 @@ def test_reference_is_the_dense_product_at_threshold_zero():
     for fmt, wtype, k, n in CASES:
         w, ws, _ = weights(k, n, fmt, wtype)
         x = activations(5, k, seed=1)
-        y, kept = sparse_linear_reference(x, w, np.zeros(k, np.float32), w_scales=ws, weight_format=fmt,
-                                          bf16=wtype == "bfloat16")  # fmt: skip
+        y, kept = sparse_linear_reference(
+            x, w, np.zeros(k, np.float32), w_scales=ws, weight_format=fmt, bf16=wtype == "bfloat16"
+        )
         dense = x @ dense_weight(w, ws, fmt, wtype == "bfloat16")
         assert np.abs(y - dense).max() <= 1e-5 * np.abs(dense).max()
         assert np.array_equal(kept, (x != 0).sum(axis=1))
@@ -244,8 +250,9 @@ def test_threads_and_groups_do_not_change_the_result(ort_lib, fmt):
     # Bitwise: 1, 2, 4 intra-op threads; and a token alone (the decode path) = the same token in a group of 17.
     w, ws, _ = weights(520, 1000 if fmt == "f" else 1024, fmt, seed=4)
     thr = np.full(520, 0.9, np.float32)
-    model = sparse_model(w, thr, fmt=fmt, w_scales=ws, bias=np.linspace(-1, 1, w.shape[1] * (2 if fmt == "q4" else 1),
-                                                                       dtype=np.float32))  # fmt: skip
+    model = sparse_model(
+        w, thr, fmt=fmt, w_scales=ws, bias=np.linspace(-1, 1, w.shape[1] * (2 if fmt == "q4" else 1), dtype=np.float32)
+    )
     x = activations(17, 520, seed=5)
     outs = [session(ort_lib, model, threads).run(None, {"x": x}) for threads in (1, 2, 4)]
     for y, kept in outs[1:]:
@@ -271,8 +278,12 @@ _RUN = (
 
 
 def _run_in_process(lib, model_path, inputs, out, threads=1, **env) -> np.ndarray:
-    subprocess.run([sys.executable, "-c", _RUN, str(lib), str(model_path), str(inputs), str(out), str(threads)],
-                   check=True, env=_script_env(**env), timeout=300)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-c", _RUN, str(lib), str(model_path), str(inputs), str(out), str(threads)],
+        check=True,
+        env=_script_env(**env),
+        timeout=300,
+    )
     return np.load(out)
 
 
@@ -282,8 +293,17 @@ def test_column_split_does_not_change_the_result(ort_lib, tmp_path, fmt):
     w, ws, _ = weights(200, 1000 if fmt == "f" else 1024, fmt, seed=6)
     onnx.save(sparse_model(w, np.full(200, 0.8, np.float32), fmt=fmt, w_scales=ws), tmp_path / "m.onnx")
     np.savez(tmp_path / "in.npz", x=activations(5, 200, seed=7))
-    outs = [_run_in_process(ort_lib, tmp_path / "m.onnx", tmp_path / "in.npz", tmp_path / f"y{s}.npy", 2,
-                            LAYERZERO_ORT_SPARSE_SPLIT=str(s)) for s in (1, 3, 7)]  # fmt: skip
+    outs = [
+        _run_in_process(
+            ort_lib,
+            tmp_path / "m.onnx",
+            tmp_path / "in.npz",
+            tmp_path / f"y{s}.npy",
+            2,
+            LAYERZERO_ORT_SPARSE_SPLIT=str(s),
+        )
+        for s in (1, 3, 7)
+    ]
     assert all(np.array_equal(o, outs[0]) for o in outs[1:])
 
 
@@ -308,8 +328,9 @@ def test_best_and_portable_kernels_agree(ort_lib, tmp_path, fmt):
     onnx.save(sparse_model(w, np.full(300, 0.5, np.float32), fmt=fmt, w_scales=ws), tmp_path / "m.onnx")
     np.savez(tmp_path / "in.npz", x=activations(4, 300, seed=9))
     best = _run_in_process(ort_lib, tmp_path / "m.onnx", tmp_path / "in.npz", tmp_path / "a.npy")
-    portable = _run_in_process(ort_lib, tmp_path / "m.onnx", tmp_path / "in.npz", tmp_path / "b.npy",
-                               LAYERZERO_ORT_ISA="generic")  # fmt: skip
+    portable = _run_in_process(
+        ort_lib, tmp_path / "m.onnx", tmp_path / "in.npz", tmp_path / "b.npy", LAYERZERO_ORT_ISA="generic"
+    )
     assert np.abs(best - portable).max() <= 1e-5 * np.abs(portable).max()
 
 
@@ -332,14 +353,20 @@ def _q4_codes_of_n(n):  # q4 codes of N = n columns (not a multiple of 32), buil
     ("model", "message"),
     [
         (lambda: _bad(x_k=65), "x's last dimension 65 is not w's K = 64"),
-        (lambda: _bad(fmt="q8", w=np.zeros((64, 40), np.int8), ws=np.ones((64, 1), np.float16)),
-         "N = 40 is not a multiple of the block length 32"),
-        (lambda: _bad(w=_q4_codes_of_n(72)[0], ws=_q4_codes_of_n(72)[1]),
-         "N = 72 is not a multiple of the block length 32"),
+        (
+            lambda: _bad(fmt="q8", w=np.zeros((64, 40), np.int8), ws=np.ones((64, 1), np.float16)),
+            "N = 40 is not a multiple of the block length 32",
+        ),
+        (
+            lambda: _bad(w=_q4_codes_of_n(72)[0], ws=_q4_codes_of_n(72)[1]),
+            "N = 72 is not a multiple of the block length 32",
+        ),
         (lambda: _bad(fmt="q8", w=np.zeros((64, 64), np.uint8)), "w has element type uint8; weight_format='q8'"),
         (lambda: _bad(fmt="f", w=np.zeros((64, 64), np.float64), ws=None), "w has element type float64"),
-        (lambda: _bad(fmt="f", w=np.zeros((64, 64), np.float32), ws=np.ones((64, 2), np.float16)),
-         "w_scales (input 5) is for weight_format q8 / q4"),
+        (
+            lambda: _bad(fmt="f", w=np.zeros((64, 64), np.float32), ws=np.ones((64, 2), np.float16)),
+            "w_scales (input 5) is for weight_format q8 / q4",
+        ),
         (lambda: _bad(thr=np.zeros(64, np.float64)), "thresholds must be float32"),
         (lambda: _bad(thr=np.zeros(63, np.float32)), "thresholds must be [K] = [64]"),
         (lambda: _bad(thr=np.full(64, -1.0, np.float32)), "thresholds[0] = -1.000000 (>= 0)"),
@@ -381,8 +408,13 @@ def test_address_sanitizer(ort_lib_asan):
         _absent("libasan.so not found (g++ -print-file-name=libasan.so)")
     env = _script_env(LD_PRELOAD=str(Path(libasan).resolve()), ASAN_OPTIONS="detect_leaks=0:abort_on_error=1")
     for isa in ("", "avx2", "generic"):
-        proc = subprocess.run([sys.executable, __file__, str(ort_lib_asan), "--quick"], capture_output=True,
-                              text=True, env=dict(env, LAYERZERO_ORT_ISA=isa), timeout=1800)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, __file__, str(ort_lib_asan), "--quick"],
+            capture_output=True,
+            text=True,
+            env=dict(env, LAYERZERO_ORT_ISA=isa),
+            timeout=1800,
+        )
         assert "AddressSanitizer" not in proc.stderr, proc.stderr[-4000:]
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
