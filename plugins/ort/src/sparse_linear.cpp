@@ -345,6 +345,7 @@ struct SparseLinearKernel {
       call.group = group;
       call.y = y + t0 * N;
       call.ldy = N;
+      call.tokens = g;
       int64_t nr = 0;
       if (group == 1) {
         const float* xr = x + t0 * K;

@@ -38,6 +38,7 @@ struct SparseRows {
   const float* xv = nullptr;           // [nrows] (group 1) or [nrows * group]
   float* y = nullptr;
   int64_t ldy = 0;
+  int64_t tokens = 1;                  // y rows of the call (the group's tokens)
 };
 
 using SparseRowsFn = void (*)(const SparseRows& call, int64_t c0, int64_t c1);
