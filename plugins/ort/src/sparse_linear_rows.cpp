@@ -5,10 +5,11 @@
 // is y[c] = fma(W[i, c], m_i, y[c]) for the kept rows i in ascending order, m_i = x_i (format f) or
 // x_i * d[i, c / 32] (q8 / q4: the code times that product), one fused multiply-add per row and column (the
 // generic build: a multiply and an add). A column's operations do not depend on the range it falls in, the
-// tokens of its group, or the unrolling (4 rows a step: y loaded and stored once per 4 rows), so the result of
-// a token is the same at any thread count and in any group. Decode (1 token): the rows are streamed 4 at a time
-// over the whole range (4 sequential streams); groups of tokens: column tiles of kTile, each row's tile read
-// from memory once (then in L1) for every token of the group that keeps the row.
+// tokens of its group, or the unrolling (8 rows a step: y loaded and stored once per 8 rows), so the result of
+// a token is the same at any thread count and in any group. Decode (1 token): the rows are streamed 8 at a time
+// (the next 8 software-prefetched) over the whole range (float formats) or in tiles of kDecodeTile columns
+// (quantized); groups of tokens: column tiles of kTile, each row's tile read from memory once (then in L1) for
+// every token of the group that keeps the row.
 #include <cmath>
 #include <cstring>
 
@@ -141,9 +142,6 @@ inline __m512 load_part(const void* row, int64_t c, __mmask16 m) {
 // while this one computes (the kept rows are not one sequential stream the hardware prefetcher follows).
 template <SparseFormat F>
 inline void prefetch32(const void* next, int64_t c) {
-#ifdef LZ_S_NO_PREFETCH
-  return;
-#endif
   if (next == nullptr) return;
   const char* p = static_cast<const char*>(next);
   if constexpr (F == SparseFormat::f32) {
@@ -378,24 +376,27 @@ inline void rows_into(const void* const* rows, const uint16_t* const* srow, cons
   micro<F, R>(rows, srow, x, y, c0, c1, next);
 }
 
-// Decode rows per step: 8 for the quantized formats (y's tile loaded and stored once per 8 rows: their codes are
-// 4-8x fewer bytes than y's floats), 4 for the float ones.
+// Decode: 8 rows a step (y's range loaded and stored once per 8 rows). The float formats stream each kept row's
+// whole range (measured: 8 rows and no tiles ~10 % less time than 4 rows in 2048-column tiles, cold weights);
+// the quantized ones in tiles of kDecodeTile columns (their block multipliers for a tile are computed first).
+constexpr int kStepRows = 8;
 template <SparseFormat F>
-constexpr int step_rows() {
-  return quantized(F) ? 8 : 4;
+constexpr int64_t decode_tile() {
+  return quantized(F) ? kDecodeTile : int64_t(1) << 62;
 }
 
 template <SparseFormat F>
 void sparse_rows(const SparseRows& call, int64_t c0, int64_t c1) {
   const int64_t n = call.n, nb = n / 32;
   if (c1 <= c0) return;
-  constexpr int kRows = step_rows<F>();
+  constexpr int kRows = kStepRows;
   if (call.group <= 1) {
     const void* rows[kRows];
     const void* next[kRows];
     const uint16_t* srow[kRows];
-    for (int64_t a = c0; a < c1; a += kDecodeTile) {
-      const int64_t b = a + kDecodeTile < c1 ? a + kDecodeTile : c1;
+    constexpr int64_t kT = decode_tile<F>();
+    for (int64_t a = c0; a < c1; a += kT) {
+      const int64_t b = c1 - a > kT ? a + kT : c1;
       int64_t r = 0;
       for (; r + kRows <= call.nrows; r += kRows) {
         for (int j = 0; j < kRows; ++j) {
