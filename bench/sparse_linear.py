@@ -22,6 +22,7 @@ Targets (issue 23, the block linears at s = 0.5): ours-f >= 1.7x ORT fp32 MatMul
 
     python bench/sparse_linear.py                 # 16 layers, 1 and 2 threads, 15 rounds (~9 GB peak memory)
     python bench/sparse_linear.py --layers 4 --rounds 30
+    python bench/sparse_linear.py --f32-layers 8     # fp32 columns over 8 layers (1.9 GB): ~6 GB peak
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class Variant:
         self.nodes: list[onnx.NodeProto] = []
         self.arrays: dict[str, np.ndarray] = {}
         self.outputs: list[onnx.ValueInfoProto] = []
+        self.layers = 0
 
     def session(self, lib: str, threads: int, scale_input: bool) -> ort.InferenceSession:
         inputs = [
@@ -155,8 +157,9 @@ def check_nbits_packing(lib: str) -> float:
     return float(np.abs(sess.run(None, {"x": x})[0] - ref).max() / np.abs(ref).max())
 
 
-def build(layers: int, seed: int = 0):
-    """The variants over one set of drawn weights: ort-f32, ort-int4, ours-f, ours-q8, ours-q4."""
+def build(layers: int, seed: int = 0, f32_layers: int | None = None):
+    """The variants over one set of drawn weights: ort-f32, ort-int4, ours-f, ours-q8, ours-q4 (the fp32 ones
+    over the first ``f32_layers`` layers only, when given)."""
     rng = np.random.default_rng(seed)
     sigma = {
         HIDDEN: np.exp(0.6 * rng.standard_normal(HIDDEN)).astype(np.float32),
@@ -174,6 +177,9 @@ def build(layers: int, seed: int = 0):
     }
     for ours in ("ours-f", "ours-q8", "ours-q4"):
         v[ours].arrays["thr.x"], v[ours].arrays["thr.h"] = sigma[HIDDEN], sigma[INTER]
+    f32_layers = layers if f32_layers is None else min(f32_layers, layers)
+    for var in v.values():
+        var.layers = f32_layers if var.name in ("ort-f32", "ours-f") else layers
     for layer in range(layers):
         for lin, k, n in LINEARS:
             name = f"l{layer}.{lin}"
@@ -181,13 +187,16 @@ def build(layers: int, seed: int = 0):
             b = (rng.standard_normal((k, n), dtype=np.float32) / np.float32(np.sqrt(k))).astype(np.float32)
             out = helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, n])
             kept = helper.make_tensor_value_info(f"{name}.kept", TensorProto.INT64, [1])
-            v["ort-f32"].arrays[f"{name}.w"] = b
-            v["ort-f32"].nodes.append(helper.make_node("MatMul", [inp, f"{name}.w"], [name], name=name))
-            v["ort-f32"].outputs.append(out)
+            if layer < f32_layers:
+                v["ort-f32"].arrays[f"{name}.w"] = b
+                v["ort-f32"].nodes.append(helper.make_node("MatMul", [inp, f"{name}.w"], [name], name=name))
+                v["ort-f32"].outputs.append(out)
             v["ort-int4"].arrays[f"{name}.b"], v["ort-int4"].arrays[f"{name}.s"] = _nbits_pack(b)
             v["ort-int4"].nodes.append(_nbits_node(name, inp, k, n))
             v["ort-int4"].outputs.append(out)
             for ours, fmt in (("ours-f", "f"), ("ours-q8", "q8"), ("ours-q4", "q4")):
+                if fmt == "f" and layer >= f32_layers:
+                    continue
                 ins = [inp, f"{name}.w", thr, "scale"]
                 if fmt == "f":
                     v[ours].arrays[f"{name}.w"] = b  # the same array as ort-f32's
@@ -224,6 +233,7 @@ def _mem_available() -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--f32-layers", type=int, default=None, help="layers of the fp32 columns (default --layers; memory)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--sparsity", type=float, nargs="+", default=list(SPARSITY))
@@ -235,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     per_layer = sum(k * n for _, k, n in LINEARS)
-    need = int(args.layers * per_layer * (4 * 2 + 1 + 0.5625 * 3) * 1.1)  # f32 + its prepacked copy, q8, q4 x 3
+    f32_layers = args.layers if args.f32_layers is None else min(args.f32_layers, args.layers)
+    # f32 + ORT's prepacked copy; q8; q4, MatMulNBits and its prepacked copy
+    need = int(per_layer * (f32_layers * 4 * 2 + args.layers * (1 + 0.5625 * 3)) * 1.1)
     if need > _mem_available():
         print(
             f"--layers {args.layers} needs ~{need / 2**30:.1f} GiB, {_mem_available() / 2**30:.1f} GiB available: "
@@ -254,14 +266,14 @@ def main(argv: list[str] | None = None) -> int:
         print("MatMulNBits does not read our packing as the same weights", file=sys.stderr)
         return 1
     t0 = time.perf_counter()
-    variants, sigma = build(args.layers)
+    variants, sigma = build(args.layers, f32_layers=f32_layers)
     mb = {
         name: sum(a.nbytes for n, a in var.arrays.items() if not n.startswith("thr")) / 2**20
         for name, var in variants.items()
     }
     print(
-        f"{args.layers} layers built in {time.perf_counter() - t0:.0f} s; weights MiB: "
-        + ", ".join(f"{k} {v:.0f}" for k, v in mb.items())
+        f"{args.layers} layers ({f32_layers} for the fp32 columns) built in {time.perf_counter() - t0:.0f} s; "
+        "weights MiB: " + ", ".join(f"{k} {v:.0f}" for k, v in mb.items())
     )
     rng = np.random.default_rng(1)
     ok = True
@@ -293,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                         ks = np.array([k for _ in range(args.layers) for _, k, _ in LINEARS], np.float64)
                         realized[s].append(float(1 - kept.sum() / ks.sum()))
         load1 = os.getloadavg()[0]
-        p50 = {c: float(np.median(t)) * 1e3 / args.layers for c, t in times.items()}
+        p50 = {c: float(np.median(t)) * 1e3 / variants[c[0]].layers for c, t in times.items()}
         print(
             f"\n{threads} thread(s), {args.rounds} rounds, load {load0:.2f} -> {load1:.2f}/{os.cpu_count()}; "
             "ms per layer (7 linears), p50"
