@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "moe.h"
+#include "sparse_linear.h"
 
 namespace {
 
@@ -476,6 +477,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     Ort::CustomOpDomain domain(kDomain);
     domain.Add(&op_f32);
     domain.Add(&op_f16);
+    domain.Add(lz::sparse_linear_op());  // ai.layerzero::SparseLinear (sparse_linear.cpp)
     Ort::UnownedSessionOptions(options).Add(domain);
     std::lock_guard<std::mutex> guard(lock);
     domains.push_back(std::move(domain));

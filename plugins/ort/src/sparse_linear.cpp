@@ -1,0 +1,451 @@
+// ai.layerzero::SparseLinear for ONNX Runtime's CPU provider (the op and its semantics: sparse_linear.h). The
+// threshold test and the kept list here; the row kernels in sparse_linear_rows.cpp (one build per ISA).
+#define ORT_API_MANUAL_INIT
+#include <onnxruntime_cxx_api.h>
+#undef ORT_API_MANUAL_INIT
+
+#include "sparse_linear.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "moe.h"
+
+namespace lz {
+
+const SparseKernels& sparse_kernels() {
+  static const SparseKernels* chosen = [] {
+    const char* isa = std::getenv("LAYERZERO_ORT_ISA");
+    const std::string want = isa != nullptr ? isa : "";
+    if (want == "generic") return &generic::kSparseKernels;
+    if (want != "avx2" && avx512::sparse_available()) return &avx512::kSparseKernels;
+    return avx2::sparse_available() ? &avx2::kSparseKernels : &generic::kSparseKernels;
+  }();
+  return *chosen;
+}
+
+namespace {
+
+constexpr const char* kOpName = "SparseLinear";
+constexpr size_t kInputs = 6;  // x, w, thresholds, scale?, bias?, w_scales?
+constexpr size_t kScale = 3, kBias = 4, kWScales = 5;
+constexpr int64_t kGroup = 8;    // tokens whose kept rows are streamed together (T > 1)
+constexpr int64_t kColumns = 64;  // the column split's granule
+
+// How many column ranges a call is split into: the hardware threads (at most one range each, so a thread streams
+// one contiguous part of every kept row), or LAYERZERO_ORT_SPARSE_SPLIT (tests: the result must not depend on it).
+int64_t split_items() {
+  static const int64_t items = [] {
+    const char* v = std::getenv("LAYERZERO_ORT_SPARSE_SPLIT");
+    const long forced = v != nullptr ? std::strtol(v, nullptr, 10) : 0;
+    if (forced > 0) return static_cast<int64_t>(forced);
+    return std::max<int64_t>(1, std::thread::hardware_concurrency());
+  }();
+  return items;
+}
+
+struct Failure {
+  OrtErrorCode code;
+  std::string message;
+};
+
+int64_t attr_int(const OrtKernelInfo* info, const char* name, int64_t fallback) {
+  int64_t v = fallback;
+  OrtStatus* s = Ort::GetApi().KernelInfoGetAttribute_int64(info, name, &v);
+  if (s != nullptr) Ort::GetApi().ReleaseStatus(s);
+  return v;
+}
+
+std::string attr_string(const OrtKernelInfo* info, const char* name, const char* fallback) {
+  size_t size = 0;
+  OrtStatus* s = Ort::GetApi().KernelInfoGetAttribute_string(info, name, nullptr, &size);
+  if (s != nullptr) {
+    Ort::GetApi().ReleaseStatus(s);
+    if (size == 0) return fallback;
+  }
+  std::string v(size, '\0');
+  s = Ort::GetApi().KernelInfoGetAttribute_string(info, name, v.data(), &size);
+  if (s != nullptr) {
+    Ort::GetApi().ReleaseStatus(s);
+    return fallback;
+  }
+  v.resize(size > 0 ? size - 1 : 0);
+  return v;
+}
+
+// A constant input's value (nullptr when the input is absent or not an initializer).
+const OrtValue* constant_input(const OrtKernelInfo* info, size_t i) {
+  int is_constant = 0;
+  const OrtValue* value = nullptr;
+  OrtStatus* s = Ort::GetApi().KernelInfoGetConstantInput_tensor(info, i, &is_constant, &value);
+  if (s != nullptr) {
+    Ort::GetApi().ReleaseStatus(s);
+    return nullptr;
+  }
+  return is_constant ? value : nullptr;
+}
+
+std::string dims(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+const char* type_name(ONNXTensorElementDataType t) {
+  switch (t) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT:
+      return "float32";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16:
+      return "float16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16:
+      return "bfloat16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8:
+      return "int8";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8:
+      return "uint8";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE:
+      return "float64";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64:
+      return "int64";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32:
+      return "int32";
+    default:
+      return "another type";
+  }
+}
+
+struct SparseLinearKernel {
+  std::string node;
+  std::string format_name;
+  bool quant = false;
+  SparseFormat format = SparseFormat::f32;  // from w's declared type (the node's runs use their w's own)
+
+  [[noreturn]] void fail(const std::string& what) const {
+    throw Failure{ORT_INVALID_ARGUMENT, "ai.layerzero::SparseLinear node '" + node + "': " + what};
+  }
+
+  // The format a weight type means under weight_format (false: the type does not fit it).
+  bool weight_format(ONNXTensorElementDataType t, SparseFormat* out) const {
+    if (format_name == "q8") {
+      *out = SparseFormat::q8;
+      return t == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+    }
+    if (format_name == "q4") {
+      *out = SparseFormat::q4;
+      return t == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+    }
+    switch (t) {
+      case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT:
+        *out = SparseFormat::f32;
+        return true;
+      case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16:
+        *out = SparseFormat::f16;
+        return true;
+      case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16:
+        *out = SparseFormat::bf16;
+        return true;
+      default:
+        return false;
+    }
+  }
+  const char* weight_types() const {
+    return format_name == "q8" ? "int8" : format_name == "q4" ? "uint8 (two 4-bit codes a byte)"
+                                                              : "float32, float16 or bfloat16";
+  }
+  // (K, N) of w's shape (-1 where unknown).
+  void weight_dims(const std::vector<int64_t>& ws, SparseFormat f, int64_t* k, int64_t* n) const {
+    if (ws.size() != 2) fail("w must be rank 2 ([K, N], q4 [K, N/2]), not " + dims(ws));
+    *k = ws[0];
+    *n = ws[1] < 0 ? -1 : (f == SparseFormat::q4 ? 2 * ws[1] : ws[1]);
+  }
+  // Checks of one input's type / shape against what K and N require ("" when it fits; -1 = unknown).
+  std::string check_thresholds(ONNXTensorElementDataType t, const std::vector<int64_t>& s, int64_t k) const {
+    if (t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
+      return std::string("thresholds must be float32, not ") + type_name(t);
+    const bool scalar = s.empty() || (s.size() == 1 && s[0] == 1);
+    if (!scalar && !(s.size() == 1 && (s[0] < 0 || k < 0 || s[0] == k)))
+      return "thresholds must be [K] = [" + std::to_string(k) + "] (or a scalar), not " + dims(s);
+    return "";
+  }
+  std::string check_bias(ONNXTensorElementDataType t, const std::vector<int64_t>& s, int64_t n) const {
+    if (t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) return std::string("bias must be float32, not ") + type_name(t);
+    if (s.size() != 1 || (s[0] >= 0 && n >= 0 && s[0] != n))
+      return "bias must be [N] = [" + std::to_string(n) + "], not " + dims(s);
+    return "";
+  }
+  std::string check_scales(ONNXTensorElementDataType t, const std::vector<int64_t>& s, int64_t k, int64_t n) const {
+    if (t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
+      return std::string("w_scales must be float16, not ") + type_name(t);
+    const int64_t nb = n < 0 ? -1 : n / 32;
+    if (s.size() != 2 || (s[0] >= 0 && k >= 0 && s[0] != k) || (s[1] >= 0 && nb >= 0 && s[1] != nb))
+      return "w_scales must be [K, N/32] = [" + std::to_string(k) + ", " + std::to_string(nb) + "], not " + dims(s);
+    return "";
+  }
+
+  explicit SparseLinearKernel(const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    node = ki.GetNodeName();
+    format_name = attr_string(info, "weight_format", "f");
+    if (format_name != "f" && format_name != "q8" && format_name != "q4")
+      fail("weight_format='" + format_name + "' is not implemented by liblayerzero_ort.so (f, q8, q4)");
+    quant = format_name != "f";
+    const int64_t block = attr_int(info, "block_size", 32);
+    if (block != 32) fail("block_size=" + std::to_string(block) + " is not implemented by liblayerzero_ort.so (32)");
+    const size_t inputs = ki.GetInputCount();
+    if (inputs < 3 || inputs > kInputs)
+      fail("has " + std::to_string(inputs) + " inputs; SparseLinear takes 3 to 6 (x, w, thresholds[, scale, bias, "
+           "w_scales])");
+    if (quant && inputs != kInputs)
+      fail("weight_format='" + format_name + "' needs w_scales (input 5; \"\" for absent scale / bias before it)");
+    auto tensor_of = [&](size_t i) {
+      Ort::TypeInfo type = ki.GetInputTypeInfo(i);
+      if (type.GetONNXType() != ONNX_TYPE_TENSOR) fail("input " + std::to_string(i) + " is not a tensor");
+      auto t = type.GetTensorTypeAndShapeInfo();
+      return std::make_pair(t.GetElementType(), t.GetShape());
+    };
+    const auto [xt, xs] = tensor_of(0);
+    if (xt != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) fail(std::string("x must be float32, not ") + type_name(xt));
+    if (xs.empty()) fail("x must have rank >= 1 ([..., K])");
+    const auto [wt, ws] = tensor_of(1);
+    if (!weight_format(wt, &format))
+      fail(std::string("w has element type ") + type_name(wt) + "; weight_format='" + format_name + "' takes " +
+           weight_types());
+    int64_t k = -1, n = -1;
+    weight_dims(ws, format, &k, &n);
+    if (xs.back() >= 0 && k >= 0 && xs.back() != k)
+      fail("x's last dimension " + std::to_string(xs.back()) + " is not w's K = " + std::to_string(k));
+    if (quant && n >= 0 && n % 32 != 0)
+      fail("N = " + std::to_string(n) + " is not a multiple of the block length 32 (weight_format='" + format_name +
+           "')");
+    const auto [tt, ts] = tensor_of(2);
+    std::string err = check_thresholds(tt, ts, k);
+    if (!err.empty()) fail(err);
+    // Optional inputs: checked here when ONNX Runtime holds them as initializers, else when the node runs.
+    if (const OrtValue* v = constant_input(info, 2)) {
+      Ort::ConstValue c(v);
+      const float* p = c.GetTensorData<float>();
+      const size_t count = c.GetTensorTypeAndShapeInfo().GetElementCount();
+      for (size_t i = 0; i < count; ++i)
+        if (!(p[i] >= 0.0f)) fail("thresholds[" + std::to_string(i) + "] = " + std::to_string(p[i]) + " (>= 0)");
+    }
+    if (const OrtValue* v = inputs > kBias ? constant_input(info, kBias) : nullptr) {
+      auto s = Ort::ConstValue(v).GetTensorTypeAndShapeInfo();
+      err = check_bias(s.GetElementType(), s.GetShape(), n);
+      if (!err.empty()) fail(err);
+    }
+    if (const OrtValue* v = inputs > kWScales ? constant_input(info, kWScales) : nullptr) {
+      if (!quant) fail("w_scales (input 5) is for weight_format q8 / q4, not 'f'");
+      auto s = Ort::ConstValue(v).GetTensorTypeAndShapeInfo();
+      err = check_scales(s.GetElementType(), s.GetShape(), k, n);
+      if (!err.empty()) fail(err);
+    }
+    if (const OrtValue* v = constant_input(info, 1)) {  // the weights: huge pages in place (moe.h)
+      Ort::ConstValue c(v);
+      auto s = c.GetTensorTypeAndShapeInfo();
+      const size_t bytes = s.GetElementCount() * (format == SparseFormat::f32 ? 4 : quant ? 1 : 2);
+      advise_huge_pages(c.GetTensorRawData(), bytes);
+    }
+  }
+
+  void compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    Ort::ConstValue xv = ctx.GetInput(0), wv = ctx.GetInput(1), tv = ctx.GetInput(2);
+    const std::vector<int64_t> xs = xv.GetTensorTypeAndShapeInfo().GetShape();
+    auto winfo = wv.GetTensorTypeAndShapeInfo();
+    SparseFormat fmt;
+    if (!weight_format(winfo.GetElementType(), &fmt))
+      fail(std::string("w has element type ") + type_name(winfo.GetElementType()) + "; weight_format='" +
+           format_name + "' takes " + weight_types());
+    int64_t K, N;
+    weight_dims(winfo.GetShape(), fmt, &K, &N);
+    if (xs.empty() || xs.back() != K) fail("x's last dimension is not w's K = " + std::to_string(K));
+    if (quant && N % 32 != 0) fail("N = " + std::to_string(N) + " is not a multiple of the block length 32");
+    auto tinfo = tv.GetTensorTypeAndShapeInfo();
+    std::string err = check_thresholds(tinfo.GetElementType(), tinfo.GetShape(), K);
+    if (!err.empty()) fail(err);
+    const float* thr = tv.GetTensorData<float>();
+    const bool uniform = tinfo.GetElementCount() == 1 && K != 1;
+    float scale = 1.0f;
+    const size_t inputs = ctx.GetInputCount();
+    if (inputs > kScale) {
+      Ort::ConstValue sv = ctx.GetInput(kScale);
+      if (sv != nullptr) {
+        auto si = sv.GetTensorTypeAndShapeInfo();
+        if (si.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || si.GetElementCount() != 1)
+          fail("scale must be a float32 scalar");
+        scale = *sv.GetTensorData<float>();
+        if (!(scale >= 0.0f)) fail("scale " + std::to_string(scale) + " (>= 0)");
+      }
+    }
+    const float* bias = nullptr;
+    if (inputs > kBias) {
+      Ort::ConstValue bv = ctx.GetInput(kBias);
+      if (bv != nullptr) {
+        auto bi = bv.GetTensorTypeAndShapeInfo();
+        err = check_bias(bi.GetElementType(), bi.GetShape(), N);
+        if (!err.empty()) fail(err);
+        bias = bv.GetTensorData<float>();
+      }
+    }
+    const uint16_t* scales = nullptr;
+    if (inputs > kWScales) {
+      Ort::ConstValue sv = ctx.GetInput(kWScales);
+      if (sv != nullptr) {
+        if (!quant) fail("w_scales (input 5) is for weight_format q8 / q4, not 'f'");
+        auto si = sv.GetTensorTypeAndShapeInfo();
+        err = check_scales(si.GetElementType(), si.GetShape(), K, N);
+        if (!err.empty()) fail(err);
+        scales = static_cast<const uint16_t*>(sv.GetTensorRawData());
+      }
+    }
+    if (quant && scales == nullptr) fail("w_scales (input 5) is absent");
+
+    int64_t T = 1;
+    for (size_t i = 0; i + 1 < xs.size(); ++i) T *= xs[i];
+    std::vector<int64_t> ys(xs), ks(xs.begin(), xs.end() - 1);
+    ys.back() = N;
+    Ort::UnownedValue yv = ctx.GetOutput(0, ys);
+    Ort::UnownedValue kv = ctx.GetOutput(1, ks);
+    float* y = yv.GetTensorMutableData<float>();
+    int64_t* kept = kv.GetTensorMutableData<int64_t>();
+    const float* x = xv.GetTensorData<float>();
+    if (T == 0 || N == 0) return;
+    if (K == 0) {
+      for (int64_t t = 0; t < T; ++t) {
+        kept[t] = 0;
+        for (int64_t c = 0; c < N; ++c) y[t * N + c] = bias ? bias[c] : 0.0f;
+      }
+      return;
+    }
+    std::vector<float> limit(static_cast<size_t>(K));
+    for (int64_t i = 0; i < K; ++i) limit[i] = thr[uniform ? 0 : i] * scale;
+
+    const SparseRowsFn fn = sparse_kernels().by_format[static_cast<int>(fmt)];
+    const int64_t units = (N + kColumns - 1) / kColumns;
+    const int64_t items = std::min(units, split_items());
+    const int64_t group = T == 1 ? 1 : kGroup;
+    std::vector<int32_t> rows(static_cast<size_t>(K)), ntok, tok;
+    std::vector<float> vals(static_cast<size_t>(K * group));
+    if (group > 1) {
+      ntok.resize(static_cast<size_t>(K));
+      tok.resize(static_cast<size_t>(K * group));
+    }
+    for (int64_t t0 = 0; t0 < T; t0 += group) {
+      const int64_t g = std::min(group, T - t0);
+      SparseRows call;
+      call.w = wv.GetTensorRawData();
+      call.scales = scales;
+      call.n = N;
+      call.group = group;
+      call.y = y + t0 * N;
+      call.ldy = N;
+      call.tokens = g;
+      int64_t nr = 0;
+      if (group == 1) {
+        const float* xr = x + t0 * K;
+        for (int64_t i = 0; i < K; ++i) {
+          if (!(std::fabs(xr[i]) <= limit[i])) {
+            rows[nr] = static_cast<int32_t>(i);
+            vals[nr++] = xr[i];
+          }
+        }
+        kept[t0] = nr;
+      } else {
+        for (int64_t j = 0; j < g; ++j) kept[t0 + j] = 0;
+        for (int64_t i = 0; i < K; ++i) {
+          int32_t m = 0;
+          for (int64_t j = 0; j < g; ++j) {
+            const float v = x[(t0 + j) * K + i];
+            if (!(std::fabs(v) <= limit[i])) {
+              tok[nr * group + m] = static_cast<int32_t>(j);
+              vals[nr * group + m] = v;
+              ++m;
+              ++kept[t0 + j];
+            }
+          }
+          if (m > 0) {
+            rows[nr] = static_cast<int32_t>(i);
+            ntok[nr++] = m;
+          }
+        }
+        call.ntok = ntok.data();
+        call.tok = tok.data();
+      }
+      call.rows = rows.data();
+      call.nrows = nr;
+      call.xv = vals.data();
+      std::memset(call.y, 0, sizeof(float) * static_cast<size_t>(g * N));
+      // Item k: the columns of 64-column units [k * units / items, (k + 1) * units / items).
+      const std::function<void(size_t)> work = [&](size_t k) {
+        const int64_t c0 = int64_t(k) * units / items * kColumns;
+        const int64_t c1 = std::min(N, (int64_t(k) + 1) * units / items * kColumns);
+        fn(call, c0, c1);
+        if (bias != nullptr)
+          for (int64_t j = 0; j < g; ++j)
+            for (int64_t c = c0; c < c1; ++c) call.y[j * N + c] += bias[c];
+      };
+      if (items == 1) {
+        work(0);
+      } else {
+        ctx.ParallelFor([](void* data, size_t i) { (*static_cast<const std::function<void(size_t)>*>(data))(i); },
+                        static_cast<size_t>(items), 0, const_cast<void*>(static_cast<const void*>(&work)));
+      }
+    }
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* context) {
+    try {
+      compute(context);
+      return nullptr;
+    } catch (const Failure& f) {
+      return Ort::GetApi().CreateStatus(f.code, f.message.c_str());
+    } catch (const std::exception& e) {
+      return Ort::GetApi().CreateStatus(ORT_RUNTIME_EXCEPTION, e.what());
+    }
+  }
+};
+
+struct SparseLinearOp : Ort::CustomOpBase<SparseLinearOp, SparseLinearKernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+    try {
+      *kernel = new SparseLinearKernel(info);
+      return nullptr;
+    } catch (const Failure& f) {
+      return api.CreateStatus(f.code, f.message.c_str());
+    } catch (const std::exception& e) {
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, e.what());
+    }
+  }
+  const char* GetName() const { return kOpName; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return kInputs; }
+  // Every input's type is checked when the kernel is created (one line naming the node), not by ONNX Runtime.
+  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i >= kScale ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
+  size_t GetOutputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetOutputType(size_t i) const {
+    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+  }
+};
+
+}  // namespace
+
+const OrtCustomOp* sparse_linear_op() {
+  static SparseLinearOp op;
+  return &op;
+}
+
+}  // namespace lz
+
+// The SparseLinear kernels' ISA (avx512, avx2 or generic), for benchmarks and tests.
+extern "C" __attribute__((visibility("default"))) const char* LayerZeroOrtSparseIsa() {
+  return lz::sparse_kernels().isa;
+}
