@@ -200,3 +200,23 @@ def test_c_abi_reports_a_missing_gpu_as_a_cuda_error(kernels_path, gpu_present):
     fake = dict(hidden=256, router_logits=256, w_gate=256, w_up=256, w_down=256, y=256, mask=None)
     with pytest.raises(loader.PluginError, match="CUDA error"):
         lib.forward(config, "float32", **fake, workspace=256, workspace_size=lib.workspace_size(config))
+
+
+def test_cli_plugins_build_defaults_to_layerzero_plugin_dir(tmp_path, monkeypatch, capsys):
+    # Where the libraries are looked for first is where `plugins build` puts them when no --build-dir is given
+    # (it used to build into ~/.cache whatever LAYERZERO_PLUGIN_DIR said).
+    from layerzero.plugins import ort_library
+
+    built_in: list[Path | None] = []
+
+    def fake_build(build_dir, asan=False, jobs=2):
+        built_in.append(build_dir)
+        raise loader.PluginError("cmake not found (test)")
+
+    monkeypatch.setattr(ort_library, "build_ort_library", fake_build)
+    monkeypatch.setenv("LAYERZERO_PLUGIN_DIR", str(tmp_path / "env-dir"))
+    assert main(["plugins", "build", "--only", "ort"]) == 2
+    assert built_in == [tmp_path / "env-dir"]
+    assert main(["plugins", "build", "--only", "ort", "--build-dir", str(tmp_path / "given")]) == 2
+    assert built_in[-1] == tmp_path / "given"
+    capsys.readouterr()
