@@ -16,8 +16,8 @@ headers and libnvinfer), what it built and what it could not build, and why:
                                 scripts/fetch_ort_headers.sh fetches once); plugins/ort
 
 The default build directory is LAYERZERO_PLUGIN_DIR when it is set (where the TensorRT target and backend and
-the native lowerings look first), else ~/.cache/layerzero/plugins (where they look next); once liblayerzero_ort.so is there,
-`--moe-lowering auto` picks it. Exit 0 when every library whose prerequisites were found was built (no nvcc
+the native lowerings look first), else ~/.cache/layerzero/plugins (where they look next); once
+liblayerzero_ort.so is there, `--moe-lowering auto` picks it. Exit 0 when every library whose prerequisites were found was built (no nvcc
 only leaves the CUDA libraries out, no TensorRT the TensorRT ones), 2 when nothing could be built or a
 compile failed. --only ort / --only cuda builds one side; --asan builds liblayerzero_ort.so with
 AddressSanitizer into BUILD_DIR/asan/.
@@ -45,7 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     for name, help_ in (("build", "configure and build the libraries"), ("info", "what a build would find")):
         a = sub.add_parser(name, help=help_, description=help_)
-        a.add_argument("--build-dir", type=Path, help="CMake build directory (default $LAYERZERO_PLUGIN_DIR, else ~/.cache/layerzero/plugins)")
+        a.add_argument(
+            "--build-dir", type=Path, help="CMake build directory (default $LAYERZERO_PLUGIN_DIR, else ~/.cache/...)"
+        )
         a.add_argument("--tensorrt-root", type=Path, help="TensorRT install root holding include/ and lib/")
         a.add_argument("--json", action="store_true", help="print the report as JSON")
         if name == "build":
