@@ -17,9 +17,9 @@ headers and libnvinfer), what it built and what it could not build, and why:
 
 The default build directory is LAYERZERO_PLUGIN_DIR when it is set (where the TensorRT target and backend and
 the native lowerings look first), else ~/.cache/layerzero/plugins (where they look next); once
-liblayerzero_ort.so is there, `--moe-lowering auto` picks it. Exit 0 when every library whose prerequisites were found was built (no nvcc
-only leaves the CUDA libraries out, no TensorRT the TensorRT ones), 2 when nothing could be built or a
-compile failed. --only ort / --only cuda builds one side; --asan builds liblayerzero_ort.so with
+liblayerzero_ort.so is there, `--moe-lowering auto` picks it. Exit 0 when every library whose prerequisites
+were found was built (no nvcc only leaves the CUDA libraries out, no TensorRT the TensorRT ones), 2 when nothing
+could be built or a compile failed. --only ort / --only cuda builds one side; --asan builds liblayerzero_ort.so with
 AddressSanitizer into BUILD_DIR/asan/.
 
 examples:
