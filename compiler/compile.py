@@ -257,7 +257,9 @@ def verify_compiled(
     a few layers at a time above ``chunked_verify_bytes``) and are judged by one ``Comparator``.
 
     With quantized weights (``options.weights`` int4 / int8) the reference is quantized the same way
-    (``quantized_dense_reference``: nothing skipped), so the comparison above judges the zeroing alone; the
+    (``quantized_dense_reference``: nothing skipped) after the static passes, so that it holds the compiled model's
+    codes also for a weight the zeroing shrank; the static passes' output is first checked equal to the float
+    reference in float (``_check_statically_zeroed``), so the comparison above judges the zeroing alone; the
     quantization's own deviation (the float reference against the quantized one, on the same sets:
     ``verify.quantization_deviation``) is reported apart and refused above ``max_quant_deviation`` (exit 2).
     """
