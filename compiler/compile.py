@@ -191,10 +191,16 @@ def compile_model(
     )
 
 
-def quantized_dense_reference(model: ir.Model, options: CompileOptions) -> ir.Model:
+def quantized_dense_reference(model: ir.Model, options: CompileOptions, static_zeroing: bool = False) -> ir.Model:
     """The quantized-dense reference, in place: ``model`` (the original, or it with its declared layers bypassed) with
     the compile's weight quantization (``QuantizeWeights``, the same options), nothing skipped. Verification compares
     the compiled model with it; a benchmark compares a quantized bundle's greedy ids with its.
+
+    The compile quantizes its weights after the static zeroing, which can shrink one (a pruned neuron: a zero column
+    of gate / up and the matching rows of down go, the down projection's K shrinks and its blocks of ``quant_block``
+    fall elsewhere); so the reference is quantized after the same zeroing: ``static_zeroing`` runs the static passes
+    first (verification runs them itself, ``_check_statically_zeroed``, and checks the result equal to the float
+    reference in float before quantizing: the zeroing and the quantization stay separate, each exact).
 
     Constants are folded first, as the compile's static passes fold them (a weight computed from a constant, e.g. a
     Transpose of one, is a constant the compiled model quantizes). Its MoE blocks are rewritten into their exact
@@ -209,6 +215,8 @@ def quantized_dense_reference(model: ir.Model, options: CompileOptions) -> ir.Mo
     from layerzero.passes.moe import SkipExperts
     from layerzero.passes.shape_inference import InferShapes
 
+    if static_zeroing:
+        run_static_passes(model, options)
     InferShapes()(model)
     FoldConstants(options.fold_max_elements)(model)
     InferShapes()(model)
@@ -249,7 +257,9 @@ def verify_compiled(
     a few layers at a time above ``chunked_verify_bytes``) and are judged by one ``Comparator``.
 
     With quantized weights (``options.weights`` int4 / int8) the reference is quantized the same way
-    (``quantized_dense_reference``: nothing skipped), so the comparison above judges the zeroing alone; the
+    (``quantized_dense_reference``: nothing skipped) after the static passes, so that it holds the compiled model's
+    codes also for a weight the zeroing shrank; the static passes' output is first checked equal to the float
+    reference in float (``_check_statically_zeroed``), so the comparison above judges the zeroing alone; the
     quantization's own deviation (the float reference against the quantized one, on the same sets:
     ``verify.quantization_deviation``) is reported apart and refused above ``max_quant_deviation`` (exit 2).
     """
@@ -286,7 +296,7 @@ def verify_compiled(
 
         bypassing = bool(pipeline.bypassed or needs_dynamic_reference(options) or options.solidify)
         quantizing = options.quant_bits > 0
-        reference_runs = bypassing + quantizing  # model runs per set besides the original and the compiled one
+        reference_runs = bypassing + 2 * quantizing  # model runs per set besides the original and the compiled one
         state["total"] = len(sets) * (2 + reference_runs)
         # The original on every set; a set it cannot run on is no test of the compiler (the default must run).
         original = runners.original()
@@ -325,7 +335,10 @@ def verify_compiled(
         deviation = None
         if quantizing:
             # The zeroing is verified against the quantized-dense model; the quantization's own deviation from the
-            # float model (the original, or it bypassed as above) is measured here, apart.
+            # float model (the original, or it bypassed as above) is measured here, apart. The quantized-dense
+            # model is the float reference after the static passes (checked equal to it in float first, at the
+            # tolerances), quantized by the compile's pass: it holds the bundle's codes for every weight the bundle
+            # keeps, also where the static zeroing shrank a weight (a pruned neuron: blocks along the shrunk K).
             reference = load_original()
             if bypassing:
                 bypass_declared_layers(reference, options)
@@ -333,8 +346,11 @@ def verify_compiled(
                     from layerzero.solidify_plan import force_off_reference
 
                     force_off_reference(reference, options)
+            floats = references
+            zeroed_atol = _check_statically_zeroed(reference, options, runners, comparator, originals, names, floats,
+                                                   running, state)  # fmt: skip
             run_reference = runners.of(quantized_dense_reference(reference, options), "quantized-reference")
-            floats, references = references, []
+            references = []
             for input_set, _ in originals:
                 running(f"the quantized-dense reference on the {input_set.label} inputs")
                 ref_names, ref_outputs = Comparator.user_outputs(*run_reference.run(input_set.feeds))
@@ -345,6 +361,8 @@ def verify_compiled(
             del reference, run_reference
             deviation = quantization_deviation(names, floats, references)
             deviation["weights"] = options.weights
+            deviation["reference"] = QUANTIZED_REFERENCE
+            deviation["zeroed_float_needed_atol"] = zeroed_atol
             _check_quant_deviation(deviation, options)
         run_compiled = runners.of(compiled, "compiled")
         per_set: list[list[OutputComparison]] = []
@@ -384,6 +402,48 @@ def verify_compiled(
         culprit = _bisect(load_original, options, failing, references[k], names, runners, comparator)
         raise VerificationError(comparator.mismatch(result, worst, failing, culprit), result=result)
     return result
+
+
+#: What the zeroing of a ``--weights int4|int8`` compile is verified against (the manifest's
+#: ``quantization.deviation.reference``).
+QUANTIZED_REFERENCE = (
+    "the float reference after the static passes (verified equal to it in float), quantized by QuantizeWeights "
+    "with the compile's options, nothing skipped"
+)
+
+
+def _check_statically_zeroed(
+    reference: ir.Model,
+    options: CompileOptions,
+    runners: Runners,
+    comparator: Comparator,
+    originals: list[tuple[InputSet, list[np.ndarray]]],
+    names: list[str],
+    floats: list[list[np.ndarray]],
+    running: Callable[[str], None],
+    state: dict,
+) -> float:
+    """The float reference's static zeroing, in place (``run_static_passes``, as the compile runs it first), checked
+    against the float reference's outputs on every set at the tolerances (no threshold: the static passes are
+    exact); returns the atol it needed. A mismatch is a compiler bug (``VerificationError``)."""
+    run_static_passes(reference, options)
+    run_zeroed = runners.of(reference, "zeroed-reference")
+    needed = 0.0
+    for (input_set, _), want in zip(originals, floats):
+        running(f"the statically zeroed float reference on the {input_set.label} inputs")
+        got_names, got = run_zeroed.run(input_set.feeds)
+        state["done"] += 1
+        for o in comparator.compare(names, want, got_names, got):
+            needed = max(needed, o.needed_atol)
+            if not o.passed:
+                raise VerificationError(
+                    f"verification failed: the float model after the static passes differs from the float "
+                    f"reference in output {o.name!r} by max abs {o.max_abs:.3g} (max rel {o.max_rel:.3g}) on the "
+                    f"{input_set.label} inputs {input_set.shapes()} (before any quantization: a static pass is "
+                    "wrong; compile without --weights to find which)"
+                )
+    del run_zeroed
+    return needed
 
 
 def _check_quant_deviation(deviation: dict, options: CompileOptions) -> None:
