@@ -293,3 +293,46 @@ def test_max_error_picks_the_largest_sparsity_within_the_bound() -> None:
     assert alloc.sparsity >= 0.25
     with pytest.raises(InvalidInputError):
         greedy(groups, 1.5)
+
+
+def test_collected_activations_are_the_projection_inputs(llama) -> None:
+    from layerzero.activation_calibration import collect_activations, group_samples
+
+    hf, path = llama
+    model = _load(path)
+    groups = find_groups(model)
+    feeds = _feeds(9)
+    got = collect_activations(model, groups, [feeds, feeds], max_tokens=12)
+    seen: dict[str, np.ndarray] = {}
+    def keep(name: str):
+        def pre(_module, args) -> None:
+            seen[name] = args[0].numpy()
+
+        return pre
+
+    handles = [module.register_forward_pre_hook(keep(name))
+               for name, module in hf.named_modules() if name.endswith(("q_proj", "down_proj"))]  # fmt: skip
+    try:
+        with torch.no_grad():
+            hf(torch.from_numpy(feeds["input_ids"]))
+    finally:
+        for h in handles:
+            h.remove()
+    assert set(got) == {g.name for g in groups} and all(v.shape == (12, g.channels) for g, v in
+                                                       zip(groups, got.values()))  # fmt: skip
+    for i in range(LAYERS):
+        for module, group in (("self_attn.q_proj", "self_attn.qkv"), ("mlp.down_proj", "mlp.down")):
+            want = seen[f"model.layers.{i}.{module}"].reshape(-1, got[f"model.layers.{i}.{group}"].shape[1])
+            np.testing.assert_allclose(got[f"model.layers.{i}.{group}"][:9], want, rtol=1e-4, atol=1e-5)
+    samples = group_samples(groups, got)
+    assert [s.weight.shape for s in samples[:2]] == [(HIDDEN, HIDDEN + 2 * HIDDEN // 2), (HIDDEN, HIDDEN)]
+
+
+def test_probed_sensitivity_scales_each_group_to_the_deviation_measured() -> None:
+    from layerzero.activation_calibration import probe_sensitivity
+
+    groups = _seeded_groups()
+    deviation = {g.name: 0.1 * (i + 1) for i, g in enumerate(groups)}
+    probed = probe_sensitivity(groups, lambda t: deviation[next(iter(t))], 0.5, "wina")
+    for g in groups:
+        assert probed[g.name] == pytest.approx(deviation[g.name] / g.error("wina")[10])
