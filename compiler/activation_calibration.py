@@ -188,12 +188,15 @@ def _finish(method: str, target: float, groups: Sequence[GroupSamples], index: M
 
 def uniform(groups: Sequence[GroupSamples], target: float, criterion: str = "magnitude",
             sensitivity: Mapping[str, float] | None = None) -> Allocation:  # fmt: skip
-    """Every group at the level nearest ``target``."""
+    """Every group at level ``target`` exactly (its error interpolated between the two levels around it)."""
     _check_target(target)
-    index = {g.name: int(np.argmin(np.abs(g.levels - target))) for g in groups}
-    err = sum((sensitivity or {}).get(g.name, 1.0) * g.error(criterion)[index[g.name]] for g in groups)
-    return _finish("uniform", target, groups, index, criterion, [(_weighted(groups, {
-        g.name: float(g.levels[index[g.name]]) for g in groups}), float(err))])  # fmt: skip
+    levels = {g.name: float(target) for g in groups}
+    thresholds = {g.name: g.thresholds_at(float(target), criterion) for g in groups}
+    err = sum((sensitivity or {}).get(g.name, 1.0) * float(np.interp(target, g.levels, g.error(criterion)))
+              for g in groups)  # fmt: skip
+    total = sum(g.params for g in groups) or 1
+    realized = sum(g.params * g.realized(thresholds[g.name]) for g in groups) / total
+    return Allocation("uniform", target, thresholds, levels, float(realized), [(float(target), float(err))])
 
 
 def greedy(groups: Sequence[GroupSamples], target: float, criterion: str = "wina",

@@ -272,6 +272,7 @@ def test_greedy_reaches_the_sparsity_asked_with_a_monotone_curve(target: float) 
         assert np.all(np.diff(g.error("wina")) >= 0)
     flat = uniform(groups, target, "wina")
     assert abs(flat.sparsity - target) <= 0.01
+    assert abs(uniform(groups, target + 0.02, "magnitude").sparsity - target - 0.02) <= 0.01  # between two levels
 
 
 def test_greedy_realized_within_one_percent_on_many_groups() -> None:
