@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibration-tokens", type=int, default=None, help="default: half of --tokens, >= 256")
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--probe-tokens", type=int, default=128, help="tokens of the per-group sensitivity probes")
+    ap.add_argument("--probe-level", type=float, default=0.5, help="the level each group is probed at alone")
     ap.add_argument("--levels", type=float, nargs="+", default=list(LEVELS))
     ap.add_argument("--cache", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             return float(kl(probe_ref, logp).mean())
 
         t0 = time.perf_counter()
-        sensitivity = probe_sensitivity(samples, evaluate, 0.5, "wina")
+        sensitivity = probe_sensitivity(samples, evaluate, args.probe_level, "wina")
         print(f"calibration: {sum(len(w) for w in cal_windows)} tokens, {len(samples)} probes in "
               f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
         variants = {}
