@@ -12,6 +12,9 @@ here, so each exists once.
 - ``layerzero::router::<path>`` (optional), shape ``[T]``: each token's top-1 routing probability.
 - ``layerzero::threshold``: a float32 scalar graph input whose initializer holds the compiled zeroing
   threshold, so the runtime (the guard's back-off) can change it per request without recompiling.
+- ``layerzero::activation_scale`` (``passes/sparsify_activations.py``): a float32 scalar graph input, initialised
+  to 1, that multiplies every calibrated activation threshold (0 = dense, the A/B switch); one input of its own,
+  not ``layerzero::threshold``, whose compiled default is 0 (exact) and whose unit is a router weight.
 - The force-off variant (``passes/force_off.py``, run by the profiler): one bool input
   ``layerzero::force_off::<path>`` per path (True = off) and one output ``layerzero::block::<path>``.
 - ``ai.layerzero::MoE``: the MoE pass's target-independent skipping form, which each target lowers; its input
@@ -28,6 +31,7 @@ from collections.abc import Iterable
 from typing import Any
 
 __all__ = [
+    "ACTIVATION_SCALE_INPUT",
     "BLOCK_PREFIX",
     "DYNAMIC_META_KEY",
     "FORCE_OFF_PREFIX",
@@ -53,6 +57,8 @@ MASK_PREFIX = RUNTIME_PREFIX + "mask::"
 ROUTER_PREFIX = RUNTIME_PREFIX + "router::"
 #: The run-time zeroing threshold (graph input with an initializer; ONNX Runtime lists it as overridable).
 THRESHOLD_INPUT = RUNTIME_PREFIX + "threshold"
+#: The run-time multiplier of the activation-sparsity thresholds (graph input with an initializer, default 1).
+ACTIVATION_SCALE_INPUT = RUNTIME_PREFIX + "activation_scale"
 #: The force-off variant's graph inputs, one per dynamic path.
 FORCE_OFF_PREFIX = RUNTIME_PREFIX + "force_off::"
 #: The force-off variant's graph outputs, one per dynamic path: the value the path writes.

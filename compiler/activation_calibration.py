@@ -1,0 +1,268 @@
+"""Calibrate ``SparsifyActivations``: per-channel thresholds for a model-wide activation sparsity (issue 23).
+
+1. ``collect_activations``: run the model (ONNX Runtime) on calibration requests with each projection group's input
+   as an extra output; keep up to ``max_tokens`` token rows of ``x`` per group (``[T, K]``).
+2. ``GroupSamples``: a group's samples with its weights (the group's projections side by side, ``[K, N]``) and the
+   row norms ``‖W_i,:‖`` of each input channel.
+3. Thresholds of one group at sparsity ``s`` (``thresholds_at``): ``"magnitude"``, one threshold for every channel
+   (the ``s``-quantile of ``|x|``); ``"wina"``, the ``s``-quantile ``t`` of ``|x_i|·‖W_i,:‖`` and ``t / ‖W_i,:‖``
+   per channel (WINA's criterion, the same kernel test ``|x_i| <= threshold_i``).
+4. A group's error at ``s`` (``GroupSamples.error``): the relative squared error of its projections' outputs on
+   the calibration tokens, ``‖(x − xm) W‖² / ‖x W‖²``, made monotone in ``s`` (a running maximum: a larger drop set
+   can cancel by chance). With ``sensitivity`` (``probe_sensitivity``: the model-output deviation measured with
+   that group alone at the probe level, divided by its own error there) the error is brought to the model output.
+5. Allocation for a model-wide target ``S`` (parameter-weighted: Σ params_g · s_g / Σ params_g), ``greedy``:
+   TEAL's greedy, every group from 0, one step (``step``) at a time to the group whose next step costs the least
+   error per parameter saved, until ``S`` (the last step stops between two levels, exactly at ``S``);
+   ``uniform``: every group at ``S``; ``max_error``: the largest ``S`` (on the greedy path) whose measured
+   deviation (``evaluate``) stays within a bound.
+
+Each ``Allocation`` carries the thresholds (the pass's ``thresholds`` argument), each group's level and the curve
+(model-wide sparsity → calibration error) for the report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from layerzero.errors import InvalidInputError
+from layerzero.passes.sparsify_activations import ActivationGroup
+
+__all__ = [
+    "Allocation",
+    "GroupSamples",
+    "collect_activations",
+    "greedy",
+    "group_samples",
+    "max_error",
+    "probe_sensitivity",
+    "uniform",
+]
+
+CRITERIA = ("magnitude", "wina")
+#: Token rows a group's error is measured on (the quantiles use every sample).
+ERROR_TOKENS = 256
+Evaluate = Callable[[Mapping[str, np.ndarray]], float]
+
+
+def collect_activations(
+    model: ir.Model, groups: Sequence[ActivationGroup], requests: Iterable[Mapping[str, np.ndarray]],
+    max_tokens: int = 2048,
+) -> dict[str, np.ndarray]:  # fmt: skip
+    """Every group's input ``x`` on ``requests`` (``[T, K]`` float32, at most ``max_tokens`` rows each)."""
+    from layerzero.ort_runner import create_session
+
+    proto = ir.to_proto(model)
+    existing = {o.name for o in proto.graph.output}
+    for g in groups:
+        if g.x.name not in existing:
+            proto.graph.output.append(onnx.helper.make_tensor_value_info(g.x.name, onnx.TensorProto.FLOAT, None))
+    session = create_session(proto.SerializeToString(), label="the calibration model")
+    names = [g.x.name for g in groups]
+    got: dict[str, list[np.ndarray]] = {g.name: [] for g in groups}
+    rows = 0
+    for feeds in requests:
+        values = session.run(names, dict(feeds))
+        for g, v in zip(groups, values, strict=True):
+            got[g.name].append(np.asarray(v, np.float32).reshape(-1, g.channels))
+        rows += got[groups[0].name][-1].shape[0] if groups else 0
+        if rows >= max_tokens:
+            break
+    return {n: np.concatenate(v)[:max_tokens] for n, v in got.items() if v}
+
+
+@dataclasses.dataclass
+class GroupSamples:
+    """One group's calibration samples ``x`` ``[T, K]`` and its weights ``[K, N]`` (projections side by side)."""
+
+    name: str
+    samples: np.ndarray
+    weight: np.ndarray
+    levels: np.ndarray = dataclasses.field(default_factory=lambda: np.round(np.arange(0.0, 0.951, 0.05), 4))
+
+    def __post_init__(self) -> None:
+        self.samples = np.asarray(self.samples, np.float32)
+        self.magnitudes = np.abs(self.samples)
+        self.weight = np.asarray(self.weight, np.float32)
+        self.row_norms = np.linalg.norm(self.weight, axis=1).astype(np.float32)
+        self._errors: dict[str, np.ndarray] = {}
+
+    @property
+    def params(self) -> int:
+        return int(self.weight.size)
+
+    @property
+    def channels(self) -> int:
+        return int(self.weight.shape[0])
+
+    def thresholds_at(self, s: float, criterion: str = "wina") -> np.ndarray:
+        """Per-channel thresholds that drop a fraction ``s`` of the calibration entries (0 at ``s`` = 0)."""
+        if criterion not in CRITERIA:
+            raise InvalidInputError(f"activation criterion {criterion!r}: expected one of {', '.join(CRITERIA)}")
+        if s <= 0:
+            return np.zeros(self.channels, np.float32)
+        if criterion == "magnitude":
+            return np.full(self.channels, np.quantile(self.magnitudes, s), np.float32)
+        norms = np.maximum(self.row_norms, np.float32(1e-30))
+        t = np.quantile(self.magnitudes * norms, s)
+        return (t / norms).astype(np.float32)
+
+    def error(self, criterion: str = "wina") -> np.ndarray:
+        """The relative output error at each of ``levels`` (monotone)."""
+        if criterion not in self._errors:
+            x = self.samples[:ERROR_TOKENS]
+            dense = float(np.square(x @ self.weight).sum()) or 1.0
+            errs = []
+            for s in self.levels:
+                t = self.thresholds_at(float(s), criterion)
+                dropped = np.where(np.abs(x) <= t, x, 0.0).astype(np.float32)
+                errs.append(float(np.square(dropped @ self.weight).sum()) / dense)
+            self._errors[criterion] = np.maximum.accumulate(np.array(errs))
+        return self._errors[criterion]
+
+    def realized(self, thresholds: np.ndarray) -> float:
+        """The fraction of calibration entries ``thresholds`` drop."""
+        return float(np.mean(self.magnitudes <= thresholds))
+
+
+def group_samples(
+    groups: Sequence[ActivationGroup], activations: Mapping[str, np.ndarray], levels: np.ndarray | None = None
+) -> list[GroupSamples]:
+    """``GroupSamples`` of each group that has samples."""
+    out = []
+    for g in groups:
+        if g.name in activations:
+            weight = np.concatenate([np.asarray(w, np.float32) for w in g.weights], axis=1)
+            kw = {} if levels is None else {"levels": np.asarray(levels, float)}
+            out.append(GroupSamples(g.name, activations[g.name], weight, **kw))
+    return out
+
+
+@dataclasses.dataclass
+class Allocation:
+    """Thresholds per group (the pass's argument), the level of each, the model-wide sparsity they reach on the
+    calibration samples (parameter-weighted) and the curve (sparsity, calibration error) that led there."""
+
+    method: str
+    target: float
+    thresholds: dict[str, np.ndarray]
+    levels: dict[str, float]
+    sparsity: float
+    curve: list[tuple[float, float]]
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "method": self.method,
+            "target": self.target,
+            "sparsity": self.sparsity,
+            "levels": dict(self.levels),
+            "curve": [[float(s), float(e)] for s, e in self.curve],
+        }
+
+
+def _check_target(target: float) -> None:
+    if not (0 <= target < 1):
+        raise InvalidInputError(f"activation sparsity must be in [0, 1), got {target!r}")
+
+
+def _weighted(groups: Sequence[GroupSamples], levels: Mapping[str, float]) -> float:
+    total = sum(g.params for g in groups) or 1
+    return sum(g.params * levels[g.name] for g in groups) / total
+
+
+def _finish(method: str, target: float, groups: Sequence[GroupSamples], index: Mapping[str, int], criterion: str,
+            curve: list[tuple[float, float]], partial: tuple[str, float] | None = None) -> Allocation:  # fmt: skip
+    levels = {g.name: float(g.levels[index[g.name]]) for g in groups}
+    if partial is not None:
+        levels[partial[0]] = partial[1]
+    thresholds = {g.name: g.thresholds_at(levels[g.name], criterion) for g in groups}
+    total = sum(g.params for g in groups) or 1
+    realized = sum(g.params * g.realized(thresholds[g.name]) for g in groups) / total
+    return Allocation(method, target, thresholds, levels, float(realized), curve)
+
+
+def uniform(groups: Sequence[GroupSamples], target: float, criterion: str = "magnitude",
+            sensitivity: Mapping[str, float] | None = None) -> Allocation:  # fmt: skip
+    """Every group at level ``target`` exactly (its error interpolated between the two levels around it)."""
+    _check_target(target)
+    levels = {g.name: float(target) for g in groups}
+    thresholds = {g.name: g.thresholds_at(float(target), criterion) for g in groups}
+    err = sum((sensitivity or {}).get(g.name, 1.0) * float(np.interp(target, g.levels, g.error(criterion)))
+              for g in groups)  # fmt: skip
+    total = sum(g.params for g in groups) or 1
+    realized = sum(g.params * g.realized(thresholds[g.name]) for g in groups) / total
+    return Allocation("uniform", target, thresholds, levels, float(realized), [(float(target), float(err))])
+
+
+def greedy(groups: Sequence[GroupSamples], target: float, criterion: str = "wina",
+           sensitivity: Mapping[str, float] | None = None) -> Allocation:  # fmt: skip
+    """TEAL's greedy: the step of least error per parameter saved, until the model-wide sparsity reaches ``target``."""
+    _check_target(target)
+    weight = {g.name: (sensitivity or {}).get(g.name, 1.0) for g in groups}
+    index = {g.name: 0 for g in groups}
+    total = sum(g.params for g in groups) or 1
+    reached = 0.0
+    err = sum(weight[g.name] * g.error(criterion)[0] for g in groups)
+    curve = [(0.0, float(err))]
+    while reached < target - 1e-9:
+        best, best_cost = None, np.inf
+        for g in groups:
+            i = index[g.name]
+            if i + 1 >= len(g.levels):
+                continue
+            e = g.error(criterion)
+            saved = g.params * (g.levels[i + 1] - g.levels[i])
+            cost = weight[g.name] * (e[i + 1] - e[i]) / max(saved, 1e-12)
+            if cost < best_cost:
+                best, best_cost = g, cost
+        if best is None:
+            break
+        i = index[best.name]
+        e = best.error(criterion)
+        gain = best.params * (best.levels[i + 1] - best.levels[i]) / total
+        if reached + gain > target + 1e-9:  # the last step goes only as far as the target (a level between two)
+            part = (target - reached) / gain
+            level = float(best.levels[i] + part * (best.levels[i + 1] - best.levels[i]))
+            curve.append((float(target), float(err + weight[best.name] * part * (e[i + 1] - e[i]))))
+            return _finish("greedy", target, groups, index, criterion, curve, (best.name, level))
+        err += weight[best.name] * (e[i + 1] - e[i])
+        reached += gain
+        index[best.name] = i + 1
+        curve.append((float(reached), float(err)))
+    return _finish("greedy", target, groups, index, criterion, curve)
+
+
+def probe_sensitivity(groups: Sequence[GroupSamples], evaluate: Evaluate, probe: float = 0.5,
+                      criterion: str = "wina") -> dict[str, float]:  # fmt: skip
+    """Per group: the model-output deviation ``evaluate`` measures with that group alone at level ``probe``,
+    divided by the group's own error there (so the greedy's errors are in the model output's unit)."""
+    out = {}
+    for g in groups:
+        i = int(np.argmin(np.abs(g.levels - probe)))
+        deviation = float(evaluate({g.name: g.thresholds_at(float(g.levels[i]), criterion)}))
+        own = float(g.error(criterion)[i])
+        out[g.name] = deviation / own if own > 0 else 0.0
+    return out
+
+
+def max_error(groups: Sequence[GroupSamples], bound: float, evaluate: Evaluate, criterion: str = "wina",
+              sensitivity: Mapping[str, float] | None = None, step: float = 0.05) -> Allocation:  # fmt: skip
+    """The largest model-wide sparsity on the greedy path (``step`` apart) whose measured deviation is <= ``bound``;
+    its curve is (sparsity, measured deviation) at each level tried."""
+    if not (np.isfinite(bound) and bound >= 0):
+        raise InvalidInputError(f"activation impact bound must be finite and >= 0, got {bound!r}")
+    best = greedy(groups, 0.0, criterion, sensitivity)
+    curve: list[tuple[float, float]] = [(0.0, 0.0)]
+    for target in np.arange(step, 0.951, step):
+        alloc = greedy(groups, float(target), criterion, sensitivity)
+        deviation = float(evaluate(alloc.thresholds))
+        curve.append((alloc.sparsity, deviation))
+        if deviation > bound:
+            break
+        best = alloc
+    return dataclasses.replace(best, method="max_error", target=float(bound), curve=curve)

@@ -1,0 +1,265 @@
+"""``SparsifyActivations``: calibrated activation sparsity of a dense decoder's projections (issue 23).
+
+Cases (a MatMul ``y = x @ W`` is a *projection* when ``W`` is a constant 2-D float weight and the node lies inside
+a layer scope, ``model.layers.<i>...``; ``lm_head`` and embeddings are outside every layer, so never):
+
+- **Groups**: the projections that read the same value share one mask (q/k/v read the attention's normed input,
+  gate/up the MLP's, o and down their own). A group's name, the key of ``thresholds``, is the module scope above its
+  projections plus their leaf names without ``_proj`` (single letters run together): ``model.layers.3.self_attn.qkv``,
+  ``model.layers.3.self_attn.o``, ``model.layers.3.mlp.gate_up``, ``model.layers.3.mlp.down`` (``find_groups``).
+- **Thresholds**: one per input channel (``[K]``, or a scalar: the uniform case), all >= 0. An entry is kept when
+  ``NOT (|x| <= threshold * scale)``, so NaN is kept and propagates, and threshold 0 keeps every nonzero entry (the
+  dense result). ``scale`` is the run-time multiplier ``layerzero::activation_scale`` (a graph input, default 1;
+  0 = dense): its own input rather than ``layerzero::threshold``, whose compiled default is 0 (exact) and whose
+  unit is a router weight (one shared input would either turn MoE skipping on or start the activations dense). The
+  guard's back-off (``runtime/guard.py``) changes ``layerzero::threshold`` only; backing activation sparsity off
+  the same way is dividing this scale by the same factor at each back-off (0 below the floor), not done yet. The
+  semantics apply to every token, prefill included (as TEAL evaluates).
+- **Reference form** (``native=False``, plain ONNX Runtime): ``xm = Where(Not(LessOrEqual(Abs(x), t * scale)), x,
+  0)`` once per group, the group's MatMuls then read ``xm``.
+- **Native form** (``native=True``): each projection becomes ``ai.layerzero::SparseLinear(x, W, t, scale)``
+  (``weight_format "f"``: W as it is, row i = input channel i) from ``liblayerzero_ort.so``; only for float32 ``x``.
+- **Mask**: per group, the graph output ``layerzero::mask::<group>`` holds the number of kept channels of each
+  token row (``[...]`` int64; nonzero = the group ran for that token); the realized sparsity of a row is
+  ``1 - kept / channels`` (``DynamicPath.detail["channels"]``). Each group is recorded as a ``DynamicPath`` of kind
+  ``"activation"`` whose one subpath's parameters are the group's weights.
+- **No rewrite**: a group that ``thresholds`` does not name, or whose thresholds are all zero (the dense model
+  exactly), or that is recorded as sparsified already (a second run); in the native form a group whose input is
+  not float32 is refused (``Refusal``, kind ``"activation"``, in ``REFUSED_META_KEY``).
+
+Bad thresholds (a name no group has, a shape other than ``[]`` / ``[K]``, a negative or non-finite value) are an
+``InvalidInputError`` naming the group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+
+import numpy as np
+import onnx_ir as ir
+
+from layerzero.contract import ACTIVATION_SCALE_INPUT, MASK_PREFIX, MOE_DOMAIN, REFUSED_META_KEY, DynamicPath
+from layerzero.errors import InvalidInputError
+from layerzero.passes._builder import Builder, claim_name
+from layerzero.passes._dynamic import read_dynamic_paths, record_dynamic_path
+from layerzero.passes._graph import NameFactory, const_array, insert_after_producer, layer_of, replace_value, scope_of
+from layerzero.passes._match import NoMatch, Refusal, need
+
+__all__ = ["SPARSE_LINEAR_OP", "ActivationGroup", "SparsifyActivations", "find_groups"]
+
+#: The native op (``ai.layerzero::SparseLinear``), the domain of ``ai.layerzero::MoE``.
+SPARSE_LINEAR_OP = "SparseLinear"
+KIND = "activation"
+_FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+
+@dataclasses.dataclass
+class ActivationGroup:
+    """The projections of one layer that read one value ``x``; ``weights[j]`` is ``projections[j]``'s ``[K, N_j]``."""
+
+    name: str
+    x: ir.Value
+    projections: list[ir.Node]
+    weights: list[np.ndarray]
+
+    @property
+    def channels(self) -> int:
+        return int(self.weights[0].shape[0])
+
+    @property
+    def params(self) -> int:
+        return int(sum(w.size for w in self.weights))
+
+    @property
+    def scopes(self) -> list[str]:
+        return [scope_of(n) for n in self.projections]
+
+
+def _projection_weight(node: ir.Node) -> np.ndarray | None:
+    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+        return None
+    w = node.inputs[1]
+    if w is None or w.dtype not in _FLOATS:
+        return None
+    array = const_array(w)
+    return array if array is not None and array.ndim == 2 else None
+
+
+def _leaf(scope: str) -> str:
+    leaf = scope.rsplit(".", 1)[-1]
+    return leaf[: -len("_proj")] if leaf.endswith("_proj") and len(leaf) > len("_proj") else leaf
+
+
+def _group_name(scopes: list[str]) -> str:
+    parents = {s.rsplit(".", 1)[0] if "." in s else s for s in scopes}
+    parent = parents.pop() if len(parents) == 1 else layer_of(scopes[0]) or scopes[0]
+    leaves = list(dict.fromkeys(_leaf(s) for s in scopes))
+    joined = "".join(leaves) if all(len(v) == 1 for v in leaves) else "_".join(leaves)
+    return f"{parent}.{joined}"
+
+
+def find_groups(model: ir.Model) -> list[ActivationGroup]:
+    """The projection groups of ``model``'s main graph, in graph order (names as the module docstring says)."""
+    by_x: dict[ir.Value, list[tuple[ir.Node, np.ndarray]]] = {}
+    for node in model.graph:
+        weight = _projection_weight(node)
+        x = node.inputs[0] if weight is not None else None
+        if x is None or x.dtype not in _FLOATS or layer_of(scope_of(node)) is None:
+            continue
+        if x.shape is not None and len(x.shape) and isinstance(x.shape[-1], int) and x.shape[-1] != weight.shape[0]:
+            continue
+        by_x.setdefault(x, []).append((node, weight))
+    groups: list[ActivationGroup] = []
+    taken: set[str] = set()
+    for x, members in by_x.items():
+        name = _group_name([scope_of(n) for n, _ in members])
+        base, i = name, 1
+        while name in taken:
+            i += 1
+            name = f"{base}_{i}"
+        taken.add(name)
+        groups.append(ActivationGroup(name, x, [n for n, _ in members], [w for _, w in members]))
+    return groups
+
+
+def _checked(name: str, value: object, channels: int) -> np.ndarray:
+    t = np.asarray(value, dtype=np.float32)
+    if t.shape not in ((), (channels,)):
+        raise InvalidInputError(
+            f"activation thresholds of {name!r}: shape {list(t.shape)}, expected [] or [{channels}] (one per input "
+            "channel)"
+        )
+    if not np.all(np.isfinite(t)) or np.any(t < 0):
+        raise InvalidInputError(f"activation thresholds of {name!r}: every value must be finite and >= 0")
+    return np.broadcast_to(t, (channels,)).astype(np.float32)
+
+
+def activation_scale_input(model: ir.Model) -> ir.Value:
+    """``layerzero::activation_scale``: a float32 scalar graph input initialised to 1, shared by every group."""
+    graph = model.graph
+    for value in graph.inputs:
+        if value.name == ACTIVATION_SCALE_INPUT:
+            return value
+    claim_name(graph, ACTIVATION_SCALE_INPUT)
+    value = ir.Value(
+        name=ACTIVATION_SCALE_INPUT,
+        type=ir.TensorType(ir.DataType.FLOAT),
+        shape=ir.Shape([]),
+        const_value=ir.tensor(np.array(1.0, np.float32), name=ACTIVATION_SCALE_INPUT),
+    )
+    graph.inputs.append(value)
+    graph.register_initializer(value)
+    return value
+
+
+class SparsifyActivations(ir.passes.InPlacePass):
+    """Threshold each projection group's input per channel (module docstring); ``native``: the SparseLinear form."""
+
+    def __init__(self, thresholds: Mapping[str, np.ndarray], native: bool) -> None:
+        super().__init__()
+        self.thresholds = dict(thresholds)
+        self.native = bool(native)
+        self.refused: list[Refusal] = []
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.refused = []
+        groups = {g.name: g for g in find_groups(model)}
+        unknown = sorted(set(self.thresholds) - set(groups))
+        if unknown:
+            known = ", ".join(list(groups)[:4]) + (", ..." if len(groups) > 4 else "")
+            raise InvalidInputError(
+                f"activation thresholds name {unknown[0]!r}, which is no projection group of the model "
+                f"({len(groups)} groups: {known or 'none'})"
+            )
+        checked = {n: _checked(n, t, groups[n].channels) for n, t in self.thresholds.items()}
+        done = {p.path for p in read_dynamic_paths(model) if p.kind == KIND}  # a second run changes nothing
+        todo = [(groups[n], t) for n, t in checked.items() if np.any(t > 0) and n not in done]
+        if not todo:
+            return ir.passes.PassResult(model, modified=False)
+        names = NameFactory(model.graph)
+        scale: ir.Value | None = None
+        modified = False
+        for group, t in todo:
+            try:
+                self._check(group)
+            except NoMatch as failure:
+                self.refused.append(Refusal.of(group.name, failure, KIND))
+                continue
+            if scale is None:
+                scale = activation_scale_input(model)
+            kept = self._rewrite(model, names, group, t, scale)
+            mask = ir.tape.Tape().op("Identity", [kept], name=names(f"/{group.name}/mask"))
+            ident = mask.producer()
+            mask.name = names(MASK_PREFIX + group.name)
+            mask.dtype, mask.shape = ir.DataType.INT64, ir.Shape(list(group.x.shape)[:-1])
+            kept.dtype, kept.shape = mask.dtype, mask.shape
+            model.graph.insert_after(kept.producer(), [ident])
+            model.graph.outputs.append(mask)
+            record_dynamic_path(
+                model,
+                DynamicPath(
+                    path=group.name,
+                    kind=KIND,
+                    subpaths=(group.name,),
+                    params=(group.params,),
+                    mask_output=mask.name,
+                    detail={
+                        "channels": group.channels,
+                        "projections": group.scopes,
+                        "form": "native" if self.native else "reference",
+                        "scale_input": ACTIVATION_SCALE_INPUT,
+                    },
+                ),
+            )
+            modified = True
+        if self.refused:
+            old = json.loads(model.metadata_props.get(REFUSED_META_KEY) or "[]")
+            model.metadata_props[REFUSED_META_KEY] = json.dumps(old + [r.to_json() for r in self.refused])
+        return ir.passes.PassResult(model, modified=modified)
+
+    def _check(self, group: ActivationGroup) -> None:
+        need(group.x.shape is not None and len(group.x.shape) >= 1, "its input's rank is unknown", *group.projections)
+        if self.native:
+            need(group.x.dtype == ir.DataType.FLOAT, "SparseLinear takes a float32 input", *group.projections)
+
+    def _rewrite(
+        self, model: ir.Model, names: NameFactory, group: ActivationGroup, t: np.ndarray, scale: ir.Value
+    ) -> ir.Value:
+        """Rewrite one group; returns its per-row kept-channel count."""
+        b = Builder.for_model(model, names, scope=group.name, scope_metadata=True)
+        x = group.x
+        dtype = x.dtype.numpy()
+        thresholds = b.weight("activation_thresholds", t.astype(np.float32 if self.native else dtype))
+        if self.native:
+            return self._native(model, b, group, thresholds, scale)
+        s = scale if x.dtype == ir.DataType.FLOAT else b.op1("Cast", [scale], to=x.dtype)
+        drop = b.op1("LessOrEqual", [b.op1("Abs", [x]), b.op1("Mul", [thresholds, s])])
+        keep = b.op1("Not", [drop])
+        xm = b.op1("Where", [keep, x, b.const("zero", np.zeros((), dtype))])
+        kept = b.reduce("ReduceSum", b.op1("Cast", [keep], to=ir.DataType.INT64), [-1], keepdims=0)
+        insert_after_producer(model.graph, x, b.take())
+        for node in group.projections:
+            node.replace_input_with(0, xm)
+        return kept
+
+    def _native(
+        self, model: ir.Model, b: Builder, group: ActivationGroup, thresholds: ir.Value, scale: ir.Value
+    ) -> ir.Value:
+        model.opset_imports.setdefault(MOE_DOMAIN, 1)
+        kept: ir.Value | None = None
+        for node in group.projections:
+            attrs = {"weight_format": "f", "block_size": 32, "path": scope_of(node) or node.name or group.name}
+            op = b.node(SPARSE_LINEAR_OP, [group.x, node.inputs[1], thresholds, scale], attrs, domain=MOE_DOMAIN,
+                        outputs=2)  # fmt: skip
+            y, count = op.outputs
+            y.dtype, y.shape = node.outputs[0].dtype, node.outputs[0].shape
+            count.dtype = ir.DataType.INT64
+            model.graph.insert_before(node, b.take())
+            replace_value(node.outputs[0], y, b.names)
+            model.graph.remove(node, safe=True)
+            kept = count if kept is None else kept
+        assert kept is not None
+        return kept
+

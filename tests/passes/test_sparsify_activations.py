@@ -1,0 +1,339 @@
+"""``SparsifyActivations`` and its calibration (issue 23): groups of a tiny Llama export, the reference form against
+a masked torch forward of the same weights, thresholds 0 and scale 0 = dense, NaN kept, the native form's nodes (and
+its outputs where ``ai.layerzero::SparseLinear`` is built), the calibration's allocation on seeded activations."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from layerzero.activation_calibration import GroupSamples, greedy, max_error, uniform
+from layerzero.contract import ACTIVATION_SCALE_INPUT, DYNAMIC_META_KEY, MASK_PREFIX
+from layerzero.errors import InvalidInputError
+from layerzero.passes.shape_inference import InferShapes
+from layerzero.passes.sparsify_activations import SPARSE_LINEAR_OP, SparsifyActivations, find_groups
+
+LAYERS, HIDDEN, FFN, VOCAB = 2, 64, 128, 128
+KINDS = {"self_attn.qkv": 3, "self_attn.o": 1, "mlp.gate_up": 2, "mlp.down": 1}
+MODULES = {"q_proj": "self_attn.qkv", "k_proj": "self_attn.qkv", "v_proj": "self_attn.qkv", "o_proj": "self_attn.o",
+           "gate_proj": "mlp.gate_up", "up_proj": "mlp.gate_up", "down_proj": "mlp.down"}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ small graph
+
+SMALL = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[N, 4] x) => (float[N, 3] y) <float[4, 3] w = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}> {
+    h = Relu (x)
+    y = MatMul (h, w)
+}
+"""
+
+
+def _small(helpers, name: str = "/model/layers.0/mlp/down_proj/MatMul") -> ir.Model:
+    model = helpers.parse(SMALL)
+    next(n for n in model.graph if n.op_type == "MatMul").name = name  # the exporter's path-like node name
+    InferShapes()(model)
+    return model
+
+
+def test_small_graph_masks_as_the_numpy_reference_nan_kept(helpers) -> None:
+    model = _small(helpers)
+    (group,) = find_groups(model)
+    assert group.name == "model.layers.0.mlp.down" and group.channels == 4
+    t = np.array([0.5, 0.0, 2.0, 0.25], np.float32)
+    assert SparsifyActivations({group.name: t}, native=False)(model).modified
+    helpers.check_model(model)
+    x = np.array([[0.4, 0.0, 2.5, -0.3], [np.nan, 1.0, 1.9, 0.25], [3.0, 0.0, 0.0, 0.0]], np.float32)
+    out = helpers.run_ort(model, {"x": x})
+    h = np.maximum(x, 0)
+    h = np.where(np.isnan(x), np.nan, h)  # Relu keeps NaN
+    keep = ~(np.abs(h) <= t)
+    w = np.arange(1, 13, dtype=np.float32).reshape(4, 3)
+    want = np.where(keep, h, 0) @ w
+    np.testing.assert_array_equal(out["y"], want)
+    assert np.isnan(out["y"][1]).all()  # NaN is kept and propagates
+    np.testing.assert_array_equal(out[MASK_PREFIX + group.name], keep.sum(-1))
+    # scale 0: every nonzero entry kept, the dense result
+    dense = helpers.run_ort(_small(helpers), {"x": x})["y"]
+    sess = helpers.session(model)
+    zero = dict(zip([o.name for o in sess.get_outputs()],
+                    sess.run(None, {"x": x, ACTIVATION_SCALE_INPUT: np.array(0, np.float32)})))  # fmt: skip
+    np.testing.assert_array_equal(zero["y"], dense)
+
+
+def test_zero_thresholds_leave_the_graph_alone_and_a_second_run_changes_nothing(helpers) -> None:
+    model = _small(helpers)
+    before = helpers.to_proto(model).SerializeToString()
+    assert not SparsifyActivations({"model.layers.0.mlp.down": np.zeros(4, np.float32)}, native=False)(model).modified
+    assert not SparsifyActivations({}, native=True)(model).modified
+    assert helpers.to_proto(model).SerializeToString() == before
+    assert SparsifyActivations({"model.layers.0.mlp.down": np.float32(0.1)}, native=False)(model).modified
+    count = helpers.count_nodes(model)
+    InferShapes()(model)
+    assert not SparsifyActivations({"model.layers.0.mlp.down": np.float32(0.1)}, native=False)(model).modified
+    assert helpers.count_nodes(model) == count
+
+
+@pytest.mark.parametrize(
+    ("thresholds", "needle"),
+    [
+        ({"model.layers.0.mlp.up": 0.1}, "no projection group"),
+        ({"model.layers.0.mlp.down": np.ones(3)}, "expected [] or [4]"),
+        ({"model.layers.0.mlp.down": -1.0}, "finite and >= 0"),
+        ({"model.layers.0.mlp.down": np.nan}, "finite and >= 0"),
+    ],
+)
+def test_bad_thresholds_are_one_line_naming_the_group(helpers, thresholds, needle) -> None:
+    model = _small(helpers)
+    with pytest.raises(InvalidInputError) as info:
+        SparsifyActivations(thresholds, native=False)(model)
+    message = str(info.value)
+    assert needle in message and "\n" not in message and "model.layers.0.mlp" in message
+
+
+def test_outside_a_layer_no_group(helpers) -> None:
+    assert find_groups(_small(helpers, "/lm_head/MatMul")) == []
+
+
+# ------------------------------------------------------------------------------------------------ tiny Llama
+
+torch = pytest.importorskip("torch", reason="export tests need torch (pip install -e '.[export]')")
+transformers = pytest.importorskip("transformers", reason="export tests need transformers")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory):
+    from layerzero.cli import main
+
+    tmp = tmp_path_factory.mktemp("sparse_llama")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128, initializer_range=0.2,
+        eos_token_id=None, bos_token_id=None,
+    )  # fmt: skip
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp / "llama")
+    assert main(["export", str(tmp / "llama"), "-o", str(tmp / "m.onnx")]) == 0
+    return hf, tmp / "m.onnx"
+
+
+def _load(path: Path) -> ir.Model:
+    model = ir.load(path)
+    InferShapes()(model)
+    return model
+
+
+def _feeds(seq: int = 7) -> dict[str, np.ndarray]:
+    ids = np.random.default_rng(3).integers(0, VOCAB, size=(1, seq))
+    feeds = {"input_ids": ids.astype(np.int64), "attention_mask": np.ones((1, seq), np.int64),
+             "position_ids": np.arange(seq, dtype=np.int64)[None]}  # fmt: skip
+    for i in range(LAYERS):
+        for kind in ("key", "value"):
+            feeds[f"past_key_values.{i}.{kind}"] = np.zeros((1, 2, 0, HIDDEN // 4), np.float32)
+    return feeds
+
+
+def _thresholds(model: ir.Model, quantile: float = 0.4) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    # per-channel thresholds around the typical magnitude of the inputs (random weights, init range 0.2)
+    return {g.name: (rng.uniform(0.2, 1.6, g.channels) * quantile).astype(np.float32) for g in find_groups(model)}
+
+
+def _run(helpers, model: ir.Model, feeds, extra=None) -> dict[str, np.ndarray]:
+    sess = helpers.session(model)
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(None, {**feeds, **(extra or {})})))
+
+
+def test_groups_of_a_llama_export(llama) -> None:
+    _, path = llama
+    groups = find_groups(_load(path))
+    assert [g.name for g in groups] == [f"model.layers.{i}.{k}" for i in range(LAYERS) for k in KINDS]
+    assert [len(g.projections) for g in groups] == [n for _ in range(LAYERS) for n in KINDS.values()]
+    assert [g.channels for g in groups] == [HIDDEN, HIDDEN, HIDDEN, FFN] * LAYERS
+    assert groups[0].scopes == [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+
+
+def test_reference_form_equals_a_masked_torch_forward(helpers, llama) -> None:
+    hf, path = llama
+    model = _load(path)
+    thresholds = _thresholds(model)
+    assert SparsifyActivations(thresholds, native=False)(model).modified
+    helpers.check_model(model)
+    feeds = _feeds()
+    out = _run(helpers, model, feeds)
+    kept: dict[str, torch.Tensor] = {}
+
+    def hook(group: str):
+        def pre(_module, args):
+            x = args[0]
+            keep = ~(x.abs() <= torch.from_numpy(thresholds[group]))
+            kept[group] = keep.sum(-1)
+            return (torch.where(keep, x, torch.zeros_like(x)),)
+
+        return pre
+
+    def group_of(name: str) -> str:
+        return f"model.layers.{name.split('.')[2]}.{MODULES[name.rsplit('.', 1)[-1]]}"
+
+    handles = [module.register_forward_pre_hook(hook(group_of(name)))
+               for name, module in hf.named_modules() if name.rsplit(".", 1)[-1] in MODULES]  # fmt: skip
+    try:
+        with torch.no_grad():
+            want = hf(torch.from_numpy(feeds["input_ids"])).logits.numpy()
+    finally:
+        for h in handles:
+            h.remove()
+    np.testing.assert_allclose(out["logits"], want, rtol=1e-4, atol=1e-4)
+    masks = {k[len(MASK_PREFIX) :]: v for k, v in out.items() if k.startswith(MASK_PREFIX)}
+    assert set(masks) == set(thresholds)
+    for group, count in masks.items():
+        np.testing.assert_array_equal(count, kept[group].numpy())
+    dropped = [1 - masks[g].mean() / c for g, c in ((g.name, g.channels) for g in find_groups(_load(path)))]
+    assert 0.1 < float(np.mean(dropped)) < 0.9  # the thresholds really drop entries
+    paths = json.loads(model.metadata_props[DYNAMIC_META_KEY])
+    assert {p["path"] for p in paths} == set(thresholds) and {p["kind"] for p in paths} == {"activation"}
+    # scale 0 = the dense model; thresholds 0 = the graph unchanged
+    dense = _run(helpers, _load(path), feeds)["logits"]
+    off = {ACTIVATION_SCALE_INPUT: np.array(0, np.float32)}
+    np.testing.assert_array_equal(_run(helpers, model, feeds, off)["logits"], dense)
+    unchanged = _load(path)
+    before = helpers.count_nodes(unchanged)
+    zeros = {g: np.zeros_like(t) for g, t in thresholds.items()}
+    assert not SparsifyActivations(zeros, native=False)(unchanged).modified
+    assert helpers.count_nodes(unchanged) == before
+
+
+def test_native_form_node_layout(helpers, llama) -> None:
+    _, path = llama
+    model = _load(path)
+    thresholds = _thresholds(model)
+    assert SparsifyActivations(thresholds, native=True)(model).modified
+    ops = helpers.op_counts(model)
+    assert ops[SPARSE_LINEAR_OP] == sum(KINDS.values()) * LAYERS
+    assert ops["MatMul"] == 2 * LAYERS + 1  # attention's two and lm_head
+    assert model.opset_imports["ai.layerzero"] == 1
+    groups = {g.name: g for g in find_groups(_load(path))}
+    for node in model.graph:
+        if node.op_type != SPARSE_LINEAR_OP:
+            continue
+        assert node.domain == "ai.layerzero" and len(node.inputs) == 4 and len(node.outputs) == 2
+        x, w, t, scale = node.inputs
+        assert node.attributes["weight_format"].value == "f" and node.attributes["block_size"].value == 32
+        path_attr = node.attributes["path"].value
+        group = next(g for g in groups.values() if path_attr in g.scopes)
+        assert x.name == group.x.name and scale.name == ACTIVATION_SCALE_INPUT
+        np.testing.assert_array_equal(t.const_value.numpy(), thresholds[group.name])
+        assert w.const_value.numpy().shape[0] == group.channels
+    onnx.checker.check_model(ir.to_proto(model))
+    # numerics only where the op is built
+    try:
+        sess = helpers.session(model)
+    except Exception as exc:  # no liblayerzero_ort.so with SparseLinear here
+        pytest.skip(f"ai.layerzero::SparseLinear is not available here ({str(exc).splitlines()[0][:120]})")
+    reference = _load(path)
+    SparsifyActivations(thresholds, native=False)(reference)
+    feeds = _feeds()
+    got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    want = _run(helpers, reference, feeds)
+    np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
+    for name in want:
+        if name.startswith(MASK_PREFIX):
+            np.testing.assert_array_equal(got[name], want[name])
+
+
+# ------------------------------------------------------------------------------------------------ calibration
+
+
+def _seeded_groups() -> list[GroupSamples]:
+    rng = np.random.default_rng(7)
+    out = []
+    for i, (k, n, spread) in enumerate([(32, 96, 1.0), (32, 32, 3.0), (32, 128, 0.5), (64, 32, 2.0)]):
+        x = rng.laplace(size=(600, k)) * rng.uniform(0.2, spread, size=k)
+        out.append(GroupSamples(f"model.layers.0.g{i}", x.astype(np.float32), rng.normal(size=(k, n))))
+    return out
+
+
+@pytest.mark.parametrize("target", [0.25, 0.4, 0.5])
+def test_greedy_reaches_the_sparsity_asked_with_a_monotone_curve(target: float) -> None:
+    groups = _seeded_groups()
+    alloc = greedy(groups, target, "wina")
+    assert abs(alloc.sparsity - target) <= 0.01  # realized on the samples
+    errors = [e for _, e in alloc.curve]
+    assert errors == sorted(errors) and abs(alloc.curve[-1][0] - target) < 1e-9
+    for g in groups:
+        assert np.all(np.diff(g.error("wina")) >= 0)
+    flat = uniform(groups, target, "wina")
+    assert abs(flat.sparsity - target) <= 0.01
+    assert abs(uniform(groups, target + 0.02, "magnitude").sparsity - target - 0.02) <= 0.01  # between two levels
+
+
+def test_greedy_realized_within_one_percent_on_many_groups() -> None:
+    rng = np.random.default_rng(11)
+    groups = [GroupSamples(f"model.layers.{i}.mlp.down", (rng.laplace(size=(400, 16)) * rng.uniform(0.1, 2, 16))
+                           .astype(np.float32), rng.normal(size=(16, 24))) for i in range(24)]  # fmt: skip
+    for target in (0.3, 0.45):
+        assert abs(greedy(groups, target, "magnitude").sparsity - target) <= 0.01
+
+
+def test_max_error_picks_the_largest_sparsity_within_the_bound() -> None:
+    groups = _seeded_groups()
+
+    def evaluate(thresholds) -> float:  # a deviation growing with the parameters dropped
+        return sum(g.params * g.realized(thresholds.get(g.name, 0)) for g in groups) / sum(g.params for g in groups)
+
+    alloc = max_error(groups, 0.33, evaluate)
+    assert alloc.method == "max_error" and evaluate(alloc.thresholds) <= 0.33
+    assert alloc.sparsity >= 0.25
+    with pytest.raises(InvalidInputError):
+        greedy(groups, 1.5)
+
+
+def test_collected_activations_are_the_projection_inputs(llama) -> None:
+    from layerzero.activation_calibration import collect_activations, group_samples
+
+    hf, path = llama
+    model = _load(path)
+    groups = find_groups(model)
+    feeds = _feeds(9)
+    got = collect_activations(model, groups, [feeds, feeds], max_tokens=12)
+    seen: dict[str, np.ndarray] = {}
+    def keep(name: str):
+        def pre(_module, args) -> None:
+            seen[name] = args[0].numpy()
+
+        return pre
+
+    handles = [module.register_forward_pre_hook(keep(name))
+               for name, module in hf.named_modules() if name.endswith(("q_proj", "down_proj"))]  # fmt: skip
+    try:
+        with torch.no_grad():
+            hf(torch.from_numpy(feeds["input_ids"]))
+    finally:
+        for h in handles:
+            h.remove()
+    assert set(got) == {g.name for g in groups} and all(v.shape == (12, g.channels) for g, v in
+                                                       zip(groups, got.values()))  # fmt: skip
+    for i in range(LAYERS):
+        for module, group in (("self_attn.q_proj", "self_attn.qkv"), ("mlp.down_proj", "mlp.down")):
+            want = seen[f"model.layers.{i}.{module}"].reshape(-1, got[f"model.layers.{i}.{group}"].shape[1])
+            np.testing.assert_allclose(got[f"model.layers.{i}.{group}"][:9], want, rtol=1e-4, atol=1e-5)
+    samples = group_samples(groups, got)
+    assert [s.weight.shape for s in samples[:2]] == [(HIDDEN, HIDDEN + 2 * HIDDEN // 2), (HIDDEN, HIDDEN)]
+
+
+def test_probed_sensitivity_scales_each_group_to_the_deviation_measured() -> None:
+    from layerzero.activation_calibration import probe_sensitivity
+
+    groups = _seeded_groups()
+    deviation = {g.name: 0.1 * (i + 1) for i, g in enumerate(groups)}
+    probed = probe_sensitivity(groups, lambda t: deviation[next(iter(t))], 0.5, "wina")
+    for g in groups:
+        assert probed[g.name] == pytest.approx(deviation[g.name] / g.error("wina")[10])
