@@ -43,6 +43,7 @@ __all__ = [
     "ROUTER_PREFIX",
     "RUNTIME_PREFIX",
     "SOLIDIFIED_META_KEY",
+    "SPARSE_LINEAR_OP",
     "THRESHOLD_INPUT",
     "DynamicPath",
     "is_runtime_output",
@@ -74,6 +75,8 @@ RESERVED_META_KEYS = (DYNAMIC_META_KEY, REFUSED_META_KEY, SOLIDIFIED_META_KEY)
 #: The skipping form ``ai.layerzero::MoE`` that the targets' lowerings replace.
 MOE_DOMAIN = "ai.layerzero"
 MOE_OP = "MoE"
+#: The activation-sparse linear ``ai.layerzero::SparseLinear`` (``passes/sparsify_activations.py``'s native form).
+SPARSE_LINEAR_OP = "SparseLinear"
 
 
 def is_runtime_output(name: str) -> bool:

@@ -40,7 +40,14 @@ from collections.abc import Mapping
 import numpy as np
 import onnx_ir as ir
 
-from layerzero.contract import ACTIVATION_SCALE_INPUT, MASK_PREFIX, MOE_DOMAIN, REFUSED_META_KEY, DynamicPath
+from layerzero.contract import (
+    ACTIVATION_SCALE_INPUT,
+    MASK_PREFIX,
+    MOE_DOMAIN,
+    REFUSED_META_KEY,
+    SPARSE_LINEAR_OP,
+    DynamicPath,
+)
 from layerzero.errors import InvalidInputError
 from layerzero.passes._builder import Builder, claim_name
 from layerzero.passes._dynamic import read_dynamic_paths, record_dynamic_path
@@ -49,8 +56,6 @@ from layerzero.passes._match import NoMatch, Refusal, need
 
 __all__ = ["SPARSE_LINEAR_OP", "ActivationGroup", "SparsifyActivations", "find_groups"]
 
-#: The native op (``ai.layerzero::SparseLinear``), the domain of ``ai.layerzero::MoE``.
-SPARSE_LINEAR_OP = "SparseLinear"
 KIND = "activation"
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 

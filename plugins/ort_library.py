@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from layerzero.contract import MOE_DOMAIN, MOE_OP
+from layerzero.contract import MOE_DOMAIN, MOE_OP, SPARSE_LINEAR_OP
 from layerzero.plugins.loader import PluginError, default_build_dir
 
 __all__ = [
@@ -49,7 +49,10 @@ logger = logging.getLogger(__name__)
 ORT_LIBRARY = "liblayerzero_ort.so"
 
 #: (domain, op_type) -> the custom-op library that implements it for ONNX Runtime's CPU provider.
-CUSTOM_OP_LIBRARIES: dict[tuple[str, str], str] = {(MOE_DOMAIN, MOE_OP): ORT_LIBRARY}
+CUSTOM_OP_LIBRARIES: dict[tuple[str, str], str] = {
+    (MOE_DOMAIN, MOE_OP): ORT_LIBRARY,
+    (MOE_DOMAIN, SPARSE_LINEAR_OP): ORT_LIBRARY,
+}
 
 _HEADER = "onnxruntime_cxx_api.h"
 
