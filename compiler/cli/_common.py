@@ -27,6 +27,7 @@ __all__ = [
     "add_moe_lowering",
     "add_stability_unit",
     "add_stability_window",
+    "add_threads",
     "check_output_dir",
     "check_output_file",
     "console",
@@ -41,6 +42,7 @@ __all__ = [
     "progress",
     "source_of",
     "stderr",
+    "thread_options",
     "write_file_atomic",
 ]
 
@@ -160,6 +162,29 @@ def add_stability_window(p: _Parser, help: str, *, default: int | None = Compile
 def add_stability_unit(p: _Parser, help: str) -> None:
     """``--stability-unit`` (``STABILITY_UNITS``, ``CompileOptions.stability_unit``)."""
     p.add_argument("--stability-unit", choices=STABILITY_UNITS, default=CompileOptions.stability_unit, help=help)
+
+
+def add_threads(p: _Parser) -> None:
+    """``--threads N``: ONNX Runtime's intra-op threads for the engine's sessions (default: its own choice, one per
+    core); ``thread_options`` turns it into ``Engine.load`` options."""
+    p.add_argument(
+        "--threads",
+        type=integer(1, 1024),
+        default=None,
+        metavar="N",
+        help="ONNX Runtime intra-op threads per session (default: onnxruntime's choice, one per core)",
+    )
+
+
+def thread_options(args: argparse.Namespace, backend: str = "onnxruntime") -> dict[str, int]:
+    """The ``Engine.load`` options ``--threads`` asks for ({} when not given); refused for a backend that has no
+    thread pool of ours to size (TensorRT)."""
+    threads = getattr(args, "threads", None)
+    if threads is None:
+        return {}
+    if backend not in ("onnxruntime", "ort"):
+        raise InvalidInputError(f"--threads {threads}: sizes ONNX Runtime's thread pool; backend {backend!r} has none")
+    return {"intra_op_num_threads": int(threads)}
 
 
 def add_guard_arguments(p: _Parser) -> None:
