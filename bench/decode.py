@@ -51,6 +51,7 @@ Exports, bundles and transformers' reference ids are cached under ~/.cache/layer
 from __future__ import annotations
 
 import argparse
+import bisect
 import hashlib
 import json
 import logging
@@ -655,6 +656,93 @@ def quantized_main(args: argparse.Namespace, rounds: int, verify_mode: str, say)
     return 1 if misses else 0
 
 
+def _op_groups(model_path: Path) -> dict[str, str]:
+    """Node name -> its row in the thread-scaling table: the op type, with the MatMuls split into lm_head (the one
+    whose constant weight's last dim is the vocabulary), dense (the other constant-weight MatMuls: q, k, v, o) and
+    attention (the score and context MatMuls, no constant); a Gemm is a router."""
+    import onnx
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    dims = {t.name: list(t.dims) for t in model.graph.initializer}
+    logits = next((o.type.tensor_type.shape.dim[-1].dim_value for o in model.graph.output if o.name == "logits"), 0)
+    groups = {}
+    for node in model.graph.node:
+        group = node.op_type
+        if node.op_type in ("MatMul", "MatMulNBits"):
+            weight = dims.get(node.input[1]) if len(node.input) > 1 else None
+            if weight is None:
+                group = f"{node.op_type} attention"
+            elif logits and logits in weight:
+                group = f"{node.op_type} lm_head"
+            else:
+                group = f"{node.op_type} dense"
+        elif node.op_type == "Gemm":
+            group = "Gemm router"
+        groups[node.name] = group
+    return groups
+
+
+def profile_threads(prepared: dict[str, Any], lowering: str, threads: list[int], prompt: list[int], new: int,
+                    say) -> dict[int, dict[str, Any]]:  # fmt: skip
+    """ONNX Runtime's own profile of one bundle's decode steps at each thread count: per op group, the summed
+    kernel time per decode step (the prefill run left out), the session's time per step (``model_run``) and the
+    Python loop's time around it (the step's wall time in the report minus ``model_run``)."""
+    path, _ = bundle(prepared, lowering, say, verify=False)
+    names = _op_groups(path / "model.onnx")
+    out: dict[int, dict[str, Any]] = {}
+    for t in threads:
+        prefix = prepared["root"] / f"profile-{lowering}-t{t}"
+        engine = Engine.load(path, intra_op_num_threads=t, enable_profiling=True, profile_file_prefix=str(prefix))
+        engine.generate(prompt[:4], max_new_tokens=2, stop_tokens=())  # warm-up (its runs are dropped below)
+        warm_runs = 2
+        gen = engine.generate(prompt, max_new_tokens=new, stop_tokens=())
+        events = json.loads(Path(engine.backend.end_profiling()).read_text())  # type: ignore[attr-defined]
+        runs = sorted((e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"),
+                      key=lambda e: e["ts"])[warm_runs + 1 :]  # fmt: skip  # warm-up and the prefill out
+        windows = [(e["ts"], e["ts"] + e["dur"]) for e in runs]
+        groups: dict[str, float] = {}
+        starts = [w[0] for w in windows]
+        for e in events:
+            if e.get("cat") != "Node" or not str(e.get("name", "")).endswith("_kernel_time"):
+                continue
+            i = bisect.bisect_right(starts, e["ts"]) - 1
+            if i < 0 or e["ts"] > windows[i][1]:
+                continue
+            node = e["name"].removesuffix("_kernel_time")
+            key = names.get(node) or e.get("args", {}).get("op_name", "?")
+            groups[key] = groups.get(key, 0.0) + e["dur"]
+        steps = len(windows)
+        # Means (not medians) here: the op groups are sums over the steps, and these rows account for them.
+        step_wall = statistics.mean(s.seconds for s in gen.report.steps[1:]) * 1e6
+        run_us = statistics.mean(e["dur"] for e in runs)
+        out[t] = {"groups": {k: v / steps for k, v in groups.items()}, "model_run_us": run_us,
+                  "step_us": step_wall, "steps": steps, "tokens_per_s": gen.report.decode_tokens_per_s}  # fmt: skip
+        del engine
+    return out
+
+
+def print_profile(family: str, lowering: str, prof: dict[int, dict[str, Any]]) -> None:
+    threads = sorted(prof)
+    a, b = threads[0], threads[-1]
+    print(f"\n{family} LZ {lowering}: ONNX Runtime profile, mean µs per decode step (kernel time summed per op group), "
+          f"{a} vs {b} thread(s)")  # fmt: skip
+    print(f"  {'op group':<22} " + " ".join(f"{f'{t} thr':>10}" for t in threads) + f" {'speedup':>8} {'share':>6}")
+    total_a = sum(prof[a]["groups"].values())
+    for key in sorted(prof[a]["groups"], key=lambda k: -prof[a]["groups"][k]):
+        values = [prof[t]["groups"].get(key, 0.0) for t in threads]
+        speedup = values[0] / values[-1] if values[-1] else float("nan")
+        print(f"  {key:<22} " + " ".join(f"{v:>10.1f}" for v in values) +
+              f" {speedup:>7.2f}× {values[0] / total_a:>6.1%}")  # fmt: skip
+    for label, field in (("kernels (sum)", None), ("model_run", "model_run_us"), ("step (wall)", "step_us")):
+        values = [sum(prof[t]["groups"].values()) if field is None else prof[t][field] for t in threads]
+        print(f"  {label:<22} " + " ".join(f"{v:>10.1f}" for v in values) + f" {values[0] / values[-1]:>7.2f}×")
+    for t in threads:
+        p = prof[t]
+        print(f"  {t} thread(s): {p['tokens_per_s']:.1f} tok/s decode; the loop around run: "
+              f"{p['step_us'] - p['model_run_us']:.0f} µs a step; run minus its kernels: "
+              f"{p['model_run_us'] - sum(p['groups'].values()):.0f} µs ({p['steps']} steps)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", default="mixtral,qwen3_moe")
@@ -681,7 +769,13 @@ def main(argv: list[str] | None = None) -> int:
         "(LayerZero fp32 native, ONNX Runtime's MatMulNBits + QMoE, llama.cpp Q4_0 / Q8_0 and F32, LayerZero "
         "int4 / int8) at 1 and 2 threads (see the module doc)",
     )
-    p.add_argument("--threads", default="1,2", help="thread counts of --weights int4 / int8 (default 1,2)")
+    p.add_argument("--threads", default="1,2", help="thread counts of --weights int4/int8 and --profile (default 1,2)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of the table: ONNX Runtime's per-op profile of the first --lowerings bundle's decode steps at "
+        "each --threads count (which ops gain from a second thread, and the loop around run)",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.genai_path is not None:
@@ -692,6 +786,19 @@ def main(argv: list[str] | None = None) -> int:
     def say(message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
+    if args.profile:
+        threads = [int(t) for t in args.threads.split(",") if t]
+        lowering = next(x for x in args.lowerings.split(",") if x)
+        if lowering == "native" and native_library(say):
+            raise SystemExit("--profile native: liblayerzero_ort.so is not built")
+        for family in [f for f in args.families.split(",") if f]:
+            config = configs(args.quick)[family]
+            prompt = np.random.default_rng(0).integers(0, config["vocab_size"], size=args.prompt).tolist()
+            prepared = prepare(family, config, prompt, args.new, say)
+            load = os.getloadavg()[0]
+            print_profile(family, lowering, profile_threads(prepared, lowering, threads, prompt, args.new, say))
+            print(f"  load average {load:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)")
+        return 0
     if args.weights != "fp32":
         return quantized_main(args, rounds, verify_mode, say)
     load_before = os.getloadavg()
