@@ -505,8 +505,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 class _EngineColumn:
     """A LayerZero / ONNX Runtime column at one thread count, through ``Engine.generate``."""
 
-    def __init__(self, path: Path, threads: int) -> None:
-        self.engine = Engine.load(path, intra_op_num_threads=threads)
+    def __init__(self, path: Path, threads: int, spin: bool | None = None) -> None:
+        self.engine = Engine.load(path, intra_op_num_threads=threads, allow_spinning=spin)
 
     def generate(self, prompt: list[int], new: int) -> dict[str, Any]:
         out = self.engine.generate(prompt, max_new_tokens=new, stop_tokens=())
@@ -572,7 +572,7 @@ def quantized_main(args: argparse.Namespace, rounds: int, verify_mode: str, say)
         for name in order:
             if name in paths:
                 for t in threads:
-                    columns[(name, t)] = _EngineColumn(paths[name], t)
+                    columns[(name, t)] = _EngineColumn(paths[name], t, False if args.no_spin else None)
                 deviation[name] = _deviation(columns[(name, threads[-1])].prefill(prompt), reference)
             elif name in ggufs:
                 n_ctx = args.prompt + args.new + 8
@@ -683,7 +683,7 @@ def _op_groups(model_path: Path) -> dict[str, str]:
 
 
 def profile_threads(prepared: dict[str, Any], lowering: str, threads: list[int], prompt: list[int], new: int,
-                    say) -> dict[int, dict[str, Any]]:  # fmt: skip
+                    say, spin: bool | None = None) -> dict[int, dict[str, Any]]:  # fmt: skip
     """ONNX Runtime's own profile of one bundle's decode steps at each thread count: per op group, the summed
     kernel time per decode step (the prefill run left out), the session's time per step (``model_run``) and the
     Python loop's time around it (the step's wall time in the report minus ``model_run``)."""
@@ -692,7 +692,8 @@ def profile_threads(prepared: dict[str, Any], lowering: str, threads: list[int],
     out: dict[int, dict[str, Any]] = {}
     for t in threads:
         prefix = prepared["root"] / f"profile-{lowering}-t{t}"
-        engine = Engine.load(path, intra_op_num_threads=t, enable_profiling=True, profile_file_prefix=str(prefix))
+        engine = Engine.load(path, intra_op_num_threads=t, allow_spinning=spin, enable_profiling=True,
+                             profile_file_prefix=str(prefix))  # fmt: skip
         engine.generate(prompt[:4], max_new_tokens=2, stop_tokens=())  # warm-up (its runs are dropped below)
         warm_runs = 2
         gen = engine.generate(prompt, max_new_tokens=new, stop_tokens=())
@@ -771,6 +772,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--threads", default="1,2", help="thread counts of --weights int4/int8 and --profile (default 1,2)")
     p.add_argument(
+        "--no-spin",
+        action="store_true",
+        help="--weights / --profile: ONNX Runtime's idle workers sleep instead of spinning (allow_spinning=False)",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="instead of the table: ONNX Runtime's per-op profile of the first --lowerings bundle's decode steps at "
@@ -796,7 +802,8 @@ def main(argv: list[str] | None = None) -> int:
             prompt = np.random.default_rng(0).integers(0, config["vocab_size"], size=args.prompt).tolist()
             prepared = prepare(family, config, prompt, args.new, say)
             load = os.getloadavg()[0]
-            print_profile(family, lowering, profile_threads(prepared, lowering, threads, prompt, args.new, say))
+            spin = False if args.no_spin else None
+            print_profile(family, lowering, profile_threads(prepared, lowering, threads, prompt, args.new, say, spin))
             print(f"  load average {load:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)")
         return 0
     if args.weights != "fp32":

@@ -1,4 +1,5 @@
-"""``--threads N`` (``layerzero generate`` and ``serve``): ONNX Runtime's intra-op pool of the engine's sessions.
+"""``--threads N`` / ``--no-spin`` (``layerzero generate`` and ``serve``): ONNX Runtime's intra-op pool of the
+engine's sessions.
 
 A tiny hand-made causal LM (the shape ``layerzero export`` writes: ids, mask, positions and one layer's KV cache
 in, logits and presents out) whose logits make token t follow t - 1 + 1: what it generates is known exactly. The
@@ -86,6 +87,15 @@ def _threads(engine: Engine) -> int:
     return int(engine.backend.session.get_session_options().intra_op_num_threads)
 
 
+def _spinning(engine: Engine) -> str | None:
+    """The session's ``session.intra_op.allow_spinning`` entry ("0" / "1"), None when not set (ORT's default)."""
+    options = engine.backend.session.get_session_options()
+    try:
+        return options.get_session_config_entry("session.intra_op.allow_spinning") or None
+    except RuntimeError:
+        return None
+
+
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_generate_threads_sizes_the_session(lm: Path, loaded: list[Engine], n: int, capsys) -> None:
     code = main(["generate", str(lm), "--prompt-ids", "3", "--max-new-tokens", "4", "--threads", str(n), "--json"])
@@ -97,6 +107,20 @@ def test_generate_threads_sizes_the_session(lm: Path, loaded: list[Engine], n: i
 def test_generate_without_threads_leaves_onnxruntime_its_choice(lm: Path, loaded: list[Engine], capsys) -> None:
     assert main(["generate", str(lm), "--prompt-ids", "3", "--max-new-tokens", "2", "--json"]) == 0
     assert [_threads(e) for e in loaded] == [0]  # 0: ONNX Runtime's default (one thread per core)
+    assert [_spinning(e) for e in loaded] == [None]
+
+
+def test_generate_no_spin_makes_idle_workers_sleep(lm: Path, loaded: list[Engine], capsys) -> None:
+    argv = ["generate", str(lm), "--prompt-ids", "3", "--max-new-tokens", "3", "--threads", "2", "--no-spin", "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["ids"] == [4, 5, 6]
+    assert [(_threads(e), _spinning(e)) for e in loaded] == [(2, "0")]
+
+
+def test_backend_allow_spinning_option(lm: Path) -> None:
+    assert _spinning(Engine.load(lm, allow_spinning=True)) == "1"
+    assert _spinning(Engine.load(lm, allow_spinning=False)) == "0"
+    assert _spinning(Engine.load(lm)) is None
 
 
 @pytest.mark.parametrize("bad", ["0", "-1", "two", "1.5"])
@@ -137,14 +161,15 @@ def test_serve_threads_sizes_the_engine_and_the_reference(
     monkeypatch.setattr(server_module, "pytriton_available", lambda: True)
     bundle = tmp_path / "bundle"
     assert main(["compile", str(lm), "-o", str(bundle), "--no-verify"]) == 0
-    args = build_parser(["serve"]).parse_args(["serve", str(bundle), "--threads", "2", "--reference", str(lm)])
-    assert thread_options(args) == {"intra_op_num_threads": 2}
+    argv = ["serve", str(bundle), "--threads", "2", "--no-spin", "--reference", str(lm)]
+    args = build_parser(["serve"]).parse_args(argv)
+    assert thread_options(args) == {"intra_op_num_threads": 2, "allow_spinning": False}
     loaded.clear()
     with pytest.raises(Stop):
         serve.run(args)
     guard = got["guard"]
-    assert [_threads(e) for e in loaded] == [2]  # the served engine
+    assert [(_threads(e), _spinning(e)) for e in loaded] == [(2, "0")]  # the served engine
     feeds = guard.engine.first_step_feeds({"input_ids": np.array([[3]])})
     reference = guard._ref()  # what sampling, fallback and the kill switch run
-    assert _threads(reference) == 2
+    assert (_threads(reference), _spinning(reference)) == (2, "0")
     np.testing.assert_array_equal(reference.run(feeds).outputs["logits"], guard.engine.run(feeds).outputs["logits"])
