@@ -44,6 +44,31 @@ LayerZero lowering decodes ≥ 1.5 × the export's tokens/s, and every variant's
     python bench/decode.py --quick               # tiny sizes, 1 round (checks the path, not the speed)
     python bench/decode.py --genai-path /tmp/ortgenai --families mixtral
 
+Quantized weights (``--weights int4`` / ``int8``, issue 22): the same family, prompt and new tokens, batch 1, at each
+``--threads`` count (default 1 and 2), interleaved rounds (every column at every thread count once per round), the
+median decode tokens/s, time to first token and median step. Columns:
+- LZ fp32 native: the native-lowering bundle above (its ids must equal transformers');
+- ORT int4 / int8: ONNX Runtime's own best form of the same export: the ``ort-moe`` bundle's com.microsoft.MoE
+  nodes as com.microsoft.QMoE (block 32, symmetric codes written here, checked once against MoE on the weights the
+  codes decode to) and its dense MatMuls through ``onnxruntime.quantization.matmul_nbits_quantizer`` (MatMulNBits,
+  block 32, symmetric, accuracy_level 4); ONNX Runtime 1.32's CPU QMoE always renormalises the top-k weights, so a
+  family that does not (Qwen3-MoE) gets its output times the top-k probabilities' sum (see ``_qmoe_nodes``);
+- llama.cpp Q4_0 / Q8_0 and F32: llama-cpp-python built here from PyPI's source (``scripts/build_llamacpp.sh``), the
+  GGUF written from the same Hugging Face folder by the converter that source ships, quantized with
+  ``llama_model_quantize`` (``bench/_llamacpp.py``); F32 is the conversion's check (its logits must be the
+  export's within 1e-3 relative L2);
+- LZ int4 / int8: ``CompileOptions(weights="int4")`` with the native lowering; until that option exists the column
+  says "not available" and the run is a miss (exit 1).
+Beside each: the quantization's deviation from the fp32 export on the prompt (one prefill: top-1 agreement of the
+greedy id at every position, relative L2 of the logits) and how many of the greedy ids equal transformers' fp32 ones
+from the start. Targets (issue 22), per thread count, not judged at ``--quick``: LZ int4 ≥ 1.0 × llama.cpp Q4_0,
+≥ 3 × ORT int4 and ≥ 3 × LZ fp32 native; LZ int8 ≥ 1.0 × llama.cpp Q8_0. ``--no-spin`` makes ONNX Runtime's idle
+workers sleep (every ORT column); ``--profile`` prints ONNX Runtime's per-op profile of the first ``--lowerings``
+bundle's decode steps at each ``--threads`` count instead of the table.
+
+    python bench/decode.py --families qwen3_moe --weights int4 --rounds 3
+    python bench/decode.py --families qwen3_moe --profile --lowerings native --no-spin
+
 Exports, bundles and transformers' reference ids are cached under ~/.cache/layerzero/decode/<family>-<key>/
 (the key hashes the config, the sizes and the torch/transformers versions).
 """
