@@ -31,8 +31,8 @@ each time verification loads the original, which made a verified compile take ~5
 Sizes (``--quick``: 2 layers, for a smoke run; no target):
 - mixtral: hidden 1024, 8 layers, 16 heads / 4 kv heads, 8 experts top-2, intermediate 1536, vocab 32000
   (389 M parameters, 1.6 GB float32);
-- qwen3_moe: hidden 1024, 8 layers, 16 heads / 4 kv heads, head_dim 64, 32 experts top-4, moe intermediate
-  384, vocab 32000 (389 M parameters, 1.6 GB float32).
+- qwen3_moe: hidden 1024, 8 layers, 16 heads / 4 kv heads, head_dim 64, 32 experts top-4 (renormalised,
+  ``norm_topk_prob`` as the released models), moe intermediate 384, vocab 32000 (389 M parameters, 1.6 GB float32).
 Both have the same 40 M parameters per layer (experts 37.7 M), so the two differ only in routing: 2 of 8
 large experts against 4 of 32 small ones. They fit this 24 GB machine with the export (~7 GB peak) and
 export in ~15 minutes on 2 shared cores.
@@ -131,6 +131,9 @@ def configs(quick: bool) -> dict[str, dict[str, Any]]:
             intermediate_size=1024,
             decoder_sparse_step=1,
             head_dim=64,
+            # As the released Qwen3-MoE models (transformers' default is False): llama.cpp's qwen3moe graph always
+            # renormalises the top-k weights, so only this model is the same model in its columns.
+            norm_topk_prob=True,
         ),
     }
 
