@@ -15,6 +15,8 @@
 - Q4_0 / Q8_0 files are ``llama_cpp.llama_model_quantize`` of that F32 file with llama.cpp's default parameters
   (what its ``llama-quantize`` tool does: the routers and norms stay F32; the output matrix gets the type
   llama.cpp picks for that file type).
+- the F32 column runs with a float32 KV cache (the conversion's check: the export's logits within 1e-3), the
+  quantized ones with llama.cpp's default f16 cache (what its users run);
 - ``LlamaCppRunner`` runs greedy decode the way the other columns do (the prompt in one batch, then one token per
   step, argmax of the step's logits, ties to the lowest id as ``numpy.argmax``), timed the same way.
 
@@ -161,7 +163,7 @@ def quantize(f32: Path, out: Path, kind: str, say, threads: int = 2) -> None:
 class LlamaCppRunner:
     """One GGUF file at one thread count: greedy decode timed like the bench's engines, and the prefill's logits."""
 
-    def __init__(self, path: Path, threads: int, n_ctx: int, n_batch: int) -> None:
+    def __init__(self, path: Path, threads: int, n_ctx: int, n_batch: int, kv_f32: bool = False) -> None:
         import llama_cpp
 
         self.path, self.threads = path, threads
@@ -174,6 +176,7 @@ class LlamaCppRunner:
             n_threads_batch=threads,
             logits_all=False,
             verbose=False,
+            **_kv_types(kv_f32),
         )
         self._llama_cpp = llama_cpp
 
@@ -203,7 +206,14 @@ class LlamaCppRunner:
         return {"ids": ids, "ttft": first - start, "tps": tps, "step": statistics.median(steps) if steps else 0.0}
 
 
-def prefill_logits(path: Path, prompt: list[int], threads: int = 2) -> np.ndarray:
+def _kv_types(f32: bool) -> dict[str, int]:
+    """A float32 KV cache (GGML_TYPE_F32 = 0) for the F32 column, llama.cpp's default (f16) otherwise: with f16 the
+    bench's random Mixtral-style model's F32 logits were 2.2e-1 (relative L2) from the export's, with f32 6e-6
+    (a random deep model amplifies the cache's rounding)."""
+    return {"type_k": 0, "type_v": 0} if f32 else {}
+
+
+def prefill_logits(path: Path, prompt: list[int], threads: int = 2, kv_f32: bool = False) -> np.ndarray:
     """The logits of every prompt position ([n, vocab]) of one prefill batch (a context with logits_all)."""
     import llama_cpp
 
@@ -216,6 +226,7 @@ def prefill_logits(path: Path, prompt: list[int], threads: int = 2) -> np.ndarra
         n_threads_batch=threads,
         logits_all=True,
         verbose=False,
+        **_kv_types(kv_f32),
     )
     llm.eval(prompt)
     out = np.array(llm.scores[: len(prompt)], dtype=np.float32)

@@ -604,9 +604,11 @@ def quantized_main(args: argparse.Namespace, rounds: int, verify_mode: str, say)
                 deviation[name] = _deviation(columns[(name, threads[-1])].prefill(prompt), reference)
             elif name in ggufs:
                 n_ctx = args.prompt + args.new + 8
+                kv_f32 = name == "llama.cpp F32"  # the conversion's check: no f16 cache rounding (_llamacpp)
                 for t in threads:
-                    columns[(name, t)] = _llamacpp.LlamaCppRunner(ggufs[name], t, n_ctx, args.prompt)
-                deviation[name] = _deviation(_llamacpp.prefill_logits(ggufs[name], prompt), reference)
+                    columns[(name, t)] = _llamacpp.LlamaCppRunner(ggufs[name], t, n_ctx, args.prompt, kv_f32)
+                logits = _llamacpp.prefill_logits(ggufs[name], prompt, kv_f32=kv_f32)
+                deviation[name] = _deviation(logits, reference)
         for column in columns.values():  # warm-up: sessions, allocators, page cache
             column.generate(prompt[:4], 2)
         timings: dict[tuple[str, int], list[dict[str, Any]]] = {key: [] for key in columns}
