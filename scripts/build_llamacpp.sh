@@ -32,6 +32,7 @@ if [ -z "$wheel" ]; then
 fi
 "$PY" -m pip install --no-deps "$wheel"
 # llama_cpp's own runtime dependencies (small, pure Python; an installed numpy is kept as it is). The converter
-# takes its gguf package from the sdist's gguf-py (bench/_llamacpp.py), not from PyPI.
-"$PY" -m pip install numpy typing-extensions diskcache jinja2
+# takes its gguf package from the sdist's gguf-py (bench/_llamacpp.py), not from PyPI; sentencepiece: its Llama / Mixtral
+# vocabulary path imports it before it falls back to tokenizer.json.
+"$PY" -m pip install numpy typing-extensions diskcache jinja2 sentencepiece
 "$PY" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
