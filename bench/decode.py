@@ -31,8 +31,8 @@ each time verification loads the original, which made a verified compile take ~5
 Sizes (``--quick``: 2 layers, for a smoke run; no target):
 - mixtral: hidden 1024, 8 layers, 16 heads / 4 kv heads, 8 experts top-2, intermediate 1536, vocab 32000
   (389 M parameters, 1.6 GB float32);
-- qwen3_moe: hidden 1024, 8 layers, 16 heads / 4 kv heads, head_dim 64, 32 experts top-4, moe intermediate
-  384, vocab 32000 (389 M parameters, 1.6 GB float32).
+- qwen3_moe: hidden 1024, 8 layers, 16 heads / 4 kv heads, head_dim 64, 32 experts top-4 (renormalised,
+  ``norm_topk_prob`` as the released models), moe intermediate 384, vocab 32000 (389 M parameters, 1.6 GB float32).
 Both have the same 40 M parameters per layer (experts 37.7 M), so the two differ only in routing: 2 of 8
 large experts against 4 of 32 small ones. They fit this 24 GB machine with the export (~7 GB peak) and
 export in ~15 minutes on 2 shared cores.
@@ -44,6 +44,31 @@ LayerZero lowering decodes ≥ 1.5 × the export's tokens/s, and every variant's
     python bench/decode.py --quick               # tiny sizes, 1 round (checks the path, not the speed)
     python bench/decode.py --genai-path /tmp/ortgenai --families mixtral
 
+Quantized weights (``--weights int4`` / ``int8``, issue 22): the same family, prompt and new tokens, batch 1, at each
+``--threads`` count (default 1 and 2), interleaved rounds (every column at every thread count once per round), the
+median decode tokens/s, time to first token and median step. Columns:
+- LZ fp32 native: the native-lowering bundle above (its ids must equal transformers');
+- ORT int4 / int8: ONNX Runtime's own best form of the same export: the ``ort-moe`` bundle's com.microsoft.MoE
+  nodes as com.microsoft.QMoE (block 32, symmetric codes written here, checked once against MoE on the weights the
+  codes decode to) and its dense MatMuls through ``onnxruntime.quantization.matmul_nbits_quantizer`` (MatMulNBits,
+  block 32, symmetric, accuracy_level 4); ONNX Runtime 1.32's CPU QMoE always renormalises the top-k weights, so a
+  family that does not (Qwen3-MoE) gets its output times the top-k probabilities' sum (see ``_qmoe_nodes``);
+- llama.cpp Q4_0 / Q8_0 and F32: llama-cpp-python built here from PyPI's source (``scripts/build_llamacpp.sh``), the
+  GGUF written from the same Hugging Face folder by the converter that source ships, quantized with
+  ``llama_model_quantize`` (``bench/_llamacpp.py``); F32 is the conversion's check (its logits must be the
+  export's within 1e-3 relative L2);
+- LZ int4 / int8: ``CompileOptions(weights="int4")`` with the native lowering; until that option exists the column
+  says "not available" and the run is a miss (exit 1).
+Beside each: the quantization's deviation from the fp32 export on the prompt (one prefill: top-1 agreement of the
+greedy id at every position, relative L2 of the logits) and how many of the greedy ids equal transformers' fp32 ones
+from the start. Targets (issue 22), per thread count, not judged at ``--quick``: LZ int4 ≥ 1.0 × llama.cpp Q4_0,
+≥ 3 × ORT int4 and ≥ 3 × LZ fp32 native; LZ int8 ≥ 1.0 × llama.cpp Q8_0. ``--no-spin`` makes ONNX Runtime's idle
+workers sleep (every ORT column); ``--profile`` prints ONNX Runtime's per-op profile of the first ``--lowerings``
+bundle's decode steps at each ``--threads`` count instead of the table.
+
+    python bench/decode.py --families qwen3_moe --weights int4 --rounds 3
+    python bench/decode.py --families qwen3_moe --profile --lowerings native --no-spin
+
 Exports, bundles and transformers' reference ids are cached under ~/.cache/layerzero/decode/<family>-<key>/
 (the key hashes the config, the sizes and the torch/transformers versions).
 """
@@ -51,6 +76,7 @@ Exports, bundles and transformers' reference ids are cached under ~/.cache/layer
 from __future__ import annotations
 
 import argparse
+import bisect
 import hashlib
 import json
 import logging
@@ -105,6 +131,9 @@ def configs(quick: bool) -> dict[str, dict[str, Any]]:
             intermediate_size=1024,
             decoder_sparse_step=1,
             head_dim=64,
+            # As the released Qwen3-MoE models (transformers' default is False): llama.cpp's qwen3moe graph always
+            # renormalises the top-k weights, so only this model is the same model in its columns.
+            norm_topk_prob=True,
         ),
     }
 
@@ -286,13 +315,472 @@ def genai_for(prepared: dict[str, Any], family: str, say) -> tuple[GenAIRunner |
         return None, f"onnxruntime-genai {og.__version__} failed on {family}: {type(exc).__name__}: {first}"
 
 
+# ------------------------------------------------------------------------------------------ --weights int4 / int8
+
+#: llama.cpp's file type of the same bits (its symmetric 32-blocks: 4-bit codes offset 8, or int8, one scale each).
+LLAMACPP_KIND = {4: "Q4_0", 8: "Q8_0"}
+#: Issue 22's done-when, per thread count: (numerator, denominator, at least) on decode tokens/s.
+QUANT_TARGETS = {
+    4: (("LZ int4", "llama.cpp Q4_0", 1.0), ("LZ int4", "ORT int4", 3.0), ("LZ int4", "LZ fp32 native", 3.0)),
+    8: (("LZ int8", "llama.cpp Q8_0", 1.0),),
+}
+_SHAPE_ONLY = {"Reshape", "Identity", "Squeeze", "Unsqueeze", "Flatten", "Cast"}
+
+
+def _router_matmuls(graph: Any) -> list[str]:
+    """The MatMul nodes that compute a ``com.microsoft.MoE``'s router logits (through shape-only ops): kept float,
+    as llama.cpp keeps its ``ffn_gate_inp`` (the routing decides which experts run at all)."""
+    producer = {o: n for n in graph.node for o in n.output}
+    names = []
+    for node in graph.node:
+        if node.domain != "com.microsoft" or node.op_type != "MoE":
+            continue
+        value = node.input[1]
+        while value in producer and producer[value].op_type in _SHAPE_ONLY:
+            value = producer[value].input[0]
+        if value in producer and producer[value].op_type in ("MatMul", "Gemm"):
+            names.append(producer[value].name)
+    return names
+
+
+def _qmoe_weights(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """QMoE's layout of one expert stack ``w`` [E, out, in]: uint8 codes along ``in`` in 32-blocks (int4: two
+    offset-8 nibbles a byte, low nibble first; int8: code + 128), float32 scales [E, out, in / 32] (QMoE's default
+    zero points 8 / 128: symmetric); and the float weights those codes decode to."""
+    from layerzero.plugins.quant import dequantize_blocks, quantize_blocks
+
+    codes, scales = quantize_blocks(w, bits, 32, axis=-1)
+    decoded = dequantize_blocks(codes, scales, bits, 32, axis=-1)
+    if bits == 8:
+        codes = codes.view(np.uint8) ^ np.uint8(0x80)
+    return np.ascontiguousarray(codes), scales.astype(np.float32), decoded
+
+
+def _qmoe_nodes(moe: Any, bits: int, weights: dict[str, np.ndarray]) -> tuple[list[Any], dict[str, Any], dict]:
+    """``com.microsoft.MoE`` -> ``com.microsoft.QMoE`` (block 32, symmetric): the nodes that replace ``moe``, the
+    quantized initializers, and the float weights their codes decode to (for the check).
+
+    ONNX Runtime 1.32's CPU QMoE renormalises the top-k routing weights whatever ``normalize_routing_weights``
+    says (measured: its output equals MoE's with normalisation on); a model that does not renormalise (Qwen3-MoE's
+    ``norm_topk_prob=False``) gets QMoE's output times the sum of its top-k softmax probabilities (Softmax, TopK,
+    ReduceSum, Mul), which is the un-normalised mixture exactly."""
+    from onnx import helper
+
+    attrs = {a.name: helper.get_attribute_value(a) for a in moe.attribute}
+    fc1, fc2 = moe.input[2], moe.input[4]
+    quantized: dict[str, np.ndarray] = {}
+    decoded: dict[str, np.ndarray] = {}
+    for name in (fc1, fc2):
+        codes, scales, decoded[name] = _qmoe_weights(weights[name], bits)
+        quantized[f"{name}.q{bits}"], quantized[f"{name}.q{bits}.scales"] = codes, scales
+    bias1 = moe.input[3] if len(moe.input) > 3 else ""
+    bias2 = moe.input[5] if len(moe.input) > 5 else ""
+    inputs = [moe.input[0], moe.input[1], f"{fc1}.q{bits}", f"{fc1}.q{bits}.scales", bias1,
+              f"{fc2}.q{bits}", f"{fc2}.q{bits}.scales", bias2]  # fmt: skip
+    renormalise = int(attrs.get("normalize_routing_weights", 0)) == 0
+    out = moe.output[0]
+    q_out = f"{out}.q{bits}.normalised" if renormalise else out
+    nodes = [helper.make_node("QMoE", inputs, [q_out], name=f"{moe.name}.q{bits}", domain="com.microsoft",
+                              **{**attrs, "expert_weight_bits": bits, "block_size": 32})]  # fmt: skip
+    if renormalise:
+        k = f"{out}.q{bits}.k"
+        quantized[k] = np.array([int(attrs["k"])], dtype=np.int64)
+        p, top = f"{out}.q{bits}.probs", f"{out}.q{bits}.top"
+        total = f"{out}.q{bits}.top_sum"
+        nodes += [
+            helper.make_node("Softmax", [moe.input[1]], [p], axis=-1),
+            helper.make_node("TopK", [p, k], [top, f"{top}.indices"], axis=-1),
+            helper.make_node("ReduceSum", [top, f"{out}.q{bits}.axis"], [total], keepdims=1),
+            helper.make_node("Mul", [q_out, total], [out]),
+        ]
+        quantized[f"{out}.q{bits}.axis"] = np.array([-1], dtype=np.int64)
+    return nodes, quantized, decoded
+
+
+def _moe_session(nodes: list[Any], arrays: dict[str, np.ndarray], x: str, logits: str, y: str, shape) -> Any:
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    used = {i for n in nodes for i in n.input}
+    hidden, experts = shape
+    graph = helper.make_graph(
+        nodes,
+        "one_moe",
+        [
+            helper.make_tensor_value_info(x, TensorProto.FLOAT, ["T", hidden]),
+            helper.make_tensor_value_info(logits, TensorProto.FLOAT, ["T", experts]),
+        ],
+        [helper.make_tensor_value_info(y, TensorProto.FLOAT, ["T", hidden])],
+        [numpy_helper.from_array(a, n) for n, a in arrays.items() if n in used],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)], ir_version=10
+    )
+    onnx.checker.check_model(model)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def _check_qmoe(moe: Any, bits: int, weights: dict[str, np.ndarray], say) -> str:
+    """One layer's QMoE nodes against ``com.microsoft.MoE`` on the float weights their codes decode to (the
+    conversion's check: int4 dequantizes exactly, measured 4e-7; int8's kernel computes with int8 activations,
+    ~1e-2) and on the original weights (the quantization's own deviation), on 8 seeded tokens. Raises when the first
+    is off: the layout, not the quantization, would be wrong."""
+    nodes, quantized, decoded = _qmoe_nodes(moe, bits, weights)
+    experts, _, hidden = weights[moe.input[2]].shape
+    rng = np.random.default_rng(0)
+    feeds = {moe.input[0]: rng.standard_normal((8, hidden)).astype(np.float32),
+             moe.input[1]: rng.standard_normal((8, experts)).astype(np.float32)}  # fmt: skip
+    names = (moe.input[0], moe.input[1], moe.output[0], (hidden, experts))
+
+    def run(ns: list[Any], arrays: dict[str, np.ndarray]) -> np.ndarray:
+        return _moe_session(ns, arrays, *names).run(None, feeds)[0]
+
+    float_out = run([moe], weights)
+    decoded_out = run([moe], {**weights, **decoded})
+    q_out = run(nodes, {**weights, **quantized})
+    conv = float(np.linalg.norm(q_out - decoded_out) / np.linalg.norm(decoded_out))
+    quant = float(np.linalg.norm(q_out - float_out) / np.linalg.norm(float_out))
+    if not conv < (1e-3 if bits == 4 else 3e-2):
+        raise SystemExit(f"QMoE conversion check failed: relative L2 {conv:.2e} against MoE on the decoded weights")
+    note = f"QMoE checked once against MoE: rel L2 {conv:.1e} on the decoded weights, {quant:.1e} on the float ones"
+    say(note)
+    return note
+
+
+def ort_quantized(prepared: dict[str, Any], bits: int, say) -> tuple[Path, str]:
+    """ONNX Runtime's own int4 / int8 form of the export: LayerZero's ``ort-moe`` lowering (com.microsoft.MoE) with
+    every MoE as ``com.microsoft.QMoE`` (``_qmoe_nodes``) and the dense MatMuls through
+    ``onnxruntime.quantization.matmul_nbits_quantizer`` (block 32, symmetric, accuracy_level 4; the routers kept
+    float). Written once under the family's cache; returns the model and the QMoE check's note."""
+    import onnx
+    from onnx import numpy_helper
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    out = prepared["root"] / f"ort-int{bits}" / "model.onnx"
+    note_file = out.with_name("check.txt")
+    if out.is_file() and note_file.is_file():
+        return out, note_file.read_text()
+    source, _ = bundle(prepared, "ort-moe", say, verify=False)
+    say(f"{prepared['root'].name}: ONNX Runtime int{bits} form (QMoE + MatMulNBits) of the ort-moe bundle")
+    model = onnx.load(str(source / "model.onnx"))
+    graph = model.graph
+    routers = _router_matmuls(graph)
+    by_name = {t.name: t for t in graph.initializer}
+    note = ""
+    replaced: set[str] = set()
+    nodes = []
+    for node in graph.node:
+        if node.domain != "com.microsoft" or node.op_type != "MoE":
+            nodes.append(node)
+            continue
+        weights = {n: numpy_helper.to_array(by_name[n]) for n in (node.input[2], node.input[4])}
+        if not note:  # the first layer's: the conversion checked once
+            note = _check_qmoe(node, bits, weights, say)
+        new, quantized, _ = _qmoe_nodes(node, bits, weights)
+        graph.initializer.extend(numpy_helper.from_array(a, n) for n, a in quantized.items())
+        replaced.update(weights)
+        nodes += new
+    if not note:
+        raise SystemExit(f"{source}: no com.microsoft.MoE node to quantize")
+    del graph.node[:]
+    graph.node.extend(nodes)
+    still_used = {i for n in graph.node for i in n.input}
+    keep = [t for t in graph.initializer if t.name not in replaced or t.name in still_used]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+    quantizer = MatMulNBitsQuantizer(
+        model, bits=bits, block_size=32, is_symmetric=True, accuracy_level=4, nodes_to_exclude=routers
+    )
+    quantizer.process()
+    model = quantizer.model.model
+    dense = sum(1 for n in model.graph.node if n.op_type == "MatMulNBits")
+    note += f"; {dense} MatMuls as MatMulNBits, {len(routers)} routers kept float"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(".model.onnx")
+    onnx.save(model, str(tmp), save_as_external_data=True, location="model.onnx.data", size_threshold=1024)
+    tmp.replace(out)
+    note_file.write_text(note)
+    return out, note
+
+
+def lz_quantized(prepared: dict[str, Any], bits: int, say, verify: bool) -> tuple[Path | None, str]:
+    """LayerZero's own int4 / int8 bundle (``CompileOptions(weights="int4")``, native lowering), or why not."""
+    import dataclasses
+
+    if "weights" not in {f.name for f in dataclasses.fields(CompileOptions)}:
+        return None, "not available: CompileOptions has no weights option"
+    out = prepared["root"] / f"lz-native-int{bits}"
+    manifest_file = out / "manifest.json"
+    if not manifest_file.is_file() or (verify and not json.loads(manifest_file.read_text())["options"].get("verify")):
+        say(f"{prepared['root'].name}: compiling --moe-lowering native --weights int{bits}")
+        options = CompileOptions(moe_lowering="native", verify=verify, weights=f"int{bits}")  # type: ignore[call-arg]
+        compile_file(prepared["export"], out, options, overwrite=True)
+    return out, "compiled with verification" if verify else "compiled --no-verify"
+
+
+def _deviation(logits: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
+    """(top-1 agreement of the greedy ids over the prompt's positions, relative L2) of prefill logits [n, V]."""
+    logits, reference = np.asarray(logits, np.float64).reshape(reference.shape), np.asarray(reference, np.float64)
+    top1 = float(np.mean(np.argmax(logits, axis=-1) == np.argmax(reference, axis=-1)))
+    return top1, float(np.linalg.norm(logits - reference) / np.linalg.norm(reference))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+class _EngineColumn:
+    """A LayerZero / ONNX Runtime column at one thread count, through ``Engine.generate``."""
+
+    def __init__(self, path: Path, threads: int, spin: bool | None = None) -> None:
+        self.engine = Engine.load(path, intra_op_num_threads=threads, allow_spinning=spin)
+
+    def generate(self, prompt: list[int], new: int) -> dict[str, Any]:
+        out = self.engine.generate(prompt, max_new_tokens=new, stop_tokens=())
+        step = statistics.median(s.seconds for s in out.report.steps[1:]) if new > 1 else 0.0
+        return {"ids": out.ids, "ttft": out.report.time_to_first_token_s,
+                "tps": out.report.decode_tokens_per_s or 0.0, "step": step}  # fmt: skip
+
+    def prefill(self, prompt: list[int]) -> np.ndarray:
+        return prefill_logits(self.engine, prompt)[0]
+
+
+def quantized_main(args: argparse.Namespace, rounds: int, verify_mode: str, say) -> int:
+    """``--weights int4 / int8``: the columns of the module doc's quantized table, interleaved rounds, medians."""
+    import _llamacpp  # bench/_llamacpp.py, beside this script
+
+    bits = 4 if args.weights == "int4" else 8
+    kind = LLAMACPP_KIND[bits]
+    threads = [int(t) for t in args.threads.split(",") if t]
+    load_before = os.getloadavg()
+    all_configs = configs(args.quick)
+    families = [f for f in args.families.split(",") if f]
+    native_why = native_library(say)
+    llama_why = _llamacpp.missing()
+    results: list[dict[str, Any]] = []
+    misses: list[str] = []
+    for family in families:
+        config = all_configs[family]
+        prompt = np.random.default_rng(0).integers(0, config["vocab_size"], size=args.prompt).tolist()
+        prepared = prepare(family, config, prompt, args.new, say)
+        notes: list[str] = []
+        unavailable: dict[str, str] = {}
+        paths: dict[str, Path] = {}
+        if native_why:
+            unavailable["LZ fp32 native"] = native_why
+        else:
+            paths["LZ fp32 native"], _ = bundle(prepared, "native", say, verify=verify_mode == "all")
+        paths[f"ORT int{bits}"], note = ort_quantized(prepared, bits, say)
+        notes.append(f"ORT int{bits}: {note}")
+        lz_path, lz_note = lz_quantized(prepared, bits, say, verify=verify_mode != "none") if not native_why else (
+            None, native_why)  # fmt: skip
+        if lz_path is None:
+            unavailable[f"LZ int{bits}"] = lz_note
+        else:
+            paths[f"LZ int{bits}"] = lz_path
+            notes.append(f"LZ int{bits}: {lz_note}")
+        ggufs: dict[str, Path] = {}
+        if llama_why:
+            unavailable[f"llama.cpp {kind}"] = unavailable["llama.cpp F32"] = llama_why
+        else:
+            gguf_dir = prepared["root"] / "gguf"
+            ggufs["llama.cpp F32"] = gguf_dir / "model-f32.gguf"
+            _llamacpp.convert(prepared["hf"], ggufs["llama.cpp F32"], CACHE / "llamacpp", say)
+            ggufs[f"llama.cpp {kind}"] = gguf_dir / f"model-{kind.lower()}.gguf"
+            _llamacpp.quantize(ggufs["llama.cpp F32"], ggufs[f"llama.cpp {kind}"], kind, say)
+            notes.append(f"llama.cpp {_llamacpp.version()} (llama-cpp-python built here), GGUF from its converter")
+        # The deviation of every column from the fp32 export, on the prompt (one prefill, 2 threads).
+        export = Engine.load(prepared["export"])
+        reference = prefill_logits(export, prompt)[0]
+        del export
+        deviation: dict[str, tuple[float, float]] = {}
+        columns: dict[tuple[str, int], Any] = {}
+        order = ["LZ fp32 native", f"ORT int{bits}", f"llama.cpp {kind}", "llama.cpp F32", f"LZ int{bits}"]
+        for name in order:
+            if name in paths:
+                for t in threads:
+                    columns[(name, t)] = _EngineColumn(paths[name], t, False if args.no_spin else None)
+                deviation[name] = _deviation(columns[(name, threads[-1])].prefill(prompt), reference)
+            elif name in ggufs:
+                n_ctx = args.prompt + args.new + 8
+                kv_f32 = name == "llama.cpp F32"  # the conversion's check: no f16 cache rounding (_llamacpp)
+                for t in threads:
+                    columns[(name, t)] = _llamacpp.LlamaCppRunner(ggufs[name], t, n_ctx, args.prompt, kv_f32)
+                logits = _llamacpp.prefill_logits(ggufs[name], prompt, kv_f32=kv_f32)
+                deviation[name] = _deviation(logits, reference)
+        for column in columns.values():  # warm-up: sessions, allocators, page cache
+            column.generate(prompt[:4], 2)
+        timings: dict[tuple[str, int], list[dict[str, Any]]] = {key: [] for key in columns}
+        for r in range(rounds):
+            say(f"{family} --weights {args.weights}: round {r + 1}/{rounds} (load {os.getloadavg()[0]:.1f})")
+            for key, column in columns.items():
+                timings[key].append(column.generate(prompt, args.new))
+        print(
+            f"\n{family} --weights {args.weights}: {prepared['params'] / 1e6:.0f} M parameters, prompt {args.prompt}, "
+            f"{args.new} new tokens, batch 1, threads {','.join(map(str, threads))}, {rounds} interleaved round(s)"
+        )
+        for note in notes:
+            print(f"  {note}")
+        print(
+            f"  {'column':<16} {'threads':>7} {'decode tok/s':>12} {'first token':>12} {'median step':>12} "
+            f"{'top-1 vs fp32':>13} {'rel L2 vs fp32':>14}  ids == fp32 (leading, of {args.new})"
+        )
+        tps: dict[tuple[str, int], float] = {}
+        for name in order:
+            if name in unavailable:
+                print(f"  {name:<16} {'-':>7} {unavailable[name]}")
+                continue
+            for t in threads:
+                values = timings[(name, t)]
+                tps[(name, t)] = statistics.median(v["tps"] for v in values)
+                ttft = statistics.median(v["ttft"] for v in values)
+                step = statistics.median(v["step"] for v in values)
+                top1, rel = deviation[name]
+                same = _common_prefix(values[0]["ids"], prepared["ids"])
+                print(
+                    f"  {name:<16} {t:>7} {tps[(name, t)]:>12.1f} {ttft * 1e3:>9.0f} ms {step * 1e3:>9.2f} ms "
+                    f"{top1:>13.3f} {rel:>14.2e}  {same}"
+                )
+                results.append(dict(family=family, column=name, threads=t, decode_tokens_per_s=tps[(name, t)],
+                                    time_to_first_token_s=ttft, median_step_s=step, top1_vs_fp32=top1,
+                                    rel_l2_vs_fp32=rel, ids_equal_fp32_leading=same,
+                                    rounds=[v["tps"] for v in values]))  # fmt: skip
+            if name == "LZ fp32 native" and timings[(name, threads[0])][0]["ids"] != prepared["ids"]:
+                misses.append(f"{family} LZ fp32 native: ids differ from transformers' greedy")
+        if "llama.cpp F32" in deviation and deviation["llama.cpp F32"][1] > 1e-3:
+            misses.append(
+                f"{family} llama.cpp F32: relative L2 {deviation['llama.cpp F32'][1]:.1e} from the export's logits: "
+                "the GGUF is not the same model"
+            )
+        for t in threads:
+            for num, den, want in QUANT_TARGETS[bits]:
+                a, b = tps.get((num, t)), tps.get((den, t))
+                if a is None or b is None:
+                    why = unavailable.get(num) or unavailable.get(den) or "not measured"
+                    print(f"  target {num} / {den} >= {want} at {t} thread(s): not measured ({why})")
+                    # LayerZero's own column missing is a miss at any size; another tool's only where judged.
+                    if num in unavailable or not args.quick:
+                        misses.append(f"{family} {num} / {den} at {t} thread(s): not measured ({why})")
+                    continue
+                ratio = a / b if b else 0.0
+                judged = not args.quick
+                verdict = ("met" if ratio >= want else "NOT met") if judged else "no target at --quick"
+                print(f"  target {num} / {den} >= {want} at {t} thread(s): {ratio:.2f} {verdict}")
+                if judged and ratio < want:
+                    misses.append(f"{family} {num} / {den} at {t} thread(s): {ratio:.2f} < {want}")
+            fp32 = tps.get(("LZ fp32 native", t))
+            for name in (f"ORT int{bits}", f"llama.cpp {kind}", "llama.cpp F32"):
+                if fp32 and (name, t) in tps:
+                    print(f"  {name} / LZ fp32 native at {t} thread(s): {tps[(name, t)] / fp32:.2f}")
+        del columns
+    load_after = os.getloadavg()
+    print(
+        f"\nmachine: {os.cpu_count()} cores, load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "
+        "(shared: other processes run on the same cores)"
+    )
+    if args.json is not None:
+        args.json.write_text(json.dumps({"results": results, "load": [load_before, load_after]}, indent=1))
+    for miss in misses:
+        print(f"MISSED: {miss}")
+    return 1 if misses else 0
+
+
+def _op_groups(model_path: Path) -> dict[str, str]:
+    """Node name -> its row in the thread-scaling table: the op type, with the MatMuls split into lm_head (the one
+    whose constant weight's last dim is the vocabulary), dense (the other constant-weight MatMuls: q, k, v, o) and
+    attention (the score and context MatMuls, no constant); a Gemm is a router."""
+    import onnx
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    dims = {t.name: list(t.dims) for t in model.graph.initializer}
+    logits = next((o.type.tensor_type.shape.dim[-1].dim_value for o in model.graph.output if o.name == "logits"), 0)
+    groups = {}
+    for node in model.graph.node:
+        group = node.op_type
+        if node.op_type in ("MatMul", "MatMulNBits"):
+            weight = dims.get(node.input[1]) if len(node.input) > 1 else None
+            if weight is None:
+                group = f"{node.op_type} attention"
+            elif logits and logits in weight:
+                group = f"{node.op_type} lm_head"
+            else:
+                group = f"{node.op_type} dense"
+        elif node.op_type == "Gemm":
+            group = "Gemm router"
+        groups[node.name] = group
+    return groups
+
+
+def profile_threads(prepared: dict[str, Any], lowering: str, threads: list[int], prompt: list[int], new: int,
+                    say, spin: bool | None = None) -> dict[int, dict[str, Any]]:  # fmt: skip
+    """ONNX Runtime's own profile of one bundle's decode steps at each thread count: per op group, the summed
+    kernel time per decode step (the prefill run left out), the session's time per step (``model_run``) and the
+    Python loop's time around it (the step's wall time in the report minus ``model_run``)."""
+    path, _ = bundle(prepared, lowering, say, verify=False)
+    names = _op_groups(path / "model.onnx")
+    out: dict[int, dict[str, Any]] = {}
+    for t in threads:
+        prefix = prepared["root"] / f"profile-{lowering}-t{t}"
+        engine = Engine.load(path, intra_op_num_threads=t, allow_spinning=spin, enable_profiling=True,
+                             profile_file_prefix=str(prefix))  # fmt: skip
+        engine.generate(prompt[:4], max_new_tokens=2, stop_tokens=())  # warm-up (its runs are dropped below)
+        warm_runs = 2
+        gen = engine.generate(prompt, max_new_tokens=new, stop_tokens=())
+        events = json.loads(Path(engine.backend.end_profiling()).read_text())  # type: ignore[attr-defined]
+        runs = sorted((e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"),
+                      key=lambda e: e["ts"])[warm_runs + 1 :]  # fmt: skip  # warm-up and the prefill out
+        windows = [(e["ts"], e["ts"] + e["dur"]) for e in runs]
+        groups: dict[str, float] = {}
+        starts = [w[0] for w in windows]
+        for e in events:
+            if e.get("cat") != "Node" or not str(e.get("name", "")).endswith("_kernel_time"):
+                continue
+            i = bisect.bisect_right(starts, e["ts"]) - 1
+            if i < 0 or e["ts"] > windows[i][1]:
+                continue
+            node = e["name"].removesuffix("_kernel_time")
+            key = names.get(node) or e.get("args", {}).get("op_name", "?")
+            groups[key] = groups.get(key, 0.0) + e["dur"]
+        steps = len(windows)
+        # Means (not medians) here: the op groups are sums over the steps, and these rows account for them.
+        step_wall = statistics.mean(s.seconds for s in gen.report.steps[1:]) * 1e6
+        run_us = statistics.mean(e["dur"] for e in runs)
+        out[t] = {"groups": {k: v / steps for k, v in groups.items()}, "model_run_us": run_us,
+                  "step_us": step_wall, "steps": steps, "tokens_per_s": gen.report.decode_tokens_per_s}  # fmt: skip
+        del engine
+    return out
+
+
+def print_profile(family: str, lowering: str, prof: dict[int, dict[str, Any]]) -> None:
+    threads = sorted(prof)
+    a, b = threads[0], threads[-1]
+    print(f"\n{family} LZ {lowering}: ONNX Runtime profile, mean µs per decode step (kernel time summed per op group), "
+          f"{a} vs {b} thread(s)")  # fmt: skip
+    print(f"  {'op group':<22} " + " ".join(f"{f'{t} thr':>10}" for t in threads) + f" {'speedup':>8} {'share':>6}")
+    total_a = sum(prof[a]["groups"].values())
+    for key in sorted(prof[a]["groups"], key=lambda k: -prof[a]["groups"][k]):
+        values = [prof[t]["groups"].get(key, 0.0) for t in threads]
+        speedup = values[0] / values[-1] if values[-1] else float("nan")
+        print(f"  {key:<22} " + " ".join(f"{v:>10.1f}" for v in values) +
+              f" {speedup:>7.2f}× {values[0] / total_a:>6.1%}")  # fmt: skip
+    for label, field in (("kernels (sum)", None), ("model_run", "model_run_us"), ("step (wall)", "step_us")):
+        values = [sum(prof[t]["groups"].values()) if field is None else prof[t][field] for t in threads]
+        print(f"  {label:<22} " + " ".join(f"{v:>10.1f}" for v in values) + f" {values[0] / values[-1]:>7.2f}×")
+    for t in threads:
+        p = prof[t]
+        print(f"  {t} thread(s): {p['tokens_per_s']:.1f} tok/s decode; the loop around run: "
+              f"{p['step_us'] - p['model_run_us']:.0f} µs a step; run minus its kernels: "
+              f"{p['model_run_us'] - sum(p['groups'].values()):.0f} µs ({p['steps']} steps)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", default="mixtral,qwen3_moe")
     p.add_argument("--lowerings", default=",".join(LOWERINGS))
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per variant (default 3, --quick 1)")
     p.add_argument("--prompt", type=int, default=32)
-    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--new", "--new-tokens", dest="new", type=int, default=128)
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the path, not the speed (no target)")
     p.add_argument("--genai-path", type=Path, default=None, help="a pip --target folder holding onnxruntime_genai")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -304,6 +792,26 @@ def main(argv: list[str] | None = None) -> int:
         "(each variant's prefill logits and its 128 greedy ids are checked in any case)",
     )
     p.add_argument("--no-verify", action="store_true", help="the same as --verify none")
+    p.add_argument(
+        "--weights",
+        choices=("fp32", "int4", "int8"),
+        default="fp32",
+        help="fp32 (default): the export against LayerZero's lowerings; int4 / int8: the quantized columns "
+        "(LayerZero fp32 native, ONNX Runtime's MatMulNBits + QMoE, llama.cpp Q4_0 / Q8_0 and F32, LayerZero "
+        "int4 / int8) at 1 and 2 threads (see the module doc)",
+    )
+    p.add_argument("--threads", default="1,2", help="thread counts of --weights int4/int8 and --profile (default 1,2)")
+    p.add_argument(
+        "--no-spin",
+        action="store_true",
+        help="--weights / --profile: ONNX Runtime's idle workers sleep instead of spinning (allow_spinning=False)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of the table: ONNX Runtime's per-op profile of the first --lowerings bundle's decode steps at "
+        "each --threads count (which ops gain from a second thread, and the loop around run)",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.genai_path is not None:
@@ -314,6 +822,22 @@ def main(argv: list[str] | None = None) -> int:
     def say(message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
+    if args.profile:
+        threads = [int(t) for t in args.threads.split(",") if t]
+        lowering = next(x for x in args.lowerings.split(",") if x)
+        if lowering == "native" and native_library(say):
+            raise SystemExit("--profile native: liblayerzero_ort.so is not built")
+        for family in [f for f in args.families.split(",") if f]:
+            config = configs(args.quick)[family]
+            prompt = np.random.default_rng(0).integers(0, config["vocab_size"], size=args.prompt).tolist()
+            prepared = prepare(family, config, prompt, args.new, say)
+            load = os.getloadavg()[0]
+            spin = False if args.no_spin else None
+            print_profile(family, lowering, profile_threads(prepared, lowering, threads, prompt, args.new, say, spin))
+            print(f"  load average {load:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)")
+        return 0
+    if args.weights != "fp32":
+        return quantized_main(args, rounds, verify_mode, say)
     load_before = os.getloadavg()
     all_configs = configs(args.quick)
     families = [f for f in args.families.split(",") if f]

@@ -104,6 +104,7 @@ def create_session(
     graph_optimization_level: Any = None,
     intra_op_num_threads: int | None = None,
     inter_op_num_threads: int | None = None,
+    allow_spinning: bool | None = None,
     log_severity_level: int = 3,
     enable_profiling: bool = False,
     profile_file_prefix: str | None = None,
@@ -118,6 +119,8 @@ def create_session(
             (``liblayerzero_ort.so``) when it is built, as a plain model may hold ``ai.layerzero::MoE``;
             ``()``: none.
         graph_optimization_level: See ``optimization_level`` (default: all).
+        allow_spinning: Whether idle intra-op workers spin (ONNX Runtime's default) or sleep until the next parallel
+            op (``session.intra_op.allow_spinning``); None leaves ONNX Runtime's default.
         log_severity_level: 3 (errors only) by default: a bundle's unused-initializer warnings are noise.
         external_initializers: Initializers lent to the session without a copy (name -> C-contiguous array;
             the model names them as external data). The arrays stay referenced by the session, so they live
@@ -139,6 +142,8 @@ def create_session(
         options.intra_op_num_threads = int(intra_op_num_threads)
     if inter_op_num_threads is not None:
         options.inter_op_num_threads = int(inter_op_num_threads)
+    if allow_spinning is not None:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
     if enable_profiling:
         options.enable_profiling = True
         if profile_file_prefix:

@@ -110,11 +110,19 @@ class Report:
                     self.skipped_paths.append(path)
                 continue
             subpaths, params = entry["subpaths"], entry["params"]
-            for j, subpath in enumerate(subpaths):
-                column = array if len(subpaths) == 1 else array[..., j]
-                if column.size and not column.any():
-                    self.skipped_paths.append(str(subpath))
-                    self.skipped_params += int(params[j]) if j < len(params) else 0
+            if len(subpaths) == 1:
+                if array.size and not array.any():
+                    self.skipped_paths.append(str(subpaths[0]))
+                    self.skipped_params += int(params[0]) if params else 0
+                continue
+            if not array.size:
+                continue
+            # One reduction per mask, not one per subpath: a decode step of 8 layers x 32 experts made 256
+            # numpy calls here (~2 ms a step on this machine, beside a ~26 ms step).
+            alive = array.reshape(-1, array.shape[-1]).any(axis=0)
+            for j in np.flatnonzero(~alive[: len(subpaths)]).tolist():
+                self.skipped_paths.append(str(subpaths[j]))
+                self.skipped_params += int(params[j]) if j < len(params) else 0
         if confidences:
             self.routing_confidence = float(np.concatenate(confidences).mean())
         if self.skipped_params and self.params_before > 0:

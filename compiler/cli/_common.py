@@ -9,6 +9,7 @@ import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -27,6 +28,7 @@ __all__ = [
     "add_moe_lowering",
     "add_stability_unit",
     "add_stability_window",
+    "add_threads",
     "check_output_dir",
     "check_output_file",
     "console",
@@ -41,6 +43,7 @@ __all__ = [
     "progress",
     "source_of",
     "stderr",
+    "thread_options",
     "write_file_atomic",
 ]
 
@@ -160,6 +163,41 @@ def add_stability_window(p: _Parser, help: str, *, default: int | None = Compile
 def add_stability_unit(p: _Parser, help: str) -> None:
     """``--stability-unit`` (``STABILITY_UNITS``, ``CompileOptions.stability_unit``)."""
     p.add_argument("--stability-unit", choices=STABILITY_UNITS, default=CompileOptions.stability_unit, help=help)
+
+
+def add_threads(p: _Parser) -> None:
+    """``--threads N`` (ONNX Runtime's intra-op threads for the engine's sessions; default: its own choice, one per
+    core) and ``--no-spin`` (its idle workers sleep instead of spinning); ``thread_options`` turns them into
+    ``Engine.load`` options."""
+    p.add_argument(
+        "--threads",
+        type=integer(1, 1024),
+        default=None,
+        metavar="N",
+        help="ONNX Runtime intra-op threads per session (default: onnxruntime's choice, one per core)",
+    )
+    p.add_argument(
+        "--no-spin",
+        action="store_true",
+        help="idle ONNX Runtime worker threads sleep instead of spinning (faster where other processes share the "
+        "cores)",
+    )
+
+
+def thread_options(args: argparse.Namespace, backend: str = "onnxruntime") -> dict[str, Any]:
+    """The ``Engine.load`` options ``--threads`` / ``--no-spin`` ask for ({} when neither is given); refused for a
+    backend that has no thread pool of ours to size (TensorRT)."""
+    threads = getattr(args, "threads", None)
+    no_spin = bool(getattr(args, "no_spin", False))
+    if threads is None and not no_spin:
+        return {}
+    if backend not in ("onnxruntime", "ort"):
+        flag = f"--threads {threads}" if threads is not None else "--no-spin"
+        raise InvalidInputError(f"{flag}: sets ONNX Runtime's thread pool; backend {backend!r} has none")
+    options: dict[str, Any] = {} if threads is None else {"intra_op_num_threads": int(threads)}
+    if no_spin:
+        options["allow_spinning"] = False
+    return options
 
 
 def add_guard_arguments(p: _Parser) -> None:

@@ -21,6 +21,7 @@ stop token (--stop-ids, default the eos ids recorded at export).
 
 examples:
   layerzero generate model.lz --prompt-ids 1,2,3 --max-new-tokens 16
+  layerzero generate model.lz --prompt-ids 1,2,3 --threads 2
   layerzero generate model.lz --prompt "Once upon a time" --temperature 0.8 --top-p 0.9 --seed 0
   layerzero generate model.lz --prompt-ids 1,2,3 --json --steps
   layerzero generate model.lz --prompt-ids 1,2,3 --json --masks
@@ -37,7 +38,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from layerzero.cli._common import integer, number, one_line_errors, stderr
+from layerzero.cli._common import add_threads, integer, number, one_line_errors, stderr, thread_options
 from layerzero.errors import InvalidInputError
 
 
@@ -72,6 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object: ids, text, report")
     p.add_argument("--backend", default="onnxruntime", help="runtime backend (default onnxruntime)")
+    add_threads(p)
 
 
 def _ids(text: str, option: str, *, allow_none: bool = False) -> list[int]:
@@ -98,7 +100,7 @@ def _ids(text: str, option: str, *, allow_none: bool = False) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     from layerzero.runtime import Engine
 
-    engine = Engine.load(args.bundle, backend=args.backend)
+    engine = Engine.load(args.bundle, backend=args.backend, **thread_options(args, args.backend))
     from layerzero.runtime.text import TextCodec
 
     # The same tokenizer path as the server's OpenAI endpoints (runtime/text.py).

@@ -26,6 +26,8 @@ bundle's tokenizer.json is found (beside it or its source model): POST /v1/compl
 --model-name). One-prompt generations share decode steps (continuous batching: --generate-batch rows at once,
 --generate-queue more waiting, a 503 past that).
 
+--threads N sizes ONNX Runtime's intra-op thread pool of the served engine's sessions (and the reference's).
+
 The reference (for sampling, fallback, the kill switch and --max-tokens) is --reference, or else the model
 the bundle was compiled from when it is still there unchanged. Without one, the guard is off. A request
 picks its segment with the KServe request parameter "segment". Stops on Ctrl-C / SIGTERM.
@@ -48,12 +50,14 @@ from pathlib import Path
 from layerzero.cli._common import (
     add_device,
     add_guard_arguments,
+    add_threads,
     console,
     fraction,
     integer,
     one_line_errors,
     port,
     positive,
+    thread_options,
 )
 from layerzero.errors import InvalidInputError
 
@@ -79,6 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--client-timeout", type=positive, default=30.0, metavar="S",
                    help="seconds a client may take to send one request (default 30)")  # fmt: skip
     add_device(p)
+    add_threads(p)
     g = p.add_argument_group("guard")
     add_guard_arguments(g)
     g.add_argument("--window-seconds", type=positive, default=300.0, help="fallback-rate window (default 300)")
@@ -137,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError("`layerzero serve` needs PyTriton: pip install 'layerzero[serve]'")
     if not args.bundle.is_dir():
         raise InvalidInputError(f"{args.bundle} is not a bundle directory (compile the model first)")
-    options = {"device": args.device}
+    options = {"device": args.device, **thread_options(args)}  # the reference gets the same
     engine = Engine.load(args.bundle, **options)
     reference = None
     if not args.no_reference:
