@@ -9,7 +9,8 @@
   logits equal ONNX Runtime's reference form (the masked projections, ``Where``) with the dequantized weights;
 - thresholds 0 + q4 (the quantized-dense reference, ``quantized_dense_reference(compiled=...)``) holds the compiled
   model's codes bitwise and equals the dense MatMuls on the dequantized weights; it equals the compiled model at
-  ``layerzero::activation_scale`` 0;
+  ``layerzero::activation_scale`` 0; a reference already in the native form (a bisection checkpoint) is quantized
+  to the same codes;
 - refusals: ``--quant-block`` 64 / ``--quant-asymmetric`` (one line naming the option), N off the block (kept
   ``"f"``, in ``kept``), a compiled projection the reference lacks (``VerificationError``).
 """
@@ -330,3 +331,18 @@ def test_as_dense_sparse_linear_only_the_paths_named(llama: Path) -> None:
     done = as_dense_sparse_linear(model, {"model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj"})
     assert sorted(done) == ["model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj"]
     assert len(_sparse_nodes(model)) == 2
+
+
+
+def test_reference_already_in_the_native_form_is_quantized_as_compiled(llama: Path) -> None:
+    # A model already holding the SparseLinear projections (a bisection checkpoint after SparsifyActivations): no
+    # projection is "missing", QuantizeWeights quantizes them to the compiled codes.
+    compiled, _ = _sparse_quantized(llama, 8)
+    source = _load(llama)
+    assert SparsifyActivations(_thresholds(source), native=True)(source).modified
+    reference = quantized_dense_reference(source, CompileOptions(weights="int8"), compiled=compiled)
+    assert set(sparse_linear_formats(reference).values()) == {"q8"}
+    want = {n.attributes["path"].value: n for n in _sparse_nodes(compiled)}
+    for node in _sparse_nodes(reference):
+        np.testing.assert_array_equal(node.inputs[1].const_value.numpy(),
+                                      want[node.attributes["path"].value].inputs[1].const_value.numpy())  # fmt: skip
