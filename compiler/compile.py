@@ -191,7 +191,9 @@ def compile_model(
     )
 
 
-def quantized_dense_reference(model: ir.Model, options: CompileOptions, static_zeroing: bool = False) -> ir.Model:
+def quantized_dense_reference(
+    model: ir.Model, options: CompileOptions, static_zeroing: bool = False, compiled: ir.Model | None = None
+) -> ir.Model:
     """The quantized-dense reference, in place: ``model`` (the original, or it with its declared layers bypassed) with
     the compile's weight quantization (``QuantizeWeights``, the same options), nothing skipped. Verification compares
     the compiled model with it; a benchmark compares a quantized bundle's greedy ids with its.
@@ -208,6 +210,14 @@ def quantized_dense_reference(model: ir.Model, options: CompileOptions, static_z
     per-expert ``If`` with 2-D MatMuls): a block exported with stacked 3-D expert weights (``batched_mm``, dense
     forms) has no 2-D MatMul the quantization could reach, and the reference would keep those experts float while the
     compiled model holds them quantized. The float rewrite is what every float compile verifies against the original.
+
+    Activation sparsity (issue 23): ``compiled`` (the compiled model verification checks) names the projections it
+    holds as ``ai.layerzero::SparseLinear``; their quantized codes are blocks of 32 along N (the kernel's format),
+    not MatMulNBits' blocks along K, so the reference holds those projections as the same op at thresholds 0 (every
+    nonzero entry kept: the dense product of the same codes; ``as_dense_sparse_linear``) and ``QuantizeWeights``
+    quantizes them as it quantizes the compiled ones (a projection whose N the block does not divide stays float in
+    both). The reference then needs liblayerzero_ort.so, as the compiled model does. A projection the reference
+    does not have is a ``VerificationError``.
     """
     from layerzero.passes import FoldConstants
     from layerzero.passes._moe_node import MoENode, is_moe_node
@@ -228,6 +238,17 @@ def quantized_dense_reference(model: ir.Model, options: CompileOptions, static_z
     if forms and not any(f.quantized for f in forms):
         InferShapes()(model)
         LowerMoE(lowering="if", enabled=True, native_present=False)(model)
+    if compiled is not None:
+        from layerzero.passes.quantize_weights import as_dense_sparse_linear, sparse_linear_formats
+
+        # SparseLinear in the reference already (a source compiled in the native form) is quantized as compiled
+        paths = set(sparse_linear_formats(compiled)) - set(sparse_linear_formats(model))
+        missing = sorted(paths - set(as_dense_sparse_linear(model, paths)))
+        if missing:
+            raise VerificationError(
+                f"the quantized-dense reference has no MatMul for the compiled model's SparseLinear {missing[0]!r} "
+                f"({len(missing)} missing): its codes could not be the compiled model's"
+            )
     quantize_weights(model, options)
     return model
 
@@ -349,7 +370,8 @@ def verify_compiled(
             floats = references
             zeroed_atol = _check_statically_zeroed(reference, options, runners, comparator, originals, names, floats,
                                                    running, state)  # fmt: skip
-            run_reference = runners.of(quantized_dense_reference(reference, options), "quantized-reference")
+            quantized_reference = quantized_dense_reference(reference, options, compiled=compiled)
+            run_reference = runners.of(quantized_reference, "quantized-reference")
             references = []
             for input_set, _ in originals:
                 running(f"the quantized-dense reference on the {input_set.label} inputs")
@@ -358,7 +380,7 @@ def verify_compiled(
                     raise VerificationError(f"the quantized-dense reference's outputs {ref_names} are not {names}")
                 references.append(ref_outputs)
                 state["done"] += 1
-            del reference, run_reference
+            del reference, run_reference, quantized_reference
             deviation = quantization_deviation(names, floats, references)
             deviation["weights"] = options.weights
             deviation["reference"] = QUANTIZED_REFERENCE

@@ -18,6 +18,15 @@ per-expert MatMuls are ordinary MatMuls here):
    expert MatMuls with the options given); so is an MoE block whose hidden or expert size the block does not divide
    (its experts are quantized whole or not at all; cases 3 and 4).
 4. ``com.microsoft.MoE`` (the ``ort-moe`` lowering) → ``com.microsoft.QMoE`` (``passes/lower_qmoe.py``).
+5. ``ai.layerzero::SparseLinear`` (``SparsifyActivations``' native form, issue 23) with ``weight_format`` ``"f"`` and
+   a constant float weight ``W [K, N]`` → ``"q4"`` (int4: ``[K, N/2]`` uint8 nibbles) / ``"q8"`` (int8: ``[K, N]``
+   int8) with float16 ``w_scales [K, N/32]`` at input 5 (``""`` for an absent scale / bias at 3 / 4): symmetric
+   blocks of 32 along N, one input channel per stored row (``plugins/quant.py`` ``quantize_blocks(W, bits, 32,
+   axis=-1)``, the kernel's one format; ``sparse_linear_codes``). As for case 3, another ``block`` or
+   ``symmetric=False`` is refused (``InvalidInputError`` naming the option); ``N`` not a multiple of 32 keeps
+   ``"f"`` (a ``Refusal`` in ``kept``). These codes are blocks along N, MatMulNBits' along K: the verification's
+   quantized-dense reference holds the same projections as SparseLinear nodes at thresholds 0 (the dense product),
+   quantized by this case (``compiler/compile.py`` ``quantized_dense_reference``, ``as_dense_sparse_linear``).
 
 What stays float, and why: routers (a MatMul / Gemm whose output reaches a ``TopK``, the MoE node's logits or
 ``com.microsoft`` MoE's router probabilities through reshapes, casts, a bias, softmax / sigmoid: ``is_router``; a
@@ -25,8 +34,8 @@ routing decision flips on a small change and the weight is tiny; llama.cpp keeps
 tables (a lookup reads one row: nothing to gain); a weight a ``Gather`` also reads (a tied ``lm_head``): the MatMul
 gets its quantized copy, the ``Gather`` keeps the float table; a ``B`` that is a graph input (a feed may override
 it) or computed; ``K`` not a multiple of the block; ``Conv``, biases, norms, anything but the weights above; an
-already quantized graph (MatMulNBits, QMoE, a ``weight_format`` q4/q8 MoE) is left as it is, so a second run
-changes nothing.
+already quantized graph (MatMulNBits, QMoE, a ``weight_format`` q4/q8 MoE or SparseLinear) is left as it is, so a
+second run changes nothing.
 
 The block format (``quantize_matrix``; the one for every case above, so the MatMuls of the ``if`` lowering, the
 native experts, QMoE and the verification's quantized-dense reference hold the same codes for the same weight):
@@ -52,10 +61,11 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from layerzero.contract import MOE_DOMAIN, SPARSE_LINEAR_OP
 from layerzero.errors import InvalidInputError
 from layerzero.passes import lower_qmoe
 from layerzero.passes._builder import Builder
-from layerzero.passes._graph import NameFactory, const_array, replace_value
+from layerzero.passes._graph import NameFactory, const_array, replace_value, scope_of
 from layerzero.passes._match import NoMatch, Refusal, need
 from layerzero.passes._moe_node import MoENode, is_moe_node
 
@@ -63,6 +73,7 @@ __all__ = [
     "ACCURACY_LEVELS",
     "EXPERT_BLOCK",
     "QuantizeWeights",
+    "as_dense_sparse_linear",
     "check_expert_block",
     "dequantize_matrix",
     "is_router",
@@ -70,6 +81,8 @@ __all__ = [
     "pack_codes",
     "quantize_matrix",
     "quantize_rows",
+    "sparse_linear_codes",
+    "sparse_linear_formats",
 ]
 
 MS_DOMAIN = "com.microsoft"
@@ -193,13 +206,19 @@ def native_expert_codes(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarra
     return np.ascontiguousarray(stored), np.ascontiguousarray(scales.astype(np.float16))
 
 
+def sparse_linear_codes(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """SparseLinear's ``(w, w_scales)`` of a MatMul weight ``W [K, N]`` (input-major, blocks of 32 along N): q8
+    ``[K, N]`` int8, q4 ``[K, N/2]`` uint8; float16 scales ``[K, N/32]`` (the same rows format as the experts')."""
+    return native_expert_codes(np.asarray(w, np.float32), bits)
+
+
 class QuantizeWeights(ir.passes.InPlacePass):
     """The module docstring's cases. ``bits`` 4 or 8; ``block`` (MatMulNBits' block_size: a power of two >= 16);
     ``symmetric`` (False: with zero points); ``accuracy_level`` (MatMulNBits' 0-4, also QMoE's).
 
-    After a run: ``quantized`` (node names rewritten, by case: "matmul", "gemm", "moe", "qmoe"), ``kept``
-    (``Refusal`` records of the MatMul / Gemm / MoE nodes with a constant weight left float, with why; a MatMul of
-    two activations is no candidate and is not listed)."""
+    After a run: ``quantized`` (node names rewritten, by case: "matmul", "gemm", "moe", "qmoe", "sparse_linear"),
+    ``kept`` (``Refusal`` records of the MatMul / Gemm / MoE / SparseLinear nodes with a constant weight left float,
+    with why; a MatMul of two activations is no candidate and is not listed)."""
 
     def __init__(self, bits: int, block: int = 32, symmetric: bool = True, accuracy_level: int = 4) -> None:
         super().__init__()
@@ -211,7 +230,7 @@ class QuantizeWeights(ir.passes.InPlacePass):
         self.kept: list[Refusal] = []
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.quantized = {"matmul": [], "gemm": [], "moe": [], "qmoe": []}
+        self.quantized = {"matmul": [], "gemm": [], "moe": [], "qmoe": [], "sparse_linear": []}
         self.kept = []
         names = NameFactory(model.graph)
         builder = Builder.for_model(model, names)
@@ -230,6 +249,8 @@ class QuantizeWeights(ir.passes.InPlacePass):
                         self._gemm(builder, graph, node)
                     elif kind == "moe":
                         self._moe(builder, node)
+                    elif kind == "sparse_linear":
+                        self._sparse_linear(builder, node)
                     else:
                         lower_qmoe.quantize_ort_moe(
                             builder, graph, node, self.bits, self.block, self.symmetric, self.accuracy_level
@@ -367,6 +388,98 @@ class QuantizeWeights(ir.passes.InPlacePass):
             _drop_if_unused(old)
 
 
+    # ------------------------------------------------------------------------------------ SparseLinear
+
+    def _sparse_linear(self, builder: Builder, node: ir.Node) -> None:
+        attr = node.attributes.get("weight_format")
+        fmt = "f" if attr is None else attr.value
+        need(fmt == "f", f"weight already {fmt}", node)
+        path = _attr(node, "path") or node.name or "sparse_linear"
+        if self.block != EXPERT_BLOCK or not self.symmetric:
+            # Refused, not approximated (as the native experts): the kernel reads one format only.
+            what = f"blocks of {self.block}" if self.block != EXPERT_BLOCK else "zero points (--quant-asymmetric)"
+            raise InvalidInputError(
+                f"option quant_block / quant_symmetric: the SparseLinear kernel (liblayerzero_ort.so, projection "
+                f"{path}) reads symmetric blocks of {EXPERT_BLOCK} along N only, not {what}; use --quant-block "
+                f"{EXPERT_BLOCK} without --quant-asymmetric, or no activation sparsity"
+            )
+        need(len(node.inputs) >= 3, "an input is missing", node)
+        w = node.inputs[1]
+        array = const_array(w)
+        need(array is not None and w is not None and w.const_value is not None,
+             f"weight {w.name if w is not None else ''} is not an initializer", node)  # fmt: skip
+        need(w.const_value.dtype in _FLOATS, f"weight {w.name} is {w.const_value.dtype}, not a float type", node)
+        need(array.ndim == 2, f"weight {w.name} has rank {array.ndim}, not 2", node)
+        need(len(node.inputs) < 6 or node.inputs[5] is None, "w_scales given with weight_format f", node)
+        n = array.shape[1]
+        need(n % EXPERT_BLOCK == 0, f"N={n} is not a multiple of the kernel's block {EXPERT_BLOCK}: kept f", node)
+        codes, scales = sparse_linear_codes(array, self.bits)
+        fmt = f"q{self.bits}"
+        inputs = list(node.inputs) + [None] * (6 - len(node.inputs))
+        inputs[1] = builder.initializer(f"{path}.weight_{fmt}", codes)
+        inputs[5] = builder.initializer(f"{path}.weight_scales", scales)
+        node.resize_inputs(6)
+        for i, value in enumerate(inputs):
+            if node.inputs[i] is not value:
+                node.replace_input_with(i, value)
+        node.attributes["weight_format"] = ir.AttrString("weight_format", fmt)
+        node.attributes["block_size"] = ir.AttrInt64("block_size", EXPERT_BLOCK)
+        _drop_if_unused(w)
+
+
+def _attr(node: ir.Node, name: str) -> str | None:
+    value = node.attributes.get(name)
+    return None if value is None else value.value
+
+
+def sparse_linear_formats(model: ir.Model) -> dict[str, str]:
+    """``path -> weight_format`` of every ``ai.layerzero::SparseLinear`` of ``model`` (every graph)."""
+    return {
+        _attr(n, "path") or n.name or "": _attr(n, "weight_format") or "f"
+        for g in model.graphs()
+        for n in g
+        if _is_sparse_linear(n)
+    }
+
+
+def as_dense_sparse_linear(model: ir.Model, paths: set[str] | frozenset[str]) -> list[str]:
+    """The quantized-dense reference's form of the projections a compile made SparseLinear (issue 23): each MatMul
+    of ``model``'s main graph whose scope (``_graph.scope_of``, the ``path`` SparsifyActivations writes) is in
+    ``paths``, with a constant float 2-D weight, becomes ``SparseLinear(x, W, thresholds = 0)`` with ``weight_format
+    "f"`` (thresholds 0 keep every nonzero entry: the dense product, in the kernel's order), which ``QuantizeWeights``
+    then quantizes exactly as the compiled node (blocks of 32 along N; a MatMulNBits' blocks along K would be other
+    codes). Returns the paths rewritten, in graph order; the caller checks none is missing."""
+    done: list[str] = []
+    names = NameFactory(model.graph)
+    for node in list(model.graph):
+        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+            continue
+        path = scope_of(node) or node.name or ""
+        w = node.inputs[1]
+        array = const_array(w)
+        if path not in paths or array is None or array.ndim != 2 or w.dtype not in _FLOATS:
+            continue
+        # the MatMul's name scope (metadata): the node still reads as part of its module (scope_of)
+        b = Builder.for_model(model, names, node_prefix=f"{node.name or path}/reference_", metadata=node.metadata_props)
+        zero = b.initializer(f"{path}.reference_thresholds", np.zeros((), np.float32))
+        attrs = {"weight_format": "f", "block_size": EXPERT_BLOCK, "path": path}
+        op = b.node(SPARSE_LINEAR_OP, [node.inputs[0], w, zero], attrs, domain=MOE_DOMAIN, outputs=2)
+        y, kept = op.outputs
+        y.dtype, y.shape = node.outputs[0].dtype, node.outputs[0].shape
+        kept.dtype = ir.DataType.INT64
+        model.graph.insert_before(node, b.take())
+        replace_value(node.outputs[0], y, names)
+        model.graph.remove(node, safe=True)
+        done.append(path)
+    if done:
+        model.opset_imports.setdefault(MOE_DOMAIN, 1)
+    return done
+
+
+def _is_sparse_linear(node: ir.Node) -> bool:
+    return node.domain == MOE_DOMAIN and node.op_type == SPARSE_LINEAR_OP
+
+
 def check_expert_block(path: str, name: str, k: int, block: int) -> None:
     """An MoE block's experts are quantized whole or the compile is refused: the quantized-dense reference quantizes
     each expert matrix whose K the block divides, so a block left float for one matrix would not be that model."""
@@ -386,6 +499,8 @@ def _case(node: ir.Node) -> str | None:
         return "moe"
     if node.domain == MS_DOMAIN and node.op_type == "MoE":
         return "qmoe"
+    if _is_sparse_linear(node):
+        return "sparse_linear"
     return None
 
 

@@ -240,7 +240,8 @@ def test_pass_cases_and_what_stays_float():
     # A second run changes nothing (idempotence): nothing float is left to quantize.
     model = ir.from_proto(compiled)
     again = QuantizeWeights(4, 32, True, 0)
-    assert not again(model).modified and again.quantized == {"matmul": [], "gemm": [], "moe": [], "qmoe": []}
+    assert not again(model).modified
+    assert again.quantized == {"matmul": [], "gemm": [], "moe": [], "qmoe": [], "sparse_linear": []}
 
 
 def test_pass_refuses_bad_formats():
@@ -487,7 +488,7 @@ def test_llama_already_quantized_is_unchanged(int4_bundle: Path, tmp_path: Path)
     onnx.save(model, source)
     result = compile_model(source, CompileOptions(weights="int4"))
     assert _ops(result.model) == _ops(model)
-    assert result.quantization["quantized"] == {"matmul": 0, "gemm": 0, "moe": 0, "qmoe": 0}
+    assert result.quantization["quantized"] == {"matmul": 0, "gemm": 0, "moe": 0, "qmoe": 0, "sparse_linear": 0}
     assert result.verification.passed and result.quantization["deviation"]["worst_rel_l2"] == 0
 
 
@@ -619,7 +620,7 @@ def test_without_dynamic_passes_the_reference_keeps_the_exported_moe_form():
     # No SkipExperts in the compile: the stacked 3-D expert weights stay float in the compiled model, and in the
     # reference too (rewriting them there would compare against experts the bundle does not quantize).
     result = compile_model(build_moe(_moe_config()), CompileOptions(weights="int4", dynamic=False))
-    assert result.quantization["quantized"] == {"matmul": 0, "gemm": 0, "moe": 0, "qmoe": 0}
+    assert result.quantization["quantized"] == {"matmul": 0, "gemm": 0, "moe": 0, "qmoe": 0, "sparse_linear": 0}
     assert result.verification.passed and result.verification.needed_atol == 0
 
 
