@@ -206,8 +206,9 @@ def quantized_dense_reference(
 
     Constants are folded first, as the compile's static passes fold them (a weight computed from a constant, e.g. a
     Transpose of one, is a constant the compiled model quantizes). Its MoE blocks are rewritten into their exact
-    form first (``SkipExperts`` at threshold 0: every routed expert computed, as the original does; lowered to
-    per-expert ``If`` with 2-D MatMuls): a block exported with stacked 3-D expert weights (``batched_mm``, dense
+    form first (``SkipExperts`` at threshold 0: every routed expert computed, as the original does; kept as the
+    native op where the compiled model keeps it, so both run the same quantized kernel, else lowered to per-expert
+    ``If`` with 2-D MatMuls): a block exported with stacked 3-D expert weights (``batched_mm``, dense
     forms) has no 2-D MatMul the quantization could reach, and the reference would keep those experts float while the
     compiled model holds them quantized. The float rewrite is what every float compile verifies against the original.
 
@@ -237,7 +238,12 @@ def quantized_dense_reference(
     forms = [MoENode.of(n) for g in model.graphs() for n in g if is_moe_node(n)]
     if forms and not any(f.quantized for f in forms):
         InferShapes()(model)
-        LowerMoE(lowering="if", enabled=True, native_present=False)(model)
+        # A compiled model that keeps the native op runs its q4 / q8 experts in liblayerzero_ort.so's kernels, whose
+        # int8 activations are rounded as llama.cpp's are, not as MatMulNBits' (per-expert If): two kernels of the
+        # same codes differ by ~1e-3 on a real-size model. So the reference keeps the same op (threshold 0, every
+        # routed expert; a block the native op cannot run is lowered to If in both), quantized the same way below.
+        native = compiled is not None and any(is_moe_node(n) for g in compiled.graphs() for n in g)
+        LowerMoE(lowering="native" if native else "if", enabled=True, native_present=native)(model)
     if compiled is not None:
         from layerzero.passes.quantize_weights import as_dense_sparse_linear, sparse_linear_formats
 

@@ -589,16 +589,17 @@ def test_qwen3_moe_export_int4_generates_the_quantized_dense_references_ids(lowe
     assert Engine.load(bundle).generate(PROMPT, max_new_tokens=12, stop_tokens=()).ids == want
 
 
-def test_a_mismatch_is_blamed_on_the_quantization_when_it_is_the_culprit(native):
-    # The native q4 kernel sums in another order than the reference's MatMulNBits (~1e-6): at atol = rtol = 0 that
-    # fails, and the bisection (each checkpoint quantized the reference's way, then the compile's own quantization)
-    # names the quantization, not the lowering (the float native node, quantized the reference's way, agrees).
-    from layerzero.errors import VerificationError
-
+def test_native_quantized_experts_verify_exactly_against_the_same_kernel(native):
+    # The reference keeps the native op for the blocks the compiled model keeps native (threshold 0), quantized the
+    # same way: the same codes in the same kernel, so even atol = rtol = 0 passes. Before, the reference lowered them
+    # to per-expert If (MatMulNBits: another rounding of the int8 activations) and a real-size model (bench/decode.py
+    # qwen3_moe --quick) failed verification by 3e-3 that was neither the zeroing nor the quantization.
     options = CompileOptions(weights="int4", moe_lowering="native", atol=0.0, rtol=0.0)
     config = MoEConfig(form="batched_mm", hidden=64, ffn=128, experts=4, top_k=2, layers=2, residual=True)
-    with pytest.raises(VerificationError, match=r"first diverging pass: QuantizeWeights \(int4\)"):
-        compile_model(build_moe(config), options)
+    result = compile_model(build_moe(config), options)
+    assert result.verification.passed
+    assert all(o.max_abs == 0.0 for o in result.verification.outputs)
+    assert [n.attributes["weight_format"].value for n in result.model.graph if n.op_type == "MoE"] == ["q4", "q4"]
 
 
 def test_threshold_deviation_and_quantization_deviation_are_kept_apart():
