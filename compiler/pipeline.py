@@ -301,7 +301,15 @@ def sparsify_activations(
             f"--activation-sparsity {options.activation_sparsity:g}: the model has no float MatMul with a constant "
             "2-D weight inside a layer (model.layers.<i>...), so nothing to sparsify"
         )
-    activations = collect_activations(model, groups, requests)
+    try:
+        activations = collect_activations(model, groups, requests)
+    except LayerZeroError:
+        raise
+    except Exception as exc:  # ONNX Runtime refusing the feeds: the calibration inputs' fault, said in one line
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise InvalidInputError(
+            f"--activation-sparsity: the calibration inputs do not run on the model: {first}"
+        ) from None
     samples = group_samples(groups, activations)
     if not samples:
         raise InvalidInputError("--activation-sparsity: the calibration inputs gave no activations")

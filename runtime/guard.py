@@ -238,8 +238,7 @@ class GuardedEngine:
 
         self._has_threshold = bool(getattr(engine, "has_threshold_input", False))
         self._has_scale = bool(getattr(engine, "has_activation_scale_input", False))
-        engine_scale = getattr(engine, "activation_scale", None)
-        self._engine_scale = 1.0 if engine_scale is None else float(engine_scale)
+        self._engine_scale = 1.0 if (scale := getattr(engine, "activation_scale", None)) is None else float(scale)
         self.compiled_threshold = _compiled_threshold(getattr(engine, "manifest", {}) or {})
         default_threshold = config.threshold if config.threshold is not None else self.compiled_threshold
         settings = {DEFAULT_SEGMENT: SegmentConfig()} | dict(config.segments)
@@ -367,9 +366,7 @@ class GuardedEngine:
             else:
                 with self._lock:
                     sample = self._rng.random() < rate
-        extra: dict[str, float] = {}
-        if run_threshold is not None:
-            extra["threshold"] = run_threshold
+        extra: dict[str, float] = {} if run_threshold is None else {"threshold": run_threshold}
         if self._has_scale and seg.activation_scale != self._engine_scale:
             extra["activation_scale"] = seg.activation_scale
         result = self._engine.run(feeds, masks=masks, **extra)
@@ -479,11 +476,8 @@ class GuardedEngine:
                     seg.activation_scale = 0.0 if scale < cfg.backoff_floor else scale
                 if new != old or seg.activation_scale != old_scale:
                     seg.backoffs += 1
-                scale_note = (
-                    f"; activation scale {old_scale:g} -> {seg.activation_scale:g}"
-                    if seg.activation_scale != old_scale
-                    else ""
-                )
+                changed = seg.activation_scale != old_scale
+                scale_note = f"; activation scale {old_scale:g} -> {seg.activation_scale:g}" if changed else ""
                 seg.window.clear()
                 seg.window_fallbacks = 0
                 backed_off = (old, new, rate, n, scale_note)

@@ -200,3 +200,49 @@ def test_no_float_matmul_is_one_line_exit_2(tmp_path: Path, capsys) -> None:
     err = capsys.readouterr().err.strip()
     assert "no float MatMul" in err and len(err.splitlines()) == 1, err
     assert not out.exists()
+
+
+def test_a_deviation_above_max_deviation_fails_naming_the_sparsity(bundles: Path, capsys) -> None:
+    out = bundles / "tight.lz"
+    args = ["compile", str(bundles / "m.onnx"), "-o", str(out), "--activation-sparsity", "0.5",
+            "--activation-calibration", str(bundles / "calibration.npz"), "--max-deviation", "1e-6"]  # fmt: skip
+    assert _exit_code(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert "activation sparsity's (--activation-sparsity 0.5)" in err and "--max-deviation" in err, err
+    assert len(err.splitlines()) == 1 and not out.exists()
+
+
+def test_options_check_the_activation_fields(tmp_path: Path) -> None:
+    from layerzero.errors import InvalidInputError
+    from layerzero.options import CompileOptions
+
+    o = CompileOptions(activation_sparsity=0.3, activation_calibration=str(tmp_path / "c.json"), max_deviation=0.1)
+    assert o.to_dict()["activation_calibration"] == str(tmp_path / "c.json") and o.activation_method == "wina"
+    assert CompileOptions(activation_sparsity=0.4, verify=False).activation_sparsity == 0.4  # unverified: no bound
+    for bad in ({"activation_sparsity": 0.96, "max_deviation": 1}, {"activation_sparsity": float("nan")},
+                {"activation_method": "teal"}, {"activation_sparsity": True}):  # fmt: skip
+        with pytest.raises(InvalidInputError, match="option activation_"):
+            CompileOptions(**bad)
+
+
+def test_json_calibration_requests(bundles: Path, tmp_path: Path) -> None:
+    from layerzero.compile import compile_model
+    from layerzero.options import CompileOptions
+
+    path = tmp_path / "c.json"
+    def encode(v: np.ndarray):  # nested lists, or shape + flat values where a dim is empty (the past)
+        return v.tolist() if v.size else {"shape": list(v.shape), "values": []}
+
+    path.write_text(json.dumps([{k: encode(v) for k, v in _feeds(seq=24, seed=s).items()} for s in (1, 2)]))
+    options = CompileOptions(activation_sparsity=0.2, activation_calibration=path, verify=False)
+    record = compile_model(bundles / "m.onnx", options).activation_sparsity
+    assert record["calibration"] == f"{path} (2 requests)" and record["calibration_rows"] == 48
+    assert abs(record["realized_on_calibration"] - 0.2) < 0.02
+    path.write_text(json.dumps([{"nope": [1]}]))
+    from layerzero.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="names 'nope', which is no input"):
+        compile_model(bundles / "m.onnx", options)
+    path.write_text(json.dumps({k: v.tolist() for k, v in _feeds(seq=4).items()}))  # the empty past: rank 3
+    with pytest.raises(InvalidInputError, match=r"the calibration inputs do not run on the model: .*rank"):
+        compile_model(bundles / "m.onnx", options)
