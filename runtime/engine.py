@@ -264,7 +264,7 @@ class Engine:
                 with the compiled default. A model without that input raises ``InvalidInputError``.
             activation_scale: The multiplier of the activation-sparsity thresholds, fed to
                 ``layerzero::activation_scale`` (0: the dense model exactly); None: ``self.activation_scale``, else
-                the compiled 1. Ignored (dense already) by a model without activation sparsity.
+                the compiled 1 (``validate_feeds``). Ignored (dense already) by a model without activation sparsity.
 
         Raises:
             InvalidInputError: a feed is unknown, missing, or has the wrong dtype, rank or static dim, a named
@@ -273,6 +273,9 @@ class Engine:
             LayerZeroError: the backend failed while running.
         """
         arrays = self.validate_feeds(feeds)
+        scale = activation_scale if activation_scale is not None else self.activation_scale
+        if scale is not None and ACTIVATION_SCALE_INPUT not in feeds:
+            arrays.update(self._scale_feed(scale))
         if threshold is not None:
             if not self.has_threshold_input:
                 raise InvalidInputError(
@@ -280,12 +283,6 @@ class Engine:
                     "compile time (run it with threshold=None)"
                 )
             arrays[THRESHOLD_INPUT] = np.asarray(threshold, dtype=np.float32)
-        scale = self.activation_scale if activation_scale is None else activation_scale
-        if scale is not None and self.has_activation_scale_input:
-            value = float(scale)
-            if not (np.isfinite(value) and value >= 0):
-                raise InvalidInputError(f"activation_scale must be a finite number >= 0, got {scale!r}")
-            arrays[ACTIVATION_SCALE_INPUT] = np.asarray(value, dtype=np.float32)
         values = self._backend.run(arrays)
         return self.result_from(dict(zip(self._all_outputs, values, strict=True)), masks=masks)
 
@@ -318,7 +315,30 @@ class Engine:
         return generate(self, prompt_ids, **options)
 
     def validate_feeds(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """Check ``feeds`` against the inputs; return arrays of the inputs' dtypes (see the module doc)."""
+        """Check ``feeds`` against the inputs; return arrays of the inputs' dtypes (see the module doc).
+
+        ``layerzero::activation_scale`` is the runtime's input, not the user's (``input_specs`` leaves it out, no
+        request misses it): a feed of it is checked (a finite number >= 0) and kept (dropped for a model without
+        activation sparsity: dense already). ``run`` adds ``self.activation_scale`` when set; ONNX Runtime's IO
+        binding cannot bind it (an initialised input), so the generate loop's bound steps run at the compiled 1.
+        """
+        scale: dict[str, np.ndarray] = {}
+        if isinstance(feeds, Mapping) and ACTIVATION_SCALE_INPUT in feeds:
+            scale = self._scale_feed(feeds[ACTIVATION_SCALE_INPUT])
+            feeds = {k: v for k, v in feeds.items() if k != ACTIVATION_SCALE_INPUT}
+        return {**self._validate_user_feeds(feeds), **scale}
+
+    def _scale_feed(self, value: Any) -> dict[str, np.ndarray]:
+        """``{layerzero::activation_scale: value}`` for a model with activation sparsity, else nothing (dense)."""
+        try:
+            scale = float(np.asarray(value, dtype=np.float64).reshape(()))
+        except (TypeError, ValueError):
+            scale = float("nan")
+        if not (np.isfinite(scale) and scale >= 0):
+            raise InvalidInputError(f"{ACTIVATION_SCALE_INPUT}: expected a finite number >= 0, got {value!r}")
+        return {ACTIVATION_SCALE_INPUT: np.asarray(scale, np.float32)} if self.has_activation_scale_input else {}
+
+    def _validate_user_feeds(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         if not isinstance(feeds, Mapping):
             raise InvalidInputError(
                 f"feeds must be a mapping of input name to array, got {type(feeds).__name__}; "

@@ -246,3 +246,27 @@ def test_json_calibration_requests(bundles: Path, tmp_path: Path) -> None:
     path.write_text(json.dumps({k: v.tolist() for k, v in _feeds(seq=4).items()}))  # the empty past: rank 3
     with pytest.raises(InvalidInputError, match=r"the calibration inputs do not run on the model: .*rank"):
         compile_model(bundles / "m.onnx", options)
+
+
+def test_validate_feeds_takes_the_scale_as_the_runtimes_input_and_generate_runs_at_it(bundles: Path) -> None:
+    from layerzero.errors import InvalidInputError
+
+    engine = Engine.load(bundles / "sparse.lz")
+    feeds = _feeds(seq=9, seed=11)
+    arrays = engine.validate_feeds({**feeds, ACTIVATION_SCALE_INPUT: 0})
+    assert arrays[ACTIVATION_SCALE_INPUT].dtype == np.float32 and float(arrays[ACTIVATION_SCALE_INPUT]) == 0.0
+    assert ACTIVATION_SCALE_INPUT not in engine.validate_feeds(feeds)  # unset: the compiled 1
+    with pytest.raises(InvalidInputError, match="activation_scale: expected a finite number >= 0"):
+        engine.validate_feeds({**feeds, ACTIVATION_SCALE_INPUT: -1})
+    dense = Engine.load(bundles / "dense.lz")
+    assert ACTIVATION_SCALE_INPUT not in dense.validate_feeds({**feeds, ACTIVATION_SCALE_INPUT: 0})  # dense already
+    # The guard's decode loop (what `serve` runs) goes through Engine.run: --no-activation-sparsity holds there.
+    prompt = [int(i) for i in feeds["input_ids"][0]]
+    want = dense.generate(prompt, max_new_tokens=6).ids
+    engine.activation_scale = 0.0
+    guard = GuardedEngine(engine, None, GuardConfig(sample_rate=0.0))
+    from layerzero.runtime.generate import generate
+
+    assert generate(guard, prompt, max_new_tokens=6).ids == want
+    engine.activation_scale = None
+    assert generate(GuardedEngine(engine, None, GuardConfig(sample_rate=0.0)), prompt, max_new_tokens=6).ids != want
