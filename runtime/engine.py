@@ -312,6 +312,11 @@ class Engine:
         ``masks``); returns the new ids and a report with tokens/s and the per-step skipped paths."""
         from layerzero.runtime.generate import generate
 
+        if self.activation_scale is not None and self.has_activation_scale_input:
+            # The bound decode loop cannot feed the scale (an initialised input): every step through run() instead.
+            from layerzero.runtime.guard import GuardConfig, GuardedEngine
+
+            return generate(GuardedEngine(self, None, GuardConfig(sample_rate=0.0)), prompt_ids, **options)
         return generate(self, prompt_ids, **options)
 
     def validate_feeds(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:

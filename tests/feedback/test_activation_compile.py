@@ -268,5 +268,6 @@ def test_validate_feeds_takes_the_scale_as_the_runtimes_input_and_generate_runs_
     from layerzero.runtime.generate import generate
 
     assert generate(guard, prompt, max_new_tokens=6).ids == want
+    assert engine.generate(prompt, max_new_tokens=6).ids == want  # Engine.generate steps through run() then
     engine.activation_scale = None
     assert generate(GuardedEngine(engine, None, GuardConfig(sample_rate=0.0)), prompt, max_new_tokens=6).ids != want
