@@ -146,6 +146,8 @@ class CompileOptions:
                     f"option activation_sparsity: must be in [0, {MAX_ACTIVATION_SPARSITY}], got {s:g}"
                 )
             self.activation_sparsity = s
+        if self.activation_sparsity and not self.dynamic:
+            raise InvalidInputError("option activation_sparsity: a dynamic pass, needs dynamic=True (not --no-dynamic)")
         if self.activation_calibration is not None and not self.activation_sparsity:
             raise InvalidInputError("option activation_calibration: needs activation_sparsity > 0")
         if self.activation_sparsity and self.verify and self.max_deviation is None:

@@ -220,7 +220,8 @@ def test_options_check_the_activation_fields(tmp_path: Path) -> None:
     assert o.to_dict()["activation_calibration"] == str(tmp_path / "c.json") and o.activation_method == "wina"
     assert CompileOptions(activation_sparsity=0.4, verify=False).activation_sparsity == 0.4  # unverified: no bound
     for bad in ({"activation_sparsity": 0.96, "max_deviation": 1}, {"activation_sparsity": float("nan")},
-                {"activation_method": "teal"}, {"activation_sparsity": True}):  # fmt: skip
+                {"activation_method": "teal"}, {"activation_sparsity": True},
+                {"activation_sparsity": 0.3, "verify": False, "dynamic": False}):  # fmt: skip
         with pytest.raises(InvalidInputError, match="option activation_"):
             CompileOptions(**bad)
 
@@ -271,3 +272,17 @@ def test_validate_feeds_takes_the_scale_as_the_runtimes_input_and_generate_runs_
     assert engine.generate(prompt, max_new_tokens=6).ids == want  # Engine.generate steps through run() then
     engine.activation_scale = None
     assert generate(GuardedEngine(engine, None, GuardConfig(sample_rate=0.0)), prompt, max_new_tokens=6).ids != want
+
+
+def test_default_calibration_is_the_seeded_sets_or_the_sample_inputs(bundles: Path) -> None:
+    from layerzero.compile import compile_model
+    from layerzero.options import CompileOptions
+
+    options = CompileOptions(activation_sparsity=0.3, verify=False)
+    record = compile_model(bundles / "m.onnx", options).activation_sparsity
+    assert record["calibration"].startswith("3 seeded sample input sets (default, ")  # what verification runs on
+    assert abs(record["realized_on_calibration"] - 0.3) < 0.02 and record["calibration_rows"] > 0
+    sample = bundles / "calibration.npz"
+    options = CompileOptions(activation_sparsity=0.3, verify=False, sample_inputs=sample)
+    record = compile_model(bundles / "m.onnx", options).activation_sparsity
+    assert record["calibration"] == f"the sample inputs {sample}" and record["calibration_rows"] == SEQ
