@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from layerzero.contract import reserved_name_problem
+from layerzero.contract import ACTIVATION_SCALE_INPUT, reserved_name_problem
 from layerzero.errors import InvalidInputError, UnsupportedModelError, VerificationError
 from layerzero.loader import load_model
 from layerzero.options import CompileOptions
@@ -27,6 +27,7 @@ from layerzero.pipeline import (
     quantize_weights,
     run_dynamic_passes,
     run_static_passes,
+    sparsify_activations,
 )
 from layerzero.result import CompileResult, PipelineResult, RemovedScope
 from layerzero.summary import ModelSummary, natural_key, summarize
@@ -34,6 +35,7 @@ from layerzero.targets import get_target
 from layerzero.verify import (
     Comparator,
     InputSet,
+    OrtRunner,
     OutputComparison,
     Runners,
     VerificationResult,
@@ -133,6 +135,14 @@ def compile_model(
     pipeline = run_static_passes(model, options, on_iteration=lambda i: say(f"static passes, iteration {i}"))
     say("dynamic passes")
     changed = run_dynamic_passes(model, options)
+    activation = None
+    if options.activation_sparsity and options.dynamic:
+        requests, label = _calibration_requests(source_path, original_proto, options)
+        say(f"calibrating activation sparsity {options.activation_sparsity:g} on {label}")
+        logger.info("activation sparsity: calibrating on %s", label)
+        activation = sparsify_activations(model, options, requests, target.name)
+        activation["calibration"] = label
+        changed = True
     say(f"lowering for {target.name}")
     changed |= lower_for_target(model, options, target)
     if changed:
@@ -162,6 +172,9 @@ def compile_model(
         # What ONNX Runtime runs in place of the compiled graph (TensorRT: the onnxruntime lowering of its MoE nodes).
         checked = target.verification_model(model, options)
         verification = verify_compiled(source_path, original_proto, checked, pipeline, options, progress=say)
+    if activation is not None and verification is not None:
+        # The sparsity's impact: the compiled model's deviation from the dense one (max abs per output).
+        activation["deviation"] = {o.name: float(o.max_abs) for o in verification.outputs}
     seconds = time.perf_counter() - start
     quantization = None
     if quantizer is not None:
@@ -188,7 +201,65 @@ def compile_model(
         solidified=solidified,
         solidify_plan=plan,
         quantization=quantization,
+        activation_sparsity=activation,
     )
+
+
+def _calibration_requests(
+    source_path: Path | None, original_proto: onnx.ModelProto | None, options: CompileOptions
+) -> tuple[list[dict[str, np.ndarray]], str]:
+    """The requests activation sparsity is calibrated on, and what they are (for the progress and the manifest):
+    ``options.activation_calibration`` (.npz: one request; .json: one request or a list of them, name -> a nested
+    list or ``{"shape", "values"}``, cast to the model's input types), else the ``--sample-inputs`` .npz, else the
+    verification's seeded input sets (``verify.input_sets``)."""
+    header = onnx.load(str(source_path), load_external_data=False) if source_path is not None else original_proto
+    path = options.activation_calibration
+    if path is None:
+        if options.sample_inputs is not None:
+            return [_sample_inputs(header, options)], f"the sample inputs {options.sample_inputs}"
+        sets = input_sets(header, options.shapes, options.seed)
+        return [s.feeds for s in sets], f"{len(sets)} seeded sample input sets ({', '.join(s.label for s in sets)})"
+    path = Path(path)
+    if path.suffix == ".npz":
+        try:
+            with np.load(path) as data:
+                return [{k: np.asarray(data[k]) for k in data.files}], str(path)
+        except (OSError, ValueError) as exc:
+            raise InvalidInputError(f"{path}: cannot read activation calibration inputs (.npz): {exc}") from None
+    if path.suffix != ".json":
+        raise InvalidInputError(f"{path}: activation calibration inputs must be .npz or .json")
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise InvalidInputError(f"{path}: cannot read activation calibration inputs (.json): {exc}") from None
+    items = data if isinstance(data, list) else [data]
+    types = {
+        i.name: onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
+        for i in header.graph.input
+        if i.type.HasField("tensor_type")
+    }
+    requests = []
+    for k, item in enumerate(items):
+        if not isinstance(item, dict) or not item:
+            raise InvalidInputError(f"{path}: request {k} is not an object of input name -> array")
+        unknown = sorted(set(item) - set(types))
+        if unknown:
+            raise InvalidInputError(f"{path}: request {k} names {unknown[0]!r}, which is no input of the model")
+        try:
+            requests.append({n: _json_array(v, types[n]) for n, v in item.items()})
+        except (ValueError, TypeError, KeyError) as exc:
+            raise InvalidInputError(f"{path}: request {k}: {exc}") from None
+    return requests, f"{path} ({len(requests)} requests)"
+
+
+def _json_array(value: object, dtype: np.dtype) -> np.ndarray:
+    """A nested list, or ``{"shape": [...], "values": [...]}`` (flat; an empty dim such as an empty past cache
+    cannot be told by nesting)."""
+    if isinstance(value, dict):
+        return np.asarray(value["values"], dtype=dtype).reshape([int(d) for d in value["shape"]])
+    return np.asarray(value, dtype=dtype)
 
 
 def quantized_dense_reference(
@@ -290,7 +361,8 @@ def verify_compiled(
     quantization's own deviation (the float reference against the quantized one, on the same sets:
     ``verify.quantization_deviation``) is reported apart and refused above ``max_quant_deviation`` (exit 2).
     """
-    comparator = Comparator(options.atol, options.rtol, options.zeroing_threshold, options.max_deviation)
+    sparsity = float(options.activation_sparsity or 0.0) if options.dynamic else 0.0
+    comparator = Comparator(options.atol, options.rtol, options.zeroing_threshold, options.max_deviation, sparsity)
     say = progress or (lambda *_a, **_k: None)
     # Progress: one unit per model run (the original, the reference and the compiled model on each set).
     state = {"what": "", "done": 0, "total": 1}
@@ -407,6 +479,23 @@ def verify_compiled(
                     f"{input_set.shapes()} where the original runs ({exc}); {culprit}"
                 ) from None
             per_set.append(comparator.compare(names, reference_outputs, compiled_names, out_compiled))
+        dense_at_0 = None
+        scaled = any(i.name == ACTIVATION_SCALE_INPUT for i in compiled.graph.inputs)
+        if sparsity > 0 and scaled and isinstance(run_compiled, OrtRunner):
+            # Scale 0 is the dense model exactly: checked at the tolerances on the first set (a sparse form that
+            # is wrong besides the thresholds fails here, not under --max-deviation). Whole-model runs only (the
+            # chunked runner feeds each chunk the graph inputs it lists).
+            (input_set, _), want = originals[0], references[0]
+            running(f"the compiled model at activation scale 0 on the {input_set.label} inputs")
+            feeds = {**input_set.feeds, ACTIVATION_SCALE_INPUT: np.array(0.0, np.float32)}
+            for o in comparator.compare(names, want, *run_compiled.run(feeds)):
+                if not o.passed:
+                    raise VerificationError(
+                        f"verification failed: at {ACTIVATION_SCALE_INPUT} 0 (dense) the compiled model differs "
+                        f"from the reference in output {o.name!r} by max abs {o.max_abs:.3g} on the "
+                        f"{input_set.label} inputs (a LayerZero bug: the sparse form is wrong besides its thresholds)"
+                    )
+            dense_at_0 = True
         del run_compiled
         outputs = merge_comparisons(per_set)
     # Skipping below a threshold changes the output on purpose: report the deviation, fail only
@@ -423,6 +512,8 @@ def verify_compiled(
         zeroing_threshold=options.zeroing_threshold,
         max_deviation=options.max_deviation,
         quantization=deviation,
+        activation_sparsity=sparsity,
+        dense_at_scale_0=dense_at_0,
     )
     if not result.passed:
         worst, k = comparator.worst(outputs, per_set)
@@ -511,6 +602,9 @@ def _bisect(
     """
     if runners.bisect_skipped is not None:
         return runners.bisect_skipped
+    if options.activation_sparsity and options.dynamic:
+        # The passes were checked exact at activation scale 0 (verify_compiled); what is left is the sparsity's.
+        return f"the deviation is the activation sparsity's (--activation-sparsity {options.activation_sparsity:g})"
 
     def agrees(model: ir.Model, quantized: bool = False) -> bool:
         if options.quant_bits and not quantized:  # the reference is quantized: a checkpoint is judged quantized so

@@ -12,7 +12,8 @@ from typing import Any
 from layerzero.errors import InvalidInputError
 from layerzero.targets.registry import TARGETS
 
-__all__ = ["DEVICES", "MOE_LOWERINGS", "STABILITY_UNITS", "WEIGHTS", "CompileOptions"]
+__all__ = ["ACTIVATION_METHODS", "DEVICES", "MAX_ACTIVATION_SPARSITY", "MOE_LOWERINGS", "STABILITY_UNITS", "WEIGHTS",
+           "CompileOptions"]  # fmt: skip
 
 #: ``device``: where the bundle runs (the onnxruntime target lowers for it; the manifest records it).
 DEVICES = ("cpu", "cuda")
@@ -25,6 +26,10 @@ MOE_LOWERINGS = ("auto", "if", "ort-moe", "native")
 WEIGHTS = ("float", "int4", "int8")
 #: ``stability_unit``: what ``stability_window`` counts.
 STABILITY_UNITS = ("requests", "tokens")
+#: ``activation_method``: the per-channel criterion of the activation thresholds (``activation_calibration.CRITERIA``).
+ACTIVATION_METHODS = ("wina", "magnitude")
+#: The largest model-wide activation sparsity a compile may ask for.
+MAX_ACTIVATION_SPARSITY = 0.95
 
 
 @dataclasses.dataclass
@@ -82,6 +87,14 @@ class CompileOptions:
     quant_symmetric: bool = True
     quant_accuracy_level: int = 4
     max_quant_deviation: float | None = None
+    # Activation sparsity (issue 23; passes/sparsify_activations.py, compiler/activation_calibration.py): thresholds
+    # on the input of every projection group, allocated by TEAL's greedy to reach this model-wide (parameter-weighted)
+    # sparsity on the calibration inputs (`activation_calibration`: .npz / .json requests; else the sample inputs),
+    # per channel by `activation_method`. It changes the output on purpose: verification measures the deviation from
+    # the dense model and needs `max_deviation` to accept it. None (or 0): no activation sparsity.
+    activation_sparsity: float | None = None
+    activation_calibration: Path | None = None
+    activation_method: str = "wina"  # one of ACTIVATION_METHODS
 
     def __post_init__(self) -> None:
         # Cases: 1. flags are bools; 2. counts are ints (not bools) in range; 3. tolerances and thresholds are
@@ -119,6 +132,30 @@ class CompileOptions:
         if isinstance(self.solidify, str) or not all(isinstance(s, str) for s in _iterable("solidify", self.solidify)):
             raise InvalidInputError(f"option solidify: expected a sequence of subpath names, got {self.solidify!r}")
         self.solidify = tuple(self.solidify)
+        self._check_activation_sparsity()
+
+    def _check_activation_sparsity(self) -> None:
+        # Case 8: the sparsity a finite number in [0, MAX_ACTIVATION_SPARSITY]; the method a known one; a calibration
+        # file only with a sparsity; a verified compile with sparsity needs max_deviation (never a silent pass).
+        _check_choice("activation_method", self.activation_method, ACTIVATION_METHODS)
+        self.activation_calibration = _path("activation_calibration", self.activation_calibration)
+        if self.activation_sparsity is not None:
+            s = _finite("activation_sparsity", self.activation_sparsity)
+            if s > MAX_ACTIVATION_SPARSITY:
+                raise InvalidInputError(
+                    f"option activation_sparsity: must be in [0, {MAX_ACTIVATION_SPARSITY}], got {s:g}"
+                )
+            self.activation_sparsity = s
+        if self.activation_sparsity and not self.dynamic:
+            raise InvalidInputError("option activation_sparsity: a dynamic pass, needs dynamic=True (not --no-dynamic)")
+        if self.activation_calibration is not None and not self.activation_sparsity:
+            raise InvalidInputError("option activation_calibration: needs activation_sparsity > 0")
+        if self.activation_sparsity and self.verify and self.max_deviation is None:
+            raise InvalidInputError(
+                f"option activation_sparsity {self.activation_sparsity:g}: changes the model's outputs on purpose; "
+                "give max_deviation (--max-deviation), the largest max abs deviation from the dense model that "
+                "verification accepts"
+            )
 
     def _check_quantization(self) -> None:
         # Case 7: weights is a known precision; quant_block a power of two >= 16; the accuracy level 0-4; the
@@ -154,6 +191,8 @@ class CompileOptions:
         out["sample_inputs"] = None if self.sample_inputs is None else str(self.sample_inputs)
         out["groups"] = None if self.groups is None else str(self.groups)
         out["profile"] = None if self.profile is None else str(self.profile)
+        calibration = self.activation_calibration
+        out["activation_calibration"] = None if calibration is None else str(calibration)
         out["solidify"] = list(self.solidify)
         out["shapes"] = {k: list(v) for k, v in self.shapes.items()}
         return out

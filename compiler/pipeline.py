@@ -42,6 +42,7 @@ __all__ = [
     "quantize_weights",
     "run_dynamic_passes",
     "run_static_passes",
+    "sparsify_activations",
 ]
 
 logger = logging.getLogger(__name__)
@@ -266,3 +267,69 @@ def lower_for_target(
     if changed and after_pass is not None:
         after_pass(f"{target.name} lowering", model)
     return changed
+
+
+def sparsify_activations(
+    model: ir.Model,
+    options: CompileOptions,
+    requests: list[dict],
+    target: str = "onnxruntime",
+    after_pass: Callable[[str, ir.Model], None] | None = None,
+) -> dict | None:
+    """``--activation-sparsity S``: calibrate on ``requests`` (``activation_calibration.collect_activations``), TEAL's
+    greedy allocation to ``S`` (``options.activation_method``'s per-channel criterion), then ``SparsifyActivations``
+    with those thresholds: the native form (``ai.layerzero::SparseLinear``) when liblayerzero_ort.so is built and the
+    bundle runs on ONNX Runtime's CPU, else the reference form. Runs after the dynamic passes, before the lowering.
+
+    Returns the manifest's ``activation_sparsity`` record (target, the sparsity realized on the calibration inputs,
+    method, form, each group's level, the calibration curve), None without activation sparsity.
+
+    Raises:
+        InvalidInputError: the model has no projection group (no float MatMul with a constant weight in a layer), or
+            no calibration request ran.
+    """
+    if not options.activation_sparsity or not options.dynamic:
+        return None
+    from layerzero.activation_calibration import collect_activations, greedy, group_samples
+    from layerzero.errors import InvalidInputError
+    from layerzero.passes.sparsify_activations import SparsifyActivations, find_groups
+
+    InferShapes()(model)
+    groups = find_groups(model)
+    if not groups:
+        raise InvalidInputError(
+            f"--activation-sparsity {options.activation_sparsity:g}: the model has no float MatMul with a constant "
+            "2-D weight inside a layer (model.layers.<i>...), so nothing to sparsify"
+        )
+    try:
+        activations = collect_activations(model, groups, requests)
+    except LayerZeroError:
+        raise
+    except Exception as exc:  # ONNX Runtime refusing the feeds: the calibration inputs' fault, said in one line
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise InvalidInputError(
+            f"--activation-sparsity: the calibration inputs do not run on the model: {first}"
+        ) from None
+    samples = group_samples(groups, activations)
+    if not samples:
+        raise InvalidInputError("--activation-sparsity: the calibration inputs gave no activations")
+    alloc = greedy(samples, options.activation_sparsity, options.activation_method)
+    native = False
+    if target == "onnxruntime" and options.device == "cpu":
+        from layerzero.plugins.ort_library import find_ort_library
+
+        native = find_ort_library() is not None
+    step = SparsifyActivations(alloc.thresholds, native=native)
+    if run_pass(step, model).modified and after_pass is not None:
+        after_pass("SparsifyActivations", model)
+    return {
+        "target": float(options.activation_sparsity),
+        "realized_on_calibration": float(alloc.sparsity),
+        "method": options.activation_method,
+        "allocation": alloc.method,
+        "form": "native" if native else "reference",
+        "calibration_rows": int(max((len(v) for v in activations.values()), default=0)),
+        "groups": {name: float(level) for name, level in alloc.levels.items()},
+        "curve": [[float(a), float(b)] for a, b in alloc.curve],
+        "refused": [r.to_json() for r in step.refused],
+    }

@@ -59,6 +59,8 @@ class CompileResult:
     # --weights int4|int8: the format, what was quantized and kept float, and the quantization's own deviation from
     # the float original (``verify.quantization_deviation``; None unverified). None for float weights.
     quantization: dict | None = None
+    # --activation-sparsity S: the allocation (compile.py ``sparsify_activations``); None without.
+    activation_sparsity: dict | None = None
 
     @property
     def zeroed_layers(self) -> list[str]:
@@ -87,5 +89,6 @@ class CompileResult:
             "dynamic": [d.to_dict() for d in read_dynamic_paths(self.model)],
             "solidified": self.solidified,
             "quantization": self.quantization,
+            "activation_sparsity": self.activation_sparsity,
             "verification": None if self.verification is None else self.verification.to_dict(),
         }

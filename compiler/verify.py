@@ -24,7 +24,7 @@ import onnx
 import onnx_ir as ir
 
 from layerzero.chunked import ChunkedRunner, weight_bytes
-from layerzero.contract import is_runtime_output
+from layerzero.contract import ACTIVATION_SCALE_INPUT, THRESHOLD_INPUT, is_runtime_output
 from layerzero.errors import InvalidInputError, LayerZeroError, UnsupportedModelError, VerificationError
 
 __all__ = [
@@ -83,6 +83,11 @@ class VerificationResult:
     # With quantized weights (--weights int4|int8): the reference is the original quantized the same way, and this
     # is the quantization's own deviation from the float original (``quantization_deviation``), kept apart.
     quantization: dict | None = None
+    # With activation sparsity (--activation-sparsity S) the compiled model deviates from the dense reference on
+    # purpose, accepted under ``max_deviation`` as a zeroing threshold's; ``dense_at_scale_0``: the compiled model
+    # run with ``layerzero::activation_scale`` 0 was checked equal to the reference at the tolerances.
+    activation_sparsity: float = 0.0
+    dense_at_scale_0: bool | None = None
 
     @property
     def needed_atol(self) -> float:
@@ -98,12 +103,17 @@ class VerificationResult:
         )
         if self.quantization is not None:
             reference += f", its weights quantized the same way ({self.quantization['weights']}, nothing skipped)"
-        if self.zeroing_threshold > 0:
+        if self.zeroing_threshold > 0 or self.activation_sparsity > 0:
             rule = (
                 f"passes when max |compiled - reference| <= --max-deviation {self.max_deviation:g}"
                 if self.max_deviation is not None
                 else "deviation reported, not checked (no --max-deviation)"
             )
+            if self.activation_sparsity > 0:
+                return (
+                    f"compiled with --activation-sparsity {self.activation_sparsity:g} vs the dense reference = "
+                    f"{reference}; {rule}"
+                )
             return (
                 f"compiled with --threshold {self.zeroing_threshold:g} vs the reference = {reference} "
                 f"(exact routing); {rule}"
@@ -218,6 +228,13 @@ def tolerance_at_least(value: float) -> str:
 
 def pass_hint(result: VerificationResult, output: OutputComparison) -> str:
     """What the user can change so that ``output`` passes (a phrase; every option it names works as printed)."""
+    if result.activation_sparsity > 0:
+        if not math.isfinite(output.max_abs):
+            return "the outputs differ in shape or type; no tolerance passes"
+        return (
+            f"it would pass with --max-deviation {tolerance_at_least(output.max_abs)}, "
+            f"or sparsify less with a lower --activation-sparsity (now {result.activation_sparsity:g})"
+        )
     if result.zeroing_threshold > 0:
         if not math.isfinite(output.max_abs):
             return "the outputs differ in shape or type; no tolerance passes"
@@ -445,7 +462,8 @@ def run_model(model: str | Path | bytes, feeds: Mapping[str, np.ndarray]) -> tup
     backend = OrtBackend()
     backend.load(model if isinstance(model, bytes) else Path(model), device="cpu")
     names = backend.output_names
-    wanted = {spec.name for spec in backend.input_specs}
+    # The run-time inputs with a compiled default (ONNX Runtime does not list them) are taken when fed.
+    wanted = {spec.name for spec in backend.input_specs} | {THRESHOLD_INPUT, ACTIVATION_SCALE_INPUT}
     try:
         outputs = backend.run({k: v for k, v in feeds.items() if k in wanted})
     except LayerZeroError as exc:
@@ -566,6 +584,7 @@ class Comparator:
     rtol: float
     zeroing_threshold: float = 0.0
     max_deviation: float | None = None
+    activation_sparsity: float = 0.0
 
     @staticmethod
     def user_outputs(names: list[str], outputs: list[np.ndarray]) -> tuple[list[str], list[np.ndarray]]:
@@ -601,7 +620,7 @@ class Comparator:
 
     def judge(self, outputs: list[OutputComparison]) -> None:
         """With a zeroing threshold > 0, an output passes by ``max_deviation`` instead of the tolerances."""
-        if self.zeroing_threshold > 0:
+        if self.zeroing_threshold > 0 or self.activation_sparsity > 0:
             for o in outputs:
                 o.passed = self.max_deviation is None or o.max_abs <= self.max_deviation
 

@@ -12,9 +12,8 @@ a layer scope, ``model.layers.<i>...``; ``lm_head`` and embeddings are outside e
   dense result). ``scale`` is the run-time multiplier ``layerzero::activation_scale`` (a graph input, default 1;
   0 = dense): its own input rather than ``layerzero::threshold``, whose compiled default is 0 (exact) and whose
   unit is a router weight (one shared input would either turn MoE skipping on or start the activations dense). The
-  guard's back-off (``runtime/guard.py``) changes ``layerzero::threshold`` only; backing activation sparsity off
-  the same way is dividing this scale by the same factor at each back-off (0 below the floor), not done yet. The
-  semantics apply to every token, prefill included (as TEAL evaluates).
+  guard's back-off (``runtime/guard.py``) divides this scale by its factor at each back-off, as it divides
+  ``layerzero::threshold`` (0 below the floor: the dense model). The semantics apply to every token, prefill included (as TEAL evaluates).
 - **Reference form** (``native=False``, plain ONNX Runtime): ``xm = Where(Not(LessOrEqual(Abs(x), t * scale)), x,
   0)`` once per group, the group's MatMuls then read ``xm``.
 - **Native form** (``native=True``): each projection becomes ``ai.layerzero::SparseLinear(x, W, t, scale)``

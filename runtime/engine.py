@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from layerzero.contract import MASK_PREFIX, ROUTER_PREFIX, THRESHOLD_INPUT
+from layerzero.contract import ACTIVATION_SCALE_INPUT, MASK_PREFIX, ROUTER_PREFIX, THRESHOLD_INPUT
 from layerzero.errors import InvalidInputError, UnsupportedModelError
 from layerzero.runtime.backends.base import Backend, TensorSpec, get_backend
 from layerzero.runtime.bundle import check_external_data, read_bundle
@@ -42,7 +42,11 @@ from layerzero.runtime.report import Report, index_dynamic
 if TYPE_CHECKING:
     from layerzero.runtime.report import Generation
 
-__all__ = ["MASK_PREFIX", "ROUTER_PREFIX", "THRESHOLD_INPUT", "Engine", "Result"]
+__all__ = ["ACTIVATION_SCALE_INPUT", "MASK_PREFIX", "ROUTER_PREFIX", "THRESHOLD_INPUT", "Engine", "Result"]
+
+#: Inputs the runtime feeds (graph inputs with a compiled default), never the user: ``run(threshold=,
+#: activation_scale=)`` sets them.
+RUNTIME_INPUTS = (THRESHOLD_INPUT, ACTIVATION_SCALE_INPUT)
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +70,8 @@ class Engine:
         self._manifest = dict(manifest)
         self._path = path
         self._model_path = model_path
-        self._specs = {spec.name: spec for spec in backend.input_specs}
+        # The runtime's own inputs (a backend that lists initialised inputs would list them) are not the user's.
+        self._specs = {spec.name: spec for spec in backend.input_specs if spec.name not in RUNTIME_INPUTS}
         all_outputs = backend.output_names
         # Per request, run() sorts the backend's outputs (in this order) into the user's and the dynamic ones.
         self._all_outputs = list(all_outputs)
@@ -76,6 +81,10 @@ class Engine:
         self._template = Report.from_manifest(self._manifest)
         self._dynamic_index = index_dynamic(self._manifest.get("dynamic"))  # once, not per request
         self._has_threshold: bool | None = None
+        self._has_activation_scale: bool | None = None
+        # The activation scale every request runs with unless it says otherwise (None: the compiled 1;
+        # ``--no-activation-sparsity``: 0, the dense model exactly).
+        self.activation_scale: float | None = None
         self._vocab: tuple[int | None] | None = None  # (rows of input_ids,) once read from the graph
 
     @classmethod
@@ -156,6 +165,14 @@ class Engine:
         return bool(self._has_threshold)
 
     @property
+    def has_activation_scale_input(self) -> bool:
+        """Whether the model has activation sparsity, scaled by ``layerzero::activation_scale``
+        (``run(activation_scale=)``; 1 = as compiled, 0 = dense)."""
+        if self._has_activation_scale is None:
+            self._read_graph()
+        return bool(self._has_activation_scale)
+
+    @property
     def vocab_size(self) -> int | None:
         """How many token ids ``input_ids`` takes (``0 <= id < vocab_size``); None when the model has no such
         input or it cannot be told (see the module doc)."""
@@ -167,6 +184,9 @@ class Engine:
         """What the graph itself tells (read once, weights not loaded): the threshold input, the vocabulary."""
         model = _graph_of(self._model_path)
         self._has_threshold = model is not None and any(i.name == THRESHOLD_INPUT for i in model.graph.input)
+        self._has_activation_scale = model is not None and any(
+            i.name == ACTIVATION_SCALE_INPUT for i in model.graph.input
+        )
         spec = self._specs.get("input_ids")
         ids = model is not None and spec is not None and spec.dtype.kind in "iu"
         self._vocab = (_token_rows(model, "input_ids") if ids else None,)
@@ -227,7 +247,14 @@ class Engine:
                 out["position_ids"] = np.broadcast_to(positions, (batch, seq)).copy()
         return out
 
-    def run(self, feeds: Mapping[str, Any], *, masks: bool = False, threshold: float | None = None) -> Result:
+    def run(
+        self,
+        feeds: Mapping[str, Any],
+        *,
+        masks: bool = False,
+        threshold: float | None = None,
+        activation_scale: float | None = None,
+    ) -> Result:
         """Validate ``feeds``, run the model, and return the user outputs and this request's report.
 
         Args:
@@ -235,6 +262,9 @@ class Engine:
             masks: Also return each path's mask array in ``report.masks``.
             threshold: The zeroing threshold for this request, fed to ``layerzero::threshold``; None runs
                 with the compiled default. A model without that input raises ``InvalidInputError``.
+            activation_scale: The multiplier of the activation-sparsity thresholds, fed to
+                ``layerzero::activation_scale`` (0: the dense model exactly); None: ``self.activation_scale``, else
+                the compiled 1 (``validate_feeds``). Ignored (dense already) by a model without activation sparsity.
 
         Raises:
             InvalidInputError: a feed is unknown, missing, or has the wrong dtype, rank or static dim, a named
@@ -243,6 +273,9 @@ class Engine:
             LayerZeroError: the backend failed while running.
         """
         arrays = self.validate_feeds(feeds)
+        scale = activation_scale if activation_scale is not None else self.activation_scale
+        if scale is not None and ACTIVATION_SCALE_INPUT not in feeds:
+            arrays.update(self._scale_feed(scale))
         if threshold is not None:
             if not self.has_threshold_input:
                 raise InvalidInputError(
@@ -279,10 +312,38 @@ class Engine:
         ``masks``); returns the new ids and a report with tokens/s and the per-step skipped paths."""
         from layerzero.runtime.generate import generate
 
+        if self.activation_scale is not None and self.has_activation_scale_input:
+            # The bound decode loop cannot feed the scale (an initialised input): every step through run() instead.
+            from layerzero.runtime.guard import GuardConfig, GuardedEngine
+
+            return generate(GuardedEngine(self, None, GuardConfig(sample_rate=0.0)), prompt_ids, **options)
         return generate(self, prompt_ids, **options)
 
     def validate_feeds(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """Check ``feeds`` against the inputs; return arrays of the inputs' dtypes (see the module doc)."""
+        """Check ``feeds`` against the inputs; return arrays of the inputs' dtypes (see the module doc).
+
+        ``layerzero::activation_scale`` is the runtime's input, not the user's (``input_specs`` leaves it out, no
+        request misses it): a feed of it is checked (a finite number >= 0) and kept (dropped for a model without
+        activation sparsity: dense already). ``run`` adds ``self.activation_scale`` when set; ONNX Runtime's IO
+        binding cannot bind it (an initialised input), so the generate loop's bound steps run at the compiled 1.
+        """
+        scale: dict[str, np.ndarray] = {}
+        if isinstance(feeds, Mapping) and ACTIVATION_SCALE_INPUT in feeds:
+            scale = self._scale_feed(feeds[ACTIVATION_SCALE_INPUT])
+            feeds = {k: v for k, v in feeds.items() if k != ACTIVATION_SCALE_INPUT}
+        return {**self._validate_user_feeds(feeds), **scale}
+
+    def _scale_feed(self, value: Any) -> dict[str, np.ndarray]:
+        """``{layerzero::activation_scale: value}`` for a model with activation sparsity, else nothing (dense)."""
+        try:
+            scale = float(np.asarray(value, dtype=np.float64).reshape(()))
+        except (TypeError, ValueError):
+            scale = float("nan")
+        if not (np.isfinite(scale) and scale >= 0):
+            raise InvalidInputError(f"{ACTIVATION_SCALE_INPUT}: expected a finite number >= 0, got {value!r}")
+        return {ACTIVATION_SCALE_INPUT: np.asarray(scale, np.float32)} if self.has_activation_scale_input else {}
+
+    def _validate_user_feeds(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         if not isinstance(feeds, Mapping):
             raise InvalidInputError(
                 f"feeds must be a mapping of input name to array, got {type(feeds).__name__}; "

@@ -27,6 +27,9 @@ Per request, in this order:
    The threshold only ever goes down: under LayerZero's threshold (``CompileOptions.zeroing_threshold``: skip
    an expert or gated branch whose weight is below threshold × the token's largest weight) a higher threshold
    skips *more*, which would feed the deviation that caused the fallbacks (a runaway loop).
+   A model compiled with activation sparsity (``layerzero::activation_scale``) backs off the same way at the same
+   step: the segment's activation scale (from the engine's, 1 unless ``--no-activation-sparsity`` made it 0) is
+   divided by ``backoff_factor``, and below ``backoff_floor`` it goes to 0 (the dense model exactly).
 
 Whenever the returned outputs come from the reference, ``report.fallback_triggered`` is True and
 ``result.route`` says why. A reference-served request's report is the compiled model's static report (no
@@ -183,6 +186,7 @@ class _Segment:
     name: str
     threshold: float
     sample_rate: float
+    activation_scale: float = 1.0
     window: collections.deque = dataclasses.field(default_factory=collections.deque)  # (time, fell_back)
     window_fallbacks: int = 0
     requests: int = 0
@@ -233,6 +237,8 @@ class GuardedEngine:
         self._warned_no_threshold = False
 
         self._has_threshold = bool(getattr(engine, "has_threshold_input", False))
+        self._has_scale = bool(getattr(engine, "has_activation_scale_input", False))
+        self._engine_scale = 1.0 if (scale := getattr(engine, "activation_scale", None)) is None else float(scale)
         self.compiled_threshold = _compiled_threshold(getattr(engine, "manifest", {}) or {})
         default_threshold = config.threshold if config.threshold is not None else self.compiled_threshold
         settings = {DEFAULT_SEGMENT: SegmentConfig()} | dict(config.segments)
@@ -245,6 +251,7 @@ class GuardedEngine:
                 name=name,
                 threshold=float(seg.threshold if seg.threshold is not None else default_threshold),
                 sample_rate=float(seg.sample_rate if seg.sample_rate is not None else default_rate),
+                activation_scale=self._engine_scale,
             )
 
         self._token_input: str | None = None
@@ -317,6 +324,10 @@ class GuardedEngine:
         """The zeroing threshold the segment's requests run with."""
         return self._segment(segment).threshold
 
+    def activation_scale(self, segment: str | None = None) -> float:
+        """The activation-sparsity scale the segment's requests run with (1 as compiled, 0 dense)."""
+        return self._segment(segment).activation_scale
+
     def set_threshold(self, value: float, segment: str | None = None) -> None:
         """Set a segment's zeroing threshold (from the next request on)."""
         _check_threshold(value)
@@ -355,10 +366,10 @@ class GuardedEngine:
             else:
                 with self._lock:
                     sample = self._rng.random() < rate
-        if run_threshold is None:
-            result = self._engine.run(feeds, masks=masks)
-        else:
-            result = self._engine.run(feeds, masks=masks, threshold=run_threshold)
+        extra: dict[str, float] = {} if run_threshold is None else {"threshold": run_threshold}
+        if self._has_scale and seg.activation_scale != self._engine_scale:
+            extra["activation_scale"] = seg.activation_scale
+        result = self._engine.run(feeds, masks=masks, **extra)
         if not sample:
             with self._lock:
                 seg.requests += 1
@@ -401,6 +412,7 @@ class GuardedEngine:
                     "sampled": seg.sampled,
                     "fallbacks": seg.fallbacks,
                     "backoffs": seg.backoffs,
+                    "activation_scale": seg.activation_scale,
                     "window_sampled": n,
                     "window_fallbacks": seg.window_fallbacks,
                     "window_fallback_rate": seg.window_fallbacks / n if n else 0.0,
@@ -440,7 +452,7 @@ class GuardedEngine:
     def _record(self, seg: _Segment, fell_back: bool) -> None:
         cfg = self._config
         now = self._clock()
-        backed_off: tuple[float, float, float, int] | None = None
+        backed_off: tuple[float, float, float, int, str] | None = None
         with self._lock:
             seg.requests += 1
             seg.sampled += 1
@@ -458,13 +470,23 @@ class GuardedEngine:
                 if new < cfg.backoff_floor:
                     new = 0.0
                 seg.threshold = new
-                if new != old:
+                old_scale = seg.activation_scale
+                if self._has_scale:
+                    scale = old_scale / cfg.backoff_factor
+                    seg.activation_scale = 0.0 if scale < cfg.backoff_floor else scale
+                if new != old or seg.activation_scale != old_scale:
                     seg.backoffs += 1
+                changed = seg.activation_scale != old_scale
+                scale_note = f"; activation scale {old_scale:g} -> {seg.activation_scale:g}" if changed else ""
                 seg.window.clear()
                 seg.window_fallbacks = 0
-                backed_off = (old, new, rate, n)
+                backed_off = (old, new, rate, n, scale_note)
         if backed_off is not None:
-            old, new, rate, n = backed_off
+            old, new, rate, n, scale_note = backed_off
+            if scale_note:
+                logger.warning("segment %r: activation sparsity backed off%s", seg.name, scale_note)
+                if old == new:
+                    return
             if old == new:
                 logger.warning(
                     "segment %r: fallback rate %.1f%% over the last %d sampled requests (%gs window) > %.1f%% "

@@ -37,6 +37,11 @@ class Report:
         routing_confidence: The mean over tokens (and routers) of each token's top-1 routing probability
             (``layerzero::router::<path>`` outputs); None when the model has no router output.
         masks: Per-path mask arrays, filled only when the caller asked (``Engine.run(..., masks=True)``).
+        activation_sparsity: Per activation-sparsity group (manifest ``dynamic`` entries of kind ``"activation"``),
+            the fraction of its input channels zeroed on this request: ``1 - mean(kept) / channels`` over the token
+            rows (``layerzero::mask::<group>`` holds each row's kept count). The weight rows of the zeroed channels
+            are not read: ``skipped_params`` counts ``params × that fraction`` (rounded), so they reach
+            ``zeroed_params_ratio``.
     """
 
     total_layers: int = 0
@@ -50,6 +55,7 @@ class Report:
     skipped_params: int = 0
     params_before: int = 0
     removed_scopes: list[str] = dataclasses.field(default_factory=list)
+    activation_sparsity: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_manifest(cls, manifest: Mapping[str, Any]) -> Report:
@@ -110,6 +116,9 @@ class Report:
                     self.skipped_paths.append(path)
                 continue
             subpaths, params = entry["subpaths"], entry["params"]
+            if entry.get("kind") == "activation":
+                self._add_activation(entry, array)
+                continue
             if len(subpaths) == 1:
                 if array.size and not array.any():
                     self.skipped_paths.append(str(subpaths[0]))
@@ -128,6 +137,17 @@ class Report:
         if self.skipped_params and self.params_before > 0:
             self.zeroed_params_ratio += self.skipped_params / self.params_before
 
+    def _add_activation(self, entry: Mapping[str, Any], kept: np.ndarray) -> None:
+        """One activation group's kept counts (one per token row) -> its realized sparsity, the rows not read."""
+        detail = entry.get("detail") if isinstance(entry.get("detail"), Mapping) else {}
+        channels = detail.get("channels")
+        if not kept.size or not isinstance(channels, int) or isinstance(channels, bool) or channels <= 0:
+            return
+        zeroed = float(1.0 - kept.astype(np.float64).mean() / channels)
+        self.activation_sparsity[str(entry["path"])] = zeroed
+        params = entry["params"]
+        self.skipped_params += round(zeroed * sum(int(p) for p in params))
+
     def copy(self) -> Report:
         """An independent copy (lists and the masks dict are copied; mask arrays are shared)."""
         return dataclasses.replace(
@@ -136,6 +156,7 @@ class Report:
             skipped_paths=list(self.skipped_paths),
             masks=dict(self.masks),
             removed_scopes=list(self.removed_scopes),
+            activation_sparsity=dict(self.activation_sparsity),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -152,6 +173,7 @@ class Report:
             "skipped_params": int(self.skipped_params),
             "params_before": int(self.params_before),
             "removed_scopes": list(self.removed_scopes),
+            "activation_sparsity": {k: float(v) for k, v in self.activation_sparsity.items()},
             "summary": self.summary(),
         }
 
@@ -166,6 +188,9 @@ class Report:
         if self.skipped_paths:
             n = len(self.skipped_paths)
             text += f"; skipped {n} path{'s' if n != 1 else ''} on this request"
+        if self.activation_sparsity:
+            mean = sum(self.activation_sparsity.values()) / len(self.activation_sparsity)
+            text += f"; activations {mean:.1%} zeroed (mean of {len(self.activation_sparsity)} groups)"
         if self.routing_confidence is not None:
             text += f"; routing confidence {self.routing_confidence:.3f}"
         if self.fallback_triggered:

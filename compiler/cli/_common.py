@@ -132,6 +132,21 @@ def add_device(p: _Parser, help: str = "execution device (default cpu)") -> None
     p.add_argument("--device", choices=DEVICES, default=CompileOptions.device, help=help)
 
 
+def add_no_activation_sparsity(p: _Parser) -> None:
+    """``--no-activation-sparsity``: run with ``layerzero::activation_scale`` 0, the dense model exactly (A/B)."""
+    p.add_argument(
+        "--no-activation-sparsity",
+        action="store_true",
+        help="run a bundle compiled with --activation-sparsity dense (activation scale 0: the dense outputs exactly)",
+    )
+
+
+def apply_activation_flag(engine: Any, args: argparse.Namespace) -> None:
+    """``--no-activation-sparsity``: every request of ``engine`` runs at activation scale 0."""
+    if getattr(args, "no_activation_sparsity", False):
+        engine.activation_scale = 0.0
+
+
 def add_flag_pattern(p: _Parser) -> None:
     """``--flag-pattern``: the names of zero flags (``CompileOptions.flag_pattern``)."""
     default = CompileOptions.flag_pattern

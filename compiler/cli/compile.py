@@ -103,8 +103,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-deviation",
         type=number(0),
         metavar="D",
-        help="with --threshold > 0: fail verification when an output deviates by more than D (max abs)",
+        help="with --threshold > 0 or --activation-sparsity: fail verification when an output deviates by more than "
+        "D (max abs)",
     )
+    add_activation_arguments(p)
     add_moe_lowering(p)
     solid = p.add_argument_group("solidify (--profile)")
     solid.add_argument("--profile", type=Path, metavar="JSON", help="a profile of a bundle of this model")
@@ -116,6 +118,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_quant_arguments(p)
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     add_target_arguments(p)
+
+
+def add_activation_arguments(p: argparse.ArgumentParser) -> None:
+    """``--activation-sparsity`` and its calibration (``CompileOptions.activation_*``)."""
+    from layerzero.options import ACTIVATION_METHODS, MAX_ACTIVATION_SPARSITY
+
+    a = p.add_argument_group("activation sparsity (--activation-sparsity)")
+    a.add_argument(
+        "--activation-sparsity",
+        type=number(0, MAX_ACTIVATION_SPARSITY),
+        metavar="S",
+        help="zero the entries of each projection's input below calibrated per-channel thresholds, S of them "
+        "model-wide (parameter-weighted, TEAL's greedy allocation); needs --max-deviation",
+    )
+    a.add_argument(
+        "--activation-calibration",
+        type=Path,
+        metavar="FILE",
+        help="calibration requests (.npz: one; .json: one or a list); default: --inputs, else the seeded sample sets",
+    )
+    a.add_argument(
+        "--activation-method",
+        choices=ACTIVATION_METHODS,
+        default="wina",
+        help="per-channel criterion: wina (|x|·‖W row‖) or magnitude (|x|) (default wina)",
+    )
 
 
 def add_quant_arguments(p: argparse.ArgumentParser) -> None:
@@ -206,6 +234,9 @@ def options_from(args: argparse.Namespace) -> CompileOptions:
         quant_symmetric=not getattr(args, "quant_asymmetric", False),
         quant_accuracy_level=getattr(args, "quant_accuracy_level", 4),
         max_quant_deviation=getattr(args, "max_quant_deviation", None),
+        activation_sparsity=getattr(args, "activation_sparsity", None),
+        activation_calibration=getattr(args, "activation_calibration", None),
+        activation_method=getattr(args, "activation_method", "wina"),
     )
 
 
@@ -233,7 +264,19 @@ def print_result(result: CompileResult) -> None:
         )
     print_solidified(result)
     print_quantization(result.quantization)
+    print_activation_sparsity(result.activation_sparsity)
     print_verification(result.verification)
+
+
+def print_activation_sparsity(a: dict | None) -> None:
+    """The activation-sparsity allocation: target, realized on the calibration inputs, the groups' levels."""
+    if not a:
+        return
+    console.print(
+        f"activation sparsity {a['target']:g} ({a['method']}, {a['form']} form): realized "
+        f"{a['realized_on_calibration']:.3f} on {a['calibration']}; {len(a['groups'])} groups, levels "
+        f"{min(a['groups'].values(), default=0):.2f}-{max(a['groups'].values(), default=0):.2f}"
+    )
 
 
 def print_quantization(q: dict | None) -> None:
@@ -309,7 +352,8 @@ def print_verification(v) -> None:
         console.print("verification  skipped (--no-verify)")
         return
     if v.passed:
-        status = "[green]passed[/green]" if v.zeroing_threshold == 0 or v.max_deviation is not None else "reported"
+        deviating = v.zeroing_threshold > 0 or v.activation_sparsity > 0
+        status = "[green]passed[/green]" if not deviating or v.max_deviation is not None else "reported"
     else:
         status = "[red]FAILED[/red]"
     sets = v.input_sets or [{"inputs": v.inputs}]
@@ -317,7 +361,7 @@ def print_verification(v) -> None:
     console.print(f"verification  {status}: {v.compared}")
     console.print(f"  on {len(sets)} input set(s): {shapes}")
     for o in v.outputs:
-        if v.zeroing_threshold > 0:
+        if v.zeroing_threshold > 0 or v.activation_sparsity > 0:
             note = pass_hint(v, o) if not o.passed else f"within --max-deviation ≥ {tolerance_at_least(o.max_abs)}"
         else:
             note = pass_hint(v, o) if not o.passed else f"passes at --atol ≥ {tolerance_at_least(o.needed_atol)}"

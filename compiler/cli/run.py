@@ -27,6 +27,8 @@ import numpy as np
 from layerzero.cli._common import (
     add_device,
     add_force,
+    add_no_activation_sparsity,
+    apply_activation_flag,
     check_output_file,
     console,
     one_line_errors,
@@ -48,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_force(p, "--save: replace a file that is not an outputs .npz")
     p.add_argument("--masks", action="store_true", help="include per-token skip masks in the report")
     add_device(p)
+    add_no_activation_sparsity(p)
     p.add_argument("--json", action="store_true", help="print outputs and report as JSON")
 
 
@@ -98,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.bundle.is_dir():
         read_bundle(args.bundle)  # a broken manifest (a JSON list, ...) is reported here, in one line
     engine = Engine.load(args.bundle, device=args.device)  # the backend its manifest names
+    apply_activation_flag(engine, args)
     feeds = parse_feeds(args.inputs, args.input)
     if not feeds and engine.input_specs:
         names = ", ".join(s.describe() for s in engine.input_specs)

@@ -50,7 +50,9 @@ from pathlib import Path
 from layerzero.cli._common import (
     add_device,
     add_guard_arguments,
+    add_no_activation_sparsity,
     add_threads,
+    apply_activation_flag,
     console,
     fraction,
     integer,
@@ -83,6 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--client-timeout", type=positive, default=30.0, metavar="S",
                    help="seconds a client may take to send one request (default 30)")  # fmt: skip
     add_device(p)
+    add_no_activation_sparsity(p)
     add_threads(p)
     g = p.add_argument_group("guard")
     add_guard_arguments(g)
@@ -144,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"{args.bundle} is not a bundle directory (compile the model first)")
     options = {"device": args.device, **thread_options(args)}  # the reference gets the same
     engine = Engine.load(args.bundle, **options)
+    apply_activation_flag(engine, args)
     reference = None
     if not args.no_reference:
         reference = args.reference if args.reference is not None else default_reference(engine.manifest)

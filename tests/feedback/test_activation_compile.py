@@ -1,0 +1,288 @@
+"""``layerzero compile --activation-sparsity S`` end to end (issue 23) on a tiny Llama with random weights: the
+calibration's allocation in the manifest, the realized sparsity each request reports, scale 0 (``layerzero run
+--no-activation-sparsity``) equal to the dense compile, the guard's back-off of the activation scale, bad values."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from layerzero.contract import ACTIVATION_SCALE_INPUT
+from layerzero.runtime import Engine
+from layerzero.runtime.guard import GuardConfig, GuardedEngine
+
+torch = pytest.importorskip("torch", reason="export tests need torch (pip install -e '.[export]')")
+transformers = pytest.importorskip("transformers", reason="export tests need transformers")
+
+LAYERS, HIDDEN, FFN, VOCAB, SEQ = 2, 64, 128, 128, 48
+TARGET = 0.3
+
+
+def _feeds(seq: int = SEQ, seed: int = 3) -> dict[str, np.ndarray]:
+    ids = np.random.default_rng(seed).integers(0, VOCAB, size=(1, seq))
+    feeds = {"input_ids": ids.astype(np.int64), "attention_mask": np.ones((1, seq), np.int64),
+             "position_ids": np.arange(seq, dtype=np.int64)[None]}  # fmt: skip
+    for i in range(LAYERS):
+        for kind in ("key", "value"):
+            feeds[f"past_key_values.{i}.{kind}"] = np.zeros((1, 2, 0, HIDDEN // 4), np.float32)
+    return feeds
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory: pytest.TempPathFactory):
+    """The export, its dense compile and its compile at --activation-sparsity 0.3 calibrated on ``_feeds()``."""
+    from layerzero.cli import main
+
+    tmp = tmp_path_factory.mktemp("activation_compile")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128, initializer_range=0.2,
+        eos_token_id=None, bos_token_id=None,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(tmp / "llama")
+    assert main(["export", str(tmp / "llama"), "-o", str(tmp / "m.onnx")]) == 0
+    calibration = tmp / "calibration.npz"
+    np.savez(calibration, **_feeds())
+    assert main(["compile", str(tmp / "m.onnx"), "-o", str(tmp / "dense.lz")]) == 0
+    args = ["compile", str(tmp / "m.onnx"), "-o", str(tmp / "sparse.lz"), "--activation-sparsity", str(TARGET),
+            "--activation-calibration", str(calibration), "--max-deviation", "100"]  # fmt: skip
+    assert main(args) == 0
+    return tmp
+
+
+def _manifest(bundle: Path) -> dict:
+    return json.loads((bundle / "manifest.json").read_text())
+
+
+def test_manifest_records_the_allocation_and_the_deviation(bundles: Path) -> None:
+    manifest = _manifest(bundles / "sparse.lz")
+    record = manifest["activation_sparsity"]
+    assert record["target"] == TARGET and record["method"] == "wina" and record["allocation"] == "greedy"
+    assert record["form"] in ("reference", "native")
+    kinds = ("self_attn.qkv", "self_attn.o", "mlp.gate_up", "mlp.down")
+    assert sorted(record["groups"]) == sorted(f"model.layers.{i}.{k}" for i in range(LAYERS) for k in kinds)
+    assert all(0.0 <= v <= 0.95 for v in record["groups"].values())
+    assert abs(record["realized_on_calibration"] - TARGET) < 0.02, record["realized_on_calibration"]
+    assert "calibration.npz" in record["calibration"] and record["calibration_rows"] == SEQ
+    # The sparsity's impact: verification compared with the dense model and accepted it under --max-deviation.
+    v = manifest["verification"]
+    assert v["passed"] and v["activation_sparsity"] == TARGET and v["dense_at_scale_0"] is True
+    assert record["deviation"]["logits"] > 0  # deviates on purpose
+    activation = [d for d in manifest["dynamic"] if d["kind"] == "activation"]
+    assert sorted(d["path"] for d in activation) == sorted(record["groups"])
+    assert _manifest(bundles / "dense.lz")["activation_sparsity"] is None
+
+
+def test_report_realizes_the_target_on_the_calibration_inputs(bundles: Path) -> None:
+    engine = Engine.load(bundles / "sparse.lz")
+    assert engine.has_activation_scale_input
+    assert ACTIVATION_SCALE_INPUT not in {s.name for s in engine.input_specs}  # the runtime's input, not the user's
+    report = engine.run(_feeds()).report
+    entries = {d["path"]: d for d in engine.manifest["dynamic"] if d["kind"] == "activation"}
+    assert set(report.activation_sparsity) == set(entries)
+    params = {p: sum(d["params"]) for p, d in entries.items()}
+    realized = sum(params[p] * s for p, s in report.activation_sparsity.items()) / sum(params.values())
+    # Calibrated on the dense activations; later groups see the sparse model's: within a few %.
+    assert abs(realized - TARGET) < 0.05, (realized, report.activation_sparsity)
+    # The rows not read count as zeroed parameters (on top of what the compile removed).
+    want = sum(round(params[p] * s) for p, s in report.activation_sparsity.items())
+    assert report.skipped_params == want
+    static = engine.report_template().zeroed_params_ratio  # what the compile removed (the same every request)
+    assert want > 0 and report.zeroed_params_ratio == pytest.approx(static + want / report.params_before)
+    assert "activations" in report.summary() and report.to_dict()["activation_sparsity"]
+    # Scale 0: nothing zeroed (random weights: no exact zeros in the activations).
+    assert all(s == 0 for s in engine.run(_feeds(), activation_scale=0.0).report.activation_sparsity.values())
+
+
+def test_scale_0_equals_the_dense_compile(bundles: Path, capsys) -> None:
+    from layerzero.cli import main
+
+    feeds = _feeds(seq=9, seed=11)
+    dense = Engine.load(bundles / "dense.lz").run(feeds).outputs
+    engine = Engine.load(bundles / "sparse.lz")
+    sparse = engine.run(feeds).outputs
+    assert not np.array_equal(sparse["logits"], dense["logits"])
+    off = engine.run(feeds, activation_scale=0.0).outputs
+    for name in dense:
+        np.testing.assert_array_equal(off[name], dense[name], err_msg=name)
+    # The CLI's A/B switch: the same through `layerzero run --no-activation-sparsity`.
+    npz = bundles / "ab.npz"
+    np.savez(npz, **feeds)
+    capsys.readouterr()
+    assert main(["run", str(bundles / "sparse.lz"), "--inputs", str(npz), "--no-activation-sparsity", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    got = np.asarray(doc["outputs"]["logits"]["values"], np.float32)
+    np.testing.assert_array_equal(got, dense["logits"])
+    assert all(s == 0 for s in doc["report"]["activation_sparsity"].values())
+
+
+def test_guard_backoff_divides_the_activation_scale(bundles: Path, caplog) -> None:
+    engine = Engine.load(bundles / "sparse.lz")
+    dense = Engine.load(bundles / "dense.lz")
+    # Every request sampled and every sampled request over the bound: a back-off after each request.
+    config = GuardConfig(sample_rate=1.0, fallback_bound=0.0, min_window_requests=1, backoff_above=0.0,
+                         backoff_factor=2.0, backoff_floor=0.3)  # fmt: skip
+    guard = GuardedEngine(engine, dense, config)
+    feeds = _feeds(seq=9, seed=5)
+    assert guard.activation_scale() == 1.0
+    with caplog.at_level(logging.WARNING, logger="layerzero.runtime.guard"):
+        first = guard.run(feeds)
+    assert first.route == "fallback" and guard.activation_scale() == 0.5
+    assert "activation scale 1 -> 0.5" in caplog.text
+    # The next request ran at scale 0.5: its report is that of the engine at 0.5 (fewer channels zeroed).
+    second = guard.run(feeds, masks=True)
+    want = engine.run(feeds, activation_scale=0.5).report.activation_sparsity
+    assert second.report.activation_sparsity == pytest.approx(want)
+    at_1 = engine.run(feeds).report.activation_sparsity
+    assert sum(want.values()) < sum(at_1.values())
+    # 0.25 is below the floor 0.3: 0, the dense model exactly.
+    assert guard.activation_scale() == 0.0 and guard.stats()["segments"]["default"]["activation_scale"] == 0.0
+    third = guard.run(feeds)
+    assert all(s == 0 for s in third.report.activation_sparsity.values())
+    assert guard.stats()["segments"]["default"]["backoffs"] == 2  # scale 0 and threshold 0: nothing more to do
+
+
+def test_no_activation_sparsity_starts_the_guard_dense(bundles: Path) -> None:
+    engine = Engine.load(bundles / "sparse.lz")
+    engine.activation_scale = 0.0  # what --no-activation-sparsity sets
+    guard = GuardedEngine(engine, None, GuardConfig(sample_rate=0.0))
+    assert guard.activation_scale() == 0.0
+    out = guard.run(_feeds(seq=9, seed=11)).outputs["logits"]
+    np.testing.assert_array_equal(out, Engine.load(bundles / "dense.lz").run(_feeds(seq=9, seed=11)).outputs["logits"])
+
+
+def _exit_code(args: list[str]) -> int:
+    from layerzero.cli import main
+
+    try:
+        return main(args)
+    except SystemExit as exc:  # argparse's own checks (a value out of range) exit 2 the same way
+        return int(exc.code)
+
+
+def _no_matmul(path: Path) -> Path:
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])])  # fmt: skip
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--activation-sparsity", "0.99", "--max-deviation", "1"], "must be <= 0.95"),
+        (["--activation-sparsity", "-0.1", "--max-deviation", "1"], "must be >= 0"),
+        (["--activation-sparsity", "0.3"], "give max_deviation (--max-deviation)"),
+        (["--activation-calibration", "x.npz"], "needs activation_sparsity > 0"),
+    ],
+)
+def test_bad_values_are_one_line_exit_2(bundles: Path, capsys, extra, needle) -> None:
+    out = bundles / "bad.lz"
+    assert _exit_code(["compile", str(bundles / "m.onnx"), "-o", str(out), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+def test_no_float_matmul_is_one_line_exit_2(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "bad.lz"
+    args = ["compile", str(_no_matmul(tmp_path / "relu.onnx")), "-o", str(out), "--activation-sparsity", "0.3",
+            "--max-deviation", "1"]  # fmt: skip
+    assert _exit_code(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no float MatMul" in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_a_deviation_above_max_deviation_fails_naming_the_sparsity(bundles: Path, capsys) -> None:
+    out = bundles / "tight.lz"
+    args = ["compile", str(bundles / "m.onnx"), "-o", str(out), "--activation-sparsity", "0.5",
+            "--activation-calibration", str(bundles / "calibration.npz"), "--max-deviation", "1e-6"]  # fmt: skip
+    assert _exit_code(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert "activation sparsity's (--activation-sparsity 0.5)" in err and "--max-deviation" in err, err
+    assert len(err.splitlines()) == 1 and not out.exists()
+
+
+def test_options_check_the_activation_fields(tmp_path: Path) -> None:
+    from layerzero.errors import InvalidInputError
+    from layerzero.options import CompileOptions
+
+    o = CompileOptions(activation_sparsity=0.3, activation_calibration=str(tmp_path / "c.json"), max_deviation=0.1)
+    assert o.to_dict()["activation_calibration"] == str(tmp_path / "c.json") and o.activation_method == "wina"
+    assert CompileOptions(activation_sparsity=0.4, verify=False).activation_sparsity == 0.4  # unverified: no bound
+    for bad in ({"activation_sparsity": 0.96, "max_deviation": 1}, {"activation_sparsity": float("nan")},
+                {"activation_method": "teal"}, {"activation_sparsity": True},
+                {"activation_sparsity": 0.3, "verify": False, "dynamic": False}):  # fmt: skip
+        with pytest.raises(InvalidInputError, match="option activation_"):
+            CompileOptions(**bad)
+
+
+def test_json_calibration_requests(bundles: Path, tmp_path: Path) -> None:
+    from layerzero.compile import compile_model
+    from layerzero.options import CompileOptions
+
+    path = tmp_path / "c.json"
+    def encode(v: np.ndarray):  # nested lists, or shape + flat values where a dim is empty (the past)
+        return v.tolist() if v.size else {"shape": list(v.shape), "values": []}
+
+    path.write_text(json.dumps([{k: encode(v) for k, v in _feeds(seq=24, seed=s).items()} for s in (1, 2)]))
+    options = CompileOptions(activation_sparsity=0.2, activation_calibration=path, verify=False)
+    record = compile_model(bundles / "m.onnx", options).activation_sparsity
+    assert record["calibration"] == f"{path} (2 requests)" and record["calibration_rows"] == 48
+    assert abs(record["realized_on_calibration"] - 0.2) < 0.02
+    path.write_text(json.dumps([{"nope": [1]}]))
+    from layerzero.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="names 'nope', which is no input"):
+        compile_model(bundles / "m.onnx", options)
+    path.write_text(json.dumps({k: v.tolist() for k, v in _feeds(seq=4).items()}))  # the empty past: rank 3
+    with pytest.raises(InvalidInputError, match=r"the calibration inputs do not run on the model: .*rank"):
+        compile_model(bundles / "m.onnx", options)
+
+
+def test_validate_feeds_takes_the_scale_as_the_runtimes_input_and_generate_runs_at_it(bundles: Path) -> None:
+    from layerzero.errors import InvalidInputError
+
+    engine = Engine.load(bundles / "sparse.lz")
+    feeds = _feeds(seq=9, seed=11)
+    arrays = engine.validate_feeds({**feeds, ACTIVATION_SCALE_INPUT: 0})
+    assert arrays[ACTIVATION_SCALE_INPUT].dtype == np.float32 and float(arrays[ACTIVATION_SCALE_INPUT]) == 0.0
+    assert ACTIVATION_SCALE_INPUT not in engine.validate_feeds(feeds)  # unset: the compiled 1
+    with pytest.raises(InvalidInputError, match="activation_scale: expected a finite number >= 0"):
+        engine.validate_feeds({**feeds, ACTIVATION_SCALE_INPUT: -1})
+    dense = Engine.load(bundles / "dense.lz")
+    assert ACTIVATION_SCALE_INPUT not in dense.validate_feeds({**feeds, ACTIVATION_SCALE_INPUT: 0})  # dense already
+    # The guard's decode loop (what `serve` runs) goes through Engine.run: --no-activation-sparsity holds there.
+    prompt = [int(i) for i in feeds["input_ids"][0]]
+    want = dense.generate(prompt, max_new_tokens=6).ids
+    engine.activation_scale = 0.0
+    guard = GuardedEngine(engine, None, GuardConfig(sample_rate=0.0))
+    from layerzero.runtime.generate import generate
+
+    assert generate(guard, prompt, max_new_tokens=6).ids == want
+    assert engine.generate(prompt, max_new_tokens=6).ids == want  # Engine.generate steps through run() then
+    engine.activation_scale = None
+    assert generate(GuardedEngine(engine, None, GuardConfig(sample_rate=0.0)), prompt, max_new_tokens=6).ids != want
+
+
+def test_default_calibration_is_the_seeded_sets_or_the_sample_inputs(bundles: Path) -> None:
+    from layerzero.compile import compile_model
+    from layerzero.options import CompileOptions
+
+    options = CompileOptions(activation_sparsity=0.3, verify=False)
+    record = compile_model(bundles / "m.onnx", options).activation_sparsity
+    assert record["calibration"].startswith("3 seeded sample input sets (default, ")  # what verification runs on
+    assert abs(record["realized_on_calibration"] - 0.3) < 0.02 and record["calibration_rows"] > 0
+    sample = bundles / "calibration.npz"
+    options = CompileOptions(activation_sparsity=0.3, verify=False, sample_inputs=sample)
+    record = compile_model(bundles / "m.onnx", options).activation_sparsity
+    assert record["calibration"] == f"the sample inputs {sample}" and record["calibration_rows"] == SEQ
