@@ -13,7 +13,8 @@ a layer scope, ``model.layers.<i>...``; ``lm_head`` and embeddings are outside e
   0 = dense): its own input rather than ``layerzero::threshold``, whose compiled default is 0 (exact) and whose
   unit is a router weight (one shared input would either turn MoE skipping on or start the activations dense). The
   guard's back-off (``runtime/guard.py``) divides this scale by its factor at each back-off, as it divides
-  ``layerzero::threshold`` (0 below the floor: the dense model). The semantics apply to every token, prefill included (as TEAL evaluates).
+  ``layerzero::threshold`` (0 below the floor: the dense model). The semantics apply to every token, prefill
+  included (as TEAL evaluates).
 - **Reference form** (``native=False``, plain ONNX Runtime): ``xm = Where(Not(LessOrEqual(Abs(x), t * scale)), x,
   0)`` once per group, the group's MatMuls then read ``xm``.
 - **Native form** (``native=True``): each projection becomes ``ai.layerzero::SparseLinear(x, W, t, scale)``
