@@ -161,7 +161,7 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict; mask arrays become nested lists."""
-        return {
+        out = {
             "total_layers": int(self.total_layers),
             "zeroed_layers": int(self.zeroed_layers),
             "zeroed_params_ratio": float(self.zeroed_params_ratio),
@@ -173,9 +173,12 @@ class Report:
             "skipped_params": int(self.skipped_params),
             "params_before": int(self.params_before),
             "removed_scopes": list(self.removed_scopes),
-            "activation_sparsity": {k: float(v) for k, v in self.activation_sparsity.items()},
             "summary": self.summary(),
         }
+        if self.activation_sparsity:  # only a model with activation sparsity has the key (run_bundle's JSON is the
+            # same as this one for every other bundle; it does not report activation sparsity yet)
+            out["activation_sparsity"] = {k: float(v) for k, v in self.activation_sparsity.items()}
+        return out
 
     def summary(self) -> str:
         """One line for humans, e.g. ``zeroed 1/4 layers, 23.1% of parameters; skipped 2 paths``.
