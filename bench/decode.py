@@ -674,6 +674,11 @@ def quantized_main(args: argparse.Namespace, rounds: int, verify_mode: str, say)
                 if fp32 and (name, t) in tps:
                     print(f"  {name} / LZ fp32 native at {t} thread(s): {tps[(name, t)] / fp32:.2f}")
         del columns
+    return _finish(args, results, misses, load_before)
+
+
+def _finish(args, results: list, misses: list[str], load_before: tuple[float, float, float]) -> int:
+    """The load line, the JSON (``--json``), the misses; exit status 1 on a missed target."""
     load_after = os.getloadavg()
     print(
         f"\nmachine: {os.cpu_count()} cores, load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "
@@ -936,16 +941,7 @@ def main(argv: list[str] | None = None) -> int:
             if not met:
                 misses.append(f"{family}: best LayerZero lowering {best:.2f}× < {TARGET}×")
         del variants
-    load_after = os.getloadavg()
-    print(
-        f"\nmachine: {os.cpu_count()} cores, load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "
-        "(shared: other processes run on the same cores)"
-    )
-    if args.json is not None:
-        args.json.write_text(json.dumps({"results": results, "load": [load_before, load_after]}, indent=1))
-    for miss in misses:
-        print(f"MISSED: {miss}")
-    return 1 if misses else 0
+    return _finish(args, results, misses, load_before)
 
 
 if __name__ == "__main__":
