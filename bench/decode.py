@@ -61,10 +61,12 @@ median decode tokens/s, time to first token and median step. Columns:
   says "not available" and the run is a miss (exit 1).
 Beside each: the quantization's deviation from the fp32 export on the prompt (one prefill: top-1 agreement of the
 greedy id at every position, relative L2 of the logits) and how many of the greedy ids equal transformers' fp32 ones
-from the start. Targets (issue 22), per thread count, not judged at ``--quick``: LZ int4 ≥ 1.0 × llama.cpp Q4_0,
-≥ 3 × ORT int4 and ≥ 3 × LZ fp32 native; LZ int8 ≥ 1.0 × llama.cpp Q8_0. ``--no-spin`` makes ONNX Runtime's idle
-workers sleep (every ORT column); ``--profile`` prints ONNX Runtime's per-op profile of the first ``--lowerings``
-bundle's decode steps at each ``--threads`` count instead of the table.
+from the start; LZ int4 / int8's greedy ids must equal those of its own quantized-dense reference
+(``layerzero.compile.quantized_dense_reference``: the export with the same weight quantization, nothing skipped; run
+once, not timed), a miss otherwise. Targets (issue 22), per thread count, not judged at ``--quick``: LZ int4 ≥ 1.0 ×
+llama.cpp Q4_0, ≥ 3 × ORT int4 and ≥ 3 × LZ fp32 native; LZ int8 ≥ 1.0 × llama.cpp Q8_0. ``--no-spin`` makes ONNX
+Runtime's idle workers sleep (every ORT column); ``--profile`` prints ONNX Runtime's per-op profile of the first
+``--lowerings`` bundle's decode steps at each ``--threads`` count instead of the table.
 
     python bench/decode.py --families qwen3_moe --weights int4 --rounds 3
     python bench/decode.py --families qwen3_moe --profile --lowerings native --no-spin
@@ -519,6 +521,27 @@ def lz_quantized(prepared: dict[str, Any], bits: int, say, verify: bool) -> tupl
     return out, "compiled with verification" if verify else "compiled --no-verify"
 
 
+def lz_reference(prepared: dict[str, Any], bits: int, lz_path: Path, say) -> Path:
+    """LayerZero int4 / int8's own quantized-dense reference (``layerzero.compile.quantized_dense_reference``: the
+    export with the compile's static zeroing and the same weight quantization, nothing skipped: what verification
+    compares the bundle with), saved as a plain ``.onnx`` beside the bundle; remade when the bundle is newer."""
+    import onnx_ir as ir
+
+    from layerzero.compile import quantized_dense_reference
+
+    out = prepared["root"] / f"lz-native-int{bits}-reference" / "model.onnx"
+    manifest = lz_path / "manifest.json"
+    if out.is_file() and out.stat().st_mtime >= manifest.stat().st_mtime:
+        return out
+    say(f"{prepared['root'].name}: writing LZ int{bits}'s quantized-dense reference")
+    options = CompileOptions(moe_lowering="native", weights=f"int{bits}")  # type: ignore[call-arg]
+    model = quantized_dense_reference(ir.load(prepared["export"]), options, static_zeroing=True,
+                                      compiled=ir.load(lz_path / "model.onnx"))  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ir.save(model, out, external_data=out.name + ".data", size_threshold_bytes=1 << 20)
+    return out
+
+
 def _deviation(logits: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
     """(top-1 agreement of the greedy ids over the prompt's positions, relative L2) of prefill logits [n, V]."""
     logits, reference = np.asarray(logits, np.float64).reshape(reference.shape), np.asarray(reference, np.float64)
@@ -609,6 +632,11 @@ def quantized_main(args: argparse.Namespace, rounds: int, verify_mode: str, say)
                     columns[(name, t)] = _llamacpp.LlamaCppRunner(ggufs[name], t, n_ctx, args.prompt, kv_f32)
                 logits = _llamacpp.prefill_logits(ggufs[name], prompt, kv_f32=kv_f32)
                 deviation[name] = _deviation(logits, reference)
+        reference_ids: list[int] | None = None
+        if f"LZ int{bits}" in paths:  # its greedy ids against its own quantized-dense reference (not timed)
+            ref = _EngineColumn(lz_reference(prepared, bits, paths[f"LZ int{bits}"], say), threads[-1])
+            reference_ids = ref.generate(prompt, args.new)["ids"]
+            del ref
         for column in columns.values():  # warm-up: sessions, allocators, page cache
             column.generate(prompt[:4], 2)
         timings: dict[tuple[str, int], list[dict[str, Any]]] = {key: [] for key in columns}
@@ -648,6 +676,14 @@ def quantized_main(args: argparse.Namespace, rounds: int, verify_mode: str, say)
                                     rounds=[v["tps"] for v in values]))  # fmt: skip
             if name == "LZ fp32 native" and timings[(name, threads[0])][0]["ids"] != prepared["ids"]:
                 misses.append(f"{family} LZ fp32 native: ids differ from transformers' greedy")
+            if name == f"LZ int{bits}" and reference_ids is not None:
+                for t in threads:
+                    ids = timings[(name, t)][0]["ids"]
+                    same = _common_prefix(ids, reference_ids)
+                    print(f"  {name:<16} {t:>7} ids == its quantized-dense reference: {same} of {len(reference_ids)}")
+                    if ids != reference_ids:
+                        misses.append(f"{family} {name} at {t} thread(s): greedy ids differ from its quantized-dense "
+                                      f"reference from position {same}")  # fmt: skip
         if "llama.cpp F32" in deviation and deviation["llama.cpp F32"][1] > 1e-3:
             misses.append(
                 f"{family} llama.cpp F32: relative L2 {deviation['llama.cpp F32'][1]:.1e} from the export's logits: "
