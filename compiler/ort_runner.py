@@ -109,6 +109,7 @@ def create_session(
     enable_profiling: bool = False,
     profile_file_prefix: str | None = None,
     external_initializers: Mapping[str, np.ndarray] | None = None,
+    shared_initializers: Mapping[str, np.ndarray] | None = None,
     label: str | None = None,
 ) -> Any:
     """An ``onnxruntime.InferenceSession`` for ``model`` (a path or serialised bytes).
@@ -124,7 +125,9 @@ def create_session(
         log_severity_level: 3 (errors only) by default: a bundle's unused-initializer warnings are noise.
         external_initializers: Initializers lent to the session without a copy (name -> C-contiguous array;
             the model names them as external data). The arrays stay referenced by the session, so they live
-            as long as it does.
+            as long as it does. (ONNX Runtime copies these once at session creation.)
+        shared_initializers: Initializers of the model (by name) that the session uses in place instead of reading
+            them (``SessionOptions.add_initializer``: user-owned memory, never copied); kept alive with the session.
         label: How errors name the model (default: its path, or "the model" for bytes).
 
     Raises:
@@ -159,6 +162,11 @@ def create_session(
         lent = [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays]
         options.add_external_initializers(list(external_initializers), lent)
         lent = [*arrays, *lent]
+    if shared_initializers:
+        for key, array in shared_initializers.items():
+            value = ort.OrtValue.ortvalue_from_numpy(array)
+            options.add_initializer(key, value)
+            lent += [array, value]
     source = str(model) if isinstance(model, Path) else model
     try:
         session = ort.InferenceSession(source, sess_options=options, providers=list(providers))

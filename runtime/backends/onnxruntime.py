@@ -13,6 +13,10 @@ Options (``Engine.load(path, backend="onnxruntime", **options)``):
   Qwen3-MoE-style model ran at 11.1 tok/s spinning and 32.3 tok/s sleeping (1 thread: 15.4).
 - ``enable_profiling``: write an ONNX Runtime profile; ``end_profiling()`` returns its path.
 - ``profile_file_prefix``: the profile's file name prefix.
+- ``mmap_weights``: True keeps every external weight in ONNX Runtime's mapping of the data file. By default the
+  weights ``liblayerzero_ort.so``'s kernels read in place (MoE experts, SparseLinear) are read into anonymous huge
+  pages instead (``_in_place.py``: a 4 KiB-page file mapping cost 16 % of a MoE decode step here, and the page
+  cache can drop it mid-generation); the price is that memory is private to the process.
 
 Custom-op libraries: a bundle whose manifest lists ``libraries`` (``liblayerzero_ort.so`` for the native MoE
 lowering) has them registered with the session; a missing one is an ``UnsupportedModelError`` naming it. A plain
@@ -60,6 +64,7 @@ _OPTIONS = (
     "allow_spinning",
     "enable_profiling",
     "profile_file_prefix",
+    "mmap_weights",
 )
 
 
@@ -95,13 +100,21 @@ class OrtBackend:
         allow_spinning: bool | None = None,
         enable_profiling: bool = False,
         profile_file_prefix: str | None = None,
+        mmap_weights: bool = False,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(self.name, unknown, _OPTIONS)
         import onnxruntime as ort
 
+        from layerzero.runtime.backends._in_place import in_place_weights
+
+        # On the CPU only (another device copies its initializers into its own memory anyway).
+        cpu = device == "cpu" and providers is None
+        in_place = cpu and not mmap_weights and isinstance(model_path, Path | str)
+        shared = in_place_weights(Path(model_path)) if in_place else None
         session = create_session(
             model_path,
+            shared_initializers=shared,
             device=device,
             providers=providers,
             libraries=_libraries(model_path),
