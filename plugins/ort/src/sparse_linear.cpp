@@ -564,3 +564,8 @@ const OrtCustomOp* sparse_linear_op() {
 extern "C" __attribute__((visibility("default"))) const char* LayerZeroOrtSparseIsa() {
   return lz::sparse_kernels().isa;
 }
+
+// The SparseLinear q8 / q4 kernels' ISA (avx512vnni, avx2 or generic), for benchmarks and tests.
+extern "C" __attribute__((visibility("default"))) const char* LayerZeroOrtSparseQIsa() {
+  return lz::sparse_q_kernels().isa;
+}

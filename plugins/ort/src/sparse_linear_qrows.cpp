@@ -101,23 +101,34 @@ void qrows(const SparseQRows& call, int64_t c0, int64_t c1) {
   }();
   const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   constexpr int32_t kOffset = Bits == 4 ? 8 : 128;
+  // The row addresses of a block (4 per group), computed once per block and tile: the current block's and the
+  // next one's (whose rows are prefetched while the current block runs).
+  const uint8_t* cur[32];
+  const uint8_t* nxt[32];
+  auto addresses = [&](int64_t bi, const uint8_t** out) -> int {
+    if (bi >= call.nblocks) return 0;
+    const SparseQBlock& blk = call.blocks[bi];
+    const int32_t* r4 = call.rows4 + 4 * int64_t(blk.g0);
+    for (int32_t k = 0; k < 4 * blk.ng; ++k) out[k] = row_ptr<Bits>(call.w, n, r4[k]);
+    return 4 * blk.ng;
+  };
   for (int64_t a = c0; a < c1; a += kTile) {
     const int64_t b = c1 - a > kTile ? a + kTile : c1;
+    addresses(0, cur);
     for (int64_t bi = 0; bi < call.nblocks; ++bi) {
       const SparseQBlock& blk = call.blocks[bi];
-      const SparseQBlock* next = bi + 1 < call.nblocks ? &call.blocks[bi + 1] : nullptr;
+      const int nn = addresses(bi + 1, nxt);
       const uint16_t* s = call.scales + int64_t(blk.kb) * n;
       const __m512 dx = _mm512_set1_ps(blk.dx);
       const __m512i start = _mm512_set1_epi32(-kOffset * blk.sum);
-      const int32_t* rows4 = call.rows4 + 4 * int64_t(blk.g0);
       const int32_t* xq4 = call.xq4 + blk.g0;
+      const int32_t ng = blk.ng;
       int64_t c = a;
       for (; c + 64 <= b; c += 64) {
         __m512i acc[4] = {start, start, start, start};
         const int64_t o = Bits == 4 ? c / 2 : c;
-        for (int32_t g = 0; g < blk.ng; ++g) {
-          const uint8_t* r[4];
-          for (int k = 0; k < 4; ++k) r[k] = row_ptr<Bits>(call.w, n, rows4[4 * g + k]);
+        for (int32_t g = 0; g < ng; ++g) {
+          const uint8_t* const* r = cur + 4 * g;
           const __m512i xv = _mm512_set1_epi32(xq4[g]);
           __m512i pa, pb;
           pair_rows(r, o, pa, pb);
@@ -137,17 +148,14 @@ void qrows(const SparseQRows& call, int64_t c0, int64_t c1) {
           }
         }
         // The next block's rows at these columns (its pass over the tile comes after this one's).
-        if (next != nullptr && (Bits == 8 || c % 128 == 0))
-          for (int32_t k = 0; k < 4 * next->ng; ++k)
-            _mm_prefetch(reinterpret_cast<const char*>(row_ptr<Bits>(call.w, n, call.rows4[4 * next->g0 + k]) + o),
-                         _MM_HINT_T0);
+        if (Bits == 8 || c % 128 == 0)
+          for (int k = 0; k < nn; ++k) _mm_prefetch(reinterpret_cast<const char*>(nxt[k] + o), _MM_HINT_T0);
         apply<4>(acc, s + c, dx, call.y + c);
       }
       if (c < b) {  // 32 columns
         __m512i acc[2] = {start, start};
-        for (int32_t g = 0; g < blk.ng; ++g) {
-          const uint8_t* r[4];
-          for (int k = 0; k < 4; ++k) r[k] = row_ptr<Bits>(call.w, n, rows4[4 * g + k]);
+        for (int32_t g = 0; g < ng; ++g) {
+          const uint8_t* const* r = cur + 4 * g;
           const __m512i xv = _mm512_set1_epi32(xq4[g]);
           if constexpr (Bits == 4) {
             const __m512i p = _mm512_permutexvar_epi8(i32, quad_rows(r, c / 2));
@@ -162,6 +170,7 @@ void qrows(const SparseQRows& call, int64_t c0, int64_t c1) {
         }
         apply<2>(acc, s + c, dx, call.y + c);
       }
+      std::memcpy(cur, nxt, sizeof(cur[0]) * static_cast<size_t>(nn));
     }
   }
 }
