@@ -1,7 +1,7 @@
 // ai.layerzero::SparseLinear: the fused threshold + row-skip linear of activation sparsity (issue 23).
 //
 //   y [..., N], kept [...] int64 = SparseLinear(x [..., K] float32, w, thresholds [K] float32, scale? [] float32,
-//                                               bias? [N] float32, w_scales? [K, N/32] float16)
+//                                               bias? [N] float32, w_scales? [K/32, N] float16)
 //   w: weight_format "f": [K, N] float32 / float16 / bfloat16 (the MatMul's B: row i = input channel i);
 //      "q8": [K, N] int8 codes; "q4": [K, N/2] uint8, within each 32-column block of a row byte j holding column
 //      j (low nibble) and column j + 16 (high nibble) as code + 8 (plugins/quant.py quantize_k_blocks); blocks
