@@ -12,7 +12,9 @@ the dense product through the same kernel.
 
 Weights: the fp32 matrices are shared by the MatMul sessions and ours-f (``add_external_initializers``, no
 copy; ONNX Runtime's MatMul still prepacks its own copy); q8 / q4 are ``plugins/quant.py``'s input-major codes
-(blocks along N); MatMulNBits' are the same B quantized along K (``quantize_blocks(B, 4, 32, axis=0)``: the
+(``quantize_k_blocks``: blocks of 32 along K, one input channel per row; our kernel quantizes x to int8 per block
+as MatMulNBits' accuracy_level 4 does); MatMulNBits' are the same B quantized along K
+(``quantize_blocks(B, 4, 32, axis=0)``: the
 offset-8 nibbles low first and float scales MatMulNBits reads, default zero point 8), checked against numpy on a
 small matrix before the run. Each round runs every column once in a shuffled order, a new token per round (every
 variant the same token); p50 over the rounds. Sessions: ORT_ENABLE_ALL, ``--threads`` intra-op threads.
@@ -40,7 +42,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from layerzero.plugins import ort_library
-from layerzero.plugins.quant import dequantize_blocks, quantize_blocks
+from layerzero.plugins.quant import dequantize_blocks, quantize_blocks, quantize_k_blocks
 
 HIDDEN, KV, INTER = 2048, 512, 8192
 LINEARS = [
@@ -201,7 +203,7 @@ def build(layers: int, seed: int = 0, f32_layers: int | None = None):
                 if fmt == "f":
                     v[ours].arrays[f"{name}.w"] = b  # the same array as ort-f32's
                 else:
-                    codes, scales = quantize_blocks(b, 8 if fmt == "q8" else 4, 32, axis=-1)
+                    codes, scales = quantize_k_blocks(b, 8 if fmt == "q8" else 4)
                     v[ours].arrays[f"{name}.w"], v[ours].arrays[f"{name}.ws"] = codes, scales
                     ins += ["", f"{name}.ws"]
                 v[ours].nodes.append(

@@ -284,12 +284,13 @@ def quantized_dense_reference(
     compiled model holds them quantized. The float rewrite is what every float compile verifies against the original.
 
     Activation sparsity (issue 23): ``compiled`` (the compiled model verification checks) names the projections it
-    holds as ``ai.layerzero::SparseLinear``; their quantized codes are blocks of 32 along N (the kernel's format),
-    not MatMulNBits' blocks along K, so the reference holds those projections as the same op at thresholds 0 (every
-    nonzero entry kept: the dense product of the same codes; ``as_dense_sparse_linear``) and ``QuantizeWeights``
-    quantizes them as it quantizes the compiled ones (a projection whose N the block does not divide stays float in
-    both). The reference then needs liblayerzero_ort.so, as the compiled model does. A projection the reference
-    does not have is a ``VerificationError``.
+    holds as ``ai.layerzero::SparseLinear``; their quantized codes are blocks of 32 along K stored input-major and
+    the kernel rounds x to int8 its own way (not MatMulNBits' layout or rounding), so the reference holds those
+    projections as the same op at thresholds 0 (every nonzero entry kept: the dense product of the same codes and
+    int8 x; ``as_dense_sparse_linear``) and ``QuantizeWeights`` quantizes them as it quantizes the compiled ones (a
+    projection whose K or N the block does not divide stays float in both). The reference then needs
+    liblayerzero_ort.so, as the compiled model does. A projection the reference does not have is a
+    ``VerificationError``.
     """
     from layerzero.passes import FoldConstants
     from layerzero.passes._moe_node import MoENode, is_moe_node

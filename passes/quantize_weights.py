@@ -20,13 +20,14 @@ per-expert MatMuls are ordinary MatMuls here):
 4. ``com.microsoft.MoE`` (the ``ort-moe`` lowering) → ``com.microsoft.QMoE`` (``passes/lower_qmoe.py``).
 5. ``ai.layerzero::SparseLinear`` (``SparsifyActivations``' native form, issue 23) with ``weight_format`` ``"f"`` and
    a constant float weight ``W [K, N]`` → ``"q4"`` (int4: ``[K, N/2]`` uint8 nibbles) / ``"q8"`` (int8: ``[K, N]``
-   int8) with float16 ``w_scales [K, N/32]`` at input 5 (``""`` for an absent scale / bias at 3 / 4): symmetric
-   blocks of 32 along N, one input channel per stored row (``plugins/quant.py`` ``quantize_blocks(W, bits, 32,
-   axis=-1)``, the kernel's one format; ``sparse_linear_codes``). As for case 3, another ``block`` or
-   ``symmetric=False`` is refused (``InvalidInputError`` naming the option); ``N`` not a multiple of 32 keeps
-   ``"f"`` (a ``Refusal`` in ``kept``). These codes are blocks along N, MatMulNBits' along K: the verification's
-   quantized-dense reference holds the same projections as SparseLinear nodes at thresholds 0 (the dense product),
-   quantized by this case (``compiler/compile.py`` ``quantized_dense_reference``, ``as_dense_sparse_linear``).
+   int8) with float16 ``w_scales [K/32, N]`` at input 5 (``""`` for an absent scale / bias at 3 / 4): symmetric
+   blocks of 32 along K (the reduction axis, as MatMulNBits), one input channel per stored row (``plugins/quant.py``
+   ``quantize_k_blocks``, the kernel's one format; ``sparse_linear_codes``). As for case 3, another ``block`` or
+   ``symmetric=False`` is refused (``InvalidInputError`` naming the option); ``K`` or ``N`` not a multiple of 32
+   keeps ``"f"`` (a ``Refusal`` in ``kept``). The kernel quantizes x to int8 (MatMulNBits' accuracy_level 4 does
+   too, with other rounding): the verification's quantized-dense reference holds the same projections as
+   SparseLinear nodes at thresholds 0 (the dense product of the same codes and int8 x), quantized by this case
+   (``compiler/compile.py`` ``quantized_dense_reference``, ``as_dense_sparse_linear``).
 
 What stays float, and why: routers (a MatMul / Gemm whose output reaches a ``TopK``, the MoE node's logits or
 ``com.microsoft`` MoE's router probabilities through reshapes, casts, a bias, softmax / sigmoid: ``is_router``; a
@@ -68,6 +69,7 @@ from layerzero.passes._builder import Builder
 from layerzero.passes._graph import NameFactory, const_array, replace_value, scope_of
 from layerzero.passes._match import NoMatch, Refusal, need
 from layerzero.passes._moe_node import MoENode, is_moe_node
+from layerzero.plugins.quant import quantize_k_blocks
 
 __all__ = [
     "ACCURACY_LEVELS",
@@ -207,9 +209,9 @@ def native_expert_codes(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarra
 
 
 def sparse_linear_codes(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """SparseLinear's ``(w, w_scales)`` of a MatMul weight ``W [K, N]`` (input-major, blocks of 32 along N): q8
-    ``[K, N]`` int8, q4 ``[K, N/2]`` uint8; float16 scales ``[K, N/32]`` (the same rows format as the experts')."""
-    return native_expert_codes(np.asarray(w, np.float32), bits)
+    """SparseLinear's ``(w, w_scales)`` of a MatMul weight ``W [K, N]`` (input-major, blocks of 32 along K): q8
+    ``[K, N]`` int8, q4 ``[K, N/2]`` uint8; float16 scales ``[K/32, N]`` (``plugins/quant.py`` quantize_k_blocks)."""
+    return quantize_k_blocks(np.asarray(w, np.float32), bits)
 
 
 class QuantizeWeights(ir.passes.InPlacePass):
@@ -400,7 +402,7 @@ class QuantizeWeights(ir.passes.InPlacePass):
             what = f"blocks of {self.block}" if self.block != EXPERT_BLOCK else "zero points (--quant-asymmetric)"
             raise InvalidInputError(
                 f"option quant_block / quant_symmetric: the SparseLinear kernel (liblayerzero_ort.so, projection "
-                f"{path}) reads symmetric blocks of {EXPERT_BLOCK} along N only, not {what}; use --quant-block "
+                f"{path}) reads symmetric blocks of {EXPERT_BLOCK} along K only, not {what}; use --quant-block "
                 f"{EXPERT_BLOCK} without --quant-asymmetric, or no activation sparsity"
             )
         need(len(node.inputs) >= 3, "an input is missing", node)
@@ -411,8 +413,9 @@ class QuantizeWeights(ir.passes.InPlacePass):
         need(w.const_value.dtype in _FLOATS, f"weight {w.name} is {w.const_value.dtype}, not a float type", node)
         need(array.ndim == 2, f"weight {w.name} has rank {array.ndim}, not 2", node)
         need(len(node.inputs) < 6 or node.inputs[5] is None, "w_scales given with weight_format f", node)
-        n = array.shape[1]
+        k, n = array.shape
         need(n % EXPERT_BLOCK == 0, f"N={n} is not a multiple of the kernel's block {EXPERT_BLOCK}: kept f", node)
+        need(k % EXPERT_BLOCK == 0, f"K={k} is not a multiple of the kernel's block {EXPERT_BLOCK}: kept f", node)
         codes, scales = sparse_linear_codes(array, self.bits)
         fmt = f"q{self.bits}"
         inputs = list(node.inputs) + [None] * (6 - len(node.inputs))

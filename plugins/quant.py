@@ -40,10 +40,12 @@ __all__ = [
     "BLOCK",
     "FORMATS",
     "dequantize_blocks",
+    "dequantize_k_blocks",
     "moe_quant_reference",
     "qdot_rows",
     "quantize_activations",
     "quantize_blocks",
+    "quantize_k_blocks",
     "quantize_moe_weights",
 ]
 
@@ -123,6 +125,52 @@ def quantize_activations(x: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray,
         inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
     q = np.clip(np.rint(blocks * inv[..., None]), -127, 127).astype(np.int8)
     return q.reshape(x.shape), d.astype(np.float32)
+
+
+def quantize_k_blocks(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """SparseLinear's q8 / q4 format of an input-major weight ``W [K, N]`` (``plugins/sparse.py``): symmetric
+    blocks of 32 along K (the reduction axis; one float16 scale per (32-row block, column): ``scales [K/32, N]``,
+    ``d`` and the codes as ``quantize_blocks``), one input channel per stored row. q8: codes ``[K, N]`` int8. q4:
+    ``[K, N/2]`` uint8; within each 32-column block of a row, byte ``j`` holds column ``j`` in its low nibble and
+    column ``j + 16`` in its high nibble (llama.cpp's Q4_0 order), each as code + 8. K and N multiples of 32."""
+    w = np.asarray(w, np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"w must be [K, N], not {w.shape}")
+    k, n = w.shape
+    if k % BLOCK or n % BLOCK:
+        raise ValueError(f"W {w.shape}: K and N must be multiples of {BLOCK}")
+    codes, scales = quantize_blocks(w, bits, BLOCK, axis=0)  # [N, K] (q4 packed along K), [N, K/32]
+    q = unpack_codes(codes, bits).T  # signed [K, N]
+    scales = np.ascontiguousarray(scales.T)
+    if bits == 8:
+        return np.ascontiguousarray(q.astype(np.int8)), scales
+    nib = (q.astype(np.int16) + 8).astype(np.uint8).reshape(k, n // BLOCK, 2, BLOCK // 2)
+    packed = nib[:, :, 0, :] | (nib[:, :, 1, :] << 4)
+    return np.ascontiguousarray(packed.reshape(k, n // 2)), scales
+
+
+def k_block_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """The signed codes ``[K, N]`` (int8) of ``quantize_k_blocks``' ``codes``."""
+    if bits == 8:
+        c = np.asarray(codes)
+        return c.view(np.int8) if c.dtype == np.uint8 else c.astype(np.int8)
+    c = np.asarray(codes, np.uint8)
+    k, half = c.shape
+    b = c.reshape(k, half // (BLOCK // 2), BLOCK // 2)
+    out = np.empty((k, b.shape[1], 2, BLOCK // 2), np.int8)
+    out[:, :, 0, :] = (b & 0x0F).astype(np.int8) - 8
+    out[:, :, 1, :] = (b >> 4).astype(np.int8) - 8
+    return out.reshape(k, half * 2)
+
+
+def dequantize_k_blocks(codes: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
+    """float32 ``W [K, N]`` of ``quantize_k_blocks``' ``(codes, scales)``."""
+    q = k_block_codes(codes, bits).astype(np.float32)
+    k, n = q.shape
+    scales = np.asarray(scales)
+    if scales.shape != (k // BLOCK, n) or k % BLOCK:
+        raise ValueError(f"scales {scales.shape} do not fit [K/32, N] = [{k // BLOCK}, {n}]")
+    return np.repeat(scales.astype(np.float32), BLOCK, axis=0) * q
 
 
 def qdot_rows(

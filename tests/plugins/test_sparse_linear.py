@@ -1,10 +1,12 @@
 """liblayerzero_ort.so's ``ai.layerzero::SparseLinear`` (issue 23's fused threshold + row-skip linear) against the
-numpy reference ``plugins/sparse.py``: every weight format (f32 / f16 / bf16, q8, q4) × token counts 0, 1, 3, 17
-(decode and the grouped path) × unaligned K and N × thresholds 0 (= the dense product), per-channel and scalar
-thresholds, the run-time scale absent / 0.5 / 0, bias, NaN in x; the kept counts exactly, y within float32
-rounding; bitwise equal across intra-op thread counts, column splits and token groupings; the portable and AVX2
-kernels against the reference and the best one; session-creation refusals (one line naming the node); the
-AddressSanitizer build.
+numpy reference ``plugins/sparse.py``: every weight format (f32 / f16 / bf16, q8, q4) × token counts 0, 1, 3, 9, 17
+(decode and the grouped path) × unaligned K and N (f; q8 / q4: K, N multiples of 32, N with a 32-column tail) ×
+thresholds 0 (= the dense product; q8 / q4: of the same codes and int8 x), per-channel and scalar thresholds, the
+run-time scale absent / 0.5 / 0, bias, NaN in x; q8 / q4 edges (every row skipped, none skipped, blocks keeping
+1, 2, 3, 5 rows: groups of 4 padded, unaligned x); the kept counts exactly, y within float32 rounding (f) or
+bitwise (q8 / q4: the reference is the kernels' integer arithmetic); bitwise equal across intra-op thread
+counts, column splits and token groupings; the portable and AVX2 kernels against the reference and the best one;
+session-creation refusals (one line naming the node); the AddressSanitizer build.
 
 The library is built as the other native tests build it (``build/ort-test``, tests/plugins/native_build.py; skips
 without the ONNX Runtime headers or cmake unless ``LAYERZERO_REQUIRE_NATIVE=1``). Run as a script
@@ -26,7 +28,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from layerzero.plugins.quant import quantize_blocks
+from layerzero.plugins.quant import k_block_codes, quantize_activations, quantize_k_blocks
 from layerzero.plugins.sparse import bf16_bits, dense_weight, sparse_linear_reference
 
 REQUIRE = os.environ.get("LAYERZERO_REQUIRE_NATIVE") == "1"
@@ -52,8 +54,19 @@ def weights(k: int, n: int, fmt: str, wtype: str = "float32", seed: int = 0):
         if wtype == "bfloat16":
             return bf16_bits(b), None, b
         return b, None, b
-    codes, scales = quantize_blocks(b, 8 if fmt == "q8" else 4, 32, axis=-1)
+    codes, scales = quantize_k_blocks(b, 8 if fmt == "q8" else 4)
     return codes, scales, b
+
+
+def quantized_dense(x: np.ndarray, w: np.ndarray, ws: np.ndarray, fmt: str) -> np.ndarray:
+    """The dense product of q8 / q4 codes with x int8-rounded per 32-channel block (plugins/quant.py's MoE
+    quantizer, not the reference's), in float64: what thresholds 0 must give."""
+    q, d = quantize_activations(x.reshape(-1, x.shape[-1]))
+    codes = k_block_codes(w, 8 if fmt == "q8" else 4).astype(np.int64)
+    k, n = codes.shape
+    isum = np.einsum("tbj,bjn->tbn", q.reshape(-1, k // 32, 32).astype(np.int64), codes.reshape(k // 32, 32, n))
+    y = (isum * ws.astype(np.float64)[None] * d.astype(np.float64)[..., None]).sum(axis=1)
+    return y.reshape(*x.shape[:-1], n)
 
 
 def _tensor(name: str, a: np.ndarray, bf16: bool = False) -> onnx.TensorProto:
@@ -123,7 +136,7 @@ def activations(t: int, k: int, seed: int) -> np.ndarray:
     return x
 
 
-def _mismatch(y, kept, ref, ref_kept, absref) -> str | None:
+def _mismatch(y, kept, ref, ref_kept, absref, exact: bool = False) -> str | None:
     if y.shape != ref.shape or kept.shape != ref_kept.shape:
         return f"shapes y {y.shape} kept {kept.shape}, expected {ref.shape} {ref_kept.shape}"
     if kept.dtype != np.int64 or not np.array_equal(kept, ref_kept):
@@ -131,6 +144,10 @@ def _mismatch(y, kept, ref, ref_kept, absref) -> str | None:
     if not np.array_equal(np.isnan(y), np.isnan(ref)):
         return "NaN positions differ"
     fin = ~np.isnan(ref)
+    if exact:
+        if not np.array_equal(y[fin], ref[fin]):
+            return f"not bitwise the reference: max error {np.abs(y[fin] - ref[fin]).max():.3e}"
+        return None
     err = np.abs(y[fin] - ref[fin]) - TOL * absref[fin] - 1e-30
     if err.size and err.max() > 0:
         return f"max error {np.abs(y[fin] - ref[fin]).max():.3e} beyond {TOL} x Σ|terms|"
@@ -152,10 +169,10 @@ CASES = [  # (fmt, weight type, K, N)
     ("f", "float32", 300, 193),
     ("f", "float16", 67, 131),
     ("f", "bfloat16", 67, 131),
-    ("q8", "int8", 67, 160),
-    ("q8", "int8", 300, 96),
-    ("q4", "uint8", 67, 160),
-    ("q4", "uint8", 300, 96),
+    ("q8", "int8", 96, 160),
+    ("q8", "int8", 320, 96),
+    ("q4", "uint8", 96, 160),
+    ("q4", "uint8", 320, 96),
 ]
 
 
@@ -180,7 +197,7 @@ def check_matrix(lib: Path, quick: bool = False) -> list[str]:
                         w, thr, fmt=fmt, w_scales=ws, bias=bias, scale_input=scale is not None, bf16=bf16
                     )
                     sess = session(lib, model)
-                    for t in (0, 1, 3, 17):
+                    for t in (0, 1, 3, 9, 17):
                         x = activations(t, k, seed=t + 7 * ci)
                         if t == 3:
                             x[1, k // 2] = np.nan
@@ -190,9 +207,13 @@ def check_matrix(lib: Path, quick: bool = False) -> list[str]:
                         y, kept = sess.run(None, feed)
                         ref, ref_kept = sparse_linear_reference(x, w, thr, scale, bias, ws, fmt, bf16)
                         absref = _absolute(x, w, ws, fmt, bf16, thr, scale)
-                        what = _mismatch(y, kept, ref, ref_kept, absref)
+                        what = _mismatch(y, kept, ref, ref_kept, absref, exact=fmt != "f")
                         if what is None and (thr_name == "zero" or scale == 0.0) and t != 3:
-                            dense = x @ dense_weight(w, ws, fmt, bf16) + (0 if bias is None else bias)
+                            if fmt == "f":
+                                dense = x @ dense_weight(w, ws, fmt, bf16)
+                            else:
+                                dense = quantized_dense(x, w, ws, fmt)
+                            dense = dense + (0 if bias is None else bias)
                             if t and np.abs(y - dense).max() > 1e-5 * max(np.abs(dense).max(), 1e-30):
                                 what = "thresholds 0 / scale 0: not the dense product within 1e-5"
                             if not np.array_equal(kept, (x != 0).sum(axis=-1)):
@@ -201,6 +222,43 @@ def check_matrix(lib: Path, quick: bool = False) -> list[str]:
                             failures.append(
                                 f"{fmt}/{wtype} K={k} N={n} T={t} thr={thr_name} bias={with_bias} scale={scale}: {what}"
                             )
+    return failures + check_quant_edges(lib)
+
+
+def check_quant_edges(lib: Path) -> list[str]:
+    """q8 / q4 edges, bitwise against the reference: every row skipped (y = bias, kept 0), none skipped (no zero
+    in x, thresholds 0), K-blocks keeping 0..8 rows (groups of 4 padded), x read from an unaligned buffer."""
+    failures = []
+    k, n = 128, 96
+    for fmt in ("q8", "q4"):
+        w, ws, _ = weights(k, n, fmt, seed=11)
+        bias = np.linspace(-1, 1, n, dtype=np.float32)
+        x = activations(9, k, seed=12)
+        x[x == 0] = 0.25
+        pattern = np.zeros(k, np.float32)  # block b keeps its first (1, 2, 3, 5) rows (when x is large enough)
+        for b, m in enumerate((1, 2, 3, 5)):
+            pattern[32 * b + m : 32 * (b + 1)] = np.inf
+        raw = np.zeros(x.size + 1, np.float32)
+        raw[1:] = x.ravel()
+        unaligned = raw[1:].reshape(x.shape)  # 4 bytes past the buffer's start
+        for name, thr, xs in (
+            ("all skipped", np.full(k, np.inf, np.float32), x),
+            ("none skipped", np.zeros(k, np.float32), x),
+            ("1/2/3/5 kept a block", pattern, x),
+            ("unaligned x", np.full(k, 0.8, np.float32), unaligned),
+        ):
+            sess = session(lib, sparse_model(w, thr, fmt=fmt, w_scales=ws, bias=bias))
+            for t in (1, 3, 9):
+                y, kept = sess.run(None, {"x": xs[:t]})
+                ref, ref_kept = sparse_linear_reference(xs[:t], w, thr, None, bias, ws, fmt)
+                what = _mismatch(y, kept, ref, ref_kept, None, exact=True)
+                if what is None and name == "all skipped" and not (np.array_equal(y, np.broadcast_to(bias, y.shape))
+                                                                   and not kept.any()):  # fmt: skip
+                    what = "every row skipped: y is not the bias"
+                if what is None and name == "none skipped" and not np.array_equal(kept, np.full(t, k)):
+                    what = "thresholds 0, no zero in x: not every row kept"
+                if what is not None:
+                    failures.append(f"{fmt} K={k} N={n} T={t} {name}: {what}")
     return failures
 
 
@@ -211,7 +269,7 @@ def test_reference_is_the_dense_product_at_threshold_zero():
         y, kept = sparse_linear_reference(
             x, w, np.zeros(k, np.float32), w_scales=ws, weight_format=fmt, bf16=wtype == "bfloat16"
         )
-        dense = x @ dense_weight(w, ws, fmt, wtype == "bfloat16")
+        dense = x @ dense_weight(w, ws, fmt, wtype == "bfloat16") if fmt == "f" else quantized_dense(x, w, ws, fmt)
         assert np.abs(y - dense).max() <= 1e-5 * np.abs(dense).max()
         assert np.array_equal(kept, (x != 0).sum(axis=1))
 
@@ -241,19 +299,20 @@ def test_leading_dims_and_kept_shape(ort_lib):
     y, kept = sess.run(None, {"x": x})
     ref, ref_kept = sparse_linear_reference(x, w, thr, w_scales=ws, weight_format="q4")
     assert y.shape == (2, 3, 64) and kept.shape == (2, 3)
-    assert _mismatch(y, kept, ref, ref_kept, _absolute(x, w, ws, "q4", False, thr, None)) is None
+    assert _mismatch(y, kept, ref, ref_kept, None, exact=True) is None
     assert kept.min() > 0 and kept.max() < 96
 
 
 @pytest.mark.parametrize("fmt", ["f", "q8", "q4"])
 def test_threads_and_groups_do_not_change_the_result(ort_lib, fmt):
     # Bitwise: 1, 2, 4 intra-op threads; and a token alone (the decode path) = the same token in a group of 17.
-    w, ws, _ = weights(520, 1000 if fmt == "f" else 1024, fmt, seed=4)
-    thr = np.full(520, 0.9, np.float32)
+    k = 520 if fmt == "f" else 512
+    w, ws, _ = weights(k, 1000 if fmt == "f" else 1024, fmt, seed=4)
+    thr = np.full(k, 0.9, np.float32)
     model = sparse_model(
         w, thr, fmt=fmt, w_scales=ws, bias=np.linspace(-1, 1, w.shape[1] * (2 if fmt == "q4" else 1), dtype=np.float32)
     )
-    x = activations(17, 520, seed=5)
+    x = activations(17, k, seed=5)
     outs = [session(ort_lib, model, threads).run(None, {"x": x}) for threads in (1, 2, 4)]
     for y, kept in outs[1:]:
         assert np.array_equal(y, outs[0][0]) and np.array_equal(kept, outs[0][1])
@@ -287,12 +346,13 @@ def _run_in_process(lib, model_path, inputs, out, threads=1, **env) -> np.ndarra
     return np.load(out)
 
 
-@pytest.mark.parametrize("fmt", ["f", "q4"])
+@pytest.mark.parametrize("fmt", ["f", "q8", "q4"])
 def test_column_split_does_not_change_the_result(ort_lib, tmp_path, fmt):
     # LAYERZERO_ORT_SPARSE_SPLIT forces the number of column ranges (1, 3, 7): the same bits every time.
-    w, ws, _ = weights(200, 1000 if fmt == "f" else 1024, fmt, seed=6)
-    onnx.save(sparse_model(w, np.full(200, 0.8, np.float32), fmt=fmt, w_scales=ws), tmp_path / "m.onnx")
-    np.savez(tmp_path / "in.npz", x=activations(5, 200, seed=7))
+    k = 200 if fmt == "f" else 224
+    w, ws, _ = weights(k, 1000 if fmt == "f" else 1056, fmt, seed=6)
+    onnx.save(sparse_model(w, np.full(k, 0.8, np.float32), fmt=fmt, w_scales=ws), tmp_path / "m.onnx")
+    np.savez(tmp_path / "in.npz", x=activations(5, k, seed=7))
     outs = [
         _run_in_process(
             ort_lib,
@@ -323,20 +383,25 @@ def test_other_kernels_match_reference(ort_lib, isa):
 
 @pytest.mark.parametrize("fmt", ["f", "q8", "q4"])
 def test_best_and_portable_kernels_agree(ort_lib, tmp_path, fmt):
-    # The same model and inputs on the best ISA (AVX-512 here) and on the portable kernels: close.
-    w, ws, _ = weights(300, 640, fmt, seed=8)
-    onnx.save(sparse_model(w, np.full(300, 0.5, np.float32), fmt=fmt, w_scales=ws), tmp_path / "m.onnx")
-    np.savez(tmp_path / "in.npz", x=activations(4, 300, seed=9))
+    # The same model and inputs on the best ISA (AVX-512 here) and on the portable kernels: close (f), the same
+    # bits (q8 / q4: integer sums, then the same float steps).
+    k = 300 if fmt == "f" else 320
+    w, ws, _ = weights(k, 640, fmt, seed=8)
+    onnx.save(sparse_model(w, np.full(k, 0.5, np.float32), fmt=fmt, w_scales=ws), tmp_path / "m.onnx")
+    np.savez(tmp_path / "in.npz", x=activations(4, k, seed=9))
     best = _run_in_process(ort_lib, tmp_path / "m.onnx", tmp_path / "in.npz", tmp_path / "a.npy")
     portable = _run_in_process(
         ort_lib, tmp_path / "m.onnx", tmp_path / "in.npz", tmp_path / "b.npy", LAYERZERO_ORT_ISA="generic"
     )
-    assert np.abs(best - portable).max() <= 1e-5 * np.abs(portable).max()
+    if fmt == "f":
+        assert np.abs(best - portable).max() <= 1e-5 * np.abs(portable).max()
+    else:
+        assert np.array_equal(best, portable)
 
 
 def _bad(**kw):
     k, n, fmt = kw.pop("k", 64), kw.pop("n", 64), kw.pop("fmt", "q4")
-    w, ws, _ = weights(k, n, fmt if fmt in ("f", "q8", "q4") else "q4")
+    w, ws, _ = weights(k if k % 32 == 0 else 64, n, fmt if fmt in ("f", "q8", "q4") else "q4")
     thr = kw.pop("thr", np.full(k, 0.1, np.float32))
     if "w" in kw:
         w = kw.pop("w")
@@ -346,7 +411,7 @@ def _bad(**kw):
 
 
 def _q4_codes_of_n(n):  # q4 codes of N = n columns (not a multiple of 32), built by hand
-    return np.full((64, n // 2), 0x88, np.uint8), np.ones((64, 1), np.float16)
+    return np.full((64, n // 2), 0x88, np.uint8), np.ones((2, n), np.float16)
 
 
 @pytest.mark.parametrize(
@@ -354,8 +419,12 @@ def _q4_codes_of_n(n):  # q4 codes of N = n columns (not a multiple of 32), buil
     [
         (lambda: _bad(x_k=65), "x's last dimension 65 is not w's K = 64"),
         (
-            lambda: _bad(fmt="q8", w=np.zeros((64, 40), np.int8), ws=np.ones((64, 1), np.float16)),
+            lambda: _bad(fmt="q8", w=np.zeros((64, 40), np.int8), ws=np.ones((2, 40), np.float16)),
             "N = 40 is not a multiple of the block length 32",
+        ),
+        (
+            lambda: _bad(fmt="q8", k=40, w=np.zeros((40, 64), np.int8), ws=np.ones((1, 64), np.float16)),
+            "K = 40 is not a multiple of the block length 32",
         ),
         (
             lambda: _bad(w=_q4_codes_of_n(72)[0], ws=_q4_codes_of_n(72)[1]),
@@ -370,8 +439,8 @@ def _q4_codes_of_n(n):  # q4 codes of N = n columns (not a multiple of 32), buil
         (lambda: _bad(thr=np.zeros(64, np.float64)), "thresholds must be float32"),
         (lambda: _bad(thr=np.zeros(63, np.float32)), "thresholds must be [K] = [64]"),
         (lambda: _bad(thr=np.full(64, -1.0, np.float32)), "thresholds[0] = -1.000000 (>= 0)"),
-        (lambda: _bad(ws=np.ones((64, 2), np.float32)), "w_scales must be float16"),
-        (lambda: _bad(ws=np.ones((64, 3), np.float16)), "w_scales must be [K, N/32] = [64, 2]"),
+        (lambda: _bad(ws=np.ones((2, 64), np.float32)), "w_scales must be float16"),
+        (lambda: _bad(ws=np.ones((64, 2), np.float16)), "w_scales must be [K/32, N] = [2, 64]"),
         (lambda: _bad(ws=None), "needs w_scales"),
         (lambda: _bad(fmt="q3"), "weight_format='q3' is not implemented"),
         (lambda: _bad(block_size=64), "block_size=64 is not implemented"),
@@ -400,6 +469,10 @@ def test_isa_is_reported(ort_lib):
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     want = "avx512" if " avx512bw" in flags and " avx512vl" in flags else "avx2" if " avx2" in flags else "generic"
     assert isa().decode() == want
+    qisa = ctypes.CDLL(str(ort_lib)).LayerZeroOrtSparseQIsa
+    qisa.restype = ctypes.c_char_p
+    vnni = all(f" {f}" in flags for f in ("avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"))
+    assert qisa().decode() == ("avx512vnni" if vnni else "avx2" if " avx2" in flags else "generic")
 
 
 def test_address_sanitizer(ort_lib_asan):
@@ -427,6 +500,11 @@ def _main(argv: list[str]) -> int:
         want = argv[argv.index("--expect-isa") + 1]
         if isa().decode() != want:
             print(f"SparseLinear kernels in use: {isa().decode()}, expected {want}")
+            return 1
+        qisa = ctypes.CDLL(str(lib)).LayerZeroOrtSparseQIsa
+        qisa.restype = ctypes.c_char_p
+        if qisa().decode() != want:
+            print(f"SparseLinear q8 / q4 kernels in use: {qisa().decode()}, expected {want}")
             return 1
     failures = check_matrix(lib, quick="--quick" in argv)
     print("\n".join(failures[:50]) or "ok")

@@ -30,6 +30,17 @@ const SparseKernels& sparse_kernels() {
   return *chosen;
 }
 
+const SparseQKernels& sparse_q_kernels() {
+  static const SparseQKernels* chosen = [] {
+    const char* isa = std::getenv("LAYERZERO_ORT_ISA");
+    const std::string want = isa != nullptr ? isa : "";
+    if (want == "generic") return &generic::kSparseQKernels;
+    if (want != "avx2" && avx512vnni::sparse_q_available()) return &avx512vnni::kSparseQKernels;
+    return avx2::sparse_q_available() ? &avx2::kSparseQKernels : &generic::kSparseQKernels;
+  }();
+  return *chosen;
+}
+
 namespace {
 
 constexpr const char* kOpName = "SparseLinear";
@@ -37,6 +48,8 @@ constexpr size_t kInputs = 6;  // x, w, thresholds, scale?, bias?, w_scales?
 constexpr size_t kScale = 3, kBias = 4, kWScales = 5;
 constexpr int64_t kGroup = 8;    // tokens whose kept rows are streamed together (T > 1)
 constexpr int64_t kColumns = 64;  // the column split's granule
+constexpr int64_t kQBlock = 32;   // q8 / q4: channels of K per block (x's int8 quantization, w's scales)
+constexpr int64_t kQTile = 256;   // q8 / q4, T > 1: columns a thread runs for every token before the next ones
 
 // How many column ranges a call is split into: the hardware threads (at most one range each, so a thread streams
 // one contiguous part of every kept row), or LAYERZERO_ORT_SPARSE_SPLIT (tests: the result must not depend on it).
@@ -182,9 +195,9 @@ struct SparseLinearKernel {
   std::string check_scales(ONNXTensorElementDataType t, const std::vector<int64_t>& s, int64_t k, int64_t n) const {
     if (t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
       return std::string("w_scales must be float16, not ") + type_name(t);
-    const int64_t nb = n < 0 ? -1 : n / 32;
-    if (s.size() != 2 || (s[0] >= 0 && k >= 0 && s[0] != k) || (s[1] >= 0 && nb >= 0 && s[1] != nb))
-      return "w_scales must be [K, N/32] = [" + std::to_string(k) + ", " + std::to_string(nb) + "], not " + dims(s);
+    const int64_t kb = k < 0 ? -1 : k / kQBlock;
+    if (s.size() != 2 || (s[0] >= 0 && kb >= 0 && s[0] != kb) || (s[1] >= 0 && n >= 0 && s[1] != n))
+      return "w_scales must be [K/32, N] = [" + std::to_string(kb) + ", " + std::to_string(n) + "], not " + dims(s);
     return "";
   }
 
@@ -223,6 +236,9 @@ struct SparseLinearKernel {
     if (quant && n >= 0 && n % 32 != 0)
       fail("N = " + std::to_string(n) + " is not a multiple of the block length 32 (weight_format='" + format_name +
            "')");
+    if (quant && k >= 0 && k % kQBlock != 0)
+      fail("K = " + std::to_string(k) + " is not a multiple of the block length 32 (weight_format='" + format_name +
+           "': blocks along K)");
     const auto [tt, ts] = tensor_of(2);
     std::string err = check_thresholds(tt, ts, k);
     if (!err.empty()) fail(err);
@@ -265,7 +281,8 @@ struct SparseLinearKernel {
     int64_t K, N;
     weight_dims(winfo.GetShape(), fmt, &K, &N);
     if (xs.empty() || xs.back() != K) fail("x's last dimension is not w's K = " + std::to_string(K));
-    if (quant && N % 32 != 0) fail("N = " + std::to_string(N) + " is not a multiple of the block length 32");
+    if (quant && (N % 32 != 0 || K % kQBlock != 0))
+      fail("N = " + std::to_string(N) + " and K = " + std::to_string(K) + " must be multiples of the block length 32");
     auto tinfo = tv.GetTensorTypeAndShapeInfo();
     std::string err = check_thresholds(tinfo.GetElementType(), tinfo.GetShape(), K);
     if (!err.empty()) fail(err);
@@ -326,6 +343,10 @@ struct SparseLinearKernel {
     std::vector<float> limit(static_cast<size_t>(K));
     for (int64_t i = 0; i < K; ++i) limit[i] = thr[uniform ? 0 : i] * scale;
 
+    if (quant) {
+      compute_quant(ctx, fmt, x, T, K, N, limit.data(), wv.GetTensorRawData(), scales, bias, y, kept);
+      return;
+    }
     const SparseRowsFn fn = sparse_kernels().by_format[static_cast<int>(fmt)];
     const int64_t units = (N + kColumns - 1) / kColumns;
     const int64_t items = std::min(units, split_items());
@@ -340,7 +361,6 @@ struct SparseLinearKernel {
       const int64_t g = std::min(group, T - t0);
       SparseRows call;
       call.w = wv.GetTensorRawData();
-      call.scales = scales;
       call.n = N;
       call.group = group;
       call.y = y + t0 * N;
@@ -399,6 +419,101 @@ struct SparseLinearKernel {
     }
   }
 
+  // q8 / q4: per token, the kept channels' x quantized per 32-channel block (as moe.cpp's quantize_token_blocks:
+  // d = max|x| / 127, NaN winning; codes round half to even, clipped to +-127, NaN -> 0; a skipped channel 0),
+  // the blocks with a kept channel and their kept rows in groups of 4 (sparse_linear.h SparseQRows); then the
+  // columns split over the threads, each running its range for every token (T > 1: kQTile columns at a time,
+  // so the tile's weights stay in cache across the tokens).
+  void compute_quant(Ort::KernelContext& ctx, SparseFormat fmt, const float* x, int64_t T, int64_t K, int64_t N,
+                     const float* limit, const void* w, const uint16_t* scales, const float* bias, float* y,
+                     int64_t* kept) {
+    const int64_t nkb = K / kQBlock;
+    std::vector<SparseQBlock> blocks(static_cast<size_t>(T * nkb));
+    std::vector<int32_t> rows4(static_cast<size_t>(T * K)), xq4(static_cast<size_t>(T * K / 4));
+    std::vector<SparseQRows> calls(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) {
+      const float* xr = x + t * K;
+      SparseQBlock* bl = blocks.data() + t * nkb;
+      int32_t* r4 = rows4.data() + t * K;
+      int32_t* x4 = xq4.data() + t * K / 4;
+      int64_t nb = 0, ng = 0, nk = 0;
+      for (int64_t kb = 0; kb < nkb; ++kb) {
+        int32_t idx[kQBlock];
+        float val[kQBlock];
+        int m = 0;
+        float amax = 0.0f;
+        for (int64_t j = 0; j < kQBlock; ++j) {
+          const int64_t i = kb * kQBlock + j;
+          if (!(std::fabs(xr[i]) <= limit[i])) {
+            idx[m] = static_cast<int32_t>(i);
+            val[m++] = xr[i];
+            const float a = std::fabs(xr[i]);
+            amax = (a > amax || a != a) ? a : amax;  // NaN wins, as numpy's max
+          }
+        }
+        if (m == 0) continue;
+        nk += m;
+        const float inv = (amax > 0.0f && amax <= 3.4028234663852886e38f) ? 127.0f / amax : 0.0f;
+        SparseQBlock& b = bl[nb++];
+        b.kb = static_cast<int32_t>(kb);
+        b.g0 = static_cast<int32_t>(ng);
+        b.ng = (m + 3) / 4;
+        b.dx = amax / 127.0f;
+        int32_t sum = 0;
+        for (int g = 0; g < b.ng; ++g) {
+          uint32_t packed = 0;
+          for (int r = 0; r < 4; ++r) {
+            const int e = 4 * g + r;
+            int8_t c = 0;
+            if (e < m) {
+              float v = std::nearbyint(val[e] * inv);  // round half to even, as np.rint
+              v = v != v ? 0.0f : (v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
+              c = static_cast<int8_t>(v);
+            }
+            sum += c;
+            packed |= static_cast<uint32_t>(static_cast<uint8_t>(c)) << (8 * r);
+            r4[4 * (ng + g) + r] = idx[e < m ? e : m - 1];
+          }
+          x4[ng + g] = static_cast<int32_t>(packed);
+        }
+        b.sum = sum;
+        ng += b.ng;
+      }
+      kept[t] = nk;
+      SparseQRows& call = calls[static_cast<size_t>(t)];
+      call.w = w;
+      call.scales = scales;
+      call.n = N;
+      call.blocks = bl;
+      call.nblocks = nb;
+      call.rows4 = r4;
+      call.xq4 = x4;
+      call.y = y + t * N;
+    }
+    std::memset(y, 0, sizeof(float) * static_cast<size_t>(T * N));
+    const SparseQFn fn = fmt == SparseFormat::q8 ? sparse_q_kernels().q8 : sparse_q_kernels().q4;
+    const int64_t units = (N + kColumns - 1) / kColumns;
+    const int64_t items = std::min(units, split_items());
+    const std::function<void(size_t)> work = [&](size_t k) {
+      const int64_t c0 = int64_t(k) * units / items * kColumns;
+      const int64_t c1 = std::min(N, (int64_t(k) + 1) * units / items * kColumns);
+      const int64_t step = T == 1 ? c1 - c0 : kQTile;
+      for (int64_t a = c0; a < c1; a += step) {
+        const int64_t b = std::min(c1, a + step);
+        for (int64_t t = 0; t < T; ++t) fn(calls[static_cast<size_t>(t)], a, b);
+      }
+      if (bias != nullptr)
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t c = c0; c < c1; ++c) y[t * N + c] += bias[c];
+    };
+    if (items == 1) {
+      work(0);
+    } else {
+      ctx.ParallelFor([](void* data, size_t i) { (*static_cast<const std::function<void(size_t)>*>(data))(i); },
+                      static_cast<size_t>(items), 0, const_cast<void*>(static_cast<const void*>(&work)));
+    }
+  }
+
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
     try {
       compute(context);
@@ -448,4 +563,9 @@ const OrtCustomOp* sparse_linear_op() {
 // The SparseLinear kernels' ISA (avx512, avx2 or generic), for benchmarks and tests.
 extern "C" __attribute__((visibility("default"))) const char* LayerZeroOrtSparseIsa() {
   return lz::sparse_kernels().isa;
+}
+
+// The SparseLinear q8 / q4 kernels' ISA (avx512vnni, avx2 or generic), for benchmarks and tests.
+extern "C" __attribute__((visibility("default"))) const char* LayerZeroOrtSparseQIsa() {
+  return lz::sparse_q_kernels().isa;
 }

@@ -1,14 +1,19 @@
 // ai.layerzero::SparseLinear: the fused threshold + row-skip linear of activation sparsity (issue 23).
 //
 //   y [..., N], kept [...] int64 = SparseLinear(x [..., K] float32, w, thresholds [K] float32, scale? [] float32,
-//                                               bias? [N] float32, w_scales? [K, N/32] float16)
+//                                               bias? [N] float32, w_scales? [K/32, N] float16)
 //   w: weight_format "f": [K, N] float32 / float16 / bfloat16 (the MatMul's B: row i = input channel i);
-//      "q8": [K, N] int8; "q4": [K, N/2] uint8 (plugins/quant.py quantize_blocks(B, bits, 32, axis=-1): blocks of
-//      32 along N, element 2j in the low nibble of byte j, stored code + 8); an element is code * d[i, n / 32].
+//      "q8": [K, N] int8 codes; "q4": [K, N/2] uint8, within each 32-column block of a row byte j holding column
+//      j (low nibble) and column j + 16 (high nibble) as code + 8 (plugins/quant.py quantize_k_blocks); blocks
+//      of 32 along K: w_scales [K/32, N] float16, element (i, n) = code * d[i / 32, n]. K, N multiples of 32.
 //
-// keep[t, i] = !(|x[t, i]| <= thresholds[i] * scale) (NaN kept); y[t, :] = sum over kept i, ascending, of
-// x[t, i] * W[i, :] (float32, one fused multiply-add per kept channel and column, in ascending i) + bias;
-// kept[t] = number of kept channels. Semantics: plugins/sparse.py sparse_linear_reference.
+// keep[t, i] = !(|x[t, i]| <= thresholds[i] * scale) (NaN kept). Format f: y[t, :] = sum over kept i, ascending,
+// of x[t, i] * W[i, :] (float32, one fused multiply-add per kept channel and column) + bias. q8 / q4: the kept x
+// (a skipped channel as 0) quantized per 32-channel block to int8 (llama.cpp's Q8_0: d_x = max|x| / 127,
+// q = round_half_even(x * 127 / max|x|)); per block kb with a kept channel, ascending, and column n:
+// y = y + float(isum) * (d[kb, n] * d_x[kb]) (a float32 multiply, a multiply and an add: no FMA), isum the
+// exact int32 dot of the block's kept x codes and codes; then + bias. kept[t] = number of kept channels.
+// Semantics: plugins/sparse.py sparse_linear_reference (bitwise, every format but the portable f build).
 //
 // The kernels (sparse_linear_rows.cpp, compiled per ISA): a column range [c0, c1) of y for the kept rows of a
 // group of tokens; each row streamed once for all the group's tokens that keep it. A column's arithmetic does not
@@ -23,12 +28,12 @@ namespace lz {
 
 enum class SparseFormat { f32 = 0, f16 = 1, bf16 = 2, q8 = 3, q4 = 4 };
 
-// One call of a row kernel: rows[r] (ascending) are the kept channels of the group (the union over its tokens);
-// for row r, the tokens keeping it are tok[r * group .. r * group + ntok[r]) and their x values xv[same].
-// y of token j starts at y + j * ldy. Every y column in [c0, c1) is accumulated into (y is not cleared).
+// One call of a float row kernel (weight_format f): rows[r] (ascending) are the kept channels of the group (the
+// union over its tokens); for row r, the tokens keeping it are tok[r * group .. r * group + ntok[r]) and their x
+// values xv[same]. y of token j starts at y + j * ldy. Every y column in [c0, c1) is accumulated into (y is not
+// cleared).
 struct SparseRows {
-  const void* w = nullptr;             // [K, N] (codes for q8 / q4)
-  const uint16_t* scales = nullptr;    // [K, N / 32] float16 bits (q8 / q4)
+  const void* w = nullptr;             // [K, N]
   int64_t n = 0;                       // N
   const int32_t* rows = nullptr;
   int64_t nrows = 0;
@@ -45,7 +50,39 @@ using SparseRowsFn = void (*)(const SparseRows& call, int64_t c0, int64_t c1);
 
 struct SparseKernels {
   const char* isa;
-  SparseRowsFn by_format[5];  // indexed by SparseFormat
+  SparseRowsFn by_format[3];  // f32, f16, bf16 (SparseFormat 0..2)
+};
+
+// One token of a quantized (q8 / q4) call. x is quantized per 32-channel block of K to int8 (the kept channels;
+// a skipped channel counts 0): the blocks with a kept channel, ascending, each with its kept rows in groups of 4
+// (ascending; the last group padded by repeating its last row, with x code 0). Per group g: rows4[4g .. 4g + 4)
+// and xq4[g] = the 4 x codes as the bytes of an int32 (row 4g + r in byte r).
+struct SparseQBlock {
+  int32_t kb;    // the block index (channels 32 kb .. 32 kb + 32)
+  int32_t g0;    // its first group
+  int32_t ng;    // its groups
+  int32_t sum;   // the sum of its x codes
+  float dx;      // its x scale: max |x| / 127 over the kept channels (float32)
+};
+
+struct SparseQRows {
+  const void* w = nullptr;             // q8 [K, N] int8; q4 [K, N/2] uint8 (see sparse_linear_reference)
+  const uint16_t* scales = nullptr;    // [K/32, N] float16 bits
+  int64_t n = 0;                       // N
+  const SparseQBlock* blocks = nullptr;
+  int64_t nblocks = 0;
+  const int32_t* rows4 = nullptr;      // (a padding entry holds a valid row of the block, x code 0)
+  const int32_t* xq4 = nullptr;
+  float* y = nullptr;                  // the token's y (accumulated into)
+};
+
+// y[c] += the token's blocks' contributions, columns [c0, c1) (c0 a multiple of 64, c1 of 32).
+using SparseQFn = void (*)(const SparseQRows& call, int64_t c0, int64_t c1);
+
+struct SparseQKernels {
+  const char* isa;
+  SparseQFn q8;
+  SparseQFn q4;
 };
 
 namespace avx512 {
@@ -60,6 +97,23 @@ namespace generic {
 extern const SparseKernels kSparseKernels;
 bool sparse_available();
 }  // namespace generic
+
+namespace avx512vnni {
+extern const SparseQKernels kSparseQKernels;
+bool sparse_q_available();
+}  // namespace avx512vnni
+namespace avx2 {
+extern const SparseQKernels kSparseQKernels;
+bool sparse_q_available();
+}  // namespace avx2
+namespace generic {
+extern const SparseQKernels kSparseQKernels;
+bool sparse_q_available();
+}  // namespace generic
+
+// The best quantized kernels this CPU runs (AVX-512 VNNI + VBMI, AVX2, portable), chosen once
+// (LAYERZERO_ORT_ISA=generic / avx2 forces one).
+const SparseQKernels& sparse_q_kernels();
 
 // The best kernels this CPU runs, chosen once (LAYERZERO_ORT_ISA=generic / avx2 forces one).
 const SparseKernels& sparse_kernels();
