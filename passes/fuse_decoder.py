@@ -23,9 +23,16 @@ Cases:
    ``[B, S]`` (computed once per table, shared by every layer): the same values, no maximum length.
    # x * Unsqueeze(cos, 1) + rotate_half(x) * Unsqueeze(sin, 1)  ->  RotaryEmbedding(x, ids, cos2d, sin2d)
 
+3. The transpose of a key's last two axes that the exporter writes through a 3-D view
+   (``Reshape(Transpose(Reshape(k, [-1, T, H]), [0, 2, 1]), [B, N, H, T])``, its shapes computed with Shape / Slice /
+   Concat per layer): one ``Transpose(k, [0, 1, 3, 2])`` when ``SymbolicShapes`` proves both views' contents are
+   k's dims (merging the two leading axes and splitting them back is the identity).
+   # Reshape(Transpose(Reshape(k, [-1, T, H]), [0, 2, 1]), [B, N, H, T])  ->  Transpose(k, [0, 1, 3, 2])
+
 A candidate that does not match (a square's mean over another axis, no epsilon, a weight of another shape, an
-intermediate read elsewhere, a table not provably halved, float16) is left as it is with a ``Refusal`` in
-``refused`` (kind ``rmsnorm`` / ``rotary``). A second run changes nothing (no candidate is left).
+intermediate read elsewhere, a table not provably halved, float16, views not proved) is left as it is with a
+``Refusal`` in ``refused`` (kind ``rmsnorm`` / ``rotary`` / ``transpose``). A second run changes nothing (no
+candidate is left).
 """
 
 from __future__ import annotations
@@ -39,9 +46,13 @@ import onnx_ir as ir
 from layerzero.passes._builder import Builder
 from layerzero.passes._graph import NameFactory, const_array, replace_value, same_dim, scope_of
 from layerzero.passes._match import NoMatch, Refusal, need
+from layerzero.passes._shapes import SymbolicShapes
 from layerzero.passes.dead_code import RemoveDeadCode
 
-__all__ = ["FuseDecoder"]
+__all__ = ["KINDS", "FuseDecoder"]
+
+#: What the pass fuses (its ``fused`` counts and its refusals' ``kind``).
+KINDS = ("rmsnorm", "rotary", "transpose")
 
 logger = logging.getLogger(__name__)
 
@@ -295,18 +306,42 @@ def match_rotary(neg: ir.Node) -> _Rotary:
     return _Rotary(x, cos_table, sin_table, add.outputs[0], seen)
 
 
+def match_view_transpose(node: ir.Node, shapes: SymbolicShapes) -> tuple[ir.Value, ir.Value]:
+    """Case 3 from its ``Transpose`` [0, 2, 1]: ``(k, the value it computes)`` (raises ``NoMatch``)."""
+    first = _one(node.inputs[0].producer() if node.inputs[0] is not None else None, "Reshape", node)
+    seen = [first, node]
+    x = first.inputs[0]
+    dims = shapes.dims(x)
+    need(dims is not None and len(dims) == 4, "the viewed value is not 4-D", *seen)
+    assert dims is not None and x is not None
+    view = shapes.vector(first.inputs[1])
+    need(view is not None and len(view) == 3 and view[1:] == dims[2:] and view[0] in (-1, "-1"),
+         f"the 3-D view {view} is not [-1, T, H] of {dims}", *seen)  # fmt: skip
+    _only_reader(first.outputs[0], node, *seen)
+    uses = list(node.outputs[0].uses())
+    need(len(uses) == 1 and uses[0].node.op_type == "Reshape" and uses[0].idx == 0
+         and not node.outputs[0].is_graph_output(), "the transposed view is not reshaped once", *seen)  # fmt: skip
+    last = uses[0].node
+    seen.append(last)
+    back = shapes.vector(last.inputs[1])
+    need(back == [dims[0], dims[1], dims[3], dims[2]], f"the view goes back to {back}, not {dims} transposed", *seen)
+    need(all(isinstance(d, str) or d > 0 for d in (*dims, *back)), "a dim of the views is 0", *seen)
+    return x, last.outputs[0]
+
+
 class FuseDecoder(ir.passes.InPlacePass):
     """RMSNorm -> ``SimplifiedLayerNormalization``, rotary -> ``com.microsoft.RotaryEmbedding`` (module docstring)."""
 
-    def __init__(self, norms: bool = True, rotary: bool = True) -> None:
+    def __init__(self, norms: bool = True, rotary: bool = True, transposes: bool = True) -> None:
         super().__init__()
         self.norms = norms
         self.rotary = rotary
-        self.fused: dict[str, int] = {"rmsnorm": 0, "rotary": 0}
+        self.transposes = transposes
+        self.fused: dict[str, int] = dict.fromkeys(KINDS, 0)
         self.refused: list[Refusal] = []
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.fused = {"rmsnorm": 0, "rotary": 0}
+        self.fused = dict.fromkeys(KINDS, 0)
         self.refused = []
         names = NameFactory(model.graph)
         for graph in list(model.graphs()):
@@ -315,6 +350,8 @@ class FuseDecoder(ir.passes.InPlacePass):
                 self._norms(graph, builder)
             if self.rotary:
                 self._rotaries(graph, builder, model)
+            if self.transposes:
+                self._transposes(graph, builder)
         modified = any(self.fused.values())
         if modified:
             if any(k == "rotary" for k, n in self.fused.items() if n) and _MS not in model.opset_imports:
@@ -384,6 +421,27 @@ class FuseDecoder(ir.passes.InPlacePass):
                          {"interleaved": 0}, domain=_MS, name=_name(end, "rotary")).outputs[0]  # fmt: skip
             self._place(graph, b, end, rot.out, new)
             self.fused["rotary"] += 1
+
+    def _transposes(self, graph: ir.Graph, b: Builder) -> None:
+        shapes: SymbolicShapes | None = None
+        for node in list(graph):
+            if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx") or node.graph is not graph:
+                continue
+            perm = node.attributes.get("perm")
+            first = node.inputs[0].producer() if node.inputs[0] is not None else None
+            if perm is None or list(perm.as_ints()) != [0, 2, 1] or first is None or first.op_type != "Reshape":
+                continue
+            shapes = SymbolicShapes(graph) if shapes is None else shapes
+            try:
+                x, out = match_view_transpose(node, shapes)
+            except NoMatch as failure:
+                self.refused.append(Refusal.of(scope_of(node), failure, "transpose"))
+                continue
+            end = out.producer()
+            assert end is not None
+            new = b.node("Transpose", [x], {"perm": [0, 1, 3, 2]}, name=_name(end, "transpose")).outputs[0]
+            self._place(graph, b, end, out, new)
+            self.fused["transpose"] += 1
 
     def _cache(self, graph: ir.Graph, b: Builder, table: ir.Value, half: int) -> ir.Value:
         """``table[..., :half]`` as ``[B * S, half]``, placed after the table's producer."""
