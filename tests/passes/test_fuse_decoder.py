@@ -117,15 +117,17 @@ def test_generate_ids_equal_with_and_without_fusion(family: str, tmp_path: Path)
     from layerzero.runtime import Engine
 
     source = _export(family)
-    ids = {}
+    ids, removed = {}, {}
     for fuse in (True, False):
         out = tmp_path / f"fuse-{fuse}.lz"
         result = compile_file(source, out, CompileOptions(fuse=fuse))
         assert result.verification is not None and result.verification.passed
+        removed[fuse] = [(r.scope, r.kind) for r in result.removed]  # the report sees no scope go with a fusion
         ops = Counter(n.op_type for n in result.model.graph)
         assert (ops["SimplifiedLayerNormalization"], ops["RotaryEmbedding"]) == (FUSED[family] if fuse else (0, 0))
         ids[fuse] = Engine.load(out).generate(PROMPT, max_new_tokens=NEW, stop_tokens=()).ids
     assert ids[True] == ids[False] and len(ids[True]) == NEW
+    assert removed[True] == removed[False]
 
 
 @pytest.mark.slow
