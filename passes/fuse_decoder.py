@@ -353,6 +353,9 @@ class FuseDecoder(ir.passes.InPlacePass):
             if self.transposes:
                 self._transposes(graph, builder)
         modified = any(self.fused.values())
+        for refusal in self.refused:
+            logger.info("FuseDecoder left the %s at %s as it was: %s (%s)", refusal.kind, refusal.path or "the model",
+                        refusal.reason, refusal.node)  # fmt: skip
         if modified:
             if any(k == "rotary" for k, n in self.fused.items() if n) and _MS not in model.opset_imports:
                 model.opset_imports[_MS] = 1
