@@ -95,7 +95,8 @@ class CompileOptions:
     activation_sparsity: float | None = None
     activation_calibration: Path | None = None
     activation_method: str = "wina"  # one of ACTIVATION_METHODS
-    # Fuse RMSNorm and rotary embeddings into ONNX Runtime's kernels (passes/fuse_decoder.py; onnxruntime target only).
+    # Fuse RMSNorm, rotary embeddings and key transposes into ONNX Runtime's kernels (passes/fuse_decoder.py; the
+    # onnxruntime target on the CPU).
     fuse: bool = True
 
     def __post_init__(self) -> None:

@@ -261,9 +261,10 @@ def fuse_decoder(
     model: ir.Model, options: CompileOptions, after_pass: Callable[[str, ir.Model], None] | None = None
 ) -> FuseDecoder | None:
     """RMSNorm and rotary embeddings into ONNX Runtime's fused kernels (``FuseDecoder``), for the onnxruntime target
-    unless ``options.fuse`` is off: after the lowering and the static passes, before ``quantize_weights`` (the
-    quantized-dense reference gets it too). Returns the pass (what it fused and refused), None when it did not run."""
-    if not options.fuse or options.target != "onnxruntime":
+    on the CPU (the CUDA kernels are not tested yet) unless ``options.fuse`` is off: after the lowering and the static
+    passes, before ``quantize_weights`` (the quantized-dense reference gets it too). Returns the pass (what it fused
+    and refused), None when it did not run."""
+    if not options.fuse or options.target != "onnxruntime" or options.device != "cpu":
         return None
     InferShapes()(model)  # the matcher reads dtypes, ranks and the last dims
     step = FuseDecoder()

@@ -157,10 +157,11 @@ def test_cli_no_fuse_sets_the_option() -> None:
     assert options_from(parser.parse_args(["compile", "m.onnx", "-o", "m.lz", "--no-fuse"])).fuse is False
 
 
-def test_pipeline_runs_it_for_onnxruntime_only() -> None:
+def test_pipeline_runs_it_for_onnxruntime_on_the_cpu_only() -> None:
     model = _parse(_norm())
     assert fuse_decoder(model, CompileOptions(fuse=False)) is None
     assert fuse_decoder(model, CompileOptions(target="tensorrt")) is None
+    assert fuse_decoder(model, CompileOptions(device="cuda")) is None  # its kernels are not tested yet
     assert Counter(n.op_type for n in model.graph)["ReduceMean"] == 1
     step = fuse_decoder(model, CompileOptions())
     assert step is not None and step.fused["rmsnorm"] == 1
