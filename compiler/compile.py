@@ -22,6 +22,7 @@ from layerzero.options import CompileOptions
 from layerzero.passes._dynamic import read_dynamic_paths
 from layerzero.pipeline import (
     bypass_declared_layers,
+    fuse_decoder,
     lower_for_target,
     needs_dynamic_reference,
     quantize_weights,
@@ -149,6 +150,7 @@ def compile_model(
         bypassed = pipeline.bypassed
         pipeline = run_static_passes(model, options)
         pipeline.bypassed = bypassed + pipeline.bypassed
+    fuse_decoder(model, options)  # a float rewrite for ONNX Runtime's kernels, before the quantization
     if options.quant_bits:
         say(f"quantizing weights ({options.weights})")
     quantizer = quantize_weights(model, options)  # last: what the passes removed is never quantized
@@ -327,6 +329,7 @@ def quantized_dense_reference(
                 f"the quantized-dense reference has no MatMul for the compiled model's SparseLinear {missing[0]!r} "
                 f"({len(missing)} missing): its codes could not be the compiled model's"
             )
+    fuse_decoder(model, options)  # as the compile fuses it: the same float graph under the same codes
     quantize_weights(model, options)
     return model
 
@@ -634,6 +637,7 @@ def _bisect(
         changed |= lower_for_target(model, options, target, after_pass=check)
         if changed:
             run_static_passes(model, options, after_pass=check)
+        fuse_decoder(model, options, after_pass=check)
         # What ONNX Runtime runs in place of the compiled graph (TensorRT: the onnxruntime lowering of its MoE nodes).
         check(f"the {target.name} target's verification model", target.verification_model(model, options))
         if options.quant_bits:  # the compile's own quantization, as the compiled model holds it

@@ -69,8 +69,9 @@ def load_model(path: str | Path) -> ir.Model:
     check_external_data(path, proto)
     try:
         # By path, so that external-data locations resolve against the model's folder, not the working
-        # directory (the checker reads the file's graph, never its weights).
-        onnx.checker.check_model(str(path), full_check=False)
+        # directory (the checker reads the file's graph, never its weights). A model holding ONNX Runtime's
+        # onnx-domain kernels (a fused bundle's) is checked as a header with those in their own domain.
+        onnx.checker.check_model(str(path) if not _ort_kernels(proto) else _checkable(proto), full_check=False)
     except onnx.checker.ValidationError as exc:
         first = str(exc).strip().splitlines()[0]
         raise UnsupportedModelError(f"{path}: invalid ONNX model: {first}") from None
@@ -82,6 +83,36 @@ def load_model(path: str | Path) -> ir.Model:
         raise UnsupportedModelError(f"{path}: cannot load: {exc}") from None
 
 
+#: Kernels ONNX Runtime registers in the onnx domain that are no ONNX operator (``passes/fuse_decoder.py`` writes
+#: them): onnx's checker and ``_check_ops_known`` take them as a custom domain's.
+ORT_ONNX_DOMAIN_KERNELS = frozenset({"SimplifiedLayerNormalization"})
+
+
+def _ort_kernels(proto: onnx.ModelProto) -> bool:
+    nodes = _all_nodes(proto.graph)
+    return any((n.domain or "") in ("", "ai.onnx") and n.op_type in ORT_ONNX_DOMAIN_KERNELS for n in nodes)
+
+
+def _checkable(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """A header copy for the checker: ONNX Runtime's onnx-domain kernels in a domain of their own, and the external
+    initializers (whose files ``check_external_data`` checked) as graph inputs of the same type and shape."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    for node in _all_nodes(copy.graph):
+        if (node.domain or "") in ("", "ai.onnx") and node.op_type in ORT_ONNX_DOMAIN_KERNELS:
+            node.domain = "com.microsoft"
+    if not any(o.domain == "com.microsoft" for o in copy.opset_import):
+        copy.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    inputs = {i.name for i in copy.graph.input}
+    kept = [t for t in copy.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
+    for t in copy.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL and t.name not in inputs:
+            copy.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    del copy.graph.initializer[:]
+    copy.graph.initializer.extend(kept)
+    return copy
+
+
 def _check_ops_known(path: Path, proto: onnx.ModelProto) -> None:
     """Ops of the standard domains must exist in the model's opset; custom domains pass through."""
     opsets = {o.domain or "": o.version for o in proto.opset_import}
@@ -89,6 +120,8 @@ def _check_ops_known(path: Path, proto: onnx.ModelProto) -> None:
     for node in _all_nodes(proto.graph):
         domain = node.domain or ""
         if domain not in ("", "ai.onnx", "ai.onnx.ml") or (domain, node.op_type) in local:
+            continue
+        if domain != "ai.onnx.ml" and node.op_type in ORT_ONNX_DOMAIN_KERNELS:
             continue
         version = opsets.get(domain, opsets.get("", 1))
         if not onnx.defs.has(node.op_type, domain):

@@ -95,12 +95,15 @@ class CompileOptions:
     activation_sparsity: float | None = None
     activation_calibration: Path | None = None
     activation_method: str = "wina"  # one of ACTIVATION_METHODS
+    # Fuse RMSNorm, rotary embeddings and key transposes into ONNX Runtime's kernels (passes/fuse_decoder.py; the
+    # onnxruntime target on the CPU).
+    fuse: bool = True
 
     def __post_init__(self) -> None:
         # Cases: 1. flags are bools; 2. counts are ints (not bools) in range; 3. tolerances and thresholds are
         # finite numbers >= 0 (ints become floats); 4. names are one of the known ones; 5. paths are str or
         # os.PathLike (stored as Path); 6. shapes map names to dims >= 0, solidify is a sequence of names.
-        for name in ("assume_finite", "verify", "dynamic", "quant_symmetric"):
+        for name in ("assume_finite", "verify", "dynamic", "quant_symmetric", "fuse"):
             _check_bool(name, getattr(self, name))
         _check_int("max_iterations", self.max_iterations, 1)
         _check_int("fold_max_elements", self.fold_max_elements, 0)

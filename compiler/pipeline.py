@@ -21,6 +21,7 @@ from layerzero.passes import (
     SimplifyConcatSplit,
 )
 from layerzero.passes._graph import node_subgraphs, read_round_trip_sources
+from layerzero.passes.fuse_decoder import FuseDecoder
 from layerzero.passes.gated_branches import SkipGatedBranches
 from layerzero.passes.moe import SkipExperts
 from layerzero.passes.quantize_weights import QuantizeWeights
@@ -37,6 +38,7 @@ __all__ = [
     "DynamicPass",
     "PipelineResult",
     "bypass_declared_layers",
+    "fuse_decoder",
     "lower_for_target",
     "needs_dynamic_reference",
     "quantize_weights",
@@ -252,6 +254,22 @@ def quantize_weights(
     )
     if run_pass(step, model).modified and after_pass is not None:
         after_pass(f"QuantizeWeights ({options.weights})", model)
+    return step
+
+
+def fuse_decoder(
+    model: ir.Model, options: CompileOptions, after_pass: Callable[[str, ir.Model], None] | None = None
+) -> FuseDecoder | None:
+    """RMSNorm and rotary embeddings into ONNX Runtime's fused kernels (``FuseDecoder``), for the onnxruntime target
+    on the CPU (the CUDA kernels are not tested yet) unless ``options.fuse`` is off: after the lowering and the static
+    passes, before ``quantize_weights`` (the quantized-dense reference gets it too). Returns the pass (what it fused
+    and refused), None when it did not run."""
+    if not options.fuse or options.target != "onnxruntime" or options.device != "cpu":
+        return None
+    InferShapes()(model)  # the matcher reads dtypes, ranks and the last dims
+    step = FuseDecoder()
+    if run_pass(step, model).modified and after_pass is not None:
+        after_pass("FuseDecoder", model)
     return step
 
 

@@ -79,6 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rtol", type=number(0), default=1e-3, help="relative tolerance (default 1e-3)")
     p.add_argument("--seed", type=integer(0, 2**32 - 1), default=0, help="seed of the random sample inputs")
     p.add_argument("--no-verify", action="store_true", help="skip the numerical verification (not recommended)")
+    p.add_argument("--no-fuse", action="store_true", help="keep RMSNorm and rotary embeddings unfused (A/B)")
     p.add_argument(
         "--no-assume-finite",
         action="store_true",
@@ -237,6 +238,7 @@ def options_from(args: argparse.Namespace) -> CompileOptions:
         activation_sparsity=getattr(args, "activation_sparsity", None),
         activation_calibration=getattr(args, "activation_calibration", None),
         activation_method=getattr(args, "activation_method", "wina"),
+        fuse=not getattr(args, "no_fuse", False),
     )
 
 
