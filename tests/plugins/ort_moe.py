@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -71,11 +71,23 @@ def session(lib: Path, model: onnx.ModelProto, threads: int = 1) -> ort.Inferenc
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def random_feeds(rng: np.random.Generator, tokens: int, hidden: int, experts: int) -> dict[str, np.ndarray]:
+def random_feeds(
+    rng: np.random.Generator, tokens: int, hidden: int, experts: int, logit_scale: float = 1.0
+) -> dict[str, np.ndarray]:
+    """Standard normal ``hidden`` [T, H] and ``logits`` [T, E] (times ``logit_scale``), float32."""
     return {
         "hidden": rng.standard_normal((tokens, hidden)).astype(np.float32),
-        "logits": rng.standard_normal((tokens, experts)).astype(np.float32),
+        "logits": rng.standard_normal((tokens, experts)).astype(np.float32) * logit_scale,
     }
+
+
+def threshold_runs(
+    sess: ort.InferenceSession, x: np.ndarray, logits: np.ndarray, thresholds: Sequence[float] = (0.0, 0.3, 0.9)
+) -> Iterator[tuple[float, np.ndarray, np.ndarray]]:
+    """(threshold, y, mask) with each of ``thresholds`` fed as the ``layerzero::threshold`` input."""
+    for threshold in thresholds:
+        y, mask = sess.run(None, {"hidden": x, "logits": logits, THRESHOLD: np.array(threshold, np.float32)})
+        yield threshold, y, mask
 
 
 def same_at_one_and_two_threads(lib: Path, model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> bool:

@@ -34,19 +34,8 @@ from layerzero.plugins.reference import moe_reference
 
 if __name__ == "__main__":  # run as a script (above): tests.plugins imports from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.plugins.ort_moe import (
-    THRESHOLD,
-    VARIANTS,
-    moe_node_model,
-    peak_rss_growth,
-    random_feeds,
-    run_aligned_and_unaligned,
-    run_under_asan,
-    same_at_one_and_two_threads,
-    script_env,
-    script_main,
-    session,
-)
+from tests.plugins import ort_moe
+from tests.plugins.ort_moe import THRESHOLD, VARIANTS, session
 
 REPO = Path(__file__).resolve().parents[2]
 BUILD_DIR = Path(os.environ.get("LAYERZERO_ORT_TEST_BUILD") or REPO / "build" / "ort-test")
@@ -114,7 +103,7 @@ def moe_model(
     for i in range(extra_inputs):
         inputs.append(helper.make_tensor_value_info(f"extra{i}", TensorProto.FLOAT, [experts]))
         names.append(f"extra{i}")
-    return moe_node_model(names, inputs, elem, experts, hidden, inits, **attrs), widened
+    return ort_moe.moe_node_model(names, inputs, elem, experts, hidden, inits, **attrs), widened
 
 
 def _relative_error(y: np.ndarray, ref: np.ndarray) -> float:
@@ -203,12 +192,9 @@ def test_nan_logits_run_no_expert_of_that_token(ort_lib, scoring):
 def test_threshold_input_overrides_the_attribute(ort_lib):
     model, w = moe_model(8, 40, 36, top_k=4, normalize=1, zeroing_threshold=0.0, threshold_input=True)
     sess = session(ort_lib, model)
-    rng = np.random.default_rng(4)
-    x = rng.standard_normal((9, 36)).astype(np.float32)
-    logits = rng.standard_normal((9, 8)).astype(np.float32) * 2
+    x, logits = ort_moe.random_feeds(np.random.default_rng(4), 9, 36, 8, logit_scale=2).values()
     counts = []
-    for threshold in (0.0, 0.3, 0.9):
-        y, mask = sess.run(None, {"hidden": x, "logits": logits, THRESHOLD: np.array(threshold, np.float32)})
+    for threshold, y, mask in ort_moe.threshold_runs(sess, x, logits):
         ref, ref_mask = moe_reference(x, logits, *w, top_k=4, normalize=1, zeroing_threshold=threshold)
         assert np.array_equal(mask, ref_mask)
         assert _relative_error(y, ref) < 1e-5
@@ -232,8 +218,8 @@ def test_float16_hidden(ort_lib):
 def test_threads_do_not_change_the_result(ort_lib, tokens):
     # Phase 2 adds experts in the same order whatever the threads: bitwise equal.
     model, _ = moe_model(16, 200, 136, top_k=4, normalize=1)
-    feeds = random_feeds(np.random.default_rng(6), tokens, 136, 16)
-    assert same_at_one_and_two_threads(ort_lib, model, feeds)
+    feeds = ort_moe.random_feeds(np.random.default_rng(6), tokens, 136, 16)
+    assert ort_moe.same_at_one_and_two_threads(ort_lib, model, feeds)
 
 
 # Tokens per expert at every boundary of the GEMM's token groups (3 per block: 1..9, 15, 16, 17) with k and row
@@ -250,7 +236,7 @@ def test_token_counts_at_kernel_boundaries(ort_lib, wtype):
             x = rng.standard_normal((tokens, 36)).astype(np.float32)
             logits = rng.standard_normal((tokens, experts)).astype(np.float32) * 2
             ref, ref_mask = moe_reference(x, logits, *w, top_k=top_k, normalize=1)
-            y, mask, y_shifted = run_aligned_and_unaligned(sess, x, logits)
+            y, mask, y_shifted = ort_moe.run_aligned_and_unaligned(sess, x, logits)
             where = f"E{experts} top_k={top_k} {wtype} T={tokens}"
             assert np.array_equal(mask, ref_mask), where
             assert _relative_error(y, ref.astype(np.float64)) <= 1e-5, where
@@ -282,7 +268,7 @@ def test_session_creation_refuses(ort_lib, kwargs, message):
 def test_weights_are_not_copied(ort_lib, tmp_path):
     # A 96 MB model from a file with external data: the session's peak RSS stays within weights + 10 %.
     model, _ = moe_model(32, 512, 512, top_k=2, normalize=1)
-    grown, weights = peak_rss_growth(ort_lib, model, tmp_path)
+    grown, weights = ort_moe.peak_rss_growth(ort_lib, model, tmp_path)
     assert grown <= 1.1 * weights, f"peak RSS grew {grown / 1e6:.1f} MB for {weights / 1e6:.1f} MB of weights"
 
 
@@ -304,7 +290,11 @@ def _huge_pages_after_session(lib: Path, model: onnx.ModelProto, **env: str) -> 
     path = BUILD_DIR / "huge_pages_model.onnx"
     path.write_bytes(model.SerializeToString())
     out = subprocess.run(
-        [sys.executable, "-c", script, str(path)], capture_output=True, text=True, env=script_env(**env), timeout=300
+        [sys.executable, "-c", script, str(path)],
+        capture_output=True,
+        text=True,
+        env=ort_moe.script_env(**env),
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return int(out.stdout.strip().splitlines()[-1])
@@ -348,7 +338,7 @@ def test_portable_kernels_match_reference(ort_lib):
         [sys.executable, __file__, str(ort_lib), "--quick", "--expect-isa", "generic"],
         capture_output=True,
         text=True,
-        env=script_env(LAYERZERO_ORT_ISA="generic"),
+        env=ort_moe.script_env(LAYERZERO_ORT_ISA="generic"),
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -356,7 +346,7 @@ def test_portable_kernels_match_reference(ort_lib):
 
 def test_address_sanitizer(ort_lib_asan):
     # The ASan build under the whole matrix (the Python process preloads libasan; its own leaks are not ours).
-    proc = run_under_asan(__file__, ort_lib_asan)
+    proc = ort_moe.run_under_asan(__file__, ort_lib_asan)
     assert "AddressSanitizer" not in proc.stderr, proc.stderr[-4000:]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -654,7 +644,7 @@ def test_auto_cost_model_without_the_library(shape, expected, monkeypatch):
 
 
 def _main(argv: list[str]) -> int:
-    return script_main(argv, "LayerZeroOrtIsa", "kernels", check_matrix)
+    return ort_moe.script_main(argv, "LayerZeroOrtIsa", "kernels", check_matrix)
 
 
 if __name__ == "__main__":

@@ -36,20 +36,8 @@ from layerzero.plugins.reference import moe_reference
 
 if __name__ == "__main__":  # run as a script (above): tests.plugins imports from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.plugins.ort_moe import (
-    NODE,
-    THRESHOLD,
-    VARIANTS,
-    moe_node_model,
-    peak_rss_growth,
-    random_feeds,
-    run_aligned_and_unaligned,
-    run_under_asan,
-    same_at_one_and_two_threads,
-    script_env,
-    script_main,
-    session,
-)
+from tests.plugins import ort_moe
+from tests.plugins.ort_moe import NODE, THRESHOLD, VARIANTS, session
 
 # ort_lib / ort_lib_asan: tests/plugins/conftest.py (one build per session for every plugin test).
 
@@ -231,7 +219,7 @@ def quant_model(
     if inputs is not None:
         names = names[:inputs]
     attrs = dict(dict(weight_format=f"q{bits}"), **attrs)
-    return moe_node_model(names, graph_inputs, elem, experts, hidden, inits, **attrs), extra
+    return ort_moe.moe_node_model(names, graph_inputs, elem, experts, hidden, inits, **attrs), extra
 
 
 _ROUTING_KEYS = ("top_k", "normalize", "scoring", "zeroing_threshold", "n_group", "topk_group", "routed_scaling_factor")
@@ -383,8 +371,8 @@ def test_threads_do_not_change_the_result(ort_lib, tokens, top_k, bits):
     # One token, top-1: its expert's F 224 is split into pieces of whole blocks (h quantized per piece) and H 160
     # into row pieces as the threads need items; bitwise equal at 1 and 2 threads.
     model, _ = quant_model(16, 224, 160, bits, top_k=top_k, normalize=1)
-    feeds = random_feeds(np.random.default_rng(7), tokens, 160, 16)
-    assert same_at_one_and_two_threads(ort_lib, model, feeds)
+    feeds = ort_moe.random_feeds(np.random.default_rng(7), tokens, 160, 16)
+    assert ort_moe.same_at_one_and_two_threads(ort_lib, model, feeds)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -399,7 +387,7 @@ def test_token_counts_at_kernel_boundaries(ort_lib, bits):
             x = rng.standard_normal((tokens, 96)).astype(np.float32)
             logits = rng.standard_normal((tokens, experts)).astype(np.float32) * 2
             ref, ref_mask, slack = reference(extra, x, logits, dict(top_k=top_k, normalize=1))
-            y, mask, y_shifted = run_aligned_and_unaligned(sess, x, logits)
+            y, mask, y_shifted = ort_moe.run_aligned_and_unaligned(sess, x, logits)
             where = f"q{bits} E{experts} top_k={top_k} T={tokens}"
             assert _mismatch(y, mask, ref, ref_mask, slack) is None, where
             assert np.array_equal(y, y_shifted), where
@@ -408,12 +396,9 @@ def test_token_counts_at_kernel_boundaries(ort_lib, bits):
 def test_threshold_input_overrides_the_attribute(ort_lib):
     model, extra = quant_model(8, 64, 96, 4, top_k=4, normalize=1, threshold_input=True)
     sess = session(ort_lib, model)
-    rng = np.random.default_rng(4)
-    x = rng.standard_normal((9, 96)).astype(np.float32)
-    logits = rng.standard_normal((9, 8)).astype(np.float32) * 2
+    x, logits = ort_moe.random_feeds(np.random.default_rng(4), 9, 96, 8, logit_scale=2).values()
     counts = []
-    for threshold in (0.0, 0.3, 0.9):
-        y, mask = sess.run(None, {"hidden": x, "logits": logits, THRESHOLD: np.array(threshold, np.float32)})
+    for threshold, y, mask in ort_moe.threshold_runs(sess, x, logits):
         ref, ref_mask, slack = reference(extra, x, logits, dict(top_k=4, normalize=1), threshold)
         assert _mismatch(y, mask, ref, ref_mask, slack) is None
         counts.append(int(mask.sum()))
@@ -431,7 +416,7 @@ def test_other_kernels_match_reference(ort_lib, isa):
         [sys.executable, __file__, str(ort_lib), "--quick", "--expect-isa", isa],
         capture_output=True,
         text=True,
-        env=script_env(LAYERZERO_ORT_ISA=isa),
+        env=ort_moe.script_env(LAYERZERO_ORT_ISA=isa),
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -460,7 +445,7 @@ def test_best_and_portable_kernels_agree(ort_lib, tmp_path):
         subprocess.run(
             [sys.executable, "-c", script, str(ort_lib), str(path), str(tmp_path / "in.npz"), str(out)],
             check=True,
-            env=script_env(LAYERZERO_ORT_ISA=isa),
+            env=ort_moe.script_env(LAYERZERO_ORT_ISA=isa),
             timeout=300,
         )
         outs[isa] = np.load(out)
@@ -544,12 +529,12 @@ def test_scales_fed_at_run_time(ort_lib):
 def test_codes_are_not_copied(ort_lib, tmp_path):
     # A 25 MB q8 model from a file with external data: the session's peak RSS stays within weights + 10 %.
     model, _ = quant_model(32, 512, 512, 8, top_k=2, normalize=1)
-    grown, weights = peak_rss_growth(ort_lib, model, tmp_path)
+    grown, weights = ort_moe.peak_rss_growth(ort_lib, model, tmp_path)
     assert grown <= 1.1 * weights, f"peak RSS grew {grown / 1e6:.1f} MB for {weights / 1e6:.1f} MB of codes"
 
 
 def test_address_sanitizer(ort_lib_asan):
-    proc = run_under_asan(__file__, ort_lib_asan, "--quick")
+    proc = ort_moe.run_under_asan(__file__, ort_lib_asan, "--quick")
     assert "AddressSanitizer" not in proc.stderr, proc.stderr[-4000:]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -559,7 +544,7 @@ def _check(lib: Path, quick: bool) -> list[str]:
 
 
 def _main(argv: list[str]) -> int:
-    return script_main(argv, "LayerZeroOrtQuantIsa", "quantized kernels", _check)
+    return ort_moe.script_main(argv, "LayerZeroOrtQuantIsa", "quantized kernels", _check)
 
 
 if __name__ == "__main__":
