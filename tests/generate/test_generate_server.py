@@ -26,6 +26,7 @@ from layerzero.runtime.generate import GENERATE_META_KEY
 from layerzero.runtime.generate_server import GENERATE_PATH, GenerateServer, GenerateServerConfig, serve_generate
 from layerzero.runtime.guard import GuardConfig, GuardedEngine
 from tests.generate.counter_lm import counter_lm
+from tests.tiny_bundle import free_ports
 
 V = 16
 
@@ -226,19 +227,6 @@ def test_guard_max_tokens_and_serve_hook(model: Path) -> None:
         GenerateServer(Engine.load(plain))
 
 
-def _free_ports(n: int) -> list[int]:
-    import socket
-
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 @pytest.fixture(scope="module")
 def served(model: Path, tmp_path_factory: pytest.TempPathFactory):
     """`layerzero serve` of the compiled counter bundle (Triton, the fronts, control and generate), started once."""
@@ -257,7 +245,7 @@ def served(model: Path, tmp_path_factory: pytest.TempPathFactory):
     tmp_path = tmp_path_factory.mktemp("served_counter")
     bundle = tmp_path / "counter.lz"
     assert main(["compile", str(model), "-o", str(bundle)]) == 0
-    http_port, grpc_port, control_port, generate_port = _free_ports(4)
+    http_port, grpc_port, control_port, generate_port = free_ports(4)
     log = tmp_path / "serve.log"
     command = [
         sys.executable, "-m", "layerzero", "serve", str(bundle), "--port-http", str(http_port),
