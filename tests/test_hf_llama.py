@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 
 torch = pytest.importorskip("torch", reason="real-export tests need torch (pip install -e '.[export]')")
@@ -33,6 +32,7 @@ pytest.importorskip("onnxscript", reason="torch.onnx.export(dynamo=True) needs o
 from layerzero.compile import compile_model  # noqa: E402
 from layerzero.options import CompileOptions  # noqa: E402
 from layerzero.passes._graph import scope_of  # noqa: E402
+from tests.tiny_llama import export_logits, ort_logits, tiny_llama, token_feeds  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
@@ -43,25 +43,7 @@ SHAPES = [(1, 1), (1, 16), (2, 16)]  # (batch, seq); the exports are traced at (
 
 
 def _llama(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        # RMSNorm weights start at 1: all equal, so the exporter would share one initializer among them.
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.add_(0.1 * torch.randn_like(param))
-    return model
+    return tiny_llama(LAYERS, VOCAB, seed)
 
 
 def _rotary_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -86,36 +68,11 @@ class FlaggedLayer(torch.nn.Module):
 
 
 def _export(model: torch.nn.Module, path: Path) -> Path:
-    ids = torch.randint(0, VOCAB, (2, 8))  # batch 2: an example batch of 1 would be specialised to 1
-    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
-    # The model itself, not a wrapper, so that scopes read ``model.layers.3`` as in the checkpoint. With
-    # ``use_cache=False`` in its config it returns only the logits.
-    program = torch.onnx.export(
-        model,
-        (ids,),
-        dynamo=True,
-        input_names=["input_ids"],
-        output_names=["logits"],
-        dynamic_shapes=({0: batch, 1: seq},),
-        verbose=False,
-    )
-    program.save(str(path))
-    return path
+    return export_logits(model, path, VOCAB)
 
 
 def _feeds(batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return {"input_ids": rng.integers(0, VOCAB, size=(batch, seq), dtype=np.int64)}
-
-
-def _ort(model: Path | onnx.ModelProto | ir.Model, feeds: dict[str, np.ndarray]) -> np.ndarray:
-    if isinstance(model, ir.Model):
-        model = ir.to_proto(model)
-    source = str(model) if isinstance(model, Path) else model.SerializeToString()
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
-    return session.run(["logits"], feeds)[0]
+    return token_feeds(VOCAB, batch, seq, seed)
 
 
 def _torch_logits(model: torch.nn.Module, feeds: dict[str, np.ndarray]) -> np.ndarray:
@@ -252,8 +209,8 @@ def test_rotary_disabled_folds_cos_sin_and_rotate_half(rotary_off: Export) -> No
 
     for batch, seq in SHAPES:
         feeds = _feeds(batch, seq)
-        compiled = _ort(result.model, feeds)
-        _assert_close(compiled, _ort(rotary_off.path, feeds))
+        compiled = ort_logits(result.model, feeds)
+        _assert_close(compiled, ort_logits(rotary_off.path, feeds))
         _assert_close(compiled, _torch_logits(rotary_off.torch_model, feeds), atol=1e-4)
 
 
@@ -297,8 +254,8 @@ def test_consumed_layer_flags_remove_layers(flagged: Export) -> None:
 
     for batch, seq in SHAPES:
         feeds = _feeds(batch, seq)
-        compiled = _ort(result.model, feeds)
-        _assert_close(compiled, _ort(flagged.path, feeds))
+        compiled = ort_logits(result.model, feeds)
+        _assert_close(compiled, ort_logits(flagged.path, feeds))
         _assert_close(compiled, _torch_logits(flagged.oracle, feeds), atol=1e-4)
 
 
@@ -340,4 +297,4 @@ def test_declared_flag_on_export_bypasses_layer(plain: Export, tmp: Path, layer:
 
     for batch, seq in SHAPES:
         feeds = _feeds(batch, seq)
-        _assert_close(_ort(result.model, feeds), _torch_logits(oracle, feeds), atol=1e-4)
+        _assert_close(ort_logits(result.model, feeds), _torch_logits(oracle, feeds), atol=1e-4)

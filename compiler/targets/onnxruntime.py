@@ -10,11 +10,10 @@ graph itself (on the CPU). The bundle is ``model.onnx`` (+ external data) and ``
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from layerzero.errors import InvalidInputError, UnsupportedModelError
-from layerzero.targets.base import Progress, Target
+from layerzero.errors import UnsupportedModelError
+from layerzero.targets.base import BundleWrite, Target
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -50,28 +49,14 @@ class OnnxRuntimeTarget(Target):
         lower = LowerMoE(lowering=options.moe_lowering, enabled=True, native_present=find_ort_library() is not None)
         return lower(model).modified
 
-    def write_bundle(
-        self,
-        out: str | os.PathLike[str],
-        result: CompileResult,
-        *,
-        source: Path | None,
-        sha256: str | None,
-        overwrite: bool = False,
-        progress: Progress | None = None,
-        target_options: Any = None,
-    ) -> dict[str, Any]:
+    def _write_bundle(self, out: str | os.PathLike[str], result: CompileResult, how: BundleWrite) -> dict[str, Any]:
         import onnx_ir as ir
 
         from layerzero.runtime.bundle import write_bundle
 
-        if target_options is not None:
-            raise InvalidInputError(
-                f"target {self.name!r} takes no options, got {type(target_options).__name__}"
-            )
-        if progress is not None:
-            progress("writing bundle")
-        manifest = result.manifest(source, sha256)
+        if how.progress is not None:
+            how.progress("writing bundle")
+        manifest = result.manifest(how.source, how.sha256)
         manifest["device"] = result.options.device  # Engine.load picks the execution provider from it
         # Weights that came memory-mapped from external data stay external: they are copied file to file. Saved
         # into one protobuf they would be read into memory and serialised, several times their size at peak.
@@ -80,8 +65,8 @@ class OnnxRuntimeTarget(Target):
             out,
             result.model,
             manifest,
-            overwrite=overwrite,
-            protect=[] if source is None else [source],
+            overwrite=how.overwrite,
+            protect=[] if how.source is None else [how.source],
             **({"external_threshold_bytes": 0} if mapped else {}),
         )
         return manifest

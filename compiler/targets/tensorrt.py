@@ -48,7 +48,7 @@ from layerzero.runtime.backends.tensorrt import (
     trt_logger,
 )
 from layerzero.targets import PRECISIONS
-from layerzero.targets.base import Progress, Target
+from layerzero.targets.base import BundleWrite, Progress, Target
 
 if TYPE_CHECKING:
     from layerzero.options import CompileOptions
@@ -164,6 +164,7 @@ class TensorRTTarget(Target):
 
     name = "tensorrt"
     backend = "tensorrt"
+    options_type = TensorRTOptions
 
     def check_available(self) -> None:
         require_tensorrt()  # before any work: without TensorRT this target cannot build anything
@@ -176,29 +177,17 @@ class TensorRTTarget(Target):
     def verification_model(self, model: ir.Model, options: CompileOptions) -> ir.Model:
         return ort_equivalent(model, options)
 
-    def write_bundle(
-        self,
-        out: str | os.PathLike[str],
-        result: CompileResult,
-        *,
-        source: Path | None,
-        sha256: str | None,
-        overwrite: bool = False,
-        progress: Progress | None = None,
-        target_options: Any = None,
-    ) -> dict[str, Any]:
-        if target_options is not None and not isinstance(target_options, TensorRTOptions):
-            raise InvalidInputError(f"target 'tensorrt' takes TensorRTOptions, got {type(target_options).__name__}")
-        trt_options = target_options or TensorRTOptions(verify=result.options.verify)
+    def _write_bundle(self, out: str | os.PathLike[str], result: CompileResult, how: BundleWrite) -> dict[str, Any]:
+        trt_options = how.target_options or TensorRTOptions(verify=result.options.verify)
         return write_tensorrt_bundle(
             out,
             result,
             result.options,
             trt_options,
-            source=source,
-            sha256=sha256,
-            overwrite=overwrite,
-            progress=progress,
+            source=how.source,
+            sha256=how.sha256,
+            overwrite=how.overwrite,
+            progress=how.progress,
         )
 
 

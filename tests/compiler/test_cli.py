@@ -13,26 +13,12 @@ import onnx
 import pytest
 
 from layerzero.cli import main
-from layerzero.models import TransformerConfig, build_transformer
-
-SMALL = TransformerConfig(num_layers=4, zero_blocks=(1,), zero_rotary=(2,))
+from layerzero.models import build_transformer
+from tests.compiler.shared import SMALL, error_line, nan_model
 
 
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-@pytest.fixture
-def model_path(tmp_path: Path) -> Path:
-    path = tmp_path / "model.onnx"
-    onnx.save_model(build_transformer(SMALL), path)
-    return path
-
-
-def _error_line(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    return err[0]
 
 
 def test_compile_then_run(model_path: Path, tmp_path: Path, capsys) -> None:
@@ -58,14 +44,14 @@ def test_compile_refuses_existing_output(model_path: Path, tmp_path: Path, capsy
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     assert main(["compile", str(model_path), "-o", str(out)]) == 2
-    assert "exists and is a directory that is not a LayerZero bundle" in _error_line(capsys)
+    assert "exists and is a directory that is not a LayerZero bundle" in error_line(capsys)
     assert (out / "keep.txt").read_text() == "mine"
 
 
 def test_compile_refuses_to_overwrite_its_input(model_path: Path, capsys) -> None:
     before = _sha(model_path)
     assert main(["compile", str(model_path), "-o", str(model_path), "--force"]) == 2
-    assert "overwrite the input" in _error_line(capsys)
+    assert "overwrite the input" in error_line(capsys)
     assert _sha(model_path) == before
 
 
@@ -101,7 +87,7 @@ def test_bad_model_is_one_line_exit_2_nothing_written(tmp_path: Path, capsys, ca
     before = _sha(path) if path.exists() else None
     out = tmp_path / "out.lz"
     assert main(["compile", str(path), "-o", str(out)]) == 2
-    line = _error_line(capsys)
+    line = error_line(capsys)
     assert expected in line, line
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".", "out"))) == []
@@ -118,33 +104,20 @@ def test_bad_model_is_one_line_exit_2_nothing_written(tmp_path: Path, capsys, ca
 )
 def test_run_bad_feed(model_path: Path, capsys, item: str, expected: str) -> None:
     assert main(["run", str(model_path), "--input", item]) == 2
-    assert expected in _error_line(capsys)
+    assert expected in error_line(capsys)
 
 
 def test_run_wrong_rank(model_path: Path, tmp_path: Path, capsys) -> None:
     feeds = tmp_path / "feeds.npz"
     np.savez(feeds, input_ids=np.zeros((1, 2, 3), dtype=np.int64))
     assert main(["run", str(model_path), "--inputs", str(feeds)]) == 2
-    line = _error_line(capsys)
+    line = error_line(capsys)
     assert "input_ids" in line and "rank" in line
-
-
-def _nan_model(path: Path) -> None:
-    # 1/(x-x) is inf; inf*0 is NaN in the original, 0 once x*0 is folded (assume_finite).
-    model = onnx.parser.parse_model(
-        """<ir_version: 10, opset_import: ["" : 18]>
-        g (float[N, 4] x) => (float[N, 4] y) <float[4] z = {0.0, 0.0, 0.0, 0.0}> {
-            d = Sub(x, x)
-            r = Reciprocal(d)
-            y = Mul(r, z)
-        }"""
-    )
-    onnx.save_model(model, path)
 
 
 def test_verification_failure_exits_1_and_writes_nothing(tmp_path: Path, capsys) -> None:
     path = tmp_path / "nan.onnx"
-    _nan_model(path)
+    onnx.save_model(nan_model(), path)
     out = tmp_path / "nan.lz"
     assert main(["compile", str(path), "-o", str(out)]) == 1
     captured = capsys.readouterr()

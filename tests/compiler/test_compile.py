@@ -15,6 +15,7 @@ from layerzero.errors import InvalidInputError
 from layerzero.models import TransformerConfig, build_transformer, example_feeds
 from layerzero.options import CompileOptions
 from layerzero.runtime import Engine
+from tests.compiler.shared import make_pass_wrong, nan_model
 
 
 def test_consumed_flags_match_the_hand_pruned_oracle(tmp_path: Path) -> None:
@@ -105,16 +106,8 @@ def test_chunked_verification_matches_whole_model_verification(tmp_path: Path) -
 def test_chunked_verification_still_catches_a_mismatch(tmp_path: Path) -> None:
     from layerzero.errors import VerificationError
 
-    model = onnx.parser.parse_model(
-        """<ir_version: 10, opset_import: ["" : 18]>
-        g (float[N, 4] x) => (float[N, 4] y) <float[4] z = {0.0, 0.0, 0.0, 0.0}> {
-            d = Sub(x, x)
-            r = Reciprocal(d)
-            y = Mul(r, z)
-        }"""
-    )
     with pytest.raises(VerificationError):
-        compile_model(_save(model, tmp_path / "nan.onnx"), CompileOptions(chunked_verify_bytes=1))
+        compile_model(_save(nan_model(), tmp_path / "nan.onnx"), CompileOptions(chunked_verify_bytes=1))
 
 
 # ------------------------------------------------------------------------------ verification that cannot be fooled
@@ -164,23 +157,14 @@ def test_input_sets_cover_dims_at_1_larger_dims_and_comparison_thresholds() -> N
 def test_a_wrong_rewrite_the_default_inputs_miss_is_caught_and_its_pass_named(monkeypatch) -> None:
     # A pass that turns ReduceSum over the batch into ReduceMax: equal at batch 1 (the default inputs, all
     # the old verification ran), wrong at any larger batch.
-    from layerzero import pipeline
     from layerzero.errors import VerificationError
-
-    class SimplifyConcatSplit(pipeline.SimplifyConcatSplit):  # same name: the pipeline's slot
-        def call(self, model: ir.Model) -> ir.passes.PassResult:
-            for node in model.graph:
-                if node.op_type == "ReduceSum":
-                    node.op_type = "ReduceMax"  # wrong on purpose
-                    return ir.passes.PassResult(model, modified=True)
-            return super().call(model)
 
     model = _parse(
         """g (float[batch, 3] x) => (float[1, 3] y) <int64[1] axis = {0}> {
             y = ReduceSum <keepdims = 1> (x, axis)
         }"""
     )
-    monkeypatch.setattr(pipeline, "SimplifyConcatSplit", SimplifyConcatSplit)
+    make_pass_wrong(monkeypatch, "ReduceSum", "ReduceMax")
     with pytest.raises(VerificationError) as info:
         compile_model(model)
     message = str(info.value)

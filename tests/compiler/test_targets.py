@@ -60,3 +60,15 @@ def test_targets_lower_the_skipping_form_their_own_way() -> None:
     assert any(n.domain == MOE_DOMAIN for n in trt.model.graph.all_nodes())  # the copy was lowered, not the model
     assert ort.manifest(None, None)["backend"] == "onnxruntime"
     assert trt.manifest(None, None)["backend"] == "tensorrt"
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [("onnxruntime", "target 'onnxruntime' takes no options, got dict"),
+     ("tensorrt", "target 'tensorrt' takes TensorRTOptions, got dict")],
+)  # fmt: skip
+def test_write_bundle_refuses_another_targets_options_before_writing(name: str, message: str, tmp_path) -> None:
+    out = tmp_path / "m.lz"
+    with pytest.raises(InvalidInputError, match=f"^{message}$"):
+        get_target(name).write_bundle(out, None, source=None, sha256=None, target_options={"precision": "fp16"})
+    assert not out.exists()

@@ -6,29 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import onnx
-import pytest
-
 from layerzero.cli import main
 from layerzero.flags import flaggable_scopes
 from layerzero.loader import load_model
-from layerzero.models import TransformerConfig, build_transformer
 from layerzero.summary import summarize
-
-SMALL = TransformerConfig(num_layers=4, zero_blocks=(1,), zero_rotary=(2,))
-
-
-@pytest.fixture
-def model_path(tmp_path: Path) -> Path:
-    path = tmp_path / "model.onnx"
-    onnx.save_model(build_transformer(SMALL), path)
-    return path
-
-
-def _error_line(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    return err[0]
+from tests.compiler.shared import error_line
 
 
 def test_compile_summary_counts_whole_layers_and_parts(model_path: Path, tmp_path: Path, capsys) -> None:
@@ -50,20 +32,20 @@ def test_compile_over_a_non_bundle_never_suggests_force(model_path: Path, tmp_pa
     (out / "keep.txt").write_text("mine")
     for extra in ([], ["--force"]):
         assert main(["compile", str(model_path), "-o", str(out), *extra]) == 2
-        line = _error_line(capsys)
+        line = error_line(capsys)
         assert "is not a LayerZero bundle" in line and "pass --force" not in line, line
         assert "--force replaces only a bundle LayerZero wrote" in line
     assert (out / "keep.txt").read_text() == "mine"
     file_out = tmp_path / "notes.txt"
     file_out.write_text("mine")
     assert main(["compile", str(model_path), "-o", str(file_out)]) == 2
-    assert "pass --force" not in _error_line(capsys) and file_out.read_text() == "mine"
+    assert "pass --force" not in error_line(capsys) and file_out.read_text() == "mine"
     # A bundle LayerZero wrote: --force is what replaces it, and the message says so.
     bundle = tmp_path / "model.lz"
     assert main(["compile", str(model_path), "-o", str(bundle)]) == 0
     capsys.readouterr()
     assert main(["compile", str(model_path), "-o", str(bundle)]) == 2
-    assert "--force" in _error_line(capsys)
+    assert "--force" in error_line(capsys)
     assert main(["compile", str(model_path), "-o", str(bundle), "--force"]) == 0
 
 

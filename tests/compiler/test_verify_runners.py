@@ -16,6 +16,7 @@ from layerzero.errors import VerificationError
 from layerzero.models import TransformerConfig, build_transformer, example_feeds
 from layerzero.options import CompileOptions
 from layerzero.verify import ChunkedRunners, Comparator, OrtRunner, WholeModelRunners, verification_runners
+from tests.compiler.shared import make_pass_wrong
 
 
 def _parse(text: str) -> onnx.ModelProto:
@@ -80,17 +81,7 @@ def test_comparator_with_a_threshold_judges_by_max_deviation() -> None:
 
 def _wrong_relu(monkeypatch) -> None:
     """The pipeline's SimplifyConcatSplit slot turns Relu into Abs: wrong on any negative input."""
-    from layerzero import pipeline
-
-    class SimplifyConcatSplit(pipeline.SimplifyConcatSplit):  # same name: the pipeline's slot
-        def call(self, model: ir.Model) -> ir.passes.PassResult:
-            for node in model.graph:
-                if node.op_type == "Relu":
-                    node.op_type = "Abs"  # wrong on purpose
-                    return ir.passes.PassResult(model, modified=True)
-            return super().call(model)
-
-    monkeypatch.setattr(pipeline, "SimplifyConcatSplit", SimplifyConcatSplit)
+    make_pass_wrong(monkeypatch, "Relu", "Abs")
 
 
 _RELU = """g (float[batch, 3] x) => (float[batch, 3] y) <float[3] w = {0.5, -0.25, 1.0}> {

@@ -24,6 +24,7 @@ from layerzero.cli import main  # noqa: E402
 from layerzero.errors import InvalidInputError, UnsupportedModelError  # noqa: E402
 from layerzero.runtime import Engine  # noqa: E402
 from layerzero.runtime.generate import choose_token  # noqa: E402
+from tests.tiny_llama import greedy_llama_config  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
@@ -32,18 +33,7 @@ PROMPT = [5, 17, 99, 3, 42, 7]
 
 
 def _config() -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=256,
-        initializer_range=0.2,  # large random weights: the greedy tokens vary instead of repeating one
-        eos_token_id=None,
-        bos_token_id=None,
-    )
+    return greedy_llama_config(LAYERS, VOCAB)
 
 
 def _hf_greedy(model_dir: Path, prompt: list[int], new: int = NEW, zero_mlp: int | None = None) -> list[int]:
@@ -77,18 +67,7 @@ def llama_dir(tmp: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def exported(llama_dir: Path, tmp: Path) -> Path:
-    out = tmp / "export" / "model.onnx"
-    assert main(["export", str(llama_dir), "-o", str(out)]) == 0
-    return out
-
-
-@pytest.fixture(scope="module")
-def bundle(exported: Path, tmp: Path) -> Path:
-    out = tmp / "model.lz"
-    assert main(["compile", str(exported), "-o", str(out)]) == 0
-    return out
+# exported, bundle: tests/generate/conftest.py
 
 
 def test_export_names_dims_and_tokenizer(exported: Path) -> None:

@@ -21,6 +21,7 @@ from layerzero.cli import main  # noqa: E402
 from layerzero.errors import InvalidInputError  # noqa: E402
 from layerzero.runtime import Engine  # noqa: E402
 from layerzero.runtime.guard import GuardConfig, GuardedEngine  # noqa: E402
+from tests.tiny_llama import greedy_llama_config  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
@@ -30,11 +31,7 @@ PROMPTS = [[5, 17, 99, 3, 42, 7], [9, 8], [100, 1, 2, 3]]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, max_position_embeddings=256, initializer_range=0.2, eos_token_id=None, bos_token_id=None,
-        pad_token_id=PAD,
-    )  # fmt: skip
+    config = greedy_llama_config(2, VOCAB, pad_token_id=PAD)
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("batch") / "tiny-llama"
     transformers.LlamaForCausalLM(config).eval().save_pretrained(path)

@@ -18,64 +18,22 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper
 
 from layerzero.errors import UnsupportedModelError
 from layerzero.runtime import Engine
 from layerzero.runtime.generate import GENERATE_META_KEY
 from layerzero.runtime.generate_server import GENERATE_PATH, GenerateServer, GenerateServerConfig, serve_generate
 from layerzero.runtime.guard import GuardConfig, GuardedEngine
+from tests.generate.counter_lm import counter_lm
+from tests.tiny_bundle import free_ports
 
 V = 16
 
 
 def _counter_lm(path: Path) -> Path:
-    table = np.zeros((V, V), dtype=np.float32)
-    table[np.arange(V), (np.arange(V) + 1) % V] = 10.0
-    kv = np.arange(V * 2, dtype=np.float32).reshape(V, 2)
-    nodes = [
-        helper.make_node("Gather", ["table", "input_ids"], ["raw"]),
-        # The mask must cover past + new tokens, as the export's attention does: checked through a Reshape.
-        helper.make_node("Shape", ["past_key_values.0.key"], ["past_shape"], start=2, end=3),
-        helper.make_node("Shape", ["input_ids"], ["seq_shape"], start=1, end=2),
-        helper.make_node("Add", ["past_shape", "seq_shape"], ["total"]),
-        helper.make_node("Shape", ["attention_mask"], ["mask_shape"], start=1, end=2),
-        helper.make_node("Sub", ["mask_shape", "total"], ["zero"]),  # 0 when the mask is right
-        helper.make_node("Concat", ["zero", "one"], ["zshape"], axis=0),
-        helper.make_node("ConstantOfShape", ["zshape"], ["check"]),  # a negative dim fails here
-        helper.make_node("ReduceSum", ["check"], ["checksum"], keepdims=0),
-        helper.make_node("Add", ["raw", "checksum"], ["logits"]),
-        helper.make_node("Gather", ["kv", "input_ids"], ["new_kv"]),
-        helper.make_node("Unsqueeze", ["new_kv", "axis1"], ["new_kv4"]),
-        helper.make_node("Concat", ["past_key_values.0.key", "new_kv4"], ["present.0.key"], axis=2),
-        helper.make_node("Concat", ["past_key_values.0.value", "new_kv4"], ["present.0.value"], axis=2),
-    ]
-    kv_shape = ["batch", 1, "past", 2]
-    graph = helper.make_graph(
-        nodes,
-        "counter",
-        [
-            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
-            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total"]),
-            helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
-            helper.make_tensor_value_info("past_key_values.0.key", TensorProto.FLOAT, kv_shape),
-            helper.make_tensor_value_info("past_key_values.0.value", TensorProto.FLOAT, kv_shape),
-        ],
-        [
-            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", V]),
-            helper.make_tensor_value_info("present.0.key", TensorProto.FLOAT, ["batch", 1, "all", 2]),
-            helper.make_tensor_value_info("present.0.value", TensorProto.FLOAT, ["batch", 1, "all", 2]),
-        ],
-        [
-            numpy_helper.from_array(table, "table"),
-            numpy_helper.from_array(kv, "kv"),
-            numpy_helper.from_array(np.array([1], dtype=np.int64), "axis1"),
-            numpy_helper.from_array(np.array([1], dtype=np.int64), "one"),
-        ],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    model = counter_lm(V, check_mask=True)
     helper.set_model_props(model, {GENERATE_META_KEY: json.dumps({"vocab_size": V, "eos_token_id": [V - 1]})})
-    onnx.checker.check_model(model, full_check=True)
     onnx.save(model, str(path))
     return path
 
@@ -269,19 +227,6 @@ def test_guard_max_tokens_and_serve_hook(model: Path) -> None:
         GenerateServer(Engine.load(plain))
 
 
-def _free_ports(n: int) -> list[int]:
-    import socket
-
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 @pytest.fixture(scope="module")
 def served(model: Path, tmp_path_factory: pytest.TempPathFactory):
     """`layerzero serve` of the compiled counter bundle (Triton, the fronts, control and generate), started once."""
@@ -300,7 +245,7 @@ def served(model: Path, tmp_path_factory: pytest.TempPathFactory):
     tmp_path = tmp_path_factory.mktemp("served_counter")
     bundle = tmp_path / "counter.lz"
     assert main(["compile", str(model), "-o", str(bundle)]) == 0
-    http_port, grpc_port, control_port, generate_port = _free_ports(4)
+    http_port, grpc_port, control_port, generate_port = free_ports(4)
     log = tmp_path / "serve.log"
     command = [
         sys.executable, "-m", "layerzero", "serve", str(bundle), "--port-http", str(http_port),

@@ -14,52 +14,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper, numpy_helper, save
+from onnx import save
 
 from layerzero.cli import build_parser, main
 from layerzero.cli._common import thread_options
 from layerzero.runtime import Engine
+from tests.generate.counter_lm import counter_lm
 
 V = 12
 
 
 def _next_token_lm(path: Path) -> Path:
     """logits[b, s] = one-hot(ids[b, s] + 1 mod V) * 10; present = Concat(past, embedding of the new ids)."""
-    table = np.zeros((V, V), dtype=np.float32)
-    table[np.arange(V), (np.arange(V) + 1) % V] = 10.0
-    kv = np.arange(V * 2, dtype=np.float32).reshape(V, 2)
-    nodes = [
-        helper.make_node("Gather", ["table", "input_ids"], ["logits"]),
-        helper.make_node("Gather", ["kv", "input_ids"], ["new_kv"]),
-        helper.make_node("Unsqueeze", ["new_kv", "axis1"], ["new_kv4"]),
-        helper.make_node("Concat", ["past_key_values.0.key", "new_kv4"], ["present.0.key"], axis=2),
-        helper.make_node("Concat", ["past_key_values.0.value", "new_kv4"], ["present.0.value"], axis=2),
-    ]
-    kv_in, kv_out = ["batch", 1, "past", 2], ["batch", 1, "all", 2]
-    graph = helper.make_graph(
-        nodes,
-        "next_token",
-        [
-            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
-            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total"]),
-            helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
-            helper.make_tensor_value_info("past_key_values.0.key", TensorProto.FLOAT, kv_in),
-            helper.make_tensor_value_info("past_key_values.0.value", TensorProto.FLOAT, kv_in),
-        ],
-        [
-            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", V]),
-            helper.make_tensor_value_info("present.0.key", TensorProto.FLOAT, kv_out),
-            helper.make_tensor_value_info("present.0.value", TensorProto.FLOAT, kv_out),
-        ],
-        [
-            numpy_helper.from_array(table, "table"),
-            numpy_helper.from_array(kv, "kv"),
-            numpy_helper.from_array(np.array([1], dtype=np.int64), "axis1"),
-        ],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    save(model, str(path))
+    save(counter_lm(V), str(path))
     return path
 
 

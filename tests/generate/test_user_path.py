@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "corpus"))  # corpu
 from layerzero.cli import main  # noqa: E402
 from layerzero.errors import InvalidInputError  # noqa: E402
 from layerzero.runtime import Engine  # noqa: E402
+from tests.tiny_llama import greedy_llama_config  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
@@ -35,18 +36,7 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _config() -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=KV_HEADS,
-        vocab_size=VOCAB,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-        eos_token_id=None,
-        bos_token_id=None,
-    )
+    return greedy_llama_config(LAYERS, VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -66,18 +56,7 @@ def llama_dir(tmp: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def exported(llama_dir: Path, tmp: Path) -> Path:
-    out = tmp / "export" / "model.onnx"
-    assert main(["export", str(llama_dir), "-o", str(out)]) == 0
-    return out
-
-
-@pytest.fixture(scope="module")
-def bundle(exported: Path, tmp: Path) -> Path:
-    out = tmp / "model.lz"
-    assert main(["compile", str(exported), "-o", str(out)]) == 0
-    return out
+# exported, bundle: tests/generate/conftest.py
 
 
 def _hf_logits(model_dir: Path, ids: list[list[int]], mask: list[list[int]] | None = None) -> np.ndarray:

@@ -4,21 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import io
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import onnx
 import pytest
 
-from layerzero.compile import compile_file
-from layerzero.models import TransformerConfig, build_transformer
-from layerzero.options import CompileOptions
-
-#: Consumed flags, so the source is an exact reference for the bundle; block 1 is removed at compile time.
-CONFIG = TransformerConfig(hidden=32, num_layers=2, num_heads=2, ffn=64, flag_form="consumed", zero_blocks=(1,))
+from tests.tiny_bundle import compile_tiny, free_ports
 
 
 def run_cli(*args: str | Path) -> SimpleNamespace:
@@ -51,23 +44,10 @@ def dead_pid() -> int:
     return process.pid
 
 
-def free_ports(n: int) -> list[int]:
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-
-
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     """``source`` (.onnx), ``bundle`` (compiled from it), ``config``; treat both as read-only."""
-    tmp = tmp_path_factory.mktemp("hostile")
-    source = tmp / "source.onnx"
-    onnx.save(build_transformer(CONFIG), str(source))
-    bundle = tmp / "model.lz"
-    compile_file(source, bundle, CompileOptions(dynamic=False))
-    return SimpleNamespace(source=source, bundle=bundle, config=CONFIG, dir=Path(tmp))
+    return compile_tiny(tmp_path_factory.mktemp("hostile"))
 
 
 @pytest.fixture(scope="session")

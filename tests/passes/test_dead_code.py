@@ -150,24 +150,25 @@ def test_dead_if_releases_the_outer_values_its_branches_read(helpers):
     assert neg.inputs[0].name == "x"
 
 
-def test_dead_node_inside_a_live_branch(helpers):
-    check = helpers.check_pass(
+def _sin_then_if(then_body: str) -> str:
+    """s = Sin(x) outside an If on b whose then branch is ``then_body`` (giving t) and whose else is Neg(x)."""
+    return (
         HEADER
-        + """
-        g (float[N, 4] x, bool b) => (float[N, 4] y) {
+        + f"""
+        g (float[N, 4] x, bool b) => (float[N, 4] y) {{
             s = Sin(x)
-            y = If(b) <then_branch = then_g () => (float[N, 4] t) {
-                    unused = Exp(s)
-                    t = Cos(s)
-                }, else_branch = else_g () => (float[N, 4] e) {
+            y = If(b) <then_branch = then_g () => (float[N, 4] t) {{
+                    {then_body}
+                }}, else_branch = else_g () => (float[N, 4] e) {{
                     e = Neg(x)
-                }>
-        }
-        """,
-        RemoveDeadCode,
-        modified=True,
-        delta=-1,
+                }}>
+        }}
+        """
     )
+
+
+def test_dead_node_inside_a_live_branch(helpers):
+    check = helpers.check_pass(_sin_then_if("unused = Exp(s)\n t = Cos(s)"), RemoveDeadCode, modified=True, delta=-1)
     assert check.ops() == {"Sin": 1, "If": 1, "Cos": 1, "Neg": 1}
     for flag in (True, False):
         feeds = helpers.random_feeds(check.model)
@@ -177,44 +178,13 @@ def test_dead_node_inside_a_live_branch(helpers):
 
 
 def test_outer_value_read_by_a_live_branch_stays(helpers):
-    check = helpers.check_pass(
-        HEADER
-        + """
-        g (float[N, 4] x, bool b) => (float[N, 4] y) {
-            s = Sin(x)
-            y = If(b) <then_branch = then_g () => (float[N, 4] t) {
-                    t = Cos(s)
-                }, else_branch = else_g () => (float[N, 4] e) {
-                    e = Neg(x)
-                }>
-        }
-        """,
-        RemoveDeadCode,
-        modified=False,
-        delta=0,
-    )
+    check = helpers.check_pass(_sin_then_if("t = Cos(s)"), RemoveDeadCode, modified=False, delta=0)
     assert check.ops()["Sin"] == 1
 
 
 def test_outer_value_read_only_by_a_dead_node_in_a_live_branch(helpers):
     # The branch's dead Exp is the only reader of s: both go on one run (subgraphs are swept first).
-    check = helpers.check_pass(
-        HEADER
-        + """
-        g (float[N, 4] x, bool b) => (float[N, 4] y) {
-            s = Sin(x)
-            y = If(b) <then_branch = then_g () => (float[N, 4] t) {
-                    unused = Exp(s)
-                    t = Cos(x)
-                }, else_branch = else_g () => (float[N, 4] e) {
-                    e = Neg(x)
-                }>
-        }
-        """,
-        RemoveDeadCode,
-        modified=True,
-        delta=-2,
-    )
+    check = helpers.check_pass(_sin_then_if("unused = Exp(s)\n t = Cos(x)"), RemoveDeadCode, modified=True, delta=-2)
     assert check.ops() == {"If": 1, "Cos": 1, "Neg": 1}
 
 

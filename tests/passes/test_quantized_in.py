@@ -37,6 +37,8 @@ transformers = pytest.importorskip("transformers", reason="real-export tests nee
 pytest.importorskip("onnxscript", reason="torch.onnx.export(dynamo=True) needs onnxscript")
 nbits = pytest.importorskip("onnxruntime.quantization.matmul_nbits_quantizer", reason="ORT's quantizer")
 
+from tests.tiny_llama import export_logits, ort_logits, tiny_llama, token_feeds  # noqa: E402
+
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
 
 VOCAB = 128
@@ -47,42 +49,15 @@ PRUNED = slice(32, 64)  # layer 0's gate columns (neurons) 32..63: one whole blo
 
 
 def _llama(prune: slice | None = None, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.add_(0.1 * torch.randn_like(param))
-        if prune is not None:
+    model = tiny_llama(LAYERS, VOCAB, seed)
+    if prune is not None:
+        with torch.no_grad():
             model.model.layers[0].mlp.gate_proj.weight[prune] = 0.0  # [out, in]: neurons' gate columns
     return model
 
 
 def _export(model: torch.nn.Module, path: Path) -> Path:
-    ids = torch.randint(0, VOCAB, (2, 8))
-    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
-    program = torch.onnx.export(
-        model,
-        (ids,),
-        dynamo=True,
-        input_names=["input_ids"],
-        output_names=["logits"],
-        dynamic_shapes=({0: batch, 1: seq},),
-        verbose=False,
-    )
-    program.save(str(path))
-    return path
+    return export_logits(model, path, VOCAB)
 
 
 def _qdq8(proto: onnx.ModelProto) -> onnx.ModelProto:
@@ -126,17 +101,7 @@ def _quantize(source: Path, form: str, path: Path) -> Path:
 
 
 def _feeds(batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return {"input_ids": rng.integers(0, VOCAB, size=(batch, seq), dtype=np.int64)}
-
-
-def _ort(model: Path | onnx.ModelProto | ir.Model, feeds: dict[str, np.ndarray]) -> np.ndarray:
-    if isinstance(model, ir.Model):
-        model = ir.to_proto(model)
-    source = str(model) if isinstance(model, Path) else model.SerializeToString()
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"]).run(["logits"], feeds)[0]
+    return token_feeds(VOCAB, batch, seq, seed)
 
 
 def _quantized_nodes(model: ir.Model) -> list[ir.Node]:
@@ -222,7 +187,8 @@ def test_declared_flag_removes_its_layer_through_the_quantization(
     for batch, seq in [(1, 1), (2, 16)]:
         feeds = _feeds(batch, seq)
         # ONNX Runtime's quantizer on the model without layer 1: the same codes for every other weight
-        np.testing.assert_allclose(_ort(result.model, feeds), _ort(exports[f"omitted_{form}"], feeds), atol=ATOL)
+        expected = ort_logits(exports[f"omitted_{form}"], feeds)
+        np.testing.assert_allclose(ort_logits(result.model, feeds), expected, atol=ATOL)
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -243,7 +209,7 @@ def test_pruned_neurons_are_found_through_the_quantization(exports: dict[str, Pa
     assert v is not None and v.passed
     for batch, seq in [(1, 1), (2, 16)]:
         feeds = _feeds(batch, seq)
-        np.testing.assert_allclose(_ort(result.model, feeds), _ort(path, feeds), atol=ATOL, rtol=0)
+        np.testing.assert_allclose(ort_logits(result.model, feeds), ort_logits(path, feeds), atol=ATOL, rtol=0)
 
 
 # ----------------------------------------------------------------------------------------- unit graphs

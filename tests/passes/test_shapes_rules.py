@@ -159,9 +159,12 @@ def _value(model: ir.Model, name: str) -> ir.Value:
     return next(v for n in model.graph for v in n.outputs if v.name == name)
 
 
-ATTENTION = (
-    HEADER
-    + """
+def _batch_seq_graph(body: str) -> str:
+    """x [batch, seq, 64] -> y: ``body`` after x's batch and seq dims as 1-D int64 ``bb`` and ``ss`` (and ``b``,
+    ``s``, ``i0``, ``i1``, ``u0``), computed as the exporters compute them."""
+    return (
+        HEADER
+        + """
     g (float[batch, seq, 64] x) => (y) {
         sh = Shape(x)
         i0 = Constant<value = int64 {0}>()
@@ -171,6 +174,16 @@ ATTENTION = (
         u0 = Constant<value = int64[1] {0}>()
         bb = Unsqueeze(b, u0)
         ss = Unsqueeze(s, u0)
+"""
+        + body
+        + """
+    }
+    """
+    )
+
+
+ATTENTION = _batch_seq_graph(
+    """
         heads = Constant<value = int64[2] {-1, 16}>()
         split_shape = Concat<axis = 0>(bb, ss, heads)
         qkv = Concat<axis = 2>(x, x, x)
@@ -192,7 +205,6 @@ ATTENTION = (
         merge_shape = Concat<axis = 0>(bb, ss, minus1)
         merged = Reshape(back, merge_shape)
         y = Add(merged, x)
-    }
     """
 )
 
@@ -208,18 +220,8 @@ def test_split_and_merge_heads_cancel(helpers) -> None:
     assert shapes.same_shape(_value(model, "y"), x)
 
 
-EXPAND_MASK = (
-    HEADER
-    + """
-    g (float[batch, seq, 64] x) => (y) {
-        sh = Shape(x)
-        i0 = Constant<value = int64 {0}>()
-        i1 = Constant<value = int64 {1}>()
-        b = Gather(sh, i0)
-        s = Gather(sh, i1)
-        u0 = Constant<value = int64[1] {0}>()
-        bb = Unsqueeze(b, u0)
-        ss = Unsqueeze(s, u0)
+EXPAND_MASK = _batch_seq_graph(
+    """
         keep = Constant<value = int64[1] {-1}>()
         wanted = Concat<axis = 0>(bb, keep, ss, ss)
         flat = Reshape(wanted, keep)
@@ -242,7 +244,6 @@ EXPAND_MASK = (
         low = Constant<value = float {-1000.0}>()
         mask = Where(wide, zero, low)
         y = Identity(mask)
-    }
     """
 )
 

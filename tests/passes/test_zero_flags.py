@@ -19,36 +19,19 @@ from layerzero.options import CompileOptions
 from layerzero.passes import FoldZeroFlags
 from layerzero.passes._graph import NAME_SCOPES_KEY
 from layerzero.pipeline import run_static_passes
-
-HEADER = '<ir_version: 10, opset_import: ["" : 18]>'
-
-
-def _floats(n: int, seed: int) -> str:
-    values = np.random.default_rng(seed).uniform(-1.0, 1.0, size=n)
-    return ", ".join(f"{v:.4f}" for v in values)
-
+from tests.passes.onnx_text import HEADER, WITHOUT_BLOCK, floats
 
 # A residual block in scope `blk`: y = Neg(h + Sin(h @ w)), with h = Relu(x) outside it.
 BLOCK = (
     HEADER
     + f"""
-    g (float[N, 4] x) => (float[N, 4] y) <float[4, 4] w = {{{_floats(16, 0)}}}, float[1] "blk.flag" = {{FLAG}}> {{
+    g (float[N, 4] x) => (float[N, 4] y) <float[4, 4] w = {{{floats(16, 0)}}}, float[1] "blk.flag" = {{FLAG}}> {{
         ["/pre/Relu"] h = Relu(x)
         ["/blk/mlp/MatMul"] m = MatMul(h, w)
         ["/blk/mlp/Sin"] s = Sin(m)
         ["/blk/Add"] o = Add(h, s)
         ["/post/Neg"] y = Neg(o)
     }}
-    """
-)
-# The oracle: the block does not exist.
-WITHOUT_BLOCK = (
-    HEADER
-    + """
-    g (float[N, 4] x) => (float[N, 4] y) {
-        h = Relu(x)
-        y = Neg(h)
-    }
     """
 )
 
@@ -265,7 +248,7 @@ def test_error_no_input_matches_the_output(helpers):
         helpers,
         HEADER
         + f"""
-        g (float[N, 4] x) => (float[N, 3] y) <float[4, 3] w = {{{_floats(12, 1)}}}, float[1] "proj.flag" = {{0.0}}> {{
+        g (float[N, 4] x) => (float[N, 3] y) <float[4, 3] w = {{{floats(12, 1)}}}, float[1] "proj.flag" = {{0.0}}> {{
             ["/pre/Relu"] h = Relu(x)
             ["/proj/MatMul"] m = MatMul(h, w)
             ["/post/Neg"] y = Neg(m)

@@ -24,14 +24,7 @@ import pytest
 from layerzero.errors import UnsupportedModelError
 from layerzero.passes import FoldZeroFlags, InferShapes, RemoveDeadCode
 from layerzero.passes._graph import same_shape
-
-HEADER = '<ir_version: 10, opset_import: ["" : 18]>'
-
-
-def _floats(n: int, seed: int) -> str:
-    values = np.random.default_rng(seed).uniform(-1.0, 1.0, size=n)
-    return ", ".join(f"{v:.4f}" for v in values)
-
+from tests.passes.onnx_text import HEADER, WITHOUT_BLOCK, floats
 
 # A gated MLP block in scope `blk` with a fused gate_up projection whose Split has no scope (as the dynamo
 # exporter's optimizer writes it): o = h + gate * up, with [gate, up] = Split(h @ w).
@@ -39,7 +32,7 @@ FUSED = (
     HEADER
     + f"""
     g (float[N, 4] x) => (float[N, 4] y{{EXTRA_OUT}})
-      <float[4, 8] w = {{{_floats(32, 0)}}}, float[1] "blk.flag" = {{0.0}}> {{
+      <float[4, 8] w = {{{floats(32, 0)}}}, float[1] "blk.flag" = {{0.0}}> {{
         ["/pre/Relu"] h = Relu(x)
         ["/blk/gate_up/MatMul"] gu = MatMul(h, w)
         ["node_Split_7"] gate, up = Split <axis = -1, num_outputs = 2> (gu)
@@ -47,15 +40,6 @@ FUSED = (
         ["/blk/Add"] o = Add(h, m)
         ["/post/Neg"] y = Neg(o){{EXTRA_NODE}}
     }}
-    """
-)
-WITHOUT_BLOCK = (
-    HEADER
-    + """
-    g (float[N, 4] x) => (float[N, 4] y) {
-        h = Relu(x)
-        y = Neg(h)
-    }
     """
 )
 
@@ -85,7 +69,7 @@ def test_unscoped_node_outside_the_layer_stays(helpers):
     text = (
         HEADER
         + f"""
-        g (float[N, 4] x) => (float[N, 4] y) <float[4, 4] w = {{{_floats(16, 1)}}}, float[1] "blk.flag" = {{0.0}}> {{
+        g (float[N, 4] x) => (float[N, 4] y) <float[4, 4] w = {{{floats(16, 1)}}}, float[1] "blk.flag" = {{0.0}}> {{
             ["/pre/Relu"] h = Relu(x)
             ["/blk/MatMul"] m = MatMul(h, w)
             ["/blk/Add"] o = Add(h, m)
@@ -103,7 +87,7 @@ def test_unscoped_node_outside_the_layer_stays(helpers):
 UNNAMED = (
     HEADER
     + f"""
-    g (float[N, 4] x) => (float[N, 4] y) <float[4, 4] w = {{{_floats(16, 2)}}}, float[1] "blk.flag" = {{0.0}}> {{
+    g (float[N, 4] x) => (float[N, 4] y) <float[4, 4] w = {{{floats(16, 2)}}}, float[1] "blk.flag" = {{0.0}}> {{
         ["/pre/Relu"] h = Relu(x)
         ["/blk/Shape"] s = Shape(h)
         ["/blk/MatMul"] m = MatMul(h, w)
@@ -165,7 +149,7 @@ def test_unprovable_shape_is_still_refused(helpers):
 HEADS = (
     HEADER
     + f"""
-    g (float[N, T, 64] x) => (float[N, T, 64] y) <float[64, 64] w = {{{_floats(64 * 64, 3)}}},
+    g (float[N, T, 64] x) => (float[N, T, 64] y) <float[64, 64] w = {{{floats(64 * 64, 3)}}},
                                                   float[1] "blk.flag" = {{0.0}}> {{
         ["/pre/Relu"] h = Relu(x)
         ["/pre/Shape"] sh = Shape(h)

@@ -20,16 +20,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from layerzero.plugins import loader
 from tests.plugins.native_build import build_ort_test_library
+from tests.plugins.native_build import missing as native_missing
 
 FAKE_TENSORRT = Path(__file__).parent / "fake_tensorrt"
 FETCH_TRT_HEADERS = Path(__file__).resolve().parents[2] / "scripts" / "fetch_trt_headers.sh"
-
-
-def native_missing(reason: str) -> None:
-    """Skip for a missing native prerequisite; fail when ``LAYERZERO_REQUIRE_NATIVE=1`` (CI must have it)."""
-    if os.environ.get("LAYERZERO_REQUIRE_NATIVE") == "1":
-        pytest.fail(f"LAYERZERO_REQUIRE_NATIVE=1 but {reason}", pytrace=False)
-    pytest.skip(reason)
 
 
 MASK_NAME = "layerzero::mask::layers.0.moe"

@@ -18,7 +18,8 @@ ORT_TEST_BUILD = Path(os.environ.get("LAYERZERO_ORT_TEST_BUILD") or Path(__file_
                       / "ort-test")  # fmt: skip
 
 
-def _missing(reason: str) -> None:
+def missing(reason: str) -> None:
+    """Skip for a missing native prerequisite; fail when ``LAYERZERO_REQUIRE_NATIVE=1`` (CI must have it)."""
     if os.environ.get("LAYERZERO_REQUIRE_NATIVE") == "1":
         pytest.fail(f"LAYERZERO_REQUIRE_NATIVE=1 but {reason}", pytrace=False)
     pytest.skip(reason)
@@ -28,11 +29,11 @@ def build_ort_test_library(asan: bool = False) -> Path:
     """liblayerzero_ort.so (with AddressSanitizer when ``asan``), built (incrementally) into ``ORT_TEST_BUILD``."""
     require = os.environ.get("LAYERZERO_REQUIRE_NATIVE") == "1"
     if shutil.which("cmake") is None or shutil.which("g++") is None:
-        _missing("cmake / g++ not found: liblayerzero_ort.so cannot be built")
+        missing("cmake / g++ not found: liblayerzero_ort.so cannot be built")
     if ort_library.find_ort_headers() is None and not require:
-        _missing("ONNX Runtime headers not found: run scripts/fetch_ort_headers.sh (or LAYERZERO_ORT_INCLUDE)")
+        missing("ONNX Runtime headers not found: run scripts/fetch_ort_headers.sh (or LAYERZERO_ORT_INCLUDE)")
     try:
         return ort_library.build_ort_library(ORT_TEST_BUILD, asan=asan, fetch_headers=require)
     except PluginError as e:
-        _missing(str(e))
+        missing(str(e))
         raise

@@ -32,16 +32,13 @@ from layerzero.plugins import ort_library
 from layerzero.plugins.loader import PluginError
 from layerzero.plugins.reference import moe_reference
 
+if __name__ == "__main__":  # run as a script (above): tests.plugins imports from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.plugins import ort_moe
+from tests.plugins.ort_moe import THRESHOLD, VARIANTS, session
+
 REPO = Path(__file__).resolve().parents[2]
 BUILD_DIR = Path(os.environ.get("LAYERZERO_ORT_TEST_BUILD") or REPO / "build" / "ort-test")
-REQUIRE = os.environ.get("LAYERZERO_REQUIRE_NATIVE") == "1"
-THRESHOLD = "layerzero::threshold"
-
-
-def _absent(reason: str):
-    if REQUIRE:
-        pytest.fail(f"LAYERZERO_REQUIRE_NATIVE=1: {reason}")
-    pytest.skip(reason)
 
 
 # ort_lib / ort_lib_asan: tests/plugins/conftest.py (one build per session for every plugin test).
@@ -106,29 +103,7 @@ def moe_model(
     for i in range(extra_inputs):
         inputs.append(helper.make_tensor_value_info(f"extra{i}", TensorProto.FLOAT, [experts]))
         names.append(f"extra{i}")
-    node = helper.make_node("MoE", names, ["y", "mask"], domain="ai.layerzero", name="layers.0.moe/MoE", **attrs)
-    graph = helper.make_graph(
-        [node],
-        "moe",
-        inputs,
-        [
-            helper.make_tensor_value_info("y", elem, ["T", hidden]),
-            helper.make_tensor_value_info("mask", TensorProto.BOOL, ["T", experts]),
-        ],
-        inits,
-    )
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ai.layerzero", 1)], ir_version=10
-    )
-    return model, widened
-
-
-def session(lib: Path, model: onnx.ModelProto, threads: int = 1) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.log_severity_level = 4
-    options.register_custom_ops_library(str(lib))
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return ort_moe.moe_node_model(names, inputs, elem, experts, hidden, inits, **attrs), widened
 
 
 def _relative_error(y: np.ndarray, ref: np.ndarray) -> float:
@@ -140,13 +115,6 @@ def _relative_error(y: np.ndarray, ref: np.ndarray) -> float:
 # The matrix: every routing variant x threshold x weight dtype x T, on shapes with tails (H, F not multiples of 8,
 # F not a multiple of the 4-row block) and experts no token uses (16 experts, top-2, a few tokens).
 SHAPES = [(8, 40, 36), (16, 43, 64)]
-VARIANTS = [
-    dict(scoring=s, activation=a, normalize=n, top_k=k)
-    for s in ("softmax", "sigmoid")
-    for a in ("silu", "gelu", "relu")
-    for n in (0, 1)
-    for k in (1, 2)
-]
 
 
 def check_matrix(lib: Path, quick: bool = False) -> list[str]:
@@ -224,12 +192,9 @@ def test_nan_logits_run_no_expert_of_that_token(ort_lib, scoring):
 def test_threshold_input_overrides_the_attribute(ort_lib):
     model, w = moe_model(8, 40, 36, top_k=4, normalize=1, zeroing_threshold=0.0, threshold_input=True)
     sess = session(ort_lib, model)
-    rng = np.random.default_rng(4)
-    x = rng.standard_normal((9, 36)).astype(np.float32)
-    logits = rng.standard_normal((9, 8)).astype(np.float32) * 2
+    x, logits = ort_moe.random_feeds(np.random.default_rng(4), 9, 36, 8, logit_scale=2).values()
     counts = []
-    for threshold in (0.0, 0.3, 0.9):
-        y, mask = sess.run(None, {"hidden": x, "logits": logits, THRESHOLD: np.array(threshold, np.float32)})
+    for threshold, y, mask in ort_moe.threshold_runs(sess, x, logits):
         ref, ref_mask = moe_reference(x, logits, *w, top_k=4, normalize=1, zeroing_threshold=threshold)
         assert np.array_equal(mask, ref_mask)
         assert _relative_error(y, ref) < 1e-5
@@ -253,14 +218,8 @@ def test_float16_hidden(ort_lib):
 def test_threads_do_not_change_the_result(ort_lib, tokens):
     # Phase 2 adds experts in the same order whatever the threads: bitwise equal.
     model, _ = moe_model(16, 200, 136, top_k=4, normalize=1)
-    rng = np.random.default_rng(6)
-    feeds = {
-        "hidden": rng.standard_normal((tokens, 136)).astype(np.float32),
-        "logits": rng.standard_normal((tokens, 16)).astype(np.float32),
-    }
-    one = session(ort_lib, model, threads=1).run(None, feeds)
-    two = session(ort_lib, model, threads=2).run(None, feeds)
-    assert np.array_equal(one[0], two[0]) and np.array_equal(one[1], two[1])
+    feeds = ort_moe.random_feeds(np.random.default_rng(6), tokens, 136, 16)
+    assert ort_moe.same_at_one_and_two_threads(ort_lib, model, feeds)
 
 
 # Tokens per expert at every boundary of the GEMM's token groups (3 per block: 1..9, 15, 16, 17) with k and row
@@ -277,19 +236,7 @@ def test_token_counts_at_kernel_boundaries(ort_lib, wtype):
             x = rng.standard_normal((tokens, 36)).astype(np.float32)
             logits = rng.standard_normal((tokens, experts)).astype(np.float32) * 2
             ref, ref_mask = moe_reference(x, logits, *w, top_k=top_k, normalize=1)
-            buf = np.empty(tokens * 36 + 16, np.float32)
-            start = (-buf.ctypes.data % 32) // 4 + 1  # one float past a 32-byte boundary
-            shifted = buf[start : start + tokens * 36].reshape(tokens, 36)
-            shifted[...] = x
-            assert shifted.ctypes.data % 32 == 4
-            outs = [
-                sess.run_with_ort_values(
-                    ["y", "mask"],
-                    {"hidden": ort.OrtValue.ortvalue_from_numpy(v), "logits": ort.OrtValue.ortvalue_from_numpy(logits)},
-                )
-                for v in (x, shifted)
-            ]
-            (y, mask), (y_shifted, _) = ([o.numpy() for o in out] for out in outs)
+            y, mask, y_shifted = ort_moe.run_aligned_and_unaligned(sess, x, logits)
             where = f"E{experts} top_k={top_k} {wtype} T={tokens}"
             assert np.array_equal(mask, ref_mask), where
             assert _relative_error(y, ref.astype(np.float64)) <= 1e-5, where
@@ -321,21 +268,7 @@ def test_session_creation_refuses(ort_lib, kwargs, message):
 def test_weights_are_not_copied(ort_lib, tmp_path):
     # A 96 MB model from a file with external data: the session's peak RSS stays within weights + 10 %.
     model, _ = moe_model(32, 512, 512, top_k=2, normalize=1)
-    onnx.save(model, tmp_path / "m.onnx", save_as_external_data=True, location="m.onnx.data")
-    weights = (tmp_path / "m.onnx.data").stat().st_size
-    script = textwrap.dedent(
-        f"""
-        import resource, numpy as np, onnxruntime as ort
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        o = ort.SessionOptions(); o.intra_op_num_threads = 1; o.register_custom_ops_library({str(ort_lib)!r})
-        s = ort.InferenceSession({str(tmp_path / "m.onnx")!r}, o, providers=["CPUExecutionProvider"])
-        for t in (1, 64):
-            s.run(None, {{"hidden": np.ones((t, 512), np.float32), "logits": np.random.rand(t, 32).astype(np.float32)}})
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base)
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300)
-    grown = int(out.stdout.strip().splitlines()[-1])
+    grown, weights = ort_moe.peak_rss_growth(ort_lib, model, tmp_path)
     assert grown <= 1.1 * weights, f"peak RSS grew {grown / 1e6:.1f} MB for {weights / 1e6:.1f} MB of weights"
 
 
@@ -357,7 +290,11 @@ def _huge_pages_after_session(lib: Path, model: onnx.ModelProto, **env: str) -> 
     path = BUILD_DIR / "huge_pages_model.onnx"
     path.write_bytes(model.SerializeToString())
     out = subprocess.run(
-        [sys.executable, "-c", script, str(path)], capture_output=True, text=True, env=_script_env(**env), timeout=300
+        [sys.executable, "-c", script, str(path)],
+        capture_output=True,
+        text=True,
+        env=ort_moe.script_env(**env),
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return int(out.stdout.strip().splitlines()[-1])
@@ -395,19 +332,13 @@ def test_stream_read_reads_every_element(ort_lib):
     assert fn(ptrs, sizes, 0) == 0.0
 
 
-def _script_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-    env.update(extra)
-    return env
-
-
 def test_portable_kernels_match_reference(ort_lib):
     # LAYERZERO_ORT_ISA=generic: the baseline build of the row-dot kernels (machines without AVX2).
     proc = subprocess.run(
         [sys.executable, __file__, str(ort_lib), "--quick", "--expect-isa", "generic"],
         capture_output=True,
         text=True,
-        env=_script_env(LAYERZERO_ORT_ISA="generic"),
+        env=ort_moe.script_env(LAYERZERO_ORT_ISA="generic"),
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -415,13 +346,7 @@ def test_portable_kernels_match_reference(ort_lib):
 
 def test_address_sanitizer(ort_lib_asan):
     # The ASan build under the whole matrix (the Python process preloads libasan; its own leaks are not ours).
-    libasan = subprocess.run(["g++", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
-    if not libasan or not Path(libasan).exists():
-        _absent("libasan.so not found (g++ -print-file-name=libasan.so)")
-    env = _script_env(LD_PRELOAD=str(Path(libasan).resolve()), ASAN_OPTIONS="detect_leaks=0:abort_on_error=1")
-    proc = subprocess.run(
-        [sys.executable, __file__, str(ort_lib_asan)], capture_output=True, text=True, env=env, timeout=1800
-    )
+    proc = ort_moe.run_under_asan(__file__, ort_lib_asan)
     assert "AddressSanitizer" not in proc.stderr, proc.stderr[-4000:]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -719,19 +644,7 @@ def test_auto_cost_model_without_the_library(shape, expected, monkeypatch):
 
 
 def _main(argv: list[str]) -> int:
-    lib = Path(argv[0])
-    if "--expect-isa" in argv:
-        import ctypes
-
-        isa = ctypes.CDLL(str(lib)).LayerZeroOrtIsa
-        isa.restype = ctypes.c_char_p
-        want = argv[argv.index("--expect-isa") + 1]
-        if isa().decode() != want:
-            print(f"kernels in use: {isa().decode()}, expected {want}")
-            return 1
-    failures = check_matrix(lib, quick="--quick" in argv)
-    print("\n".join(failures[:50]) or "ok")
-    return 1 if failures else 0
+    return ort_moe.script_main(argv, "LayerZeroOrtIsa", "kernels", check_matrix)
 
 
 if __name__ == "__main__":

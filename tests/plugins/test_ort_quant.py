@@ -14,14 +14,12 @@ kernel against ``LIB`` and exits non-zero on a mismatch (the subprocess tests: o
 from __future__ import annotations
 
 import ctypes
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -36,16 +34,10 @@ from layerzero.plugins.quant import (
 )
 from layerzero.plugins.reference import moe_reference
 
-REQUIRE = os.environ.get("LAYERZERO_REQUIRE_NATIVE") == "1"
-THRESHOLD = "layerzero::threshold"
-NODE = "layers.0.moe/MoE"
-
-
-def _absent(reason: str):
-    if REQUIRE:
-        pytest.fail(f"LAYERZERO_REQUIRE_NATIVE=1: {reason}")
-    pytest.skip(reason)
-
+if __name__ == "__main__":  # run as a script (above): tests.plugins imports from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.plugins import ort_moe
+from tests.plugins.ort_moe import NODE, THRESHOLD, VARIANTS, session
 
 # ort_lib / ort_lib_asan: tests/plugins/conftest.py (one build per session for every plugin test).
 
@@ -226,31 +218,8 @@ def quant_model(
     names += ["sg", "su", "sd"]
     if inputs is not None:
         names = names[:inputs]
-    node = helper.make_node(
-        "MoE", names, ["y", "mask"], domain="ai.layerzero", name=NODE, **dict(dict(weight_format=f"q{bits}"), **attrs)
-    )
-    graph = helper.make_graph(
-        [node],
-        "moe",
-        graph_inputs,
-        [
-            helper.make_tensor_value_info("y", elem, ["T", hidden]),
-            helper.make_tensor_value_info("mask", TensorProto.BOOL, ["T", experts]),
-        ],
-        inits,
-    )
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ai.layerzero", 1)], ir_version=10
-    )
-    return model, extra
-
-
-def session(lib: Path, model: onnx.ModelProto, threads: int = 1) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.log_severity_level = 4
-    options.register_custom_ops_library(str(lib))
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    attrs = dict(dict(weight_format=f"q{bits}"), **attrs)
+    return ort_moe.moe_node_model(names, graph_inputs, elem, experts, hidden, inits, **attrs), extra
 
 
 _ROUTING_KEYS = ("top_k", "normalize", "scoring", "zeroing_threshold", "n_group", "topk_group", "routed_scaling_factor")
@@ -285,13 +254,6 @@ def _mismatch(y: np.ndarray, mask: np.ndarray, ref: np.ndarray, ref_mask: np.nda
 # Shapes with a group tail (H 1056 = 33 blocks: not a whole 4-block group nor 16-block chunk), short rows
 # (F 32: one block), experts no token uses (16 experts top-2 on a few tokens).
 SHAPES = [(8, 64, 96), (16, 32, 1056)]
-VARIANTS = [
-    dict(scoring=s, activation=a, normalize=n, top_k=k)
-    for s in ("softmax", "sigmoid")
-    for a in ("silu", "gelu", "relu")
-    for n in (0, 1)
-    for k in (1, 2)
-]
 # The v2 routing and expert variants of test_ort_native.py (score_bias, groups, DeepSeek-V3, scaling, biases,
 # swiglu_oai clamped / unclamped).
 V2 = [
@@ -409,14 +371,8 @@ def test_threads_do_not_change_the_result(ort_lib, tokens, top_k, bits):
     # One token, top-1: its expert's F 224 is split into pieces of whole blocks (h quantized per piece) and H 160
     # into row pieces as the threads need items; bitwise equal at 1 and 2 threads.
     model, _ = quant_model(16, 224, 160, bits, top_k=top_k, normalize=1)
-    rng = np.random.default_rng(7)
-    feeds = {
-        "hidden": rng.standard_normal((tokens, 160)).astype(np.float32),
-        "logits": rng.standard_normal((tokens, 16)).astype(np.float32),
-    }
-    one = session(ort_lib, model, threads=1).run(None, feeds)
-    two = session(ort_lib, model, threads=2).run(None, feeds)
-    assert np.array_equal(one[0], two[0]) and np.array_equal(one[1], two[1])
+    feeds = ort_moe.random_feeds(np.random.default_rng(7), tokens, 160, 16)
+    assert ort_moe.same_at_one_and_two_threads(ort_lib, model, feeds)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -431,19 +387,7 @@ def test_token_counts_at_kernel_boundaries(ort_lib, bits):
             x = rng.standard_normal((tokens, 96)).astype(np.float32)
             logits = rng.standard_normal((tokens, experts)).astype(np.float32) * 2
             ref, ref_mask, slack = reference(extra, x, logits, dict(top_k=top_k, normalize=1))
-            buf = np.empty(tokens * 96 + 16, np.float32)
-            start = (-buf.ctypes.data % 32) // 4 + 1
-            shifted = buf[start : start + tokens * 96].reshape(tokens, 96)
-            shifted[...] = x
-            assert shifted.ctypes.data % 32 == 4
-            outs = [
-                sess.run_with_ort_values(
-                    ["y", "mask"],
-                    {"hidden": ort.OrtValue.ortvalue_from_numpy(v), "logits": ort.OrtValue.ortvalue_from_numpy(logits)},
-                )
-                for v in (x, shifted)
-            ]
-            (y, mask), (y_shifted, _) = ([o.numpy() for o in out] for out in outs)
+            y, mask, y_shifted = ort_moe.run_aligned_and_unaligned(sess, x, logits)
             where = f"q{bits} E{experts} top_k={top_k} T={tokens}"
             assert _mismatch(y, mask, ref, ref_mask, slack) is None, where
             assert np.array_equal(y, y_shifted), where
@@ -452,22 +396,13 @@ def test_token_counts_at_kernel_boundaries(ort_lib, bits):
 def test_threshold_input_overrides_the_attribute(ort_lib):
     model, extra = quant_model(8, 64, 96, 4, top_k=4, normalize=1, threshold_input=True)
     sess = session(ort_lib, model)
-    rng = np.random.default_rng(4)
-    x = rng.standard_normal((9, 96)).astype(np.float32)
-    logits = rng.standard_normal((9, 8)).astype(np.float32) * 2
+    x, logits = ort_moe.random_feeds(np.random.default_rng(4), 9, 96, 8, logit_scale=2).values()
     counts = []
-    for threshold in (0.0, 0.3, 0.9):
-        y, mask = sess.run(None, {"hidden": x, "logits": logits, THRESHOLD: np.array(threshold, np.float32)})
+    for threshold, y, mask in ort_moe.threshold_runs(sess, x, logits):
         ref, ref_mask, slack = reference(extra, x, logits, dict(top_k=4, normalize=1), threshold)
         assert _mismatch(y, mask, ref, ref_mask, slack) is None
         counts.append(int(mask.sum()))
     assert counts[0] == 36 and counts[0] > counts[1] > counts[2] >= 9
-
-
-def _script_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-    env.update(extra)
-    return env
 
 
 @pytest.mark.parametrize("isa", ["generic", "avx2"])
@@ -481,7 +416,7 @@ def test_other_kernels_match_reference(ort_lib, isa):
         [sys.executable, __file__, str(ort_lib), "--quick", "--expect-isa", isa],
         capture_output=True,
         text=True,
-        env=_script_env(LAYERZERO_ORT_ISA=isa),
+        env=ort_moe.script_env(LAYERZERO_ORT_ISA=isa),
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -510,7 +445,7 @@ def test_best_and_portable_kernels_agree(ort_lib, tmp_path):
         subprocess.run(
             [sys.executable, "-c", script, str(ort_lib), str(path), str(tmp_path / "in.npz"), str(out)],
             check=True,
-            env=_script_env(LAYERZERO_ORT_ISA=isa),
+            env=ort_moe.script_env(LAYERZERO_ORT_ISA=isa),
             timeout=300,
         )
         outs[isa] = np.load(out)
@@ -593,51 +528,23 @@ def test_scales_fed_at_run_time(ort_lib):
 
 def test_codes_are_not_copied(ort_lib, tmp_path):
     # A 25 MB q8 model from a file with external data: the session's peak RSS stays within weights + 10 %.
-    import textwrap
-
     model, _ = quant_model(32, 512, 512, 8, top_k=2, normalize=1)
-    onnx.save(model, tmp_path / "m.onnx", save_as_external_data=True, location="m.onnx.data")
-    weights = (tmp_path / "m.onnx.data").stat().st_size
-    script = textwrap.dedent(
-        f"""
-        import resource, numpy as np, onnxruntime as ort
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        o = ort.SessionOptions(); o.intra_op_num_threads = 1; o.register_custom_ops_library({str(ort_lib)!r})
-        s = ort.InferenceSession({str(tmp_path / "m.onnx")!r}, o, providers=["CPUExecutionProvider"])
-        for t in (1, 64):
-            s.run(None, {{"hidden": np.ones((t, 512), np.float32), "logits": np.random.rand(t, 32).astype(np.float32)}})
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base)
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300)
-    grown = int(out.stdout.strip().splitlines()[-1])
+    grown, weights = ort_moe.peak_rss_growth(ort_lib, model, tmp_path)
     assert grown <= 1.1 * weights, f"peak RSS grew {grown / 1e6:.1f} MB for {weights / 1e6:.1f} MB of codes"
 
 
 def test_address_sanitizer(ort_lib_asan):
-    libasan = subprocess.run(["g++", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
-    if not libasan or not Path(libasan).exists():
-        _absent("libasan.so not found (g++ -print-file-name=libasan.so)")
-    env = _script_env(LD_PRELOAD=str(Path(libasan).resolve()), ASAN_OPTIONS="detect_leaks=0:abort_on_error=1")
-    proc = subprocess.run(
-        [sys.executable, __file__, str(ort_lib_asan), "--quick"], capture_output=True, text=True, env=env, timeout=1800
-    )
+    proc = ort_moe.run_under_asan(__file__, ort_lib_asan, "--quick")
     assert "AddressSanitizer" not in proc.stderr, proc.stderr[-4000:]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
+def _check(lib: Path, quick: bool) -> list[str]:
+    return check_rows(lib) + check_matrix(lib, quick=quick)
+
+
 def _main(argv: list[str]) -> int:
-    lib = Path(argv[0])
-    if "--expect-isa" in argv:
-        isa = ctypes.CDLL(str(lib)).LayerZeroOrtQuantIsa
-        isa.restype = ctypes.c_char_p
-        want = argv[argv.index("--expect-isa") + 1]
-        if isa().decode() != want:
-            print(f"quantized kernels in use: {isa().decode()}, expected {want}")
-            return 1
-    failures = check_rows(lib) + check_matrix(lib, quick="--quick" in argv)
-    print("\n".join(failures[:50]) or "ok")
-    return 1 if failures else 0
+    return ort_moe.script_main(argv, "LayerZeroOrtQuantIsa", "quantized kernels", _check)
 
 
 if __name__ == "__main__":

@@ -6,35 +6,22 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
+import sys
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
-import onnx
 import pytest
 
-from layerzero.compile import compile_file
-from layerzero.models import TransformerConfig, build_transformer
-from layerzero.options import CompileOptions
-
-#: Consumed flags, so that the source is an exact reference for the compiled bundle.
-CONFIG = TransformerConfig(hidden=32, num_layers=2, num_heads=2, ffn=64, flag_form="consumed", zero_blocks=(1,))
+from tests.tiny_bundle import compile_tiny, free_ports
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "serve: starts a real Triton server on 127.0.0.1 (needs PyTriton)")
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports on 127.0.0.1 (bound to port 0, then released)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
 
 
 def http(method: str, url: str, body: dict | None = None, timeout: float = 10.0) -> tuple[int, bytes]:
@@ -49,12 +36,7 @@ def http(method: str, url: str, body: dict | None = None, timeout: float = 10.0)
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
-    tmp = tmp_path_factory.mktemp("served")
-    source = tmp / "source.onnx"
-    onnx.save(build_transformer(CONFIG), str(source))
-    bundle = tmp / "model.lz"
-    compile_file(source, bundle, CompileOptions(dynamic=False))
-    return SimpleNamespace(source=source, bundle=bundle, config=CONFIG, dir=Path(tmp))
+    return compile_tiny(tmp_path_factory.mktemp("served"))
 
 
 def stop(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
@@ -72,8 +54,44 @@ def stop(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 
         os.killpg(process.pid, signal.SIGKILL)
 
 
+#: How long ``serve`` waits for ``layerzero serve`` to answer ``/healthz``.
+START_TIMEOUT_S = 90
+
+
+@contextlib.contextmanager
+def serve(bundle: Path, log: Path, *args: str) -> Iterator[SimpleNamespace]:
+    """``layerzero serve bundle *args`` on free ports (``--port-http``, ``--port-grpc``, ``--port-metrics``), its
+    output in ``log``, once its control port answers ``/healthz``: ``http`` and ``grpc`` (host:port), ``control``
+    (its URL), ``process``; stopped (``stop``) on the way out. A server that exits or is not ready within
+    ``START_TIMEOUT_S`` fails the test with the end of its log."""
+    http_port, grpc_port, control_port = free_ports(3)
+    command = [
+        sys.executable, "-m", "layerzero", "serve", str(bundle), *args,
+        "--port-http", str(http_port), "--port-grpc", str(grpc_port), "--port-metrics", str(control_port),
+    ]  # fmt: skip
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    control = f"http://127.0.0.1:{control_port}"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    try:
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"`layerzero serve` exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+            with contextlib.suppress(OSError):
+                if http("GET", f"{control}/healthz", timeout=1)[0] == 200:
+                    break
+            if time.monotonic() > deadline:
+                pytest.fail(f"`layerzero serve` not ready after {START_TIMEOUT_S}s:\n{log.read_text()[-4000:]}")
+            time.sleep(0.2)
+        yield SimpleNamespace(
+            http=f"127.0.0.1:{http_port}", grpc=f"127.0.0.1:{grpc_port}", control=control, process=process
+        )
+    finally:
+        stop(process)
+
+
 @pytest.fixture(scope="session")
 def net() -> SimpleNamespace:
-    """``net.free_ports(n)``, ``net.http(method, url, body)``, ``net.stop(process)`` (fixtures, since test
-    modules cannot import a conftest by name under --import-mode=importlib)."""
-    return SimpleNamespace(free_ports=free_ports, http=http, stop=stop)
+    """``net.free_ports(n)``, ``net.http(method, url, body)``, ``net.stop(process)``, ``net.serve(bundle, log,
+    *args)`` (fixtures, since test modules cannot import a conftest by name under --import-mode=importlib)."""
+    return SimpleNamespace(free_ports=free_ports, http=http, stop=stop, serve=serve)

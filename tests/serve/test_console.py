@@ -18,7 +18,6 @@ import shutil
 import socket
 import struct
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -36,8 +35,6 @@ pytestmark = [
     pytest.mark.serve,
     pytest.mark.skipif(not pytriton_available(), reason="PyTriton is not importable (pip install 'layerzero[serve]')"),
 ]
-
-START_TIMEOUT_S = 90
 
 
 def _chromium() -> str:
@@ -119,30 +116,10 @@ class DevTools:
 
 @pytest.fixture(scope="module")
 def server(tiny_model: SimpleNamespace, net: SimpleNamespace, tmp_path_factory: pytest.TempPathFactory):
-    http_port, grpc_port, control_port = net.free_ports(3)
     log = tmp_path_factory.mktemp("console-log") / "serve.log"
-    command = [
-        sys.executable, "-m", "layerzero", "serve", str(tiny_model.bundle),
-        "--port-http", str(http_port), "--port-grpc", str(grpc_port), "--port-metrics", str(control_port),
-        "--reference", str(tiny_model.source), "--sample-rate", "0.5", "--no-grpc",
-    ]  # fmt: skip
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    control = f"http://127.0.0.1:{control_port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    try:
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"`layerzero serve` exited with {process.returncode}:\n{log.read_text()[-4000:]}")
-            with contextlib.suppress(OSError):
-                if net.http("GET", f"{control}/healthz", timeout=1)[0] == 200:
-                    break
-            if time.monotonic() > deadline:
-                pytest.fail(f"`layerzero serve` not ready after {START_TIMEOUT_S}s:\n{log.read_text()[-4000:]}")
-            time.sleep(0.2)
-        yield SimpleNamespace(http=f"127.0.0.1:{http_port}", control=control, config=tiny_model.config)
-    finally:
-        net.stop(process)
+    args = ["--reference", str(tiny_model.source), "--sample-rate", "0.5", "--no-grpc"]
+    with net.serve(tiny_model.bundle, log, *args) as served:
+        yield SimpleNamespace(http=served.http, control=served.control, config=tiny_model.config)
 
 
 @pytest.fixture(scope="module")

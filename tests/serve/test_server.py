@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,42 +23,16 @@ pytestmark = [
     pytest.mark.skipif(not pytriton_available(), reason="PyTriton is not importable (pip install 'layerzero[serve]')"),
 ]
 
-START_TIMEOUT_S = 90
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model: SimpleNamespace, net: SimpleNamespace, tmp_path_factory: pytest.TempPathFactory):
-    http_port, grpc_port, control_port = net.free_ports(3)
     log = tmp_path_factory.mktemp("serve-log") / "serve.log"
-    command = [
-        sys.executable, "-m", "layerzero", "serve", str(tiny_model.bundle),
-        "--port-http", str(http_port), "--port-grpc", str(grpc_port), "--port-metrics", str(control_port),
-        "--reference", str(tiny_model.source), "--sample-rate", "0.25",
-        "--segment", "audit:sample_rate=1", "--instances", "2",
-    ]  # fmt: skip
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    control = f"http://127.0.0.1:{control_port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    try:
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"`layerzero serve` exited with {process.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                if net.http("GET", f"{control}/healthz", timeout=1)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"`layerzero serve` not ready after {START_TIMEOUT_S}s:\n{log.read_text()[-4000:]}")
-            time.sleep(0.2)
+    args = ["--reference", str(tiny_model.source), "--sample-rate", "0.25", "--segment", "audit:sample_rate=1"]
+    with net.serve(tiny_model.bundle, log, *args, "--instances", "2") as served:
         yield SimpleNamespace(
-            http=f"127.0.0.1:{http_port}", grpc=f"127.0.0.1:{grpc_port}", control=control, log=log,
+            http=served.http, grpc=served.grpc, control=served.control, log=log,
             engine=Engine.load(tiny_model.bundle), config=tiny_model.config,
         )  # fmt: skip
-    finally:
-        net.stop(process)
-    assert process.returncode == 0, log.read_text()[-4000:]
+    assert served.process.returncode == 0, log.read_text()[-4000:]
 
 
 def _infer(protocol: str, url: str, ids: np.ndarray, **kwargs: object) -> np.ndarray:
@@ -227,30 +199,13 @@ def test_no_grpc_cli_serves_http_only_and_sigterm_leaves_no_process(tiny_model: 
     SIGTERM stops it with exit 0 and nothing of it (front, Triton, stubs) left running."""
     import socket
 
-    http_port, grpc_port, control_port = net.free_ports(3)
     log = tmp_path / "serve.log"
-    command = [
-        sys.executable, "-m", "layerzero", "serve", str(tiny_model.bundle), "--no-grpc", "--no-standby",
-        "--no-reference", "--no-generate", "--port-http", str(http_port), "--port-grpc", str(grpc_port),
-        "--port-metrics", str(control_port),
-    ]  # fmt: skip
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    control = f"http://127.0.0.1:{control_port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert process.poll() is None, log.read_text()[-4000:]
-            try:
-                if net.http("GET", f"{control}/healthz", timeout=1)[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"not ready after {START_TIMEOUT_S}s:\n{log.read_text()[-4000:]}"
-            time.sleep(0.2)
+    args = ["--no-grpc", "--no-standby", "--no-reference", "--no-generate"]
+    with net.serve(tiny_model.bundle, log, *args) as served:
+        process, control, grpc_port = served.process, served.control, int(served.grpc.rsplit(":", 1)[1])
         config = tiny_model.config
         ids = example_feeds(config, batch=1, seq=5, seed=1)["input_ids"]
-        got = _infer("http", f"127.0.0.1:{http_port}", ids)
+        got = _infer("http", served.http, ids)
         np.testing.assert_allclose(got, Engine.load(tiny_model.bundle).run({"input_ids": ids}).outputs["logits"],
                                    rtol=1e-5, atol=1e-5)  # fmt: skip
         with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", grpc_port), timeout=5):
@@ -265,8 +220,6 @@ def test_no_grpc_cli_serves_http_only_and_sigterm_leaves_no_process(tiny_model: 
         while _session(process.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _session(process.pid), _session(process.pid)
-    finally:
-        net.stop(process)
 
 
 def test_triton_cpu_start_lines_are_not_shown_as_errors(capsys: pytest.CaptureFixture[str]) -> None:
