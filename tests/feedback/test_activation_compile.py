@@ -286,3 +286,29 @@ def test_default_calibration_is_the_seeded_sets_or_the_sample_inputs(bundles: Pa
     options = CompileOptions(activation_sparsity=0.3, verify=False, sample_inputs=sample)
     record = compile_model(bundles / "m.onnx", options).activation_sparsity
     assert record["calibration"] == f"the sample inputs {sample}" and record["calibration_rows"] == SEQ
+
+
+def test_generate_no_activation_sparsity_gives_the_dense_ids(bundles: Path, capsys) -> None:
+    """`layerzero generate --no-activation-sparsity`: the greedy ids of the dense compile (one prompt and a batch);
+    without the flag the sparse bundle's ids differ (so the flag is what made them equal)."""
+    from layerzero.cli import main
+
+    prompt = [int(i) for i in _feeds(seq=9, seed=11)["input_ids"][0]]
+    other = [int(i) for i in _feeds(seq=5, seed=12)["input_ids"][0]]
+    ids = ",".join(map(str, prompt))
+
+    def generate(bundle: str, *extra: str) -> dict:
+        capsys.readouterr()
+        args = ["generate", str(bundles / bundle), "--prompt-ids", ids, "--max-new-tokens", "8", "--json", *extra]
+        assert main(args) == 0
+        return json.loads(capsys.readouterr().out)
+
+    dense = generate("dense.lz")["ids"]
+    assert generate("sparse.lz")["ids"] != dense
+    off = generate("sparse.lz", "--no-activation-sparsity")
+    assert off["ids"] == dense
+    assert all(s == 0 for s in off["report"].get("activation_sparsity", {}).values())
+    batch = ("--prompt-ids", ",".join(map(str, other)))
+    want = [r["ids"] for r in generate("dense.lz", *batch)["results"]]
+    got = [r["ids"] for r in generate("sparse.lz", *batch, "--no-activation-sparsity")["results"]]
+    assert got == want
