@@ -8,7 +8,8 @@
 // and prints, as one JSON document, what `layerzero run BUNDLE --inputs FEEDS.npz --json` prints: the user outputs
 // ({"shape", "dtype", "values"}), the zeroing report (the layers and parameters the compiler removed, from the
 // manifest; the dynamic paths skipped on this request, from the `layerzero::mask::` outputs; the routing
-// confidence, from the `layerzero::router::` outputs) and the latency.
+// confidence, from the `layerzero::router::` outputs; the activation sparsity, per group of a bundle compiled with
+// --activation-sparsity, from its `layerzero::mask::<group>` kept counts) and the latency.
 //
 // Bad input (a missing file, a malformed manifest or .npz, a missing or unknown input, a dtype or rank the model
 // does not take) is one line on stderr and exit 2; ONNX Runtime's own failures are one line and exit 1.
@@ -476,6 +477,8 @@ struct Report {
   int64_t skipped_params = 0;
   bool has_confidence = false;
   double routing_confidence = 0.0;
+  // Per activation-sparsity group, in output order: 1 - mean(kept) / channels over its token rows.
+  std::vector<std::pair<std::string, double>> activation_sparsity;
 };
 
 bool is_int(const Json* v) { return v && v->kind == Json::Number && v->integral; }
@@ -523,6 +526,13 @@ std::string summary(const Report& r) {
   if (!r.skipped_paths.empty()) {
     size_t n = r.skipped_paths.size();
     text += "; skipped " + std::to_string(n) + (n != 1 ? " paths" : " path") + " on this request";
+  }
+  if (!r.activation_sparsity.empty()) {
+    double sum = 0.0;  // in order, as Python's sum() adds
+    for (const auto& [_, s] : r.activation_sparsity) sum += s;
+    std::snprintf(buf, sizeof buf, "; activations %.1f%% zeroed (mean of %zu groups)",
+                  sum / static_cast<double>(r.activation_sparsity.size()) * 100.0, r.activation_sparsity.size());
+    text += buf;
   }
   if (r.has_confidence) {
     std::snprintf(buf, sizeof buf, "; routing confidence %.3f", r.routing_confidence);
@@ -661,8 +671,25 @@ int run(const Args& args) {
       if (n && !any) report.skipped_paths.push_back(path);
       continue;
     }
-    const auto& subpaths = entry->second->get("subpaths")->items;
     const auto& params = entry->second->get("params")->items;
+    if (const Json* kind = entry->second->get("kind"); kind && kind->kind == Json::String && kind->str == "activation") {
+      // An activation group (runtime/report.py _add_activation): each token row's kept channel count; the weight
+      // rows of the zeroed channels are not read, so params x that fraction (rounded half to even, as Python's
+      // round) count as skipped parameters.
+      const Json* detail = entry->second->get("detail");
+      const Json* channels = detail ? detail->get("channels") : nullptr;
+      if (!n || !is_int(channels) || channels->num <= 0) continue;
+      double kept = 0.0;  // integers: exact in a double, as numpy's float64 mean sums them
+      for (size_t k = 0; k < n; ++k) kept += element(data, t, k);
+      double zeroed = 1.0 - (kept / static_cast<double>(n)) / channels->num;
+      report.activation_sparsity.emplace_back(path, zeroed);
+      int64_t total = 0;
+      for (const auto& p : params)
+        if (p.kind == Json::Number) total += static_cast<int64_t>(p.num);
+      report.skipped_params += static_cast<int64_t>(std::nearbyint(zeroed * static_cast<double>(total)));
+      continue;
+    }
+    const auto& subpaths = entry->second->get("subpaths")->items;
     size_t columns = subpaths.size();
     for (size_t j = 0; j < columns; ++j) {
       bool any = false;
@@ -720,6 +747,16 @@ int run(const Args& args) {
   write_list(report.removed_scopes);
   out << ", \"summary\": ";
   write_string(out, summary(report));
+  if (!report.activation_sparsity.empty()) {  // only a model with activation sparsity has the key, as in Python
+    out << ", \"activation_sparsity\": {";
+    for (size_t i = 0; i < report.activation_sparsity.size(); ++i) {
+      out << (i ? ", " : "");
+      write_string(out, report.activation_sparsity[i].first);
+      out << ": ";
+      write_double(out, report.activation_sparsity[i].second);
+    }
+    out << "}";
+  }
   out << "}, \"latency_ms\": ";
   write_double(out, ms);
   out << "}\n";
