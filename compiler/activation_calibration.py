@@ -52,6 +52,7 @@ __all__ = [
     "greedy",
     "group_samples",
     "max_error",
+    "output_deviation",
     "probe_sensitivity",
     "profiled_activations",
     "profiled_groups",
@@ -319,6 +320,9 @@ class Allocation:
     levels: dict[str, float]
     sparsity: float
     curve: list[tuple[float, float]]
+    #: ``max_error``: the greedy target chosen and the deviation measured there.
+    chosen: float | None = None
+    deviation: float | None = None
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -327,6 +331,8 @@ class Allocation:
             "sparsity": self.sparsity,
             "levels": dict(self.levels),
             "curve": [[float(s), float(e)] for s, e in self.curve],
+            "chosen": self.chosen,
+            "deviation": self.deviation,
         }
 
 
@@ -416,18 +422,58 @@ def probe_sensitivity(groups: Sequence[GroupSamples], evaluate: Evaluate, probe:
 
 
 def max_error(groups: Sequence[GroupSamples], bound: float, evaluate: Evaluate, criterion: str = "wina",
-              sensitivity: Mapping[str, float] | None = None, step: float = 0.05) -> Allocation:  # fmt: skip
-    """The largest model-wide sparsity on the greedy path (``step`` apart) whose measured deviation is <= ``bound``;
-    its curve is (sparsity, measured deviation) at each level tried."""
+              sensitivity: Mapping[str, float] | None = None, step: float = 0.05,
+              cap: float = 0.95) -> Allocation:  # fmt: skip
+    """The largest model-wide sparsity on the greedy path (``step`` apart, up to ``cap`` and ``cap`` itself) whose
+    measured deviation is <= ``bound``; its curve is (greedy target, measured deviation) at each level tried, its
+    ``deviation`` the one measured at the level chosen (0 at sparsity 0: the dense model)."""
     if not (np.isfinite(bound) and bound >= 0):
         raise InvalidInputError(f"activation impact bound must be finite and >= 0, got {bound!r}")
+    _check_target(cap)
     best = greedy(groups, 0.0, criterion, sensitivity)
+    chosen = (0.0, 0.0)
     curve: list[tuple[float, float]] = [(0.0, 0.0)]
-    for target in np.arange(step, 0.951, step):
-        alloc = greedy(groups, float(target), criterion, sensitivity)
+    targets = [round(float(t), 6) for t in np.arange(step, cap + 1e-9, step)]
+    if cap > 0 and (not targets or abs(targets[-1] - cap) > 1e-9):
+        targets.append(float(cap))
+    for target in targets:
+        alloc = greedy(groups, target, criterion, sensitivity)
         deviation = float(evaluate(alloc.thresholds))
-        curve.append((alloc.sparsity, deviation))
-        if deviation > bound:
+        curve.append((target, deviation))
+        if not deviation <= bound:  # NaN stops too
             break
-        best = alloc
-    return dataclasses.replace(best, method="max_error", target=float(bound), curve=curve)
+        best, chosen = alloc, (target, deviation)
+    return dataclasses.replace(best, method="max_error", target=float(bound), curve=curve, chosen=chosen[0],
+                               deviation=chosen[1])  # fmt: skip
+
+
+def output_deviation(model: ir.Model, requests: Sequence[Mapping[str, np.ndarray]]) -> Evaluate:
+    """``max_error``'s measure on ``model`` (reference form, plain ONNX Runtime): for thresholds, the largest relative
+    L2 change of a user output (``layerzero::`` outputs left out) from the dense model over ``requests``, the unit
+    of the profile's zeroing impact."""
+    from layerzero.ort_runner import create_session
+    from layerzero.passes.sparsify_activations import SparsifyActivations
+    from layerzero.runtime.guard import relative_l2
+
+    proto = ir.to_proto(model)
+    names = [o.name for o in proto.graph.output if not o.name.startswith("layerzero::")]
+    dense_session = create_session(proto.SerializeToString(), label="the dense calibration model")
+    dense = [dense_session.run(names, dict(r)) for r in requests]
+    if not dense:
+        raise InvalidInputError("activation impact tolerance: no calibration request to measure the deviation on")
+    del dense_session
+
+    def evaluate(thresholds: Mapping[str, np.ndarray]) -> float:
+        copy = onnx.ModelProto()
+        copy.CopyFrom(proto)
+        variant = ir.from_proto(copy)
+        SparsifyActivations(thresholds, native=False)(variant)
+        session = create_session(ir.to_proto(variant).SerializeToString(), label="the activation-sparse model")
+        worst = 0.0
+        for r, want in zip(requests, dense, strict=True):
+            for got, base in zip(session.run(names, dict(r)), want, strict=True):
+                if np.issubdtype(np.asarray(base).dtype, np.floating):
+                    worst = max(worst, float(relative_l2(np.asarray(got), np.asarray(base))))
+        return worst
+
+    return evaluate

@@ -308,7 +308,7 @@ def sparsify_activations(
         rows = max((g.rows for g in samples), default=0)
     else:
         samples, rows = _calibrate_on(model, groups, requests)
-    return _sparsify(model, options, samples, rows, target, after_pass)
+    return _sparsify(model, options, samples, rows, target, after_pass, requests)
 
 
 def _calibrate_on(model: ir.Model, groups: list, requests: list[dict]) -> tuple[list, int]:
@@ -332,12 +332,19 @@ def _calibrate_on(model: ir.Model, groups: list, requests: list[dict]) -> tuple[
 
 
 def _sparsify(model: ir.Model, options: CompileOptions, samples: list, rows: int, target: str,
-              after_pass: Callable[[str, ir.Model], None] | None) -> dict:  # fmt: skip
-    """Allocate on the calibrated ``samples`` and run ``SparsifyActivations``; the manifest's record."""
-    from layerzero.activation_calibration import greedy
+              after_pass: Callable[[str, ir.Model], None] | None, requests: list[dict]) -> dict:  # fmt: skip
+    """Allocate on the calibrated ``samples`` (greedy to S; with ``activation_impact_tolerance`` T the largest
+    sparsity <= S whose deviation, measured on ``requests``, is <= T) and run ``SparsifyActivations``; the
+    manifest's record."""
+    from layerzero.activation_calibration import greedy, max_error, output_deviation
     from layerzero.passes.sparsify_activations import SparsifyActivations
 
-    alloc = greedy(samples, options.activation_sparsity, options.activation_method)
+    tolerance = options.activation_impact_tolerance
+    if tolerance is None:
+        alloc = greedy(samples, options.activation_sparsity, options.activation_method)
+    else:
+        alloc = max_error(samples, tolerance, output_deviation(model, requests), options.activation_method,
+                          cap=options.activation_sparsity)  # fmt: skip
     native = False
     if target == "onnxruntime" and options.device == "cpu":
         from layerzero.plugins.ort_library import find_ort_library
@@ -356,4 +363,9 @@ def _sparsify(model: ir.Model, options: CompileOptions, samples: list, rows: int
         "groups": {name: float(level) for name, level in alloc.levels.items()},
         "curve": [[float(a), float(b)] for a, b in alloc.curve],
         "refused": [r.to_json() for r in step.refused],
+        **({} if tolerance is None else {
+            "impact_tolerance": float(tolerance),
+            "chosen": float(alloc.chosen),
+            "impact": float(alloc.deviation),
+        }),
     }

@@ -128,3 +128,51 @@ def test_bad_profiles_are_one_line_exit_2(built: Path, tmp_path: Path, capsys) -
     err = capsys.readouterr().err
     assert "no activations of group 'model.layers.1.mlp.down'" in err and err.count("\n") == 1
     assert not (tmp_path / "x.lz").exists()
+
+
+def _impact(built: Path, tolerance: float, cap: float = 0.9) -> dict:
+    from layerzero.compile import compile_model
+    from layerzero.options import CompileOptions
+
+    options = CompileOptions(activation_sparsity=cap, activation_impact_tolerance=tolerance, verify=False,
+                             activation_calibration=built / "calibration.npz")  # fmt: skip
+    return compile_model(built / "m.onnx", options).activation_sparsity
+
+
+def test_impact_tolerance_chooses_the_largest_sparsity_within_it(built: Path) -> None:
+    """--impact-tolerance T with --activation-sparsity S: the largest sparsity <= S on the greedy path whose measured
+    deviation (largest relative L2 change of an output) is <= T; a tighter T gives a lower sparsity."""
+    loose, tight = _impact(built, 0.3), _impact(built, 0.05)
+    for record, bound in ((loose, 0.3), (tight, 0.05)):
+        assert record["allocation"] == "max_error" and record["impact_tolerance"] == bound
+        assert record["impact"] <= bound
+        measured = dict(map(tuple, record["curve"]))
+        assert measured[record["chosen"]] == record["impact"]
+        # The next level measured (if any) is the first above the bound: the chosen one is the largest within it.
+        above = [s for s, d in record["curve"] if s > record["chosen"]]
+        assert len(above) <= 1 and all(measured[s] > bound for s in above)
+        assert abs(record["realized_on_calibration"] - record["chosen"]) < 0.02
+    assert 0 < tight["chosen"] < loose["chosen"] <= 0.9
+
+
+def test_impact_tolerance_on_the_command_line(built: Path, tmp_path: Path, capsys) -> None:
+    from layerzero.cli import main
+
+    out = tmp_path / "t.lz"
+    capsys.readouterr()
+    args = ["compile", str(built / "m.onnx"), "-o", str(out), "--activation-sparsity", "0.9", "--impact-tolerance",
+            "0.05", "--activation-calibration", str(built / "calibration.npz"), "--no-verify"]  # fmt: skip
+    assert main(args) == 0
+    record = _record(out)
+    assert record["impact_tolerance"] == 0.05 and record["chosen"] == _impact(built, 0.05)["chosen"]
+    assert f"impact tolerance 0.05: chose sparsity {record['chosen']:g}" in capsys.readouterr().out
+    # Without --impact-tolerance: S exactly (the greedy), never the solidify default 0.01 as a bound.
+    assert _record(built / "direct.lz")["allocation"] == "greedy" and "impact_tolerance" not in _record(
+        built / "direct.lz"
+    )
+    # A bad tolerance is one line, exit 2.
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:  # argparse's own range check
+        main([*args[:7], "-1", *args[8:]])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
