@@ -312,3 +312,51 @@ def test_generate_no_activation_sparsity_gives_the_dense_ids(bundles: Path, caps
     want = [r["ids"] for r in generate("dense.lz", *batch)["results"]]
     got = [r["ids"] for r in generate("sparse.lz", *batch, "--no-activation-sparsity")["results"]]
     assert got == want
+
+
+def test_report_draws_the_sparsity_map_and_the_curve(bundles: Path, tmp_path: Path, capsys) -> None:
+    """`layerzero report BUNDLE`: the calibrated level of every group (layer x projection), the realized sparsity
+    of a `layerzero run --json` given as --realized, and the calibration's quality-vs-sparsity curve, as text and
+    as HTML: the manifest's numbers and the run's."""
+    from layerzero.cli import main
+
+    sparse = bundles / "sparse.lz"
+    record = _manifest(sparse)["activation_sparsity"]
+    capsys.readouterr()
+    assert main(["report", str(sparse)]) == 0
+    text = capsys.readouterr().out
+    assert f"realized {record['realized_on_calibration']:.3g}" in text
+    lines = text.splitlines()
+    for i in range(LAYERS):
+        row = next(line for line in lines if line.strip().startswith(f"model.layers.{i} "))
+        want = [f"{record['groups'][f'model.layers.{i}.{k}']:.1%}" for k in
+                ("self_attn.qkv", "self_attn.o", "mlp.gate_up", "mlp.down")]  # fmt: skip
+        assert row.split()[1:] == want, (row, want)
+    start = next(k for k, line in enumerate(lines) if "quality vs sparsity" in line) + 1
+    curve = [line.split()[:2] for line in lines[start:]]
+    assert curve == [[f"{s:.4f}", f"{e:.4g}"] for s, e in record["curve"]] and len(curve) > 2
+
+    npz = tmp_path / "req.npz"
+    np.savez(npz, **_feeds(seq=9, seed=11))
+    assert main(["run", str(sparse), "--inputs", str(npz), "--json"]) == 0
+    run = tmp_path / "run.json"
+    run.write_text(capsys.readouterr().out)
+    realized = json.loads(run.read_text())["report"]["activation_sparsity"]
+    out = tmp_path / "map.html"
+    assert main(["report", str(sparse), "--realized", str(run), "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    page = out.read_text()
+    assert "layerzero report" in page and "<svg" in page
+    for name, level in record["groups"].items():
+        cell = f"{level:.1%} ({realized[name]:.1%})"
+        assert cell in text and cell in page, name
+    for s, e in record["curve"]:
+        assert f"<td>{s:.4f}</td><td>{e:.4g}</td>" in page
+
+    # A dense bundle has no map; --realized with a profile, or a run of another model: one line, exit 2.
+    assert main(["report", str(bundles / "dense.lz")]) == 2
+    assert "no activation sparsity" in capsys.readouterr().err
+    (tmp_path / "other.json").write_text(json.dumps({"report": {"activation_sparsity": {"x.y": 0.5}}}))
+    assert main(["report", str(sparse), "--realized", str(tmp_path / "other.json")]) == 2
+    err = capsys.readouterr().err
+    assert "names none of the bundle's activation groups" in err and err.count("\n") == 1
