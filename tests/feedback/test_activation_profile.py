@@ -176,3 +176,15 @@ def test_impact_tolerance_on_the_command_line(built: Path, tmp_path: Path, capsy
         main([*args[:7], "-1", *args[8:]])
     assert exc.value.code == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_profile_of_an_activation_sparse_bundle_measures_impact_without_its_groups(built: Path, tmp_path: Path) -> None:
+    """A plain profile (impact sampled) of a bundle compiled with --activation-sparsity: its groups are counted but
+    not forced off (before: the force-off variant fed And() an int64 kept count and did not load)."""
+    from layerzero.cli import main
+
+    out = tmp_path / "s.json"
+    assert main(["profile", str(built / "direct.lz"), "--data", str(built / "requests.npz"), "-o", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    groups = {p["path"] for p in doc["paths"] if p["kind"] == "activation"}
+    assert groups == {f"model.layers.{i}.{k}" for i in range(LAYERS) for k in KINDS}
