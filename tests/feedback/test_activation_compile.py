@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
@@ -221,9 +222,14 @@ def test_options_check_the_activation_fields(tmp_path: Path) -> None:
     assert CompileOptions(activation_sparsity=0.4, verify=False).activation_sparsity == 0.4  # unverified: no bound
     for bad in ({"activation_sparsity": 0.96, "max_deviation": 1}, {"activation_sparsity": float("nan")},
                 {"activation_method": "teal"}, {"activation_sparsity": True},
-                {"activation_sparsity": 0.3, "verify": False, "dynamic": False}):  # fmt: skip
+                {"activation_sparsity": 0.3, "verify": False, "dynamic": False},
+                {"activation_impact_tolerance": 0.1, "verify": False},
+                {"activation_sparsity": 0.3, "verify": False, "activation_impact_tolerance": -0.1},
+                {"activation_sparsity": 0.3, "verify": False, "activation_impact_tolerance": math.inf}):  # fmt: skip
         with pytest.raises(InvalidInputError, match="option activation_"):
             CompileOptions(**bad)
+    o = CompileOptions(activation_sparsity=0.3, verify=False, activation_impact_tolerance=0.05)
+    assert o.activation_impact_tolerance == 0.05
 
 
 def test_json_calibration_requests(bundles: Path, tmp_path: Path) -> None:
