@@ -141,10 +141,10 @@ def compile_model(
         from layerzero.activation_calibration import profiled_activations
 
         profiled = profiled_activations(options.profile) if options.profile is not None else None
-        if profiled is None:
-            requests, label = _calibration_requests(source_path, original_proto, options)
-        else:
-            requests, label = [], f"the profile {options.profile}"
+        requests, label = [], f"the profile {options.profile}"
+        if profiled is None or options.activation_impact_tolerance is not None:  # the deviation is measured on them
+            requests, on = _calibration_requests(source_path, original_proto, options)
+            label = on if profiled is None else f"{label} (deviation measured on {on})"
         say(f"calibrating activation sparsity {options.activation_sparsity:g} on {label}")
         logger.info("activation sparsity: calibrating on %s", label)
         activation = sparsify_activations(model, options, requests, target.name, profiled=profiled)

@@ -170,6 +170,16 @@ def test_impact_tolerance_on_the_command_line(built: Path, tmp_path: Path, capsy
     assert _record(built / "direct.lz")["allocation"] == "greedy" and "impact_tolerance" not in _record(
         built / "direct.lz"
     )
+    # From the profile: the same levels measured (on --activation-calibration's request).
+    from layerzero.compile import compile_model
+    from layerzero.options import CompileOptions
+
+    options = CompileOptions(activation_sparsity=0.9, activation_impact_tolerance=0.05, verify=False,
+                             activation_calibration=built / "calibration.npz", profile=built / "p.json")  # fmt: skip
+    profiled = compile_model(built / "m.onnx", options).activation_sparsity
+    assert profiled["calibration_source"] == "profile" and "deviation measured on" in profiled["calibration"]
+    assert profiled["chosen"] == record["chosen"]
+    np.testing.assert_allclose(np.asarray(profiled["curve"]), np.asarray(record["curve"]), rtol=1e-4)
     # A bad tolerance is one line, exit 2.
     capsys.readouterr()
     with pytest.raises(SystemExit) as exc:  # argparse's own range check
