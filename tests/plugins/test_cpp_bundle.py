@@ -170,6 +170,15 @@ def test_activation_sparse_bundle_reports_what_layerzero_run_reports(run_bundle,
         assert 0.2 < sum(report["activation_sparsity"].values()) / len(groups) < 0.6, report["activation_sparsity"]
         assert report["skipped_params"] > 0 and report["zeroed_params_ratio"] > 0
         assert "activations " in report["summary"] and bool(report["masks"]) == bool(extra)
+    # layerzero::activation_scale in the feeds (an overridable initializer to ONNX Runtime): 0 is the dense model.
+    dense = Path(str(feeds).replace(".npz", "_dense.npz"))
+    np.savez(dense, **dict(np.load(feeds)), **{"layerzero::activation_scale": np.float32(0.0)})
+    got = _compare(_cpp(run_bundle, bundle, dense, lib_dir=ort_lib.parent), _python(bundle, dense, ort_lib.parent))
+    assert all(v == 0 for v in got["report"]["activation_sparsity"].values()) and got["report"]["skipped_params"] == 0
+    bad = Path(str(feeds).replace(".npz", "_bad.npz"))
+    np.savez(bad, **dict(np.load(feeds)), **{"layerzero::activation_scale": np.float32(-1.0)})
+    done = _cpp(run_bundle, bundle, bad, lib_dir=ort_lib.parent)
+    assert done.returncode == 2 and "expected a finite number >= 0" in done.stderr and done.stderr.count("\n") == 1
 
 
 def test_moe_bundle_with_the_native_op_prints_what_layerzero_run_prints(run_bundle, moe_bundle, ort_lib):

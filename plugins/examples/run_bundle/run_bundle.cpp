@@ -2,6 +2,8 @@
 //
 //   run_bundle BUNDLE_DIR FEEDS.npz [--lib-dir DIR] [--masks] [--threads N]
 //
+// FEEDS.npz may hold layerzero::activation_scale (a float32 scalar; 0 runs an activation-sparse bundle dense).
+//
 // It loads BUNDLE_DIR/model.onnx, registers the custom-op libraries BUNDLE_DIR/manifest.json lists
 // ("libraries": liblayerzero_ort.so for the native MoE op; looked for in --lib-dir, $LAYERZERO_PLUGIN_DIR,
 // ~/.cache/layerzero/plugins), feeds every input from FEEDS.npz (np.savez: one array per input name), runs once
@@ -36,6 +38,7 @@ namespace {
 
 constexpr const char* kMaskPrefix = "layerzero::mask::";
 constexpr const char* kRouterPrefix = "layerzero::router::";
+constexpr const char* kActivationScale = "layerzero::activation_scale";
 
 struct BadInput : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -608,6 +611,31 @@ int run(const Args& args) {
       if (dims[d] >= 0 && dims[d] != a.shape[d])
         throw BadInput("input '" + name + "' has dim " + std::to_string(d) + " = " + std::to_string(a.shape[d]) +
                        ", the model takes " + std::to_string(dims[d]));
+    inputs.push_back(Ort::Value::CreateTensor(cpu, a.data.data(), a.data.size(), a.shape.data(), a.shape.size(),
+                                              info.GetElementType()));
+    input_names.push_back(name);
+  }
+  // An initialized graph input (layerzero::activation_scale: 1 as compiled, 0 dense) is an overridable initializer
+  // to ONNX Runtime, not an input: fed when FEEDS holds it, as `layerzero run` feeds it.
+  for (size_t i = 0; i < session.GetOverridableInitializerCount(); ++i) {
+    std::string name = session.GetOverridableInitializerNameAllocated(i, allocator).get();
+    auto it = feeds.find(name);
+    if (it == feeds.end()) continue;
+    Ort::TypeInfo type_info = session.GetOverridableInitializerTypeInfo(i);
+    auto info = type_info.GetTensorTypeAndShapeInfo();
+    Array& a = it->second;
+    if (name == kActivationScale) {
+      if (a.dtype != "float32" || !a.shape.empty())
+        throw BadInput("input '" + name + "' must be a float32 scalar (np.float32(s)), got " + a.dtype);
+      float v;
+      std::memcpy(&v, a.data.data(), sizeof v);
+      if (!std::isfinite(v) || v < 0) throw BadInput("input '" + name + "': expected a finite number >= 0");
+    }
+    if (ort_type(a.dtype) != info.GetElementType())
+      throw BadInput("input '" + name + "' is " + a.dtype + ", the model takes " + dtype_name(info.GetElementType()));
+    if (info.GetShape().size() != a.shape.size())
+      throw BadInput("input '" + name + "' has rank " + std::to_string(a.shape.size()) + ", the model takes rank " +
+                     std::to_string(info.GetShape().size()));
     inputs.push_back(Ort::Value::CreateTensor(cpu, a.data.data(), a.data.size(), a.shape.data(), a.shape.size(),
                                               info.GetElementType()));
     input_names.push_back(name);
