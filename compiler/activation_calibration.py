@@ -153,6 +153,9 @@ class GroupSamples:
 
     def summary(self) -> dict[str, object]:
         """What a profile records of this group (``activation_profile``; ``GroupProfile`` reads it back)."""
+        # Per-channel quantiles to 6 significant digits (informational, not read by the allocation; a 135M model
+        # has ~2M of them).
+        per_channel = np.quantile(self.magnitudes, CHANNEL_LEVELS, axis=0).tolist()
         return {
             "channels": self.channels,
             "params": self.params,
@@ -162,7 +165,7 @@ class GroupSamples:
             "quantiles": {c: [float(v) for v in self.table(c)] for c in CRITERIA},
             "channel_quantiles": {
                 "levels": [float(v) for v in CHANNEL_LEVELS],
-                "values": np.quantile(self.magnitudes, CHANNEL_LEVELS, axis=0).astype(np.float32).tolist(),
+                "values": [[float(f"{v:.6g}") for v in row] for row in per_channel],
             },
         }
 

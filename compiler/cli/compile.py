@@ -123,7 +123,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_stability_unit(solid, "what --stability-window counts (default requests)")
     add_impact_tolerance(solid, "... and whose measured impact on the output (relative L2) is below T (default 0.01); "
                                 "with --activation-sparsity S: the largest sparsity <= S whose deviation is <= T")
-    p.set_defaults(impact_tolerance=None)  # given or not: --activation-sparsity searches only when it is given
+    # Given or not: --activation-sparsity searches only when it is given (the default is compile's, marked).
+    p.set_defaults(impact_tolerance=_Default(CompileOptions.impact_tolerance))
     add_quant_arguments(p)
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     add_target_arguments(p)
@@ -218,8 +219,13 @@ def tensorrt_options_from(args: argparse.Namespace):
     )
 
 
+class _Default(float):
+    """A default that says it is one (``--impact-tolerance`` not given)."""
+
+
 def options_from(args: argparse.Namespace) -> CompileOptions:
-    tolerance = getattr(args, "impact_tolerance", None)  # None: not given (compile sets no default)
+    tolerance = getattr(args, "impact_tolerance", None)
+    tolerance = None if tolerance is None or isinstance(tolerance, _Default) else float(tolerance)  # None: not given
     return CompileOptions(
         assume_finite=not args.no_assume_finite,
         flag_pattern=args.flag_pattern,
