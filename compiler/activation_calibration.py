@@ -6,7 +6,9 @@
    row norms ``‖W_i,:‖`` of each input channel.
 3. Thresholds of one group at sparsity ``s`` (``thresholds_at``): ``"magnitude"``, one threshold for every channel
    (the ``s``-quantile of ``|x|``); ``"wina"``, the ``s``-quantile ``t`` of ``|x_i|·‖W_i,:‖`` and ``t / ‖W_i,:‖``
-   per channel (WINA's criterion, the same kernel test ``|x_i| <= threshold_i``).
+   per channel (WINA's criterion, the same kernel test ``|x_i| <= threshold_i``). The quantiles come from a table
+   of each criterion's pooled distribution at ``QUANTILE_STEPS + 1`` levels (``1 / QUANTILE_STEPS`` apart, linear
+   between two): exact at every table level, and the same whether the samples are here or in a profile.
 4. A group's error at ``s`` (``GroupSamples.error``): the relative squared error of its projections' outputs on
    the calibration tokens, ``‖(x − xm) W‖² / ‖x W‖²``, made monotone in ``s`` (a running maximum: a larger drop set
    can cancel by chance). With ``sensitivity`` (``probe_sensitivity``: the model-output deviation measured with
@@ -19,12 +21,20 @@
 
 Each ``Allocation`` carries the thresholds (the pass's ``thresholds`` argument), each group's level and the curve
 (model-wide sparsity → calibration error) for the report.
+
+6. From a profile (``layerzero profile --activations``): ``activation_profile`` summarizes each group's samples
+   (the quantile tables, the error at each level, per-channel quantiles of ``|x|`` at ``CHANNEL_LEVELS``) into the
+   profile's ``"activations"``; ``profiled_groups`` reads them back as ``GroupProfile``, which the allocations take
+   in place of ``GroupSamples``: the same tables and errors, so the same thresholds and levels as calibrating on
+   the profiled requests directly. Only the realized sparsity differs: read off the table (within
+   ``1 / QUANTILE_STEPS``) instead of counted on the samples.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -35,18 +45,29 @@ from layerzero.passes.sparsify_activations import ActivationGroup
 
 __all__ = [
     "Allocation",
+    "GroupProfile",
     "GroupSamples",
+    "activation_profile",
     "collect_activations",
     "greedy",
     "group_samples",
     "max_error",
+    "output_deviation",
     "probe_sensitivity",
+    "profiled_activations",
+    "profiled_groups",
     "uniform",
 ]
 
 CRITERIA = ("magnitude", "wina")
 #: Token rows a group's error is measured on (the quantiles use every sample).
 ERROR_TOKENS = 256
+#: The pooled quantile tables hold the levels 0, 1/QUANTILE_STEPS, ..., 1 (thresholds between two: linear).
+QUANTILE_STEPS = 1000
+#: The levels of the per-channel |x| quantiles a profile records.
+CHANNEL_LEVELS = np.round(np.linspace(0.0, 1.0, 21), 4)
+#: The version of a profile's "activations" record.
+ACTIVATION_PROFILE_VERSION = 1
 Evaluate = Callable[[Mapping[str, np.ndarray]], float]
 
 
@@ -91,6 +112,7 @@ class GroupSamples:
         self.weight = np.asarray(self.weight, np.float32)
         self.row_norms = np.linalg.norm(self.weight, axis=1).astype(np.float32)
         self._errors: dict[str, np.ndarray] = {}
+        self._tables: dict[str, np.ndarray] = {}
 
     @property
     def params(self) -> int:
@@ -100,17 +122,17 @@ class GroupSamples:
     def channels(self) -> int:
         return int(self.weight.shape[0])
 
+    def table(self, criterion: str) -> np.ndarray:
+        """The pooled quantiles of the criterion's values (``|x|``, or ``|x_i|·‖W_i,:‖``) at the table levels."""
+        _check_criterion(criterion)
+        if criterion not in self._tables:
+            values = self.magnitudes if criterion == "magnitude" else self.magnitudes * _norms(self.row_norms)
+            self._tables[criterion] = np.quantile(values, _GRID)
+        return self._tables[criterion]
+
     def thresholds_at(self, s: float, criterion: str = "wina") -> np.ndarray:
         """Per-channel thresholds that drop a fraction ``s`` of the calibration entries (0 at ``s`` = 0)."""
-        if criterion not in CRITERIA:
-            raise InvalidInputError(f"activation criterion {criterion!r}: expected one of {', '.join(CRITERIA)}")
-        if s <= 0:
-            return np.zeros(self.channels, np.float32)
-        if criterion == "magnitude":
-            return np.full(self.channels, np.quantile(self.magnitudes, s), np.float32)
-        norms = np.maximum(self.row_norms, np.float32(1e-30))
-        t = np.quantile(self.magnitudes * norms, s)
-        return (t / norms).astype(np.float32)
+        return _thresholds(self, s, criterion)
 
     def error(self, criterion: str = "wina") -> np.ndarray:
         """The relative output error at each of ``levels`` (monotone)."""
@@ -125,9 +147,156 @@ class GroupSamples:
             self._errors[criterion] = np.maximum.accumulate(np.array(errs))
         return self._errors[criterion]
 
-    def realized(self, thresholds: np.ndarray) -> float:
-        """The fraction of calibration entries ``thresholds`` drop."""
+    def realized(self, thresholds: np.ndarray, criterion: str | None = None) -> float:
+        """The fraction of calibration entries ``thresholds`` drop (counted on the samples)."""
         return float(np.mean(self.magnitudes <= thresholds))
+
+    def summary(self) -> dict[str, object]:
+        """What a profile records of this group (``activation_profile``; ``GroupProfile`` reads it back)."""
+        # Per-channel quantiles to 6 significant digits (informational, not read by the allocation; a 135M model
+        # has ~2M of them).
+        per_channel = np.quantile(self.magnitudes, CHANNEL_LEVELS, axis=0).tolist()
+        return {
+            "channels": self.channels,
+            "params": self.params,
+            "rows": int(self.samples.shape[0]),
+            "levels": [float(v) for v in self.levels],
+            "error": {c: [float(v) for v in self.error(c)] for c in CRITERIA},
+            "quantiles": {c: [float(v) for v in self.table(c)] for c in CRITERIA},
+            "channel_quantiles": {
+                "levels": [float(v) for v in CHANNEL_LEVELS],
+                "values": [[float(f"{v:.6g}") for v in row] for row in per_channel],
+            },
+        }
+
+
+_GRID = np.linspace(0.0, 1.0, QUANTILE_STEPS + 1)
+
+
+def _check_criterion(criterion: str) -> None:
+    if criterion not in CRITERIA:
+        raise InvalidInputError(f"activation criterion {criterion!r}: expected one of {', '.join(CRITERIA)}")
+
+
+def _norms(row_norms: np.ndarray) -> np.ndarray:
+    return np.maximum(row_norms, np.float32(1e-30))
+
+
+def _thresholds(group: GroupSamples | GroupProfile, s: float, criterion: str) -> np.ndarray:
+    """Thresholds at level ``s`` from the group's quantile table (module docstring, 3)."""
+    _check_criterion(criterion)
+    if s <= 0:
+        return np.zeros(group.channels, np.float32)
+    t = float(np.interp(s, _GRID, group.table(criterion)))
+    if criterion == "magnitude":
+        return np.full(group.channels, t, np.float32)
+    return (t / _norms(group.row_norms)).astype(np.float32)
+
+
+@dataclasses.dataclass
+class GroupProfile:
+    """A group calibrated from a profile's summary (``GroupSamples.summary``) and the compiled model's weights:
+    the same tables and errors as the ``GroupSamples`` it was written from, no samples."""
+
+    name: str
+    record: Mapping[str, object]
+    weight_norms: np.ndarray
+    params: int
+
+    def __post_init__(self) -> None:
+        r = self.record
+        self.row_norms = np.asarray(self.weight_norms, np.float32)
+        self.levels = np.asarray(r["levels"], float)
+        self._errors = {c: np.asarray(r["error"][c], float) for c in CRITERIA}
+        self._tables = {c: np.asarray(r["quantiles"][c], float) for c in CRITERIA}
+        self.rows = int(r["rows"])
+
+    @property
+    def channels(self) -> int:
+        return int(self.row_norms.shape[0])
+
+    def table(self, criterion: str) -> np.ndarray:
+        _check_criterion(criterion)
+        return self._tables[criterion]
+
+    def thresholds_at(self, s: float, criterion: str = "wina") -> np.ndarray:
+        return _thresholds(self, s, criterion)
+
+    def error(self, criterion: str = "wina") -> np.ndarray:
+        _check_criterion(criterion)
+        return self._errors[criterion]
+
+    def realized(self, thresholds: np.ndarray, criterion: str | None = None) -> float:
+        """The fraction of the profiled entries ``thresholds`` drop, read off the table (within a table step)."""
+        crit = criterion or "wina"
+        t = thresholds if crit == "magnitude" else thresholds * _norms(self.row_norms)
+        return _cdf(self.table(crit), float(np.max(t)) if t.size else 0.0)
+
+
+def _cdf(table: np.ndarray, t: float) -> float:
+    """The fraction of values <= ``t`` of the distribution whose quantiles at the table levels are ``table``."""
+    i = int(np.searchsorted(table, t, side="right"))  # table[i - 1] <= t < table[i]
+    if i == 0:
+        return 0.0
+    if i >= len(table):
+        return 1.0
+    lo, hi = float(table[i - 1]), float(table[i])
+    part = (t - lo) / (hi - lo) if hi > lo else 0.0
+    return ((i - 1) + part) / QUANTILE_STEPS
+
+
+def activation_profile(groups: Sequence[ActivationGroup], activations: Mapping[str, np.ndarray]) -> dict[str, object]:
+    """A profile's ``"activations"`` record: each group's ``GroupSamples.summary``."""
+    samples = group_samples(groups, activations)
+    return {
+        "version": ACTIVATION_PROFILE_VERSION,
+        "quantile_steps": QUANTILE_STEPS,
+        "error_tokens": ERROR_TOKENS,
+        "groups": {g.name: g.summary() for g in samples},
+    }
+
+
+def profiled_activations(path: str | Path) -> dict[str, object] | None:
+    """The ``"activations"`` record of the profile at ``path`` (``layerzero profile --activations``), else None."""
+    from layerzero.runtime.path_stats import load_profile
+
+    record = load_profile(path).get("activations")
+    return record if isinstance(record, dict) else None
+
+
+def profiled_groups(groups: Sequence[ActivationGroup], record: object, where: str) -> list[GroupProfile]:
+    """The model's ``groups`` calibrated from a profile's ``"activations"`` record (``where`` names it in errors):
+    every group must be in it with the same channels and parameters (a profile of a bundle of this model)."""
+    ok = isinstance(record, Mapping) and isinstance(record.get("groups"), Mapping)
+    if not ok or record.get("version") != ACTIVATION_PROFILE_VERSION or record.get("quantile_steps") != QUANTILE_STEPS:
+        raise InvalidInputError(
+            f"{where}: its activations record is not version {ACTIVATION_PROFILE_VERSION} with "
+            f"{QUANTILE_STEPS} quantile steps (profile the bundle again with --activations)"
+        )
+    profiled = record["groups"]
+    out = []
+    for g in groups:
+        r = profiled.get(g.name)
+        if not isinstance(r, Mapping):
+            raise InvalidInputError(
+                f"{where}: no activations of group {g.name!r} (profile a bundle of this model, compiled without "
+                "--activation-sparsity, with --activations)"
+            )
+        if r.get("channels") != g.channels or r.get("params") != g.params:
+            raise InvalidInputError(
+                f"{where}: group {g.name!r} has {r.get('channels')} channels and {r.get('params')} parameters "
+                f"in the profile, {g.channels} and {g.params} in this model (a profile of another model?)"
+            )
+        weight = np.concatenate([np.asarray(w, np.float32) for w in g.weights], axis=1)
+        try:
+            out.append(GroupProfile(g.name, r, np.linalg.norm(weight, axis=1).astype(np.float32), g.params))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidInputError(f"{where}: the activations of group {g.name!r} are malformed ({exc})") from None
+        if any(len(v) != QUANTILE_STEPS + 1 for v in out[-1]._tables.values()) or any(
+            len(v) != len(out[-1].levels) for v in out[-1]._errors.values()
+        ):
+            raise InvalidInputError(f"{where}: the activations of group {g.name!r} have tables of the wrong length")
+    return out
 
 
 def group_samples(
@@ -154,6 +323,9 @@ class Allocation:
     levels: dict[str, float]
     sparsity: float
     curve: list[tuple[float, float]]
+    #: ``max_error``: the greedy target chosen and the deviation measured there.
+    chosen: float | None = None
+    deviation: float | None = None
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -162,6 +334,8 @@ class Allocation:
             "sparsity": self.sparsity,
             "levels": dict(self.levels),
             "curve": [[float(s), float(e)] for s, e in self.curve],
+            "chosen": self.chosen,
+            "deviation": self.deviation,
         }
 
 
@@ -182,7 +356,7 @@ def _finish(method: str, target: float, groups: Sequence[GroupSamples], index: M
         levels[partial[0]] = partial[1]
     thresholds = {g.name: g.thresholds_at(levels[g.name], criterion) for g in groups}
     total = sum(g.params for g in groups) or 1
-    realized = sum(g.params * g.realized(thresholds[g.name]) for g in groups) / total
+    realized = sum(g.params * g.realized(thresholds[g.name], criterion) for g in groups) / total
     return Allocation(method, target, thresholds, levels, float(realized), curve)
 
 
@@ -195,7 +369,7 @@ def uniform(groups: Sequence[GroupSamples], target: float, criterion: str = "mag
     err = sum((sensitivity or {}).get(g.name, 1.0) * float(np.interp(target, g.levels, g.error(criterion)))
               for g in groups)  # fmt: skip
     total = sum(g.params for g in groups) or 1
-    realized = sum(g.params * g.realized(thresholds[g.name]) for g in groups) / total
+    realized = sum(g.params * g.realized(thresholds[g.name], criterion) for g in groups) / total
     return Allocation("uniform", target, thresholds, levels, float(realized), [(float(target), float(err))])
 
 
@@ -251,18 +425,58 @@ def probe_sensitivity(groups: Sequence[GroupSamples], evaluate: Evaluate, probe:
 
 
 def max_error(groups: Sequence[GroupSamples], bound: float, evaluate: Evaluate, criterion: str = "wina",
-              sensitivity: Mapping[str, float] | None = None, step: float = 0.05) -> Allocation:  # fmt: skip
-    """The largest model-wide sparsity on the greedy path (``step`` apart) whose measured deviation is <= ``bound``;
-    its curve is (sparsity, measured deviation) at each level tried."""
+              sensitivity: Mapping[str, float] | None = None, step: float = 0.05,
+              cap: float = 0.95) -> Allocation:  # fmt: skip
+    """The largest model-wide sparsity on the greedy path (``step`` apart, up to ``cap`` and ``cap`` itself) whose
+    measured deviation is <= ``bound``; its curve is (greedy target, measured deviation) at each level tried, its
+    ``deviation`` the one measured at the level chosen (0 at sparsity 0: the dense model)."""
     if not (np.isfinite(bound) and bound >= 0):
         raise InvalidInputError(f"activation impact bound must be finite and >= 0, got {bound!r}")
+    _check_target(cap)
     best = greedy(groups, 0.0, criterion, sensitivity)
+    chosen = (0.0, 0.0)
     curve: list[tuple[float, float]] = [(0.0, 0.0)]
-    for target in np.arange(step, 0.951, step):
-        alloc = greedy(groups, float(target), criterion, sensitivity)
+    targets = [round(float(t), 6) for t in np.arange(step, cap + 1e-9, step)]
+    if cap > 0 and (not targets or abs(targets[-1] - cap) > 1e-9):
+        targets.append(float(cap))
+    for target in targets:
+        alloc = greedy(groups, target, criterion, sensitivity)
         deviation = float(evaluate(alloc.thresholds))
-        curve.append((alloc.sparsity, deviation))
-        if deviation > bound:
+        curve.append((target, deviation))
+        if not deviation <= bound:  # NaN stops too
             break
-        best = alloc
-    return dataclasses.replace(best, method="max_error", target=float(bound), curve=curve)
+        best, chosen = alloc, (target, deviation)
+    return dataclasses.replace(best, method="max_error", target=float(bound), curve=curve, chosen=chosen[0],
+                               deviation=chosen[1])  # fmt: skip
+
+
+def output_deviation(model: ir.Model, requests: Sequence[Mapping[str, np.ndarray]]) -> Evaluate:
+    """``max_error``'s measure on ``model`` (reference form, plain ONNX Runtime): for thresholds, the largest relative
+    L2 change of a user output (``layerzero::`` outputs left out) from the dense model over ``requests``, the unit
+    of the profile's zeroing impact."""
+    from layerzero.ort_runner import create_session
+    from layerzero.passes.sparsify_activations import SparsifyActivations
+    from layerzero.runtime.guard import relative_l2
+
+    proto = ir.to_proto(model)
+    names = [o.name for o in proto.graph.output if not o.name.startswith("layerzero::")]
+    dense_session = create_session(proto.SerializeToString(), label="the dense calibration model")
+    dense = [dense_session.run(names, dict(r)) for r in requests]
+    if not dense:
+        raise InvalidInputError("activation impact tolerance: no calibration request to measure the deviation on")
+    del dense_session
+
+    def evaluate(thresholds: Mapping[str, np.ndarray]) -> float:
+        copy = onnx.ModelProto()
+        copy.CopyFrom(proto)
+        variant = ir.from_proto(copy)
+        SparsifyActivations(thresholds, native=False)(variant)
+        session = create_session(ir.to_proto(variant).SerializeToString(), label="the activation-sparse model")
+        worst = 0.0
+        for r, want in zip(requests, dense, strict=True):
+            for got, base in zip(session.run(names, dict(r)), want, strict=True):
+                if np.issubdtype(np.asarray(base).dtype, np.floating):
+                    worst = max(worst, float(relative_l2(np.asarray(got), np.asarray(base))))
+        return worst
+
+    return evaluate

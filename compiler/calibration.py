@@ -6,6 +6,12 @@ The counters are the runtime's (``layerzero.runtime.path_stats.Profiler``: it on
 ``impact_samples`` requests: per request one run with nothing forced off, then one per subpath. A request
 to a causal LM export may hold ``input_ids`` alone: the rest is filled as a generation's first step
 (``Engine.first_step_feeds``).
+
+With ``activations`` (``layerzero profile --activations``) the profile also records, per projection group of
+``SparsifyActivations`` (q/k/v, o, gate/up, down of each layer), the distribution of its input's magnitudes
+(``activation_calibration.activation_profile``: pooled quantile tables, per-channel quantiles, the error at each
+level) under ``"activations"``; ``layerzero compile --profile P --activation-sparsity S`` calibrates from it. The
+bundle must be dense there (compiled without ``--activation-sparsity``): calibration reads the dense activations.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from layerzero.passes.force_off import ExposeForceOff
 from layerzero.runtime import Engine
 from layerzero.runtime.path_stats import ImpactMeter, Profiler, iter_requests
 
-__all__ = ["force_off_variant", "load_requests", "profile_bundle"]
+__all__ = ["activation_record", "force_off_variant", "load_requests", "profile_bundle"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +102,14 @@ def profile_bundle(
     impact_samples: int = 8,
     data: str | None = None,
     on_progress: OnProgress | None = None,
+    activations: bool = False,
 ) -> dict[str, Any]:
-    """Count every request on the bundle, measure impact on the first ``impact_samples``; the profile."""
+    """Count every request on the bundle, measure impact on the first ``impact_samples``; the profile (with
+    ``activations``: the projection inputs' magnitude distributions too, ``activation_record``)."""
     tick = on_progress or (lambda _stage, _done, _total: None)
     engine = Engine.load(bundle)
+    if activations:
+        _check_dense(engine)  # before the traffic: a wrong bundle is said at once
     # A causal LM export is profiled on text: a request of input_ids alone runs as the first step of a generation.
     requests = [engine.first_step_feeds(feeds) for feeds in requests]
     profiler = Profiler(engine)
@@ -120,4 +130,37 @@ def profile_bundle(
                     profiler.add_impact(meter.measure(requests[i]))
                     tick("impact", i + 1, samples)
                 measured = samples
-    return profiler.to_dict(data=data, impact_samples=measured)
+    doc = profiler.to_dict(data=data, impact_samples=measured)
+    if activations:
+        doc["activations"] = activation_record(engine, requests)
+    return doc
+
+
+def _check_dense(engine: Engine) -> None:
+    from layerzero.passes.sparsify_activations import KIND
+
+    if any(isinstance(d, Mapping) and d.get("kind") == KIND for d in engine.manifest.get("dynamic") or []):
+        raise InvalidInputError(
+            f"--activations: {engine.path} is compiled with --activation-sparsity; profile a bundle of the model "
+            "compiled without it (calibration needs the dense activations)"
+        )
+
+
+def activation_record(engine: Engine, requests: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """The profile's ``"activations"``: each projection group's input distribution on ``requests`` (at most
+    ``collect_activations``' token rows), run on the bundle's model as ONNX Runtime runs it."""
+    from layerzero.activation_calibration import activation_profile, collect_activations
+    from layerzero.passes.sparsify_activations import find_groups
+
+    _check_dense(engine)
+    model = load_model(engine.model_path)
+    groups = find_groups(model)
+    if not groups:
+        raise InvalidInputError(
+            f"--activations: {engine.path} has no projection group (no float MatMul with a constant 2-D weight "
+            "inside a layer, model.layers.<i>...)"
+        )
+    got = collect_activations(model, groups, [dict(r) for r in requests])
+    if not got:
+        raise InvalidInputError("--activations: the requests gave no activations")
+    return activation_profile(groups, got)

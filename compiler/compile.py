@@ -138,11 +138,19 @@ def compile_model(
     changed = run_dynamic_passes(model, options)
     activation = None
     if options.activation_sparsity and options.dynamic:
-        requests, label = _calibration_requests(source_path, original_proto, options)
+        # --profile with a profile --activations: calibrated from its distributions, else on requests.
+        from layerzero.activation_calibration import profiled_activations
+
+        profiled = profiled_activations(options.profile) if options.profile is not None else None
+        requests, label = [], f"the profile {options.profile}"
+        if profiled is None or options.activation_impact_tolerance is not None:  # the deviation is measured on them
+            requests, on = _calibration_requests(source_path, original_proto, options)
+            label = on if profiled is None else f"{label} (deviation measured on {on})"
         say(f"calibrating activation sparsity {options.activation_sparsity:g} on {label}")
         logger.info("activation sparsity: calibrating on %s", label)
-        activation = sparsify_activations(model, options, requests, target.name)
+        activation = sparsify_activations(model, options, requests, target.name, profiled=profiled)
         activation["calibration"] = label
+        activation["calibration_source"] = "requests" if profiled is None else "profile"
         changed = True
     say(f"lowering for {target.name}")
     changed |= lower_for_target(model, options, target)

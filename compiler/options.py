@@ -98,6 +98,10 @@ class CompileOptions:
     # Fuse RMSNorm, rotary embeddings and key transposes into ONNX Runtime's kernels (passes/fuse_decoder.py; the
     # onnxruntime target on the CPU).
     fuse: bool = True
+    # With activation_sparsity S: the largest sparsity <= S (on the greedy path, 0.05 apart, and S) whose measured
+    # model-output deviation (largest relative L2 change of a user output on the calibration inputs, the unit of
+    # solidify's impact_tolerance) stays <= this. None: S exactly.
+    activation_impact_tolerance: float | None = None
 
     def __post_init__(self) -> None:
         # Cases: 1. flags are bools; 2. counts are ints (not bools) in range; 3. tolerances and thresholds are
@@ -153,6 +157,13 @@ class CompileOptions:
             raise InvalidInputError("option activation_sparsity: a dynamic pass, needs dynamic=True (not --no-dynamic)")
         if self.activation_calibration is not None and not self.activation_sparsity:
             raise InvalidInputError("option activation_calibration: needs activation_sparsity > 0")
+        if self.activation_impact_tolerance is not None:
+            t = _finite("activation_impact_tolerance", self.activation_impact_tolerance)
+            if t < 0:
+                raise InvalidInputError(f"option activation_impact_tolerance: must be >= 0, got {t:g}")
+            if not self.activation_sparsity:
+                raise InvalidInputError("option activation_impact_tolerance: needs activation_sparsity > 0")
+            self.activation_impact_tolerance = t
         if self.activation_sparsity and self.verify and self.max_deviation is None:
             raise InvalidInputError(
                 f"option activation_sparsity {self.activation_sparsity:g}: changes the model's outputs on purpose; "

@@ -293,8 +293,10 @@ def sparsify_activations(
     requests: list[dict],
     target: str = "onnxruntime",
     after_pass: Callable[[str, ir.Model], None] | None = None,
+    profiled: dict | None = None,
 ) -> dict | None:
-    """``--activation-sparsity S``: calibrate on ``requests`` (``activation_calibration.collect_activations``), TEAL's
+    """``--activation-sparsity S``: calibrate on ``requests`` (``activation_calibration.collect_activations``), or
+    from ``profiled`` (a profile's ``"activations"``, ``activation_calibration.profiled_groups``) when given, TEAL's
     greedy allocation to ``S`` (``options.activation_method``'s per-channel criterion), then ``SparsifyActivations``
     with those thresholds: the native form (``ai.layerzero::SparseLinear``) when liblayerzero_ort.so is built and the
     bundle runs on ONNX Runtime's CPU, else the reference form. Runs after the dynamic passes, before the lowering.
@@ -308,9 +310,9 @@ def sparsify_activations(
     """
     if not options.activation_sparsity or not options.dynamic:
         return None
-    from layerzero.activation_calibration import collect_activations, greedy, group_samples
+    from layerzero.activation_calibration import profiled_groups
     from layerzero.errors import InvalidInputError
-    from layerzero.passes.sparsify_activations import SparsifyActivations, find_groups
+    from layerzero.passes.sparsify_activations import find_groups
 
     InferShapes()(model)
     groups = find_groups(model)
@@ -319,6 +321,19 @@ def sparsify_activations(
             f"--activation-sparsity {options.activation_sparsity:g}: the model has no float MatMul with a constant "
             "2-D weight inside a layer (model.layers.<i>...), so nothing to sparsify"
         )
+    if profiled is not None:
+        samples = profiled_groups(groups, profiled, f"--profile {options.profile}")
+        rows = max((g.rows for g in samples), default=0)
+    else:
+        samples, rows = _calibrate_on(model, groups, requests)
+    return _sparsify(model, options, samples, rows, target, after_pass, requests)
+
+
+def _calibrate_on(model: ir.Model, groups: list, requests: list[dict]) -> tuple[list, int]:
+    """``--activation-sparsity``'s own calibration: the groups' inputs on ``requests``, and their row count."""
+    from layerzero.activation_calibration import collect_activations, group_samples
+    from layerzero.errors import InvalidInputError
+
     try:
         activations = collect_activations(model, groups, requests)
     except LayerZeroError:
@@ -331,7 +346,23 @@ def sparsify_activations(
     samples = group_samples(groups, activations)
     if not samples:
         raise InvalidInputError("--activation-sparsity: the calibration inputs gave no activations")
-    alloc = greedy(samples, options.activation_sparsity, options.activation_method)
+    return samples, int(max((len(v) for v in activations.values()), default=0))
+
+
+def _sparsify(model: ir.Model, options: CompileOptions, samples: list, rows: int, target: str,
+              after_pass: Callable[[str, ir.Model], None] | None, requests: list[dict]) -> dict:  # fmt: skip
+    """Allocate on the calibrated ``samples`` (greedy to S; with ``activation_impact_tolerance`` T the largest
+    sparsity <= S whose deviation, measured on ``requests``, is <= T) and run ``SparsifyActivations``; the
+    manifest's record."""
+    from layerzero.activation_calibration import greedy, max_error, output_deviation
+    from layerzero.passes.sparsify_activations import SparsifyActivations
+
+    tolerance = options.activation_impact_tolerance
+    if tolerance is None:
+        alloc = greedy(samples, options.activation_sparsity, options.activation_method)
+    else:
+        alloc = max_error(samples, tolerance, output_deviation(model, requests), options.activation_method,
+                          cap=options.activation_sparsity)  # fmt: skip
     native = False
     if target == "onnxruntime" and options.device == "cpu":
         from layerzero.plugins.ort_library import find_ort_library
@@ -346,8 +377,13 @@ def sparsify_activations(
         "method": options.activation_method,
         "allocation": alloc.method,
         "form": "native" if native else "reference",
-        "calibration_rows": int(max((len(v) for v in activations.values()), default=0)),
+        "calibration_rows": int(rows),
         "groups": {name: float(level) for name, level in alloc.levels.items()},
         "curve": [[float(a), float(b)] for a, b in alloc.curve],
         "refused": [r.to_json() for r in step.refused],
+        **({} if tolerance is None else {
+            "impact_tolerance": float(tolerance),
+            "chosen": float(alloc.chosen),
+            "impact": float(alloc.deviation),
+        }),
     }

@@ -9,6 +9,9 @@ layers, ``model`` for a path outside any layer), the column what it is within th
 marks an impact below the tolerance (a path ``compile --profile`` may remove, if stable enough); hatching
 marks a layer already removed at compile time; grey cells have no path. Needs matplotlib (the ``report``
 extra).
+
+A bundle compiled with ``--activation-sparsity`` is drawn as its activation-sparsity map instead (the section
+"activation sparsity map" below): text on the terminal, and HTML.
 """
 
 from __future__ import annotations
@@ -31,11 +34,17 @@ from layerzero.summary import natural_key
 __all__ = [
     "FORMATS",
     "GENERATOR",
+    "ActivationMap",
     "ZeroingGrid",
+    "activation_map",
     "check_paths",
     "is_report",
+    "realized_sparsity",
+    "render_activation_html",
+    "render_activation_text",
     "render_html",
     "render_image",
+    "write_activation_report",
     "write_report",
     "zeroing_grid",
 ]
@@ -401,6 +410,212 @@ def write_report(
     else:
         data = render_image(doc, suffix[1:], tolerance=tolerance)
     # Atomically (temp file + rename): a reader never sees half a report, a failure leaves the old one.
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise InvalidInputError(f"{out}: cannot write the report: {e.strerror or e}") from None
+    return out
+
+
+# ------------------------------------------------------------------------------------- activation sparsity map
+#
+# `layerzero report BUNDLE`: a bundle compiled with --activation-sparsity drawn as its sparsity map, layer (rows) x
+# projection group (columns: self_attn.qkv, self_attn.o, mlp.gate_up, mlp.down), the calibrated level of each group
+# (manifest "activation_sparsity" "groups") and, given the JSON `layerzero run --json` printed, the sparsity each
+# group realized on that request (its report's "activation_sparsity"); and the quality-vs-sparsity curve the
+# calibration measured (manifest "curve": model-wide sparsity -> the calibration's error; with --impact-tolerance,
+# the measured model-output deviation at each level tried).
+
+
+@dataclasses.dataclass
+class ActivationMap:
+    rows: list[str]  # layers
+    columns: list[str]  # group names within a layer
+    level: np.ndarray  # [rows, columns] calibrated sparsity, NaN where no group
+    realized: np.ndarray | None  # [rows, columns] realized sparsity (from a run's report), NaN where not reported
+    record: dict  # the manifest's activation_sparsity record
+    curve: list[tuple[float, float]]
+    curve_label: str
+
+
+def _activation_record(manifest: dict, where: str) -> dict:
+    record = manifest.get("activation_sparsity") if isinstance(manifest, dict) else None
+    if not isinstance(record, dict):
+        raise InvalidInputError(
+            f"{where}: the bundle has no activation sparsity (compile it with --activation-sparsity S); "
+            "`layerzero report` draws a profile (layerzero profile) or such a bundle"
+        )
+    groups = record.get("groups")
+    if not isinstance(groups, dict) or not all(
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in groups.items()
+    ):
+        raise InvalidInputError(f"{where}: the manifest's activation_sparsity has no groups (name -> level)")
+    curve = record.get("curve")
+    if not isinstance(curve, list) or not all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) for v in p) for p in curve
+    ):
+        raise InvalidInputError(f"{where}: the manifest's activation_sparsity curve is not a list of [sparsity, error]")
+    return record
+
+
+def realized_sparsity(doc: object, where: str) -> dict[str, float]:
+    """The per-group realized sparsity of the JSON `layerzero run --json` printed (``report.activation_sparsity``;
+    a bare report, or its ``activation_sparsity`` alone, will do)."""
+    report = doc.get("report", doc) if isinstance(doc, dict) else None
+    values = report.get("activation_sparsity", report) if isinstance(report, dict) else None
+    if not isinstance(values, dict) or not values or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in values.values()
+    ):
+        raise InvalidInputError(
+            f"{where}: no per-group activation sparsity in it (give the JSON `layerzero run BUNDLE --json` printed)"
+        )
+    return {str(k): float(v) for k, v in values.items()}
+
+
+def activation_map(manifest: dict, realized: dict[str, float] | None = None, where: str = "bundle") -> ActivationMap:
+    record = _activation_record(manifest, where)
+    cells: dict[tuple[str, str], str] = {}
+    for name in record["groups"]:
+        layer = layer_of(name)
+        cells[(layer or "model", name[len(layer) + 1 :] if layer else name)] = name
+    rows = sorted({r for r, _ in cells}, key=natural_key)
+    order = {"self_attn.qkv": 0, "self_attn.o": 1, "mlp.gate_up": 2, "mlp.down": 3}
+    columns = sorted({c for _, c in cells}, key=lambda c: (order.get(c, 9), natural_key(c)))
+    level = np.full((len(rows), len(columns)), np.nan)
+    seen = np.full_like(level, np.nan)
+    for (r, c), name in cells.items():
+        i, j = rows.index(r), columns.index(c)
+        level[i, j] = float(record["groups"][name])
+        if realized is not None and name in realized:
+            seen[i, j] = realized[name]
+    if realized is not None and not set(realized) & set(record["groups"]):
+        raise InvalidInputError(f"{where}: the run's report names none of the bundle's activation groups")
+    measured = record.get("impact_tolerance") is not None
+    label = "measured deviation (largest relative L2 change of an output)" if measured else (
+        "calibration error (sum of the groups' relative output errors)"
+    )  # fmt: skip
+    curve = [(float(s), float(e)) for s, e in record["curve"]]
+    return ActivationMap(rows, columns, level, None if realized is None else seen, record, curve, label)
+
+
+def _cell_text(level: float, realized: float | None) -> str:
+    if math.isnan(level):
+        return "–"
+    text = f"{level:.1%}"
+    if realized is not None and not math.isnan(realized):
+        text += f" ({realized:.1%})"
+    return text
+
+
+def _headline(m: ActivationMap) -> str:
+    r = m.record
+    text = (
+        f"target {_fmt(r.get('target'))}, {r.get('allocation', '?')} allocation, {r.get('method', '?')} criterion, "
+        f"{r.get('form', '?')} form; realized {_fmt(r.get('realized_on_calibration'))} on {r.get('calibration', '?')}"
+    )
+    if r.get("impact_tolerance") is not None:
+        text += (
+            f"; impact tolerance {_fmt(r['impact_tolerance'])}: chose {_fmt(r.get('chosen'))} "
+            f"(deviation {_fmt(r.get('impact'))})"
+        )
+    return text
+
+
+def render_activation_text(m: ActivationMap, bundle: str = "bundle", realized_from: str | None = None) -> str:
+    """The map and the curve as plain text (what `layerzero report BUNDLE` prints)."""
+    lines = [f"activation sparsity of {bundle}: {_headline(m)}"]
+    what = "calibrated sparsity per group" + (f" (realized on {realized_from} in brackets)" if realized_from else "")
+    lines.append(f"sparsity map, layer x projection group: {what}")
+    cells = [["layer", *m.columns]]
+    for i, row in enumerate(m.rows):
+        cells.append([row] + [
+            _cell_text(m.level[i, j], None if m.realized is None else m.realized[i, j]) for j in range(len(m.columns))
+        ])  # fmt: skip
+    widths = [max(len(r[k]) for r in cells) for k in range(len(cells[0]))]
+    for r in cells:
+        lines.append("  " + "  ".join(v.ljust(w) if k == 0 else v.rjust(w) for k, (v, w) in enumerate(zip(r, widths))))
+    lines.append(f"quality vs sparsity ({len(m.curve)} points): model-wide sparsity -> {m.curve_label}")
+    top = max((e for _, e in m.curve if math.isfinite(e)), default=0.0) or 1.0
+    for s, e in m.curve:
+        bar = "#" * round(40 * min(e, top) / top) if math.isfinite(e) else "(not finite)"
+        lines.append(f"  {s:8.4f}  {e:11.4g}  {bar}")
+    return "\n".join(lines) + "\n"
+
+
+def _curve_svg(m: ActivationMap) -> str:
+    """The curve as an inline SVG line chart (no matplotlib)."""
+    w, h, pad = 520, 260, 44
+    points = [(s, e) for s, e in m.curve if math.isfinite(e)]
+    xmax = max((s for s, _ in points), default=1.0) or 1.0
+    ymax = max((e for _, e in points), default=1.0) or 1.0
+
+    def xy(s: float, e: float) -> str:
+        return f"{pad + s / xmax * (w - 2 * pad):.1f},{h - pad - e / ymax * (h - 2 * pad):.1f}"
+
+    line = " ".join(xy(s, e) for s, e in points)
+    dots = "".join(f'<circle cx="{xy(s, e).split(",")[0]}" cy="{xy(s, e).split(",")[1]}" r="3"/>' for s, e in points)
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img" '
+        f'aria-label="quality vs sparsity">'
+        f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="#444"/>'
+        f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="#444"/>'
+        f'<polyline fill="none" stroke="#2a6ebb" stroke-width="2" points="{line}"/><g fill="#2a6ebb">{dots}</g>'
+        f'<text x="{w / 2}" y="{h - 8}" text-anchor="middle" font-size="12">model-wide sparsity (0 – {xmax:.3g})</text>'
+        f'<text x="12" y="{pad - 14}" font-size="12">{html.escape(m.curve_label)} (0 – {ymax:.3g})</text></svg>'
+    )
+
+
+def render_activation_html(m: ActivationMap, bundle: str = "bundle", realized_from: str | None = None) -> str:
+    """A self-contained page: the map as a table coloured by level, the curve (inline SVG) and its points."""
+    esc = html.escape
+    head = "".join(f"<th>{esc(c)}</th>" for c in ["layer", *m.columns])
+    body = []
+    for i, row in enumerate(m.rows):
+        cells = [f"<td>{esc(row)}</td>"]
+        for j in range(len(m.columns)):
+            level = m.level[i, j]
+            shade = "" if math.isnan(level) else f' style="background: hsl(210, 70%, {96 - 50 * level:.0f}%)"'
+            realized = None if m.realized is None else m.realized[i, j]
+            cells.append(f"<td{shade}>{esc(_cell_text(level, realized))}</td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    points = "".join(f"<tr><td>{s:.4f}</td><td>{e:.4g}</td></tr>" for s, e in m.curve)
+    note = f" (realized on <code>{esc(realized_from)}</code> in brackets)" if realized_from else ""
+    title = f"LayerZero activation sparsity: {esc(bundle)}"
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><meta name="generator" content="{GENERATOR}"><title>{title}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
+table {{ border-collapse: collapse; font-size: 0.85em; margin-bottom: 1.5em; }}
+th, td {{ padding: 0.25em 0.7em; border-bottom: 1px solid #ddd; text-align: right; }}
+th:first-child, td:first-child {{ text-align: left; }}
+th {{ background: #f3f3f3; }}
+code {{ background: #f3f3f3; padding: 0 0.2em; }}
+</style></head>
+<body>
+<h1>{title}</h1>
+<p>{esc(_headline(m))}.</p>
+<h2>Sparsity map</h2>
+<p>Calibrated sparsity of each projection group's input, per layer{note}.</p>
+<table><thead><tr>{head}</tr></thead><tbody>
+{chr(10).join(body)}
+</tbody></table>
+<h2>Quality vs sparsity</h2>
+<p>Model-wide sparsity (parameter-weighted) against the {esc(m.curve_label)}, as calibration measured it.</p>
+{_curve_svg(m)}
+<table><thead><tr><th>sparsity</th><th>{esc(m.curve_label)}</th></tr></thead><tbody>{points}</tbody></table>
+</body></html>
+"""
+
+
+def write_activation_report(m: ActivationMap, out: str | Path, bundle: str, realized_from: str | None) -> Path:
+    """The map as ``.html`` (atomically; PNG / SVG are the profile map's formats only)."""
+    out = Path(out)
+    if out.suffix.lower() != ".html":
+        raise InvalidInputError(f"{out}: a bundle's activation-sparsity map is written as .html")
+    data = render_activation_html(m, bundle, realized_from).encode("utf-8")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
         tmp.write_bytes(data)

@@ -41,6 +41,8 @@ class ExposeForceOff(ir.passes.InPlacePass):
        Skipping form, ``if`` and ``ort-moe`` lowerings.
     2. Gate / group: every reader of the mask (the ``If`` conditions, the mask output) reads
        ``And(mask, Not(force))``: the branch takes its else path (the residual; the bypassed layers).
+    3. Activation-sparsity groups (kind ``"activation"``) are not forced off: their mask is a kept-channel count,
+       and their impact is the compile's measured deviation; listed in ``self.missing``.
     A path whose anchors are not found keeps running; it is listed in ``self.missing`` with the reason,
     and gets neither input nor output.
     """
@@ -70,6 +72,8 @@ class ExposeForceOff(ir.passes.InPlacePass):
 
     def _expose(self, graph: ir.Graph, names: NameFactory, entry: DynamicPath, force_name: str) -> str | None:
         shape = [len(entry.subpaths)] if len(entry.subpaths) > 1 else []
+        if entry.kind == "activation":  # its mask counts kept channels (no switch): its impact is the compile's
+            return "an activation-sparsity group (its deviation is measured at compile time), not a path to force off"
         if entry.kind == "moe":
             logits = moe_logits(graph, entry)
             if logits is None:

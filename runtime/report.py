@@ -175,8 +175,8 @@ class Report:
             "removed_scopes": list(self.removed_scopes),
             "summary": self.summary(),
         }
-        if self.activation_sparsity:  # only a model with activation sparsity has the key (run_bundle's JSON is the
-            # same as this one for every other bundle; it does not report activation sparsity yet)
+        if self.activation_sparsity:  # only a model with activation sparsity has the key (as run_bundle, the C++
+            # runner, writes it: the same JSON for every bundle)
             out["activation_sparsity"] = {k: float(v) for k, v in self.activation_sparsity.items()}
         return out
 

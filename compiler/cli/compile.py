@@ -33,6 +33,13 @@ whose measured impact (relative L2 change of the output when forced off) is belo
 removed for good: an expert from its router and weights, a branch or group takes its else path. The manifest
 lists what went ("solidified"), verified against the original with those paths forced off.
 
+--activation-sparsity S thresholds each projection's input (per channel, calibrated: TEAL's greedy allocation to
+S model-wide) on --activation-calibration requests, or on the distributions a `layerzero profile --activations`
+profile given as --profile recorded. With --impact-tolerance T as well, S is a cap: the largest sparsity <= S (on
+the greedy path, 0.05 apart, and S) whose measured deviation (the largest relative L2 change of an output from
+the dense model on the calibration requests, the unit of solidify's impact) stays <= T; the manifest records the
+sparsity chosen, its deviation and each level measured ("activation_sparsity": chosen, impact, curve).
+
 --target tensorrt also lowers the MoE blocks to the LayerZero TensorRT plugin, builds a TensorRT engine
 (model.plan, next to the lowered model.onnx) and checks it against onnxruntime; it needs the tensorrt package,
 a GPU and the plugin library (`layerzero plugins build`). Its --shape takes NAME:MIN/OPT/MAX, the optimisation
@@ -115,7 +122,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         solid, "remove paths skipped at least N consecutive requests (or tokens) in the profile (default 100)"
     )
     add_stability_unit(solid, "what --stability-window counts (default requests)")
-    add_impact_tolerance(solid, "... and whose measured impact on the output (relative L2) is below T (default 0.01)")
+    add_impact_tolerance(solid, "... and whose measured impact on the output (relative L2) is below T (default 0.01); "
+                                "with --activation-sparsity S: the largest sparsity <= S whose deviation is <= T")
+    # Given or not: --activation-sparsity searches only when it is given (the default is compile's, marked).
+    p.set_defaults(impact_tolerance=_Default(CompileOptions.impact_tolerance))
     add_quant_arguments(p)
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     add_target_arguments(p)
@@ -210,7 +220,13 @@ def tensorrt_options_from(args: argparse.Namespace):
     )
 
 
+class _Default(float):
+    """A default that says it is one (``--impact-tolerance`` not given)."""
+
+
 def options_from(args: argparse.Namespace) -> CompileOptions:
+    tolerance = getattr(args, "impact_tolerance", None)
+    tolerance = None if tolerance is None or isinstance(tolerance, _Default) else float(tolerance)  # None: not given
     return CompileOptions(
         assume_finite=not args.no_assume_finite,
         flag_pattern=args.flag_pattern,
@@ -229,7 +245,7 @@ def options_from(args: argparse.Namespace) -> CompileOptions:
         profile=getattr(args, "profile", None),
         stability_window=getattr(args, "stability_window", 100),
         stability_unit=getattr(args, "stability_unit", "requests"),
-        impact_tolerance=getattr(args, "impact_tolerance", 0.01),
+        impact_tolerance=CompileOptions.impact_tolerance if tolerance is None else tolerance,
         weights=getattr(args, "weights", "float"),
         quant_block=getattr(args, "quant_block", 32),
         quant_symmetric=not getattr(args, "quant_asymmetric", False),
@@ -239,6 +255,7 @@ def options_from(args: argparse.Namespace) -> CompileOptions:
         activation_calibration=getattr(args, "activation_calibration", None),
         activation_method=getattr(args, "activation_method", "wina"),
         fuse=not getattr(args, "no_fuse", False),
+        activation_impact_tolerance=tolerance if getattr(args, "activation_sparsity", None) else None,
     )
 
 
@@ -279,6 +296,11 @@ def print_activation_sparsity(a: dict | None) -> None:
         f"{a['realized_on_calibration']:.3f} on {a['calibration']}; {len(a['groups'])} groups, levels "
         f"{min(a['groups'].values(), default=0):.2f}-{max(a['groups'].values(), default=0):.2f}"
     )
+    if a.get("impact_tolerance") is not None:
+        console.print(
+            f"  impact tolerance {a['impact_tolerance']:g}: chose sparsity {a['chosen']:g} (deviation "
+            f"{a['impact']:.3g}; measured at {len(a['curve']) - 1} levels)"
+        )
 
 
 def print_quantization(q: dict | None) -> None:

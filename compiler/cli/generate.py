@@ -17,6 +17,8 @@ the steps that row took (one that stopped early has fewer), but what a step skip
 no row's token ran ("batch_rows" in the report says how many rows shared each step).
 Generation stops at --max-new-tokens, at --max-tokens (prompt included; a longer prompt is an error) or at a
 stop token (--stop-ids, default the eos ids recorded at export).
+--no-activation-sparsity runs a bundle compiled with --activation-sparsity dense (its activation scale 0): the
+same tokens as the dense compile, for an A/B of the sparsity's effect on the text.
 --temperature 0 (the default) is greedy; above 0 it samples, with --top-k, --top-p and --seed.
 
 examples:
@@ -27,6 +29,7 @@ examples:
   layerzero generate model.lz --prompt-ids 1,2,3 --json --masks
   layerzero generate model.lz --prompt-ids 1,2,3 --prompt-ids 7,8 --max-new-tokens 16
   layerzero generate model.lz --prompt-file prompts.txt --json
+  layerzero generate sparse.lz --prompt-ids 1,2,3 --no-activation-sparsity
 """
 
 from __future__ import annotations
@@ -38,7 +41,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from layerzero.cli._common import add_threads, integer, number, one_line_errors, stderr, thread_options
+from layerzero.cli._common import (
+    add_no_activation_sparsity,
+    add_threads,
+    apply_activation_flag,
+    integer,
+    number,
+    one_line_errors,
+    stderr,
+    thread_options,
+)
 from layerzero.errors import InvalidInputError
 
 
@@ -74,6 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object: ids, text, report")
     p.add_argument("--backend", default="onnxruntime", help="runtime backend (default onnxruntime)")
     add_threads(p)
+    add_no_activation_sparsity(p)
 
 
 def _ids(text: str, option: str, *, allow_none: bool = False) -> list[int]:
@@ -101,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
     from layerzero.runtime import Engine
 
     engine = Engine.load(args.bundle, backend=args.backend, **thread_options(args, args.backend))
+    apply_activation_flag(engine, args)
     from layerzero.runtime.text import TextCodec
 
     # The same tokenizer path as the server's OpenAI endpoints (runtime/text.py).

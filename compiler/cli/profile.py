@@ -8,6 +8,13 @@ of the model output when that path alone is forced off (on an in-memory variant 
 Writes a JSON profile (versioned; it names the bundle's model sha256 and its source model's sha256), which
 `layerzero compile --profile` solidifies and `layerzero report` draws.
 
+--activations also records, for every projection input of the model (the q/k/v, o, gate/up and down groups of
+each layer that `compile --activation-sparsity` thresholds), the distribution of its magnitudes: quantile
+tables of |x| and |x|·‖W row‖ pooled over the group (1/1000 apart), per-channel quantiles of |x| (0, 0.05, ...,
+1) and the group's output error at each sparsity level. `layerzero compile --profile P --activation-sparsity S`
+then calibrates from the profile instead of running its own calibration requests. Profile a dense bundle
+(compiled without --activation-sparsity).
+
 --data is an .npz whose arrays have a leading request axis, one per input name ([R, ...]), or a directory
 of .npz files, one request each (file-name order). For a causal LM that `layerzero export` wrote, input_ids
 alone will do ([R, 1, seq] or [R, seq]): attention_mask, position_ids and an empty past are filled as the first
@@ -16,6 +23,7 @@ step of a generation.
 examples:
   layerzero profile model.lz --data calib.npz -o profile.json
   layerzero profile model.lz --data requests/ --impact-samples 32
+  layerzero profile dense.lz --data calib.npz --activations -o profile.json
 """
 
 from __future__ import annotations
@@ -54,6 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="measure impact on the first N requests (default 8; 0: counters only)",
     )
+    p.add_argument(
+        "--activations",
+        action="store_true",
+        help="record each projection input's magnitude distribution (for compile --profile --activation-sparsity)",
+    )
     add_force(p, "replace OUTPUT even if it is not a profile")
     p.add_argument("--top", type=integer(0), default=10, metavar="K", help="paths shown in the summary (default 10)")
 
@@ -79,8 +92,9 @@ def run(args: argparse.Namespace) -> int:
             bar.update(tasks[stage], completed=done)
 
         doc = profile_bundle(
-            args.bundle, requests, impact_samples=args.impact_samples, data=str(args.data), on_progress=tick
-        )
+            args.bundle, requests, impact_samples=args.impact_samples, data=str(args.data), on_progress=tick,
+            activations=args.activations,
+        )  # fmt: skip
     write_file_atomic(args.output, (json.dumps(doc, indent=1) + "\n").encode("utf-8"), "-o")
     _summary(doc, args.top)
     console.print(f"wrote {args.output}")
@@ -100,6 +114,10 @@ def _summary(doc: dict, top: int) -> None:
         f"profiled {traffic['requests']} requests ({traffic['tokens']} tokens), "
         f"impact on {doc['impact']['samples']}; {len(doc['paths'])} paths"
     )
+    if doc.get("activations"):
+        groups = doc["activations"]["groups"]
+        rows = max((g["rows"] for g in groups.values()), default=0)
+        console.print(f"activations of {len(groups)} projection groups ({rows} token rows each)")
     paths = sorted(
         doc["paths"],
         key=lambda p: (-p["zeroing_stability"]["requests"], -p["tokens"]["skipped"], p["path"]),

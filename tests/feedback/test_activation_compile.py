@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
@@ -221,9 +222,14 @@ def test_options_check_the_activation_fields(tmp_path: Path) -> None:
     assert CompileOptions(activation_sparsity=0.4, verify=False).activation_sparsity == 0.4  # unverified: no bound
     for bad in ({"activation_sparsity": 0.96, "max_deviation": 1}, {"activation_sparsity": float("nan")},
                 {"activation_method": "teal"}, {"activation_sparsity": True},
-                {"activation_sparsity": 0.3, "verify": False, "dynamic": False}):  # fmt: skip
+                {"activation_sparsity": 0.3, "verify": False, "dynamic": False},
+                {"activation_impact_tolerance": 0.1, "verify": False},
+                {"activation_sparsity": 0.3, "verify": False, "activation_impact_tolerance": -0.1},
+                {"activation_sparsity": 0.3, "verify": False, "activation_impact_tolerance": math.inf}):  # fmt: skip
         with pytest.raises(InvalidInputError, match="option activation_"):
             CompileOptions(**bad)
+    o = CompileOptions(activation_sparsity=0.3, verify=False, activation_impact_tolerance=0.05)
+    assert o.activation_impact_tolerance == 0.05
 
 
 def test_json_calibration_requests(bundles: Path, tmp_path: Path) -> None:
@@ -286,3 +292,77 @@ def test_default_calibration_is_the_seeded_sets_or_the_sample_inputs(bundles: Pa
     options = CompileOptions(activation_sparsity=0.3, verify=False, sample_inputs=sample)
     record = compile_model(bundles / "m.onnx", options).activation_sparsity
     assert record["calibration"] == f"the sample inputs {sample}" and record["calibration_rows"] == SEQ
+
+
+def test_generate_no_activation_sparsity_gives_the_dense_ids(bundles: Path, capsys) -> None:
+    """`layerzero generate --no-activation-sparsity`: the greedy ids of the dense compile (one prompt and a batch);
+    without the flag the sparse bundle's ids differ (so the flag is what made them equal)."""
+    from layerzero.cli import main
+
+    prompt = [int(i) for i in _feeds(seq=9, seed=11)["input_ids"][0]]
+    other = [int(i) for i in _feeds(seq=5, seed=12)["input_ids"][0]]
+    ids = ",".join(map(str, prompt))
+
+    def generate(bundle: str, *extra: str) -> dict:
+        capsys.readouterr()
+        args = ["generate", str(bundles / bundle), "--prompt-ids", ids, "--max-new-tokens", "8", "--json", *extra]
+        assert main(args) == 0
+        return json.loads(capsys.readouterr().out)
+
+    dense = generate("dense.lz")["ids"]
+    assert generate("sparse.lz")["ids"] != dense
+    off = generate("sparse.lz", "--no-activation-sparsity")
+    assert off["ids"] == dense
+    assert all(s == 0 for s in off["report"].get("activation_sparsity", {}).values())
+    batch = ("--prompt-ids", ",".join(map(str, other)))
+    want = [r["ids"] for r in generate("dense.lz", *batch)["results"]]
+    got = [r["ids"] for r in generate("sparse.lz", *batch, "--no-activation-sparsity")["results"]]
+    assert got == want
+
+
+def test_report_draws_the_sparsity_map_and_the_curve(bundles: Path, tmp_path: Path, capsys) -> None:
+    """`layerzero report BUNDLE`: the calibrated level of every group (layer x projection), the realized sparsity
+    of a `layerzero run --json` given as --realized, and the calibration's quality-vs-sparsity curve, as text and
+    as HTML: the manifest's numbers and the run's."""
+    from layerzero.cli import main
+
+    sparse = bundles / "sparse.lz"
+    record = _manifest(sparse)["activation_sparsity"]
+    capsys.readouterr()
+    assert main(["report", str(sparse)]) == 0
+    text = capsys.readouterr().out
+    assert f"realized {record['realized_on_calibration']:.3g}" in text
+    lines = text.splitlines()
+    for i in range(LAYERS):
+        row = next(line for line in lines if line.strip().startswith(f"model.layers.{i} "))
+        want = [f"{record['groups'][f'model.layers.{i}.{k}']:.1%}" for k in
+                ("self_attn.qkv", "self_attn.o", "mlp.gate_up", "mlp.down")]  # fmt: skip
+        assert row.split()[1:] == want, (row, want)
+    start = next(k for k, line in enumerate(lines) if "quality vs sparsity" in line) + 1
+    curve = [line.split()[:2] for line in lines[start:]]
+    assert curve == [[f"{s:.4f}", f"{e:.4g}"] for s, e in record["curve"]] and len(curve) > 2
+
+    npz = tmp_path / "req.npz"
+    np.savez(npz, **_feeds(seq=9, seed=11))
+    assert main(["run", str(sparse), "--inputs", str(npz), "--json"]) == 0
+    run = tmp_path / "run.json"
+    run.write_text(capsys.readouterr().out)
+    realized = json.loads(run.read_text())["report"]["activation_sparsity"]
+    out = tmp_path / "map.html"
+    assert main(["report", str(sparse), "--realized", str(run), "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    page = out.read_text()
+    assert "layerzero report" in page and "<svg" in page
+    for name, level in record["groups"].items():
+        cell = f"{level:.1%} ({realized[name]:.1%})"
+        assert cell in text and cell in page, name
+    for s, e in record["curve"]:
+        assert f"<td>{s:.4f}</td><td>{e:.4g}</td>" in page
+
+    # A dense bundle has no map; --realized with a profile, or a run of another model: one line, exit 2.
+    assert main(["report", str(bundles / "dense.lz")]) == 2
+    assert "no activation sparsity" in capsys.readouterr().err
+    (tmp_path / "other.json").write_text(json.dumps({"report": {"activation_sparsity": {"x.y": 0.5}}}))
+    assert main(["report", str(sparse), "--realized", str(tmp_path / "other.json")]) == 2
+    err = capsys.readouterr().err
+    assert "names none of the bundle's activation groups" in err and err.count("\n") == 1

@@ -1,6 +1,7 @@
 """plugins/examples/run_bundle: a C++ program runs a bundle through ONNX Runtime's C++ API and prints what
 ``layerzero run BUNDLE --inputs FEEDS.npz --json`` prints (outputs and zeroing report), on a MoE bundle with the
-native op (liblayerzero_ort.so registered from the manifest's ``libraries``) and on a static one.
+native op (liblayerzero_ort.so registered from the manifest's ``libraries``), on an activation-sparse one
+(SparseLinear: the realized sparsity per group) and on a static one.
 
 Built with CMake against the ONNX Runtime headers (scripts/fetch_ort_headers.sh) and the onnxruntime wheel's own
 libonnxruntime.so; with ``LAYERZERO_REQUIRE_NATIVE=1`` (CI) a missing prerequisite fails instead of skipping.
@@ -126,6 +127,58 @@ def static_bundle(tmp_path_factory) -> tuple[Path, Path]:
     feeds = example_feeds(cfg, seq=5)
     np.savez(tmp / "feeds.npz", **feeds)
     return tmp / "t.lz", tmp / "feeds.npz"
+
+
+@pytest.fixture(scope="module")
+def activation_bundle(tmp_path_factory, ort_lib) -> tuple[Path, Path]:
+    """A 2-layer transformer compiled with --activation-sparsity 0.4 in the native form (SparseLinear from
+    liblayerzero_ort.so); its node names are put under ``model.`` (``/model/layers.0/...``, as a transformers export
+    names them) so its projections are the pass's groups."""
+    from layerzero.compile import compile_file
+    from layerzero.models import TransformerConfig, build_transformer, example_feeds
+    from layerzero.options import CompileOptions
+
+    tmp = tmp_path_factory.mktemp("activation")
+    cfg = TransformerConfig(num_layers=2)
+    proto = build_transformer(cfg)
+    for node in proto.graph.node:
+        if node.name.startswith("/layers."):
+            node.name = "/model" + node.name
+    onnx.save(proto, tmp / "t.onnx")
+    os.environ["LAYERZERO_PLUGIN_DIR"] = str(ort_lib.parent)
+    try:
+        compile_file(tmp / "t.onnx", tmp / "t.lz", CompileOptions(activation_sparsity=0.4, max_deviation=100.0))
+    finally:
+        del os.environ["LAYERZERO_PLUGIN_DIR"]
+    manifest = json.loads((tmp / "t.lz" / "manifest.json").read_text())
+    assert manifest["activation_sparsity"]["form"] == "native" and manifest["libraries"] == ["liblayerzero_ort.so"]
+    np.savez(tmp / "feeds.npz", **example_feeds(cfg, seq=6))
+    return tmp / "t.lz", tmp / "feeds.npz"
+
+
+def test_activation_sparse_bundle_reports_what_layerzero_run_reports(run_bundle, activation_bundle, ort_lib):
+    # Per group the realized sparsity from the layerzero::mask::<group> kept counts, the weight rows not read in
+    # skipped_params and zeroed_params_ratio, the summary's "activations ... zeroed": the same JSON as Python's.
+    bundle, feeds = activation_bundle
+    for extra in ((), ("--masks",)):
+        got = _compare(_cpp(run_bundle, bundle, feeds, *extra, lib_dir=ort_lib.parent),
+                       _python(bundle, feeds, ort_lib.parent, *extra))  # fmt: skip
+        report = got["report"]
+        groups = {f"model.layers.{i}.attention.{k}" for i in range(2) for k in ("qkv", "o")}
+        groups |= {f"model.layers.{i}.mlp.{k}" for i in range(2) for k in ("gate_up", "down")}
+        assert set(report["activation_sparsity"]) == groups
+        assert 0.2 < sum(report["activation_sparsity"].values()) / len(groups) < 0.6, report["activation_sparsity"]
+        assert report["skipped_params"] > 0 and report["zeroed_params_ratio"] > 0
+        assert "activations " in report["summary"] and bool(report["masks"]) == bool(extra)
+    # layerzero::activation_scale in the feeds (an overridable initializer to ONNX Runtime): 0 is the dense model.
+    dense = Path(str(feeds).replace(".npz", "_dense.npz"))
+    np.savez(dense, **dict(np.load(feeds)), **{"layerzero::activation_scale": np.float32(0.0)})
+    got = _compare(_cpp(run_bundle, bundle, dense, lib_dir=ort_lib.parent), _python(bundle, dense, ort_lib.parent))
+    assert all(v == 0 for v in got["report"]["activation_sparsity"].values()) and got["report"]["skipped_params"] == 0
+    bad = Path(str(feeds).replace(".npz", "_bad.npz"))
+    np.savez(bad, **dict(np.load(feeds)), **{"layerzero::activation_scale": np.float32(-1.0)})
+    done = _cpp(run_bundle, bundle, bad, lib_dir=ort_lib.parent)
+    assert done.returncode == 2 and "expected a finite number >= 0" in done.stderr and done.stderr.count("\n") == 1
 
 
 def test_moe_bundle_with_the_native_op_prints_what_layerzero_run_prints(run_bundle, moe_bundle, ort_lib):

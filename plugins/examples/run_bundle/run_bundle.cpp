@@ -2,13 +2,16 @@
 //
 //   run_bundle BUNDLE_DIR FEEDS.npz [--lib-dir DIR] [--masks] [--threads N]
 //
+// FEEDS.npz may hold layerzero::activation_scale (a float32 scalar; 0 runs an activation-sparse bundle dense).
+//
 // It loads BUNDLE_DIR/model.onnx, registers the custom-op libraries BUNDLE_DIR/manifest.json lists
 // ("libraries": liblayerzero_ort.so for the native MoE op; looked for in --lib-dir, $LAYERZERO_PLUGIN_DIR,
 // ~/.cache/layerzero/plugins), feeds every input from FEEDS.npz (np.savez: one array per input name), runs once
 // and prints, as one JSON document, what `layerzero run BUNDLE --inputs FEEDS.npz --json` prints: the user outputs
 // ({"shape", "dtype", "values"}), the zeroing report (the layers and parameters the compiler removed, from the
 // manifest; the dynamic paths skipped on this request, from the `layerzero::mask::` outputs; the routing
-// confidence, from the `layerzero::router::` outputs) and the latency.
+// confidence, from the `layerzero::router::` outputs; the activation sparsity, per group of a bundle compiled with
+// --activation-sparsity, from its `layerzero::mask::<group>` kept counts) and the latency.
 //
 // Bad input (a missing file, a malformed manifest or .npz, a missing or unknown input, a dtype or rank the model
 // does not take) is one line on stderr and exit 2; ONNX Runtime's own failures are one line and exit 1.
@@ -35,6 +38,7 @@ namespace {
 
 constexpr const char* kMaskPrefix = "layerzero::mask::";
 constexpr const char* kRouterPrefix = "layerzero::router::";
+constexpr const char* kActivationScale = "layerzero::activation_scale";
 
 struct BadInput : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -476,6 +480,8 @@ struct Report {
   int64_t skipped_params = 0;
   bool has_confidence = false;
   double routing_confidence = 0.0;
+  // Per activation-sparsity group, in output order: 1 - mean(kept) / channels over its token rows.
+  std::vector<std::pair<std::string, double>> activation_sparsity;
 };
 
 bool is_int(const Json* v) { return v && v->kind == Json::Number && v->integral; }
@@ -523,6 +529,13 @@ std::string summary(const Report& r) {
   if (!r.skipped_paths.empty()) {
     size_t n = r.skipped_paths.size();
     text += "; skipped " + std::to_string(n) + (n != 1 ? " paths" : " path") + " on this request";
+  }
+  if (!r.activation_sparsity.empty()) {
+    double sum = 0.0;  // in order, as Python's sum() adds
+    for (const auto& [_, s] : r.activation_sparsity) sum += s;
+    std::snprintf(buf, sizeof buf, "; activations %.1f%% zeroed (mean of %zu groups)",
+                  sum / static_cast<double>(r.activation_sparsity.size()) * 100.0, r.activation_sparsity.size());
+    text += buf;
   }
   if (r.has_confidence) {
     std::snprintf(buf, sizeof buf, "; routing confidence %.3f", r.routing_confidence);
@@ -602,6 +615,31 @@ int run(const Args& args) {
                                               info.GetElementType()));
     input_names.push_back(name);
   }
+  // An initialized graph input (layerzero::activation_scale: 1 as compiled, 0 dense) is an overridable initializer
+  // to ONNX Runtime, not an input: fed when FEEDS holds it, as `layerzero run` feeds it.
+  for (size_t i = 0; i < session.GetOverridableInitializerCount(); ++i) {
+    std::string name = session.GetOverridableInitializerNameAllocated(i, allocator).get();
+    auto it = feeds.find(name);
+    if (it == feeds.end()) continue;
+    Ort::TypeInfo type_info = session.GetOverridableInitializerTypeInfo(i);
+    auto info = type_info.GetTensorTypeAndShapeInfo();
+    Array& a = it->second;
+    if (name == kActivationScale) {
+      if (a.dtype != "float32" || !a.shape.empty())
+        throw BadInput("input '" + name + "' must be a float32 scalar (np.float32(s)), got " + a.dtype);
+      float v;
+      std::memcpy(&v, a.data.data(), sizeof v);
+      if (!std::isfinite(v) || v < 0) throw BadInput("input '" + name + "': expected a finite number >= 0");
+    }
+    if (ort_type(a.dtype) != info.GetElementType())
+      throw BadInput("input '" + name + "' is " + a.dtype + ", the model takes " + dtype_name(info.GetElementType()));
+    if (info.GetShape().size() != a.shape.size())
+      throw BadInput("input '" + name + "' has rank " + std::to_string(a.shape.size()) + ", the model takes rank " +
+                     std::to_string(info.GetShape().size()));
+    inputs.push_back(Ort::Value::CreateTensor(cpu, a.data.data(), a.data.size(), a.shape.data(), a.shape.size(),
+                                              info.GetElementType()));
+    input_names.push_back(name);
+  }
   for (const auto& [name, _] : feeds)
     if (std::find(input_names.begin(), input_names.end(), name) == input_names.end() && name != "layerzero::threshold")
       throw BadInput("unknown input '" + name + "' in " + args.feeds);
@@ -661,8 +699,25 @@ int run(const Args& args) {
       if (n && !any) report.skipped_paths.push_back(path);
       continue;
     }
-    const auto& subpaths = entry->second->get("subpaths")->items;
     const auto& params = entry->second->get("params")->items;
+    if (const Json* kind = entry->second->get("kind"); kind && kind->kind == Json::String && kind->str == "activation") {
+      // An activation group (runtime/report.py _add_activation): each token row's kept channel count; the weight
+      // rows of the zeroed channels are not read, so params x that fraction (rounded half to even, as Python's
+      // round) count as skipped parameters.
+      const Json* detail = entry->second->get("detail");
+      const Json* channels = detail ? detail->get("channels") : nullptr;
+      if (!n || !is_int(channels) || channels->num <= 0) continue;
+      double kept = 0.0;  // integers: exact in a double, as numpy's float64 mean sums them
+      for (size_t k = 0; k < n; ++k) kept += element(data, t, k);
+      double zeroed = 1.0 - (kept / static_cast<double>(n)) / channels->num;
+      report.activation_sparsity.emplace_back(path, zeroed);
+      int64_t total = 0;
+      for (const auto& p : params)
+        if (p.kind == Json::Number) total += static_cast<int64_t>(p.num);
+      report.skipped_params += static_cast<int64_t>(std::nearbyint(zeroed * static_cast<double>(total)));
+      continue;
+    }
+    const auto& subpaths = entry->second->get("subpaths")->items;
     size_t columns = subpaths.size();
     for (size_t j = 0; j < columns; ++j) {
       bool any = false;
@@ -720,6 +775,16 @@ int run(const Args& args) {
   write_list(report.removed_scopes);
   out << ", \"summary\": ";
   write_string(out, summary(report));
+  if (!report.activation_sparsity.empty()) {  // only a model with activation sparsity has the key, as in Python
+    out << ", \"activation_sparsity\": {";
+    for (size_t i = 0; i < report.activation_sparsity.size(); ++i) {
+      out << (i ? ", " : "");
+      write_string(out, report.activation_sparsity[i].first);
+      out << ": ";
+      write_double(out, report.activation_sparsity[i].second);
+    }
+    out << "}";
+  }
   out << "}, \"latency_ms\": ";
   write_double(out, ms);
   out << "}\n";
