@@ -56,3 +56,24 @@ def test_export_writes_external_data_directly(tmp_path: Path, monkeypatch: pytes
     proto = onnx.load(str(out), load_external_data=False)
     kinds = {t.data_type for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
     assert onnx.TensorProto.BFLOAT16 in kinds  # the exporter kept the checkpoint's bf16
+
+
+def test_bfloat16_export_compiles_int4_verified_and_generates(tmp_path: Path) -> None:
+    """A bf16 export compiles (ORT's CPU kernels take no bf16 MatMul, nor could verification draw bf16 inputs:
+    ``cannot generate values of type bfloat16`` before): float32 computed, verified against the upcast original,
+    int4 weights; the bundle's inputs and outputs are float32 and it generates."""
+    from layerzero.compile import compile_file
+    from layerzero.options import CompileOptions
+    from layerzero.runtime import Engine
+
+    hf = _olmoe(tmp_path / "hf")
+    out = tmp_path / "model.onnx"
+    hf_export.export_hf(hf, out)
+    result = compile_file(out, tmp_path / "model.lz", CompileOptions(weights="int4"))
+    assert result.verification is not None and result.verification.passed
+    assert result.quantization["quantized"]["moe"] + result.quantization["quantized"]["matmul"] > 0
+    compiled = onnx.load(str(tmp_path / "model.lz" / "model.onnx"), load_external_data=False)
+    types = {v.type.tensor_type.elem_type for v in (*compiled.graph.input, *compiled.graph.output)}
+    assert onnx.TensorProto.BFLOAT16 not in types
+    ids = Engine.load(tmp_path / "model.lz").generate([5, 17, 3], max_new_tokens=4).ids
+    assert len(ids) == 4
