@@ -15,9 +15,10 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from layerzero.chunked import weight_bytes
 from layerzero.contract import ACTIVATION_SCALE_INPUT, reserved_name_problem
 from layerzero.errors import InvalidInputError, UnsupportedModelError, VerificationError
-from layerzero.loader import load_model
+from layerzero.loader import has_bfloat16, load_model, upcast_bfloat16
 from layerzero.options import CompileOptions
 from layerzero.passes._dynamic import read_dynamic_paths
 from layerzero.pipeline import (
@@ -121,6 +122,8 @@ def compile_model(
     else:
         source_path, model = None, source
     _check_reserved_names(model)
+    if has_bfloat16(model):  # ORT's CPU kernels take no bf16 MatMul: compiled (and verified) as float32, lazily
+        logger.info("bfloat16 model: computed in float32 (%d tensors and values upcast)", upcast_bfloat16(model))
     plan = None
     if options.profile is not None:
         # Solidify: the profile's always-skipped, harmless paths become options.solidify (the passes remove them).
@@ -388,15 +391,27 @@ def verify_compiled(
         tell()
 
     def load_original() -> ir.Model:
-        return load_model(source_path) if source_path is not None else ir.from_proto(original_proto)
+        if source_path is None:
+            return ir.from_proto(original_proto)
+        model = load_model(source_path)
+        if has_bfloat16(model):  # as compile_model loaded it: float32, each weight upcast when read
+            upcast_bfloat16(model)
+        return model
 
     with tempfile.TemporaryDirectory(prefix=f"layerzero-verify-{os.getpid()}-") as tmp:
+        runner_source, runner_proto = source_path, original_proto
         if source_path is not None:
             header = onnx.load(str(source_path), load_external_data=False)
+            if has_bfloat16(load_model(source_path)):  # the graph only: no weight is read
+                _upcast_header(header)
+                if weight_bytes(compiled) <= options.chunked_verify_bytes:
+                    # A small bfloat16 source runs whole in ORT as its float32 form (never the file: ORT's CPU
+                    # kernels take no bf16 MatMul); a large one runs chunked, each chunk's weights upcast when lent.
+                    runner_source, runner_proto = None, ir.to_proto(load_original())
         else:
             header = original_proto
         runners = verification_runners(
-            compiled, options.chunked_verify_bytes, Path(tmp), source_path, original_proto, load_original,
+            compiled, options.chunked_verify_bytes, Path(tmp), runner_source, runner_proto, load_original,
             on_chunk=lambda i, n: tell((i, n)),
         )
         if options.sample_inputs is not None:
@@ -533,6 +548,16 @@ def verify_compiled(
         culprit = _bisect(load_original, options, failing, references[k], names, runners, comparator)
         raise VerificationError(comparator.mismatch(result, worst, failing, culprit), result=result)
     return result
+
+
+def _upcast_header(header: onnx.ModelProto) -> onnx.ModelProto:
+    """The weightless header of a bfloat16 source, in place: its graph inputs and outputs made float32 as
+    ``upcast_bfloat16`` makes them (the verification's inputs are drawn from it)."""
+    bf16, f32 = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT
+    for value in (*header.graph.input, *header.graph.output):
+        if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type == bf16:
+            value.type.tensor_type.elem_type = f32
+    return header
 
 
 #: What the zeroing of a ``--weights int4|int8`` compile is verified against (the manifest's

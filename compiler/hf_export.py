@@ -420,7 +420,11 @@ def _export_dynamo(
     )
     if program is None:
         raise RuntimeError("torch.onnx.export returned no program")
-    program.save(str(out))
+    # Weights past EXTERNAL_DATA_BYTES go straight to ``<out>.data``, one tensor at a time: saving them inline
+    # (the exporter's choice under 2 GB) serializes the whole proto in memory, then ``_set_metadata`` reads and
+    # moves them again (a 1.2 GB bf16 OLMoE layer: 7.8 GB peak inline, see bench/real_size.py).
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    program.save(str(out), external_data=size > EXTERNAL_DATA_BYTES)
 
 
 def _export_torchscript(

@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from layerzero.errors import InvalidInputError, UnsupportedModelError
 
-__all__ = ["check_external_data", "load_model"]
+__all__ = ["check_external_data", "has_bfloat16", "load_model", "upcast_bfloat16"]
 
 logger = logging.getLogger(__name__)
 
@@ -141,3 +142,78 @@ def _all_nodes(graph: onnx.GraphProto):
             elif attr.type == onnx.AttributeProto.GRAPHS:
                 for g in attr.graphs:
                     yield from _all_nodes(g)
+
+
+def has_bfloat16(model: ir.Model) -> bool:
+    """Whether any value, initializer or graph input / output of ``model`` is bfloat16 (weights are not read)."""
+    bf16 = ir.DataType.BFLOAT16
+    for graph in model.graphs():
+        for value in (*graph.inputs, *graph.outputs, *graph.initializers.values()):
+            if value.dtype == bf16:
+                return True
+        for node in graph:
+            if any(v.dtype == bf16 for v in node.outputs):
+                return True
+    return False
+
+
+def _upcast_tensor(tensor: ir.TensorProtocol, name: str | None) -> ir.LazyTensor:
+    """``tensor`` (bfloat16) as a float32 tensor computed on every read (never cached: a weight read by a pass is
+    upcast, used and dropped, so the model is never held in float32). External data is read with a plain file read,
+    not through a memory map: the pages of a map stay in the process's RSS as long as the map lives (all of a
+    13.8 GB file once every weight was read), a read's buffer goes with the array."""
+
+    def read() -> ir.Tensor:
+        if isinstance(tensor, ir.ExternalTensor):
+            count = int(np.prod(tensor.shape.numpy(), dtype=np.int64))
+            with open(tensor.path, "rb") as f:
+                f.seek(tensor.offset or 0)
+                bits = np.fromfile(f, dtype=np.uint16, count=count)
+            if bits.size != count:
+                raise UnsupportedModelError(f"{tensor.path}: tensor {name!r} is cut short ({bits.size} of {count})")
+            array = (bits.astype(np.uint32) << 16).view(np.float32).reshape(tensor.shape.numpy())
+        else:
+            array = np.asarray(tensor.numpy(), dtype=np.float32)
+        return ir.Tensor(array, name=name)
+
+    return ir.LazyTensor(read, dtype=ir.DataType.FLOAT, shape=ir.Shape(tensor.shape), name=name)
+
+
+def upcast_bfloat16(model: ir.Model) -> int:
+    """Make a bfloat16 model compute in float32, in place; returns how many tensors changed.
+
+    ONNX Runtime's CPU kernels take no bfloat16 MatMul (nor can verification draw bfloat16 inputs), so a bfloat16
+    export (``layerzero export`` of a checkpoint saved in bf16) is compiled as the same graph in float32: every
+    bfloat16 value (graph inputs and outputs included) becomes float32, a ``Cast`` to bfloat16 casts to float32, a
+    bfloat16 ``Constant`` / ``ConstantOfShape`` value is upcast, and every bfloat16 initializer becomes a lazy
+    float32 view of its bytes (``_upcast_tensor``: each read upcasts it anew; external data stays mapped). The
+    upcast is exact (bfloat16 is float32 with its low 16 mantissa bits zero); what differs from the bfloat16 graph
+    is only the rounding of its intermediate values, which now stay float32.
+    """
+    bf16, f32 = ir.DataType.BFLOAT16, ir.DataType.FLOAT
+    changed = 0
+    for graph in model.graphs():
+        for value in list(graph.initializers.values()):
+            tensor = value.const_value
+            if tensor is not None and tensor.dtype == bf16:
+                value.const_value = _upcast_tensor(tensor, value.name)
+                changed += 1
+        values = [*graph.inputs, *graph.outputs, *graph.initializers.values()]
+        for node in graph:
+            values += [v for v in node.outputs if v is not None]
+            if node.op_type == "Cast" and node.domain in ("", "ai.onnx"):
+                to = node.attributes.get("to")
+                if to is not None and to.value == bf16.value:
+                    node.attributes["to"] = ir.AttrInt64("to", f32.value)
+                    changed += 1
+            elif node.op_type in ("Constant", "ConstantOfShape") and node.domain in ("", "ai.onnx"):
+                attr = node.attributes.get("value")
+                if attr is not None and attr.type == ir.AttributeType.TENSOR and attr.value.dtype == bf16:
+                    upcast = ir.Tensor(np.asarray(attr.value.numpy(), dtype=np.float32), name=attr.value.name)
+                    node.attributes["value"] = ir.AttrTensor("value", upcast)
+                    changed += 1
+        for value in values:
+            if value.dtype == bf16:
+                value.dtype = f32
+                changed += 1
+    return changed
