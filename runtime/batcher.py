@@ -167,6 +167,10 @@ class ContinuousBatcher:
         self._positions = np.zeros((0,), dtype=np.int64)
         self.steps_run = 0  # decode steps (each one for every active row)
         self.rows_stepped = 0  # rows over those steps: rows_stepped / steps_run is the mean batch
+        # Seconds over those steps: in the model's run, and in the whole step (its feeds, the run, sampling and
+        # the callbacks of every row, a leaving row's cut): step_seconds - run_seconds is the batcher's own work.
+        self.run_seconds = 0.0
+        self.step_seconds = 0.0
 
     # ------------------------------------------------------------------------------------------ public side
 
@@ -318,6 +322,7 @@ class ContinuousBatcher:
 
     def _decode(self) -> None:
         """One token of every active row, as one batch."""
+        began = time.perf_counter()
         batch = len(self._rows)
         mask = np.concatenate([self._mask, np.ones((batch, 1), np.int64)], axis=1)
         start = time.perf_counter()
@@ -347,6 +352,8 @@ class ContinuousBatcher:
                 self._positions[i] += 1
         if len(keep) < batch:
             self._drop([i for i in range(batch) if i not in keep])
+        self.run_seconds += seconds
+        self.step_seconds += time.perf_counter() - began
 
     def _emit(self, row: _Row, logits: np.ndarray, tokens: int, seconds: float, report: Any) -> None:
         r = row.ticket.request
