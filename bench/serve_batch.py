@@ -207,6 +207,9 @@ def main() -> int:
     parser.add_argument("--weights", choices=("float", "int4", "int8"), default="float",
                         help="the same export compiled with `layerzero compile --weights` (default float: fp32)")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="only the model's own ceiling (a decode step at 1 and --clients rows on the engine, no "
+                        "server): minutes where a full run at --size 1b takes an hour on a loaded machine")
     args = parser.parse_args()
     size, new = ("quick", 32) if args.quick else (args.size, args.new)
 
@@ -218,6 +221,13 @@ def main() -> int:
     bundle = _bundle(args.family, size, args.weights)
     bound = moe_bound(args.family, size, args.clients)
     engine = Engine.load(bundle)
+    if args.ceiling:
+        load = os.getloadavg()[0]
+        one, many_rows = step_bound(engine, args.clients)
+        print(f"the model's own ceiling ({size}, {args.weights}, load {load:.1f} -> {os.getloadavg()[0]:.1f}): a "
+              f"decode step takes {one * 1e3:.1f} ms at 1 row, {many_rows * 1e3:.1f} ms at {args.clients} rows: "
+              f"{args.clients * one / many_rows:.2f}x at most")  # fmt: skip
+        return 0
     vocab = SIZES[size if args.family == "llama" or size == "quick" else "l3"]["vocab_size"]
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, vocab, 32).tolist() for _ in range(args.clients)]
