@@ -20,7 +20,7 @@ experts (about 3.6 of 8 experts for 8 rows of top-2 of 8, nearly all 32 for top-
 
 Sizes: ``--size l3`` (default): hidden 1024, 8 layers, 16 heads / 4 kv heads, intermediate 4096, vocab 32000
 (~210 M parameters, 0.84 GB float32: 3 × the L3); ``--size 1b``: hidden 2048, 16 layers, 32 / 8 heads,
-intermediate 8192 (1.2 B parameters, 4.9 GB; its export takes ~15 minutes here); ``--quick``: 2 layers of
+intermediate 8192 (1.1 B parameters, 4.4 GB; built in ~5 minutes here); ``--quick``: 2 layers of
 hidden 256, 32 new tokens (checks the path, not the speed). Exports are cached under
 ~/.cache/layerzero/serve_batch/<size>/. ``--weights int4|int8``: the same export compiled with ``layerzero compile
 --weights`` (MatMulNBits: its decode step at 8 rows is not the fp32 GEMM's), cached as ``model-int4.lz`` beside
@@ -28,6 +28,7 @@ the fp32 bundle.
 
     python bench/serve_batch.py                  # 8 clients vs 1, 3 rounds
     python bench/serve_batch.py --size 1b --weights int4
+    python bench/serve_batch.py --size 1b --ceiling   # only the decode step at 1 and 8 rows (no server, no clients)
     python bench/serve_batch.py --quick
 """
 
