@@ -20,11 +20,15 @@ experts (about 3.6 of 8 experts for 8 rows of top-2 of 8, nearly all 32 for top-
 
 Sizes: ``--size l3`` (default): hidden 1024, 8 layers, 16 heads / 4 kv heads, intermediate 4096, vocab 32000
 (~210 M parameters, 0.84 GB float32: 3 × the L3); ``--size 1b``: hidden 2048, 16 layers, 32 / 8 heads,
-intermediate 8192 (1.2 B parameters, 4.9 GB; its export takes ~15 minutes here); ``--quick``: 2 layers of
+intermediate 8192 (1.1 B parameters, 4.4 GB; built in ~5 minutes here); ``--quick``: 2 layers of
 hidden 256, 32 new tokens (checks the path, not the speed). Exports are cached under
-~/.cache/layerzero/serve_batch/<size>/.
+~/.cache/layerzero/serve_batch/<size>/. ``--weights int4|int8``: the same export compiled with ``layerzero compile
+--weights`` (MatMulNBits: its decode step at 8 rows is not the fp32 GEMM's), cached as ``model-int4.lz`` beside
+the fp32 bundle.
 
     python bench/serve_batch.py                  # 8 clients vs 1, 3 rounds
+    python bench/serve_batch.py --size 1b --weights int4
+    python bench/serve_batch.py --size 1b --ceiling   # only the decode step at 1 and 8 rows (no server, no clients)
     python bench/serve_batch.py --quick
 """
 
@@ -103,13 +107,23 @@ def moe_bound(family: str, size: str, rows: int) -> float | None:
     return rows * (dense + k * per_expert) / (dense + union * per_expert)
 
 
-def _bundle(family: str, size: str) -> Path:
+def _bundle(family: str, size: str, weights: str = "float") -> Path:
+    """The cached bundle of the model (exported and compiled once); ``weights`` int4 / int8: the same export
+    compiled with ``--weights`` (``model-int4.lz`` beside ``model.lz``, which it needs first)."""
     import torch
 
     from layerzero.cli import main as cli
 
     name = size if family == "llama" else f"{family}-{size}"
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "layerzero" / "serve_batch" / name
+    if weights != "float":
+        quantized = cache / f"model-{weights}.lz"
+        if not (quantized / "manifest.json").is_file():
+            _bundle(family, size)  # the export it compiles (compile writes the bundle atomically: no half-made one)
+            args = ["compile", str(cache / "onnx" / "model.onnx"), "-o", str(quantized), "--weights", weights]
+            if cli(args) != 0:
+                sys.exit(f"bench/serve_batch.py: `layerzero {' '.join(args)}` failed")
+        return quantized
     bundle = cache / "model.lz"
     if (bundle / "manifest.json").is_file():
         return bundle
@@ -191,7 +205,12 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--weights", choices=("float", "int4", "int8"), default="float",
+                        help="the same export compiled with `layerzero compile --weights` (default float: fp32)")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="only the model's own ceiling (a decode step at 1 and --clients rows on the engine, no "
+                        "server): minutes where a full run at --size 1b takes an hour on a loaded machine")
     args = parser.parse_args()
     size, new = ("quick", 32) if args.quick else (args.size, args.new)
 
@@ -200,9 +219,16 @@ def main() -> int:
     from layerzero.runtime import Engine
     from layerzero.runtime.generate_server import GenerateServer, GenerateServerConfig
 
-    bundle = _bundle(args.family, size)
+    bundle = _bundle(args.family, size, args.weights)
     bound = moe_bound(args.family, size, args.clients)
     engine = Engine.load(bundle)
+    if args.ceiling:
+        load = os.getloadavg()[0]
+        one, many_rows = step_bound(engine, args.clients)
+        print(f"the model's own ceiling ({size}, {args.weights}, load {load:.1f} -> {os.getloadavg()[0]:.1f}): a "
+              f"decode step takes {one * 1e3:.1f} ms at 1 row, {many_rows * 1e3:.1f} ms at {args.clients} rows: "
+              f"{args.clients * one / many_rows:.2f}x at most")  # fmt: skip
+        return 0
     vocab = SIZES[size if args.family == "llama" or size == "quick" else "l3"]["vocab_size"]
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, vocab, 32).tolist() for _ in range(args.clients)]
@@ -220,24 +246,29 @@ def main() -> int:
         for k in range(args.rounds):
             solo = _round(pool, server.port, prompts[k % len(prompts) : k % len(prompts) + 1], new)[0]
             solo_rate = new / (solo["times"][-1] - solo["start"])
-            steps0, rows0 = server.batcher.steps_run, server.batcher.rows_stepped
+            b = server.batcher
+            steps0, rows0, run0, step0 = b.steps_run, b.rows_stepped, b.run_seconds, b.step_seconds
             many = _round(pool, server.port, prompts, new)
-            mean_batch = (server.batcher.rows_stepped - rows0) / max(1, server.batcher.steps_run - steps0)
+            steps = max(1, b.steps_run - steps0)
+            mean_batch = (b.rows_stepped - rows0) / steps
+            step_ms, run_ms = (b.step_seconds - step0) / steps * 1e3, (b.run_seconds - run0) / steps * 1e3
             wall = max(r["times"][-1] for r in many) - min(r["start"] for r in many)
             rate = len(prompts) * new / wall
             ttft = statistics.median(r["times"][0] - r["start"] for r in many)
             itl = statistics.median(b - a for r in many for a, b in zip(r["times"], r["times"][1:]))
             wrong += sum(r["ids"] != want for r, want in zip(many, solo_ids))
             wrong += solo["ids"] != solo_ids[k % len(prompts)]
-            rows.append((solo_rate, rate, rate / solo_rate, ttft, itl, mean_batch))
+            rows.append((solo_rate, rate, rate / solo_rate, ttft, itl, mean_batch, step_ms, run_ms))
             print(f"round {k + 1}: 1 client {solo_rate:7.1f} tok/s | {len(prompts)} clients {rate:7.1f} tok/s "
                   f"= {rate / solo_rate:4.2f}x | p50 TTFT {ttft * 1e3:7.1f} ms, p50 ITL {itl * 1e3:6.1f} ms, "
-                  f"mean batch {mean_batch:.2f}", flush=True)  # fmt: skip
+                  f"mean batch {mean_batch:.2f}; a decode step {step_ms:.1f} ms, {step_ms - run_ms:.2f} ms of it "
+                  f"the batcher's own (feeds, sampling, callbacks, cuts)", flush=True)  # fmt: skip
     med = [statistics.median(col) for col in zip(*rows)]
     load = os.getloadavg()[0]
-    print(f"median ({size}, {args.clients} clients, {new} new tokens, load {load:.1f}): 1 client {med[0]:.1f} "
-          f"tok/s, {args.clients} clients {med[1]:.1f} tok/s = {med[2]:.2f}x; p50 TTFT {med[3] * 1e3:.1f} ms, "
-          f"p50 ITL {med[4] * 1e3:.1f} ms")  # fmt: skip
+    print(f"median ({size}, {args.weights}, {args.clients} clients, {new} new tokens, load {load:.1f}): 1 client "
+          f"{med[0]:.1f} tok/s, {args.clients} clients {med[1]:.1f} tok/s = {med[2]:.2f}x; p50 TTFT "
+          f"{med[3] * 1e3:.1f} ms, p50 ITL {med[4] * 1e3:.1f} ms; the batcher's own work {med[6] - med[7]:.2f} ms "
+          f"of a {med[6]:.1f} ms step ({(med[6] - med[7]) / med[6]:.1%})")  # fmt: skip
     if bound is not None:
         print(f"bound ({args.family}: a batch of {args.clients} reads the union of its rows' experts): "
               f"{bound:.2f}x; measured {med[2]:.2f}x = {med[2] / bound:.0%} of it")  # fmt: skip

@@ -61,6 +61,7 @@ def test_concurrent_greedy_requests_get_their_solo_ids(engine: Engine) -> None:
                    for p, n in zip(PROMPTS, lengths)]  # fmt: skip
         results = [t.result(timeout=120) for t in tickets]
         assert batcher.rows_stepped > batcher.steps_run  # steps were shared
+        assert batcher.step_seconds > batcher.run_seconds > 0  # the batcher's own work is measured apart
     for got, want, n in zip(results, expected, lengths):
         assert got.ids == want and got.report.new_tokens == n and got.report.stop_reason == "max_new_tokens"
         assert [s.tokens for s in got.report.steps] == [len(got.prompt_ids)] + [1] * (n - 1)
@@ -138,3 +139,33 @@ def test_cache_is_trimmed_when_long_rows_leave(engine: Engine) -> None:
         long.result(timeout=120)
         assert short.result(timeout=120).ids == _alone(engine, [8], max_new_tokens=12)
         assert batcher.active == 0 and not batcher._cache and np.asarray(batcher._mask).size == 0
+
+
+def test_eight_rows_at_2048_tokens_of_context_get_their_solo_ids(engine: Engine) -> None:
+    """8 rows of long prompts (1,100 to 2,040 tokens: up to ~900 columns of left padding), leaving at different
+    steps (the cache's leading columns cut as the longest rows go) while two more requests join a running batch
+    (padded in): every row's greedy ids equal its solo run, and the cache was cut."""
+    rng = np.random.default_rng(24)
+    lengths = [2040, 1100, 1900, 1500, 2000, 1234, 1800, 1650, 1990, 1300]
+    news = [3, 12, 5, 9, 2, 14, 7, 10, 6, 8]
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in lengths]
+    expected = [_alone(engine, p, max_new_tokens=n) for p, n in zip(prompts, news)]
+    widths: list[tuple[int, int]] = []  # (rows, past length) of every decode step
+    with ContinuousBatcher(engine, max_batch=8, max_queue=16) as batcher:
+        run = batcher._run
+
+        def recording(feeds, **kw):
+            if feeds["input_ids"].shape[1] == 1:
+                widths.append((feeds["input_ids"].shape[0], feeds["past_key_values.0.key"].shape[2]))
+            return run(feeds, **kw)
+
+        batcher._run = recording
+        tickets = [batcher.submit(GenerationRequest(p, max_new_tokens=n, stop_tokens=()))
+                   for p, n in zip(prompts, news)]  # fmt: skip
+        results = [t.result(timeout=600) for t in tickets]
+    for got, want in zip(results, expected):
+        assert got.ids == want
+    assert max(rows for rows, _ in widths) == 8
+    # The 2,040-token row (past 2,040 and 2,041 at its two decode steps) leaves after 3 tokens: the steps after it
+    # attend to a shorter past than it had.
+    assert widths[-1][1] < 2040 and max(past for _, past in widths) == 2040 + 1
