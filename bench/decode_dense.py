@@ -254,6 +254,12 @@ def deviation(logits: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
     return _deviation(logits, reference)
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    from decode import _common_prefix as prefix
+
+    return prefix(a, b)
+
+
 def run_column(path: Path, threads: int, prompt: list[int], new: int) -> dict[str, Any]:
     """Load, warm up, one timed generation, drop (one session at a time)."""
     engine = Engine.load(path, intra_op_num_threads=threads)
@@ -386,13 +392,14 @@ def main(argv: list[str] | None = None) -> int:
             top1, rel = dev.get(name, (1.0, 0.0))
             sp = realized.get(name)
             shown = f"{sp[0]:.3f} / {sp[1]:.3f}" if sp else "-"
-            same = values[0]["ids"] == reference_ids if reference_ids is not None else None
-            from decode import _common_prefix
-
-            lead = _common_prefix(values[0]["ids"], reference_ids) if reference_ids is not None else 0
+            if reference_ids is None:  # ORT fp32 not among --columns
+                lead, shown_ids = None, "-"
+            else:
+                lead = _common_prefix(values[0]["ids"], reference_ids)
+                shown_ids = "all" if values[0]["ids"] == reference_ids else str(lead)
             print(f"  {name:<18} {t:>3} {rate:>8.2f} {ttft * 1e3:>6.0f}ms {step * 1e3:>7.1f}ms "
                   f"{ratio('LZ fp32'):>8} {ratio(dense):>7} {ratio(ort):>6} {top1:>6.3f} {rel:>9.2e} {shown:>23}  "
-                  f"{'all' if same else lead}")  # fmt: skip
+                  f"{shown_ids}")  # fmt: skip
             results.append(dict(column=name, threads=t, decode_tokens_per_s=rate, time_to_first_token_s=ttft,
                                 median_step_s=step, top1_vs_fp32=top1, rel_l2_vs_fp32=rel,
                                 realized_sparsity_prefill=sp[0] if sp else None,
