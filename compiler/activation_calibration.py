@@ -37,7 +37,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 
 from layerzero.errors import InvalidInputError
@@ -75,15 +74,54 @@ def collect_activations(
     model: ir.Model, groups: Sequence[ActivationGroup], requests: Iterable[Mapping[str, np.ndarray]],
     max_tokens: int = 2048,
 ) -> dict[str, np.ndarray]:  # fmt: skip
-    """Every group's input ``x`` on ``requests`` (``[T, K]`` float32, at most ``max_tokens`` rows each)."""
+    """Every group's input ``x`` on ``requests`` (``[T, K]`` float32, at most ``max_tokens`` rows each).
+
+    The model (with the groups' inputs as extra outputs, removed again before returning) is saved to a temporary
+    folder with its weights in external data and the session is made from that file: a model loaded from a file
+    with external data (every export over 2 GB) has initializers that name their data relative to the source's
+    folder, which a session made from serialised bytes cannot resolve, and a model over 2 GB cannot be one
+    protobuf anyway."""
+    import tempfile
+    from pathlib import Path
+
     from layerzero.ort_runner import create_session
 
-    proto = ir.to_proto(model)
-    existing = {o.name for o in proto.graph.output}
+    graph = model.graph
+    added = []
     for g in groups:
-        if g.x.name not in existing:
-            proto.graph.output.append(onnx.helper.make_tensor_value_info(g.x.name, onnx.TensorProto.FLOAT, None))
-    session = create_session(proto.SerializeToString(), label="the calibration model")
+        if g.x not in graph.outputs:
+            graph.outputs.append(g.x)
+            added.append(g.x)
+    # ir.save loads the source's external tensors at or under its threshold into memory and releases their memory
+    # map, which a live view of one (an array of the pass's) refuses (BufferError): those few small ones are lent
+    # as in-memory copies instead, and every one is put back afterwards.
+    inline = 1 << 10  # shape constants ONNX Runtime's shape inference reads stay in the file
+    swapped = []
+    for g in model.graphs():
+        for value in g.initializers.values():
+            tensor = value.const_value
+            if isinstance(tensor, ir.ExternalTensor) and tensor.nbytes <= inline:
+                swapped.append((value, tensor))
+                value.const_value = ir.Tensor(np.array(tensor.numpy()), name=tensor.name)
+    try:
+        with tempfile.TemporaryDirectory(prefix="layerzero-calibration-") as tmp:
+            path = Path(tmp) / "calibration.onnx"
+            ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=inline)
+            session = create_session(path, label="the calibration model")
+            try:
+                return _run_requests(session, groups, requests, max_tokens)
+            finally:
+                del session
+    finally:
+        for value in added:
+            graph.outputs.remove(value)
+        for value, tensor in swapped:
+            value.const_value = tensor
+
+
+def _run_requests(
+    session, groups: Sequence[ActivationGroup], requests: Iterable[Mapping[str, np.ndarray]], max_tokens: int
+) -> dict[str, np.ndarray]:
     names = [g.x.name for g in groups]
     got: dict[str, list[np.ndarray]] = {g.name: [] for g in groups}
     rows = 0
