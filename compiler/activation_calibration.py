@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from layerzero.errors import InvalidInputError
