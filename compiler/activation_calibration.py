@@ -40,7 +40,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from layerzero.errors import InvalidInputError
+from layerzero.errors import InvalidInputError, UnsupportedModelError
 from layerzero.passes.sparsify_activations import ActivationGroup
 
 __all__ = [
@@ -499,7 +499,15 @@ def output_deviation(model: ir.Model, requests: Sequence[Mapping[str, np.ndarray
 
     proto = ir.to_proto(model)
     names = [o.name for o in proto.graph.output if not o.name.startswith("layerzero::")]
-    dense_session = create_session(proto.SerializeToString(), label="the dense calibration model")
+    # A model loaded from a file with external data (every export over 2 GB) names its data relative to that file's
+    # folder: the sessions made from bytes resolve them there (no copy of the weights is written).
+    folders = {t.const_value.base_dir for g in model.graphs() for t in g.initializers.values()
+               if isinstance(t.const_value, ir.ExternalTensor)}  # fmt: skip
+    if len(folders) > 1:
+        raise UnsupportedModelError(f"activation impact tolerance: external data in {len(folders)} folders")
+    data_dir = next(iter(folders), None) or None
+    dense_session = create_session(proto.SerializeToString(), external_data_dir=data_dir,
+                                   label="the dense calibration model")  # fmt: skip
     dense = [dense_session.run(names, dict(r)) for r in requests]
     if not dense:
         raise InvalidInputError("activation impact tolerance: no calibration request to measure the deviation on")
@@ -509,8 +517,14 @@ def output_deviation(model: ir.Model, requests: Sequence[Mapping[str, np.ndarray
         copy = onnx.ModelProto()
         copy.CopyFrom(proto)
         variant = ir.from_proto(copy)
+        if data_dir:  # the copy's external tensors read from where the model's do
+            for g in variant.graphs():
+                for v in g.initializers.values():
+                    if isinstance(v.const_value, ir.ExternalTensor):
+                        v.const_value.base_dir = data_dir
         SparsifyActivations(thresholds, native=False)(variant)
-        session = create_session(ir.to_proto(variant).SerializeToString(), label="the activation-sparse model")
+        session = create_session(ir.to_proto(variant).SerializeToString(), external_data_dir=data_dir,
+                                 label="the activation-sparse model")  # fmt: skip
         worst = 0.0
         for r, want in zip(requests, dense, strict=True):
             for got, base in zip(session.run(names, dict(r)), want, strict=True):

@@ -110,6 +110,7 @@ def create_session(
     profile_file_prefix: str | None = None,
     external_initializers: Mapping[str, np.ndarray] | None = None,
     shared_initializers: Mapping[str, np.ndarray] | None = None,
+    external_data_dir: str | Path | None = None,
     label: str | None = None,
 ) -> Any:
     """An ``onnxruntime.InferenceSession`` for ``model`` (a path or serialised bytes).
@@ -128,6 +129,9 @@ def create_session(
             as long as it does. (ONNX Runtime copies these once at session creation.)
         shared_initializers: Initializers of the model (by name) that the session uses in place instead of reading
             them (``SessionOptions.add_initializer``: user-owned memory, never copied); kept alive with the session.
+        external_data_dir: The folder the external-data locations of serialised ``model`` bytes are relative to
+            (a model loaded from a file with external data, then changed and serialised; a file's own folder
+            otherwise).
         label: How errors name the model (default: its path, or "the model" for bytes).
 
     Raises:
@@ -151,6 +155,8 @@ def create_session(
         options.enable_profiling = True
         if profile_file_prefix:
             options.profile_file_prefix = profile_file_prefix
+    if external_data_dir is not None:
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_data_dir))
     if providers is None:
         providers = providers_for(device)
     _register_libraries(options, libraries, name)

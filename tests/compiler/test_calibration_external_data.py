@@ -54,3 +54,24 @@ def test_collected_from_a_model_with_external_data(tmp_path: Path, monkeypatch) 
     assert [o.name for o in model.graph.outputs] == ["y"]  # the extra outputs are gone again
     np.testing.assert_array_equal(model.graph.initializers["w"].const_value.numpy(), w)
     assert model.graph.initializers["b"].const_value is bias and view[3] == 3  # put back, still mapped
+
+
+def test_impact_tolerance_measures_a_model_with_external_data(tmp_path: Path, monkeypatch) -> None:
+    # compile --activation-sparsity --impact-tolerance's measure (output_deviation): its sessions are made from
+    # bytes that name the data relative to the model's folder (ONNX Runtime refused them: "escapes working
+    # directory"); the data folder is given to the session, no copy of the weights written.
+    from layerzero.activation_calibration import output_deviation
+
+    path, w = _model(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    model = ir.load(path)
+    InferShapes()(model)
+    (group,) = find_groups(model)
+    x = np.random.default_rng(1).standard_normal((5, K)).astype(np.float32)
+    evaluate = output_deviation(model, [{"x": x}])
+    assert evaluate({group.name: np.zeros(K, np.float32)}) == 0.0  # thresholds 0: the dense model
+    h = np.maximum(x, 0)
+    t = np.full(K, 0.5, np.float32)
+    want = (np.where(h > t, h, 0) @ w + np.arange(N)) - (h @ w + np.arange(N))
+    got = evaluate({group.name: t})
+    assert abs(got - np.linalg.norm(want) / np.linalg.norm(h @ w + np.arange(N))) < 1e-5
