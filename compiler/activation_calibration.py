@@ -40,6 +40,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from layerzero.contract import RUNTIME_PREFIX
 from layerzero.errors import InvalidInputError, UnsupportedModelError
 from layerzero.passes.sparsify_activations import ActivationGroup
 
@@ -498,7 +499,7 @@ def output_deviation(model: ir.Model, requests: Sequence[Mapping[str, np.ndarray
     from layerzero.runtime.guard import relative_l2
 
     proto = ir.to_proto(model)
-    names = [o.name for o in proto.graph.output if not o.name.startswith("layerzero::")]
+    names = [o.name for o in proto.graph.output if not o.name.startswith(RUNTIME_PREFIX)]
     # A model loaded from a file with external data (every export over 2 GB) names its data relative to that file's
     # folder: the sessions made from bytes resolve them there (no copy of the weights is written).
     folders = {t.const_value.base_dir for g in model.graphs() for t in g.initializers.values()

@@ -69,7 +69,6 @@ from layerzero.passes._builder import Builder
 from layerzero.passes._graph import NameFactory, const_array, replace_value, scope_of
 from layerzero.passes._match import NoMatch, Refusal, need
 from layerzero.passes._moe_node import MoENode, is_moe_node
-from layerzero.plugins.quant import quantize_k_blocks
 
 __all__ = [
     "ACCURACY_LEVELS",
@@ -211,7 +210,17 @@ def native_expert_codes(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarra
 def sparse_linear_codes(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     """SparseLinear's ``(w, w_scales)`` of a MatMul weight ``W [K, N]`` (input-major, blocks of 32 along K): q8
     ``[K, N]`` int8, q4 ``[K, N/2]`` uint8; float16 scales ``[K/32, N]`` (``plugins/quant.py`` quantize_k_blocks)."""
-    return quantize_k_blocks(np.asarray(w, np.float32), bits)
+    w = np.asarray(w, np.float32)
+    k, n = w.shape
+    # The experts' rows quantization of W^T ([N, K]: blocks along K), laid out input-major; equal to plugins/quant.py's
+    # quantize_k_blocks (tests/compiler/test_sparse_quant.py checks the codes).
+    codes, scales, _ = quantize_rows(w.T, bits, EXPERT_BLOCK, symmetric=True)
+    offset = codes.reshape(n, k).T  # stored code + 128 (q8) / + 8 (q4), [K, N]
+    scales = np.ascontiguousarray(scales.reshape(n, k // EXPERT_BLOCK).T.astype(np.float16))
+    if bits == 8:
+        return np.ascontiguousarray((offset.astype(np.int16) - 128).astype(np.int8)), scales
+    nib = offset.astype(np.uint8).reshape(k, n // EXPERT_BLOCK, 2, EXPERT_BLOCK // 2)
+    return np.ascontiguousarray((nib[:, :, 0, :] | (nib[:, :, 1, :] << 4)).reshape(k, n // 2)), scales
 
 
 class QuantizeWeights(ir.passes.InPlacePass):

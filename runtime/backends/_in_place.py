@@ -29,13 +29,14 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from layerzero.contract import MOE_DOMAIN
 from layerzero.errors import InvalidInputError
 
 __all__ = ["in_place_weights"]
 
 logger = logging.getLogger(__name__)
 
-_DOMAIN = "ai.layerzero"
+_DOMAIN = MOE_DOMAIN  # the domain of every liblayerzero_ort.so op
 _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14
 

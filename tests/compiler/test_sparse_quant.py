@@ -418,3 +418,20 @@ def test_reference_already_in_the_native_form_is_quantized_as_compiled(llama: Pa
     for node in _sparse_nodes(reference):
         np.testing.assert_array_equal(node.inputs[1].const_value.numpy(),
                                       want[node.attributes["path"].value].inputs[1].const_value.numpy())  # fmt: skip
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pass_codes_equal_the_kernel_format(bits):
+    # passes/ quantizes SparseLinear weights with its own rows quantizer (a pass imports no plugins/ module): the
+    # codes and scales must be plugins/quant.py's quantize_k_blocks, the format the kernel and its reference read.
+    from layerzero.passes.quantize_weights import sparse_linear_codes
+    from layerzero.plugins.quant import quantize_k_blocks
+
+    rng = np.random.default_rng(bits)
+    w = (rng.standard_normal((96, 128)) * rng.lognormal(size=(96, 1))).astype(np.float32)
+    w[5] = 0
+    got, got_scales = sparse_linear_codes(w, bits)
+    want, want_scales = quantize_k_blocks(w, bits)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_scales.view(np.uint16), want_scales.view(np.uint16))
