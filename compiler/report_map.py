@@ -409,7 +409,11 @@ def write_report(
         data = render_html(doc, tolerance=tolerance, window=window, unit=unit).encode("utf-8")
     else:
         data = render_image(doc, suffix[1:], tolerance=tolerance)
-    # Atomically (temp file + rename): a reader never sees half a report, a failure leaves the old one.
+    return _write_atomically(out, data)
+
+
+def _write_atomically(out: Path, data: bytes) -> Path:
+    """Temp file + rename: a reader never sees half a report, a failure leaves the old one."""
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
         tmp.write_bytes(data)
@@ -616,11 +620,4 @@ def write_activation_report(m: ActivationMap, out: str | Path, bundle: str, real
     if out.suffix.lower() != ".html":
         raise InvalidInputError(f"{out}: a bundle's activation-sparsity map is written as .html")
     data = render_activation_html(m, bundle, realized_from).encode("utf-8")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, out)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise InvalidInputError(f"{out}: cannot write the report: {e.strerror or e}") from None
-    return out
+    return _write_atomically(out, data)
