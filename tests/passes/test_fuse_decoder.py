@@ -1,4 +1,5 @@
-"""FuseDecoder: RMSNorm -> SimplifiedLayerNormalization, rotary -> com.microsoft.RotaryEmbedding (issue 22).
+"""FuseDecoder: RMSNorm -> SimplifiedLayerNormalization, rotary -> com.microsoft.RotaryEmbedding, repeat_kv read
+grouped (issue 22).
 
 On the export corpus's tiny Llama, Qwen3 (q / k norms), Qwen3-MoE and Mixtral (``layerzero export``, cache-carrying,
 as the decode loop runs them): node counts per fused kind, outputs equal to the unfused model's on seeded prefill and
@@ -31,7 +32,7 @@ PROMPT, NEW = [5, 17, 99, 3, 42, 7], 10
 # q / k norms for the Qwen3s; one rotary on q and one on k per layer.
 FUSED = {"llama": (5, 4), "qwen3": (9, 4), "qwen3_moe": (9, 4), "mixtral": (5, 4)}
 NORM_OPS = ("Pow", "ReduceMean", "Sqrt", "Reciprocal")
-LAYERS = 2  # one key transpose through a 3-D view per layer
+LAYERS = 2  # one key transpose through a 3-D view per layer; a repeat_kv of the key and of the value per layer
 
 
 def _export(name: str) -> Path:
@@ -85,7 +86,9 @@ def test_export_fused_counts_outputs_and_idempotence(family: str, tmp_path: Path
     assert step(model).modified
     after = Counter(n.op_type for n in model.graph)
     norms, rotaries = FUSED[family]
-    assert step.fused == {"rmsnorm": norms, "rotary": rotaries, "transpose": LAYERS} and step.refused == []
+    assert step.fused == {"rmsnorm": norms, "rotary": rotaries, "transpose": LAYERS, "repeat_kv": 2 * LAYERS}
+    assert step.refused == []
+    assert after["Expand"] == before["Expand"] - 2 * LAYERS  # no cache is repeated any more
     assert after["SimplifiedLayerNormalization"] == norms and after["RotaryEmbedding"] == rotaries
     assert all(after[op] == before[op] - norms for op in NORM_OPS)
     assert after["Neg"] == before["Neg"] - rotaries
@@ -313,3 +316,52 @@ def test_key_view_that_does_not_go_back_is_refused() -> None:
     step = FuseDecoder()
     assert not step(model).modified and Counter(n.op_type for n in model.graph) == before
     assert [r.kind for r in step.refused] == ["transpose"] and "not" in step.refused[0].reason
+
+
+def _repeat_kv(extra: str = "") -> str:
+    """A value cache [B, 2, S, 8] repeated to 6 heads and read by the attention's second MatMul (p [B, 6, T, S])."""
+    more = ", float[batch, 6, S, 8] z" if extra else ""
+    return f"""
+    <ir_version: 10, opset_import: ["" : 20]>
+    a (float[batch, 2, S, 8] v, float[batch, 6, T, S] p) => (float[batch, 6, T, 8] y{more})
+      <int64[1] two = {{2}}, int64[1] one = {{1}}, int64[1] zero = {{0}}, int64[1] three = {{3}},
+      int64[1] rep = {{3}}, int64[1] heads = {{6}}> {{
+        s = Shape(v)
+        b0 = Slice(s, zero, one)
+        b1 = Slice(s, one, two)
+        b2 = Slice(s, two, three)
+        b3 = Shape<start: int = 3>(v)
+        e = Concat<axis: int = 0>(b0, b1, rep, b2, b3)
+        u = Unsqueeze(v, two)
+        x = Expand(u, e)
+        f = Concat<axis: int = 0>(b0, heads, b2, b3)
+        r = Reshape(x, f)
+        y = MatMul(p, r)
+        {extra}
+    }}
+    """
+
+
+def test_repeat_kv_is_read_grouped_with_the_same_products() -> None:
+    model = _parse(_repeat_kv())
+    rng = np.random.default_rng(4)
+    feeds = {"v": rng.standard_normal((2, 2, 5, 8)).astype(np.float32),
+             "p": rng.standard_normal((2, 6, 3, 5)).astype(np.float32)}  # fmt: skip
+    want = _outputs(model, feeds)[0]
+    step = FuseDecoder()
+    assert step(model).modified and step.fused["repeat_kv"] == 1 and step.refused == []
+    ops = Counter(n.op_type for n in model.graph)
+    assert ops["Expand"] == 0 and ops["Unsqueeze"] == 0 and ops["MatMul"] == 1
+    got = _outputs(model, feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # head h reads kv head h // 3 (repeat_kv's order)
+    ref = np.einsum("bhts,bhsd->bhtd", feeds["p"], np.repeat(feeds["v"], 3, axis=1))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_repeat_kv_read_outside_the_attention_is_refused() -> None:
+    model = _parse(_repeat_kv(extra="z = Identity(r)"))
+    before = Counter(n.op_type for n in model.graph)
+    step = FuseDecoder()
+    assert not step(model).modified and Counter(n.op_type for n in model.graph) == before
+    assert [r.kind for r in step.refused] == ["repeat_kv"] and "read outside" in step.refused[0].reason
