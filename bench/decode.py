@@ -72,7 +72,9 @@ Runtime's idle workers sleep (every ORT column); ``--profile`` prints ONNX Runti
     python bench/decode.py --families qwen3_moe --profile --lowerings native --no-spin
 
 Exports, bundles and transformers' reference ids are cached under ~/.cache/layerzero/decode/<family>-<key>/
-(the key hashes the config, the sizes and the torch/transformers versions).
+(the key hashes the config, the sizes and the torch/transformers versions); a bundle is compiled again when the
+LayerZero code changed since it was (``bench/_stamp.py``: a hash of the compiler's, runtime's and native library's
+sources beside each bundle).
 """
 
 from __future__ import annotations
@@ -99,6 +101,9 @@ import numpy as np  # noqa: E402
 from layerzero.compile import compile_file  # noqa: E402
 from layerzero.options import CompileOptions  # noqa: E402
 from layerzero.runtime import Engine  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _stamp  # noqa: E402  # bench/_stamp.py: which cached bundles the current code compiled
 
 TARGET = 1.5  # best LayerZero lowering / export, decode tokens/s
 LOWERINGS = ("if", "ort-moe", "native")
@@ -227,11 +232,12 @@ def bundle(prepared: dict[str, Any], lowering: str, say, verify: bool = True) ->
     manifest_file = out / "manifest.json"
     verified = manifest_file.is_file() and json.loads(manifest_file.read_text())["options"].get("verify", False)
     seconds = None
-    if not manifest_file.is_file() or (verify and not verified):
+    if not _stamp.fresh(out) or (verify and not verified):
         say(f"{prepared['root'].name}: compiling with --moe-lowering {lowering}{'' if verify else ' --no-verify'}")
         options = CompileOptions(moe_lowering=lowering, verify=verify)
         start = time.perf_counter()
         compile_file(prepared["export"], out, options, overwrite=True)
+        _stamp.stamp(out)
         seconds = time.perf_counter() - start
     manifest = json.loads(manifest_file.read_text())
     used = {d.get("detail", {}).get("lowering") for d in manifest.get("dynamic", [])}
@@ -461,7 +467,7 @@ def ort_quantized(prepared: dict[str, Any], bits: int, say) -> tuple[Path, str]:
 
     out = prepared["root"] / f"ort-int{bits}" / "model.onnx"
     note_file = out.with_name("check.txt")
-    if out.is_file() and note_file.is_file():
+    if out.is_file() and note_file.is_file() and _stamp.fresh(out.parent):
         return out, note_file.read_text()
     source, _ = bundle(prepared, "ort-moe", say, verify=False)
     say(f"{prepared['root'].name}: ONNX Runtime int{bits} form (QMoE + MatMulNBits) of the ort-moe bundle")
@@ -503,6 +509,7 @@ def ort_quantized(prepared: dict[str, Any], bits: int, say) -> tuple[Path, str]:
     onnx.save(model, str(tmp), save_as_external_data=True, location="model.onnx.data", size_threshold=1024)
     tmp.replace(out)
     note_file.write_text(note)
+    _stamp.stamp(out.parent)
     return out, note
 
 
@@ -514,10 +521,11 @@ def lz_quantized(prepared: dict[str, Any], bits: int, say, verify: bool) -> tupl
         return None, "not available: CompileOptions has no weights option"
     out = prepared["root"] / f"lz-native-int{bits}"
     manifest_file = out / "manifest.json"
-    if not manifest_file.is_file() or (verify and not json.loads(manifest_file.read_text())["options"].get("verify")):
+    if not _stamp.fresh(out) or (verify and not json.loads(manifest_file.read_text())["options"].get("verify")):
         say(f"{prepared['root'].name}: compiling --moe-lowering native --weights int{bits}")
         options = CompileOptions(moe_lowering="native", verify=verify, weights=f"int{bits}")  # type: ignore[call-arg]
         compile_file(prepared["export"], out, options, overwrite=True)
+        _stamp.stamp(out)
     return out, "compiled with verification" if verify else "compiled --no-verify"
 
 
