@@ -66,10 +66,12 @@ from the start; LZ int4 / int8's greedy ids must equal those of its own quantize
 once, not timed), a miss otherwise. Targets (issue 22), per thread count, not judged at ``--quick``: LZ int4 ≥ 1.0 ×
 llama.cpp Q4_0, ≥ 3 × ORT int4 and ≥ 3 × LZ fp32 native; LZ int8 ≥ 1.0 × llama.cpp Q8_0. ``--no-spin`` makes ONNX
 Runtime's idle workers sleep (every ORT column); ``--profile`` prints ONNX Runtime's per-op profile of the first
-``--lowerings`` bundle's decode steps at each ``--threads`` count instead of the table.
+``--lowerings`` bundle's decode steps at each ``--threads`` count instead of the table (with ``--weights int4`` /
+``int8``: LayerZero's quantized bundle's).
 
     python bench/decode.py --families qwen3_moe --weights int4 --rounds 3
     python bench/decode.py --families qwen3_moe --profile --lowerings native --no-spin
+    python bench/decode.py --families qwen3_moe --profile --weights int4
 
 Exports, bundles and transformers' reference ids are cached under ~/.cache/layerzero/decode/<family>-<key>/
 (the key hashes the config, the sizes and the torch/transformers versions); a bundle is compiled again when the
@@ -762,11 +764,13 @@ def _op_groups(model_path: Path) -> dict[str, str]:
 
 
 def profile_threads(prepared: dict[str, Any], lowering: str, threads: list[int], prompt: list[int], new: int,
-                    say, spin: bool | None = None) -> dict[int, dict[str, Any]]:  # fmt: skip
+                    say, spin: bool | None = None, path: Path | None = None) -> dict[int, dict[str, Any]]:  # fmt: skip
     """ONNX Runtime's own profile of one bundle's decode steps at each thread count: per op group, the summed
     kernel time per decode step (the prefill run left out), the session's time per step (``model_run``) and the
-    Python loop's time around it (the step's wall time in the report minus ``model_run``)."""
-    path, _ = bundle(prepared, lowering, say, verify=False)
+    Python loop's time around it (the step's wall time in the report minus ``model_run``). ``path``: that bundle
+    (``--weights int4``: LayerZero's int4 bundle) instead of the ``lowering``'s float one."""
+    if path is None:
+        path, _ = bundle(prepared, lowering, say, verify=False)
     names = _op_groups(path / "model.onnx")
     out: dict[int, dict[str, Any]] = {}
     for t in threads:
@@ -882,7 +886,14 @@ def main(argv: list[str] | None = None) -> int:
             prepared = prepare(family, config, prompt, args.new, say)
             load = os.getloadavg()[0]
             spin = False if args.no_spin else None
-            print_profile(family, lowering, profile_threads(prepared, lowering, threads, prompt, args.new, say, spin))
+            path = None
+            if args.weights != "fp32":  # LayerZero's quantized bundle (native lowering)
+                path, why = lz_quantized(prepared, 4 if args.weights == "int4" else 8, say, verify=False)
+                if path is None:
+                    raise SystemExit(f"--profile --weights {args.weights}: {why}")
+                lowering = f"native {args.weights}"
+            prof = profile_threads(prepared, lowering, threads, prompt, args.new, say, spin, path=path)
+            print_profile(family, lowering, prof)
             print(f"  load average {load:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)")
         return 0
     if args.weights != "fp32":
