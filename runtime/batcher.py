@@ -337,9 +337,15 @@ class ContinuousBatcher:
         self._waiting.append(_Waiting(row, present, n))
 
     def _admit(self) -> None:
-        """Join the waiting rows whose cache length is congruent to the batch's width modulo ``PAD_ALIGN`` (every
-        row of an empty batch's first joiner); a cancelled one finishes here. A row waits at most
-        ``PAD_ALIGN - 1`` steps: the width grows by one column a step."""
+        """Join the waiting rows whose cache length is congruent to the batch's width modulo ``PAD_ALIGN``; a
+        cancelled one finishes here. A row waits at most ``PAD_ALIGN - 1`` steps: the width grows by one column
+        a step. An empty batch starts with the largest class of waiting rows congruent to each other (the first
+        of them joins the empty batch, the others are congruent to it)."""
+        if not self._rows and self._waiting:
+            classes = collections.Counter(w.length % PAD_ALIGN for w in self._waiting)
+            # max() keeps the first of equals: a tie goes to the class of the earliest arrival.
+            first = max(self._waiting, key=lambda w: classes[w.length % PAD_ALIGN]).length % PAD_ALIGN
+            self._waiting.sort(key=lambda w: w.length % PAD_ALIGN != first)  # stable: arrival order kept
         still = []
         for w in self._waiting:
             if w.row.ticket.cancelled:
