@@ -238,7 +238,7 @@ class ContinuousBatcher:
 
     @property
     def active(self) -> int:
-        """Generations running: in the batch, or in their prefill."""
+        """Generations running: in the batch, waiting to join it (``_admit``), or in their prefill."""
         return len(self._rows) + len(self._waiting) + self._joining
 
     @property
