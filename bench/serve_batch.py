@@ -24,9 +24,12 @@ intermediate 8192 (1.1 B parameters, 4.4 GB; built in ~5 minutes here); ``--quic
 hidden 256, 32 new tokens (checks the path, not the speed). Exports are cached under
 ~/.cache/layerzero/serve_batch/<size>/. ``--weights int4|int8``: the same export compiled with ``layerzero compile
 --weights`` (MatMulNBits: its decode step at 8 rows is not the fp32 GEMM's), cached as ``model-int4.lz`` beside
-the fp32 bundle.
+the fp32 bundle. ``--mixed-lengths``: client i's prompt has 32 + i tokens (every residue modulo the batcher's
+``PAD_ALIGN``: rows join at different offsets, some wait up to ``PAD_ALIGN - 1`` steps to keep their left padding
+aligned; the ids check then covers padded rows, which equal prompts do not).
 
     python bench/serve_batch.py                  # 8 clients vs 1, 3 rounds
+    python bench/serve_batch.py --quick --weights int4 --mixed-lengths   # padded int4 rows' ids against solo
     python bench/serve_batch.py --size 1b --weights int4
     python bench/serve_batch.py --size 1b --ceiling   # only the decode step at 1 and 8 rows (no server, no clients)
     python bench/serve_batch.py --quick
@@ -200,17 +203,30 @@ def step_bound(engine, rows: int, past: int = 64, runs: int = 10) -> tuple[float
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=("l3", "1b"), default="l3")
-    parser.add_argument("--family", choices=("llama", *MOE), default="llama",
-                        help="llama (dense, the target) or a MoE family (figures beside the union-of-experts bound)")
+    parser.add_argument(
+        "--family",
+        choices=("llama", *MOE),
+        default="llama",
+        help="llama (dense, the target) or a MoE family (figures beside the union-of-experts bound)",
+    )
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new", type=int, default=128)
-    parser.add_argument("--weights", choices=("float", "int4", "int8"), default="float",
-                        help="the same export compiled with `layerzero compile --weights` (default float: fp32)")
+    parser.add_argument(
+        "--weights",
+        choices=("float", "int4", "int8"),
+        default="float",
+        help="the same export compiled with `layerzero compile --weights` (default float: fp32)",
+    )
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--ceiling", action="store_true",
-                        help="only the model's own ceiling (a decode step at 1 and --clients rows on the engine, no "
-                        "server): minutes where a full run at --size 1b takes an hour on a loaded machine")
+    parser.add_argument("--mixed-lengths", action="store_true",
+                        help="client i's prompt has 32 + i tokens (default: 32 each)")  # fmt: skip
+    parser.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="only the model's own ceiling (a decode step at 1 and --clients rows on the engine, no "
+        "server): minutes where a full run at --size 1b takes an hour on a loaded machine",
+    )
     args = parser.parse_args()
     size, new = ("quick", 32) if args.quick else (args.size, args.new)
 
@@ -231,9 +247,9 @@ def main() -> int:
         return 0
     vocab = SIZES[size if args.family == "llama" or size == "quick" else "l3"]["vocab_size"]
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, vocab, 32).tolist() for _ in range(args.clients)]
+    prompts = [rng.integers(0, vocab, 32 + (i if args.mixed_lengths else 0)).tolist() for i in range(args.clients)]
     solo_ids = [engine.generate(p, max_new_tokens=new, stop_tokens=()).ids for p in prompts]
-    config = GenerateServerConfig(port=0, max_new_tokens_cap=max(new, 1), max_prompt_tokens=64,
+    config = GenerateServerConfig(port=0, max_new_tokens_cap=max(new, 1), max_prompt_tokens=64 + args.clients,
                                   batch_rows=args.clients, max_queue=args.clients)  # fmt: skip
     rows = []
     wrong = 0

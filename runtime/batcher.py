@@ -7,14 +7,26 @@
 
 A request waits in a bounded queue (``QueueFull`` past ``max_queue``: the server answers 503) until the running
 batch has room (``max_batch`` rows); it then runs its prefill alone (its prompt, an empty past: exactly what it
-runs alone), and joins the batch at the next decode step. Every decode step runs one token of every active row
-as one batch: the rows' caches are one tensor per layer, left-padded to the longest past under ``attention_mask``
-0, position ids counting each row's own tokens, as transformers' batched ``generate``. A row leaves when it
-finishes (its stop token, ``max_new_tokens``, ``max_tokens``, its ``on_token`` callback answering True — a stop
-string —, or a cancel); columns no remaining row attends to are cut from the front of the cache.
+runs alone), and joins the batch at one of the next ``PAD_ALIGN`` decode steps (below). Every decode step runs
+one token of every active row as one batch: the rows' caches are one tensor per layer, left-padded to the longest
+past under ``attention_mask`` 0, position ids counting each row's own tokens, as transformers' batched
+``generate``. A row leaves when it finishes (its stop token, ``max_new_tokens``, ``max_tokens``, its ``on_token``
+callback answering True — a stop string —, or a cancel); columns no remaining row attends to are cut from the front
+of the cache.
 
 Each request keeps its own sampling options (temperature, top-k, top-p, a generator seeded by its ``seed``) and
-stop condition; a greedy request gets the ids it gets alone (tests/generate/test_batcher.py).
+stop condition; a greedy request gets the ids it gets alone (tests/generate/test_batcher.py), and every decode
+step's logits of a row are bit for bit those of its solo step, float32, int4 and int8 bundles alike
+(tests/generate/test_batcher_exact.py). That takes aligned padding: ONNX Runtime's CPU Softmax and MatMul over the
+cache axis (the attention's softmax and its product with V) sum a row in another order when it is shifted by
+masked leading columns, unless the shift is a multiple of ``PAD_ALIGN`` (4; measured: a shift of 1-3 columns
+changes the logits by ~1e-6 in float32, ~3e-2 in int4 / int8, where MatMulNBits' accuracy level 4 rounds each
+activation block to int8 and a last-bit change flips codes; greedy ids then differ). So every row's padding is
+kept a multiple of ``PAD_ALIGN``: a prefilled request joins the batch at the first step where its length is
+congruent to the batch's width modulo ``PAD_ALIGN`` (it waits at most ``PAD_ALIGN - 1`` steps, its first token
+already streamed), and a leaving row's cut drops a multiple of ``PAD_ALIGN`` columns. MatMulNBits itself is
+row-independent at accuracy level 4 (a row's output at M = 1 equals its row at M = 2-8; at accuracy levels 0 / 1
+it is not: 1e-5 between M = 1 and M > 1, measured), so rows of equal padding need nothing more.
 
 The cache: the exported graph writes each present with its own ``Concat(past, new)``, so every step copies the
 whole cache once inside ONNX Runtime (also when one request runs alone); the batcher adds a copy of the cache
@@ -58,7 +70,14 @@ if TYPE_CHECKING:
     from layerzero.runtime.engine import Engine
     from layerzero.runtime.guard import GuardedEngine
 
-__all__ = ["ContinuousBatcher", "GenerationRequest", "QueueFull", "Ticket"]
+__all__ = ["PAD_ALIGN", "ContinuousBatcher", "GenerationRequest", "QueueFull", "Ticket"]
+
+#: Every row's left padding in the batch's cache is a multiple of this many columns (see the module doc: a row
+#: joins when its length is congruent to the batch's width, a cut keeps the multiple). ONNX Runtime 1.32's CPU
+#: Softmax and MatMul reducing over the cache axis give a row's own result bit for bit under leading masked
+#: columns only when they are a multiple of 4 (measured on x86-64 AVX-512: pads 4, 8, ..., 32 exact at lengths 9
+#: to 2,049, every other pad not; tests/generate/test_batcher_exact.py checks it on the installed runtime).
+PAD_ALIGN = 4
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +160,15 @@ class _Row:
     batch_rows: int = 1  # the most rows a step of this request ran with
 
 
+@dataclasses.dataclass
+class _Waiting:
+    """A prefilled row waiting to join the batch: its cache ([1, heads, length, head_dim] per past input)."""
+
+    row: _Row
+    present: dict[str, np.ndarray]
+    length: int
+
+
 class ContinuousBatcher:
     """Runs generation requests on one engine, batching their decode steps (see the module doc)."""
 
@@ -172,6 +200,7 @@ class ContinuousBatcher:
         # The batch: one cache tensor per past input [B, heads, L, head_dim], the mask [B, L] of each row's
         # real columns, and per row its next input id and position.
         self._rows: list[_Row] = []
+        self._waiting: list[_Waiting] = []  # prefilled rows waiting for their turn to join (``_admit``)
         self._cache: dict[str, np.ndarray] = {}
         self._mask = np.zeros((0, 0), dtype=np.int64)
         self._next_ids = np.zeros((0,), dtype=np.int64)
@@ -209,8 +238,8 @@ class ContinuousBatcher:
 
     @property
     def active(self) -> int:
-        """Generations running: in the batch, or in their prefill."""
-        return len(self._rows) + self._joining
+        """Generations running: in the batch, waiting to join it (``_admit``), or in their prefill."""
+        return len(self._rows) + len(self._waiting) + self._joining
 
     @property
     def queued(self) -> int:
@@ -224,7 +253,7 @@ class ContinuousBatcher:
             if self._stopping or self._thread is None:
                 raise LayerZeroError("the batcher is not running")
             # Queued requests that get a row at the next step, besides the queue proper.
-            free = max(0, self.max_batch - len(self._rows) - self._joining)
+            free = max(0, self.max_batch - self.active)
             if len(self._pending) >= self.max_queue + free:
                 raise QueueFull(f"{len(self._pending)} generations are queued already (the limit): retry later")
             self._pending.append(ticket)
@@ -262,17 +291,19 @@ class ContinuousBatcher:
                 if self._stopping:
                     break
                 joining = []
-                while self._pending and len(self._rows) + len(joining) < self.max_batch:
+                while self._pending and self.active + len(joining) < self.max_batch:
                     joining.append(self._pending.popleft())
                 self._joining = len(joining)
             for ticket in joining:
                 self._prefill(ticket)
                 with self._cond:
                     self._joining -= 1
+            self._admit()
             if self._rows:
                 self._decode()
+                self._admit()
         error = LayerZeroError("the batcher stopped")
-        for row in self._rows:
+        for row in self._rows + [w.row for w in self._waiting]:
             row.ticket._finish(None, error)
         for ticket in self._pending:
             ticket._finish(None, error)
@@ -303,13 +334,35 @@ class ContinuousBatcher:
         if row.stop_reason:
             self._finish(row)
             return
-        self._join(row, present, n)
+        self._waiting.append(_Waiting(row, present, n))
+
+    def _admit(self) -> None:
+        """Join the waiting rows whose cache length is congruent to the batch's width modulo ``PAD_ALIGN``; a
+        cancelled one finishes here. A row waits at most ``PAD_ALIGN - 1`` steps: the width grows by one column
+        a step. An empty batch starts with the largest class of waiting rows congruent to each other (the first
+        of them joins the empty batch, the others are congruent to it)."""
+        if not self._rows and self._waiting:
+            classes = collections.Counter(w.length % PAD_ALIGN for w in self._waiting)
+            # max() keeps the first of equals: a tie goes to the class of the earliest arrival.
+            first = max(self._waiting, key=lambda w: classes[w.length % PAD_ALIGN]).length % PAD_ALIGN
+            self._waiting.sort(key=lambda w: w.length % PAD_ALIGN != first)  # stable: arrival order kept
+        still = []
+        for w in self._waiting:
+            if w.row.ticket.cancelled:
+                w.row.stop_reason = "cancelled"
+                self._finish(w.row)
+            elif not self._rows or (self._mask.shape[1] - w.length) % PAD_ALIGN == 0:
+                self._join(w.row, w.present, w.length)
+            else:
+                still.append(w)
+        self._waiting = still
 
     def _join(self, row: _Row, present: dict[str, np.ndarray], length: int) -> None:
         """Add a row whose cache is ``present`` ([1, heads, length, head_dim]) to the batch, left-padding the
-        shorter of the two to a common length."""
+        shorter of the two to a common length (by a multiple of ``PAD_ALIGN`` columns: ``_admit``)."""
         width = self._mask.shape[1]
         common = max(width, length)
+        assert not self._rows or (common - width) % PAD_ALIGN == 0 == (common - length) % PAD_ALIGN
         if self._rows:
             pad_batch = common - width
             pad_row = common - length
@@ -402,7 +455,9 @@ class ContinuousBatcher:
             return
         index = np.asarray(keep)
         mask = self._mask[index]
-        cut = int(np.argmax(mask.any(axis=0)))  # the first column some row attends to
+        # The first column some row attends to, rounded down to a multiple of PAD_ALIGN: every row's padding
+        # stays a multiple of it.
+        cut = int(np.argmax(mask.any(axis=0))) // PAD_ALIGN * PAD_ALIGN
         self._mask = np.ascontiguousarray(mask[:, cut:])
         self._cache = {n: np.ascontiguousarray(v[index][:, :, cut:]) for n, v in self._cache.items()}
         self._next_ids = self._next_ids[index]

@@ -23,7 +23,10 @@ each row's real tokens, as transformers' batched ``generate``; each row stops on
 ``skipped_paths`` and masks are the batch's (a path is skipped when no row's token ran it; ``batch_rows`` in each
 report says how many rows shared them), a row's ``steps`` are the steps it took (a row that stopped early has
 fewer) and its ``skipped_paths`` are the batch's over those steps; ``tokens_per_s`` is per row: the batch's
-throughput is the sum over rows.
+throughput is the sum over rows. A row padded by a number of columns that is not a multiple of 4 is not its solo
+run bit for bit (ONNX Runtime's Softmax and MatMul over the padded axis sum it in another order: ~1e-6 on float32
+logits, ~3e-2 on int4 / int8 ones, where greedy ids can differ); the continuous batcher keeps paddings aligned
+(runtime/batcher.py ``PAD_ALIGN``), a batch of prompts given at once cannot.
 
 The loop: an ``Engine`` running ONNX Runtime on the CPU is driven through one IO binding per request
 (``_BoundSteps``): the presents stay ONNX Runtime values bound as the next step's past, the feeds are validated on
@@ -89,9 +92,7 @@ def cache_layout(engine: Engine) -> CacheLayout | None:
             )
     if "logits" not in engine.output_names:
         raise UnsupportedModelError(f"{engine.model_path}: no 'logits' output (outputs: {engine.output_names})")
-    past = sorted(
-        ((int(m[1]), m[2], n) for n in specs if (m := _PAST.match(n))), key=lambda t: (t[0], t[1] != "key")
-    )
+    past = sorted(((int(m[1]), m[2], n) for n in specs if (m := _PAST.match(n))), key=lambda t: (t[0], t[1] != "key"))
     if not past:
         return None
     names, outputs = [], set(engine.output_names)
