@@ -4,8 +4,12 @@
 //                                               bias? [N] float32, w_scales? [K/32, N] float16)
 //   w: weight_format "f": [K, N] float32 / float16 / bfloat16 (the MatMul's B: row i = input channel i);
 //      "q8": [K, N] int8 codes; "q4": [K, N/2] uint8, within each 32-column block of a row byte j holding column
-//      j (low nibble) and column j + 16 (high nibble) as code + 8 (plugins/quant.py quantize_k_blocks); blocks
-//      of 32 along K: w_scales [K/32, N] float16, element (i, n) = code * d[i / 32, n]. K, N multiples of 32.
+//      j (low nibble) and column j + 16 (high nibble) as code + 8; blocks of 32 along K: w_scales [K/32, N]
+//      float16, element (i, n) = code * d[i / 32, n]. K, N multiples of 32. q8 / q4 rows are stored in column
+//      tiles (plugins/quant.py quantize_k_blocks): tile t = columns [2048 t, min(N, 2048 t + 2048)), each a
+//      row-major [K, width] block (q4: width / 2 bytes a row), the tiles one after the other; N <= 2048 is one
+//      tile, the plain row-major matrix. A tile's rows are contiguous: a kept row of a block is one short stream
+//      the next rows follow, a skipped row a skipped contiguous segment (kSparseQTile).
 //
 // keep[t, i] = !(|x[t, i]| <= thresholds[i] * scale) (NaN kept). Format f: y[t, :] = sum over kept i, ascending,
 // of x[t, i] * W[i, :] (float32, one fused multiply-add per kept channel and column) + bias. q8 / q4: the kept x
@@ -65,8 +69,12 @@ struct SparseQBlock {
   float dx;      // its x scale: max |x| / 127 over the kept channels (float32)
 };
 
+// Columns of a stored q8 / q4 tile (the header's w): also the kernels' column tile (y's 8 KB stay in L1).
+constexpr int64_t kSparseQTile = 2048;
+
 struct SparseQRows {
-  const void* w = nullptr;             // q8 [K, N] int8; q4 [K, N/2] uint8 (see sparse_linear_reference)
+  const void* w = nullptr;             // q8 [K, N] int8; q4 [K, N/2] uint8, in column tiles (w above)
+  int64_t k = 0;                       // K (the tiles' rows)
   const uint16_t* scales = nullptr;    // [K/32, N] float16 bits
   int64_t n = 0;                       // N
   const SparseQBlock* blocks = nullptr;
