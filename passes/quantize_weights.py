@@ -214,7 +214,8 @@ SPARSE_TILE = 2048
 def sparse_linear_codes(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     """SparseLinear's ``(w, w_scales)`` of a MatMul weight ``W [K, N]`` (input-major, blocks of 32 along K): q8
     ``[K, N]`` int8, q4 ``[K, N/2]`` uint8, stored in column tiles of ``SPARSE_TILE`` columns (tile ``t`` a
-    row-major ``[K, width]`` block, the tiles one after the other); float16 scales ``[K/32, N]`` (``plugins/quant.py``
+    row-major ``[K, width]`` block, the tiles one after the other; q4: each whole 64-byte chunk of a tile's row
+    with its 4 blocks' 4-byte groups transposed); float16 scales ``[K/32, N]`` (``plugins/quant.py``
     quantize_k_blocks)."""
     w = np.asarray(w, np.float32)
     k, n = w.shape
@@ -229,7 +230,14 @@ def sparse_linear_codes(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarra
         nib = offset.astype(np.uint8).reshape(k, n // EXPERT_BLOCK, 2, EXPERT_BLOCK // 2)
         rows = (nib[:, :, 0, :] | (nib[:, :, 1, :] << 4)).reshape(k, n // 2)
     per_tile = SPARSE_TILE * bits // 8  # stored elements of a full tile's row
-    tiles = [rows[:, c : c + per_tile].reshape(-1) for c in range(0, rows.shape[1], per_tile)]
+    tiles = []
+    for c in range(0, rows.shape[1], per_tile):
+        tile = rows[:, c : c + per_tile].copy()
+        if bits == 4:  # each whole 64-byte chunk: byte 4 L + m of its block q at 16 L + 4 q + m
+            whole = tile.shape[1] // 64 * 64
+            chunks = tile[:, :whole].reshape(k, -1, 4, 4, 4)
+            tile[:, :whole] = chunks.transpose(0, 1, 3, 2, 4).reshape(k, whole)
+        tiles.append(tile.reshape(-1))
     return np.concatenate(tiles).reshape(rows.shape), scales
 
 

@@ -266,6 +266,17 @@ def test_sparse_linear_codes_are_quantize_blocks_along_k() -> None:
         np.testing.assert_array_equal(flat[64 * 2048 // per_col :].reshape(64, -1), tail)
         np.testing.assert_array_equal(quant.k_block_codes(codes, bits), quant.unpack_codes(quant.quantize_blocks(
             w, bits, 32, axis=0)[0], bits).T)  # fmt: skip
+    # q4, a whole 64-byte chunk of a row (128 columns): byte 16 L + 4 q + m holds byte 4 L + m of its 32-column
+    # block q (column 32 q + 4 L + m low, + 16 high); a row's last partial chunk (here bytes 64..79) in block order
+    w = np.random.default_rng(4).normal(size=(32, 160)).astype(np.float32)
+    codes, _ = sparse_linear_codes(w, 4)
+    nib = quant.k_block_codes(codes, 4).astype(np.int16) + 8  # [32, 160]
+    for b in range(4):
+        for j in range(16):
+            byte = codes[:, 16 * (j // 4) + 4 * b + j % 4]
+            np.testing.assert_array_equal(byte & 15, nib[:, 32 * b + j])
+            np.testing.assert_array_equal(byte >> 4, nib[:, 32 * b + 16 + j])
+    np.testing.assert_array_equal(codes[:, 64:] & 15, nib[:, 128:144])
 
 
 def _one_node(n: int, inputs: int = 4, k: int = 32) -> ir.Model:

@@ -49,6 +49,7 @@ constexpr size_t kInputs = 6;  // x, w, thresholds, scale?, bias?, w_scales?
 constexpr size_t kScale = 3, kBias = 4, kWScales = 5;
 constexpr int64_t kGroup = 8;    // tokens whose kept rows are streamed together (T > 1)
 constexpr int64_t kColumns = 64;  // the column split's granule
+constexpr int64_t kQColumns = 128;  // q8 / q4: the split's granule (a q4 row's 64-byte chunk, sparse_linear.h)
 constexpr int64_t kQBlock = 32;   // q8 / q4: channels of K per block (x's int8 quantization, w's scales)
 constexpr int64_t kQTile = 256;   // q8 / q4, T > 1: columns a thread runs for every token before the next ones
 
@@ -536,11 +537,11 @@ struct SparseLinearKernel {
     }
     std::memset(y, 0, sizeof(float) * static_cast<size_t>(T * N));
     const SparseQFn fn = fmt == SparseFormat::q8 ? sparse_q_kernels().q8 : sparse_q_kernels().q4;
-    const int64_t units = (N + kColumns - 1) / kColumns;
+    const int64_t units = (N + kQColumns - 1) / kQColumns;
     const int64_t items = items_for(units);
     const std::function<void(size_t)> work = [&](size_t k) {
-      const int64_t c0 = int64_t(k) * units / items * kColumns;
-      const int64_t c1 = std::min(N, (int64_t(k) + 1) * units / items * kColumns);
+      const int64_t c0 = int64_t(k) * units / items * kQColumns;
+      const int64_t c1 = std::min(N, (int64_t(k) + 1) * units / items * kQColumns);
       const int64_t step = T == 1 ? c1 - c0 : kQTile;
       for (int64_t a = c0; a < c1; a += step) {
         const int64_t b = std::min(c1, a + step);

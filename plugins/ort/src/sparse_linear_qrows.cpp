@@ -97,37 +97,63 @@ inline void apply(const __m512i* acc, const uint16_t* s, __m512 dx, float* y) {
   }
 }
 
-// q4, 64 * CH columns from byte offset o of the block's rows: per 16 byte positions (32 columns) two
-// accumulators, one of the whole bytes (low nibble + 16 * high nibble) and one of the high nibbles (byte & 0xF0,
-// i.e. 16 * high): low = whole - high, high = (high >> 4), both exact. They start at -(8 + 128) and -128 times the
-// sum of the x codes (the nibbles' offset 8 in both places).
-template <int CH>
-inline void q4_step(const uint8_t* const* cur, const int32_t* xq4, int32_t ng, int64_t o, int32_t sum,
-                    const __m512i& i0, const __m512i& i1, __m512i* out) {
+// q4: per 16 byte positions (32 columns) two accumulators, one of the whole bytes (low nibble + 16 * high
+// nibble) and one of the high nibbles (byte & 0xF0, i.e. 16 * high): low = whole - high, high = high >> 4, both
+// exact. They start at -(8 + 128) and -128 times the sum of the x codes (the nibbles' offset 8 in both places).
+inline void q4_finish(const __m512i* acc, int count, __m512i* out) {
+  for (int q = 0; q < count; ++q) {
+    out[2 * q] = _mm512_sub_epi32(acc[2 * q], acc[2 * q + 1]);
+    out[2 * q + 1] = _mm512_srai_epi32(acc[2 * q + 1], 4);
+  }
+}
+
+// q4, one whole 64-byte chunk of the block's rows at byte offset o (128 columns, stored transposed:
+// sparse_linear.h): 4 row loads, bytes of rows (0, 1) and (2, 3) unpacked, then words: lane j of output q =
+// the 4 rows' byte 4 L + m of block q (j = 4 L + m), i.e. columns 32 q + j (low) and 32 q + 16 + j (high).
+inline void q4_chunk(const uint8_t* const* cur, const int32_t* xq4, int32_t ng, int64_t o, int32_t sum,
+                     __m512i* out) {
   const __m512i high = _mm512_set1_epi8(static_cast<char>(0xF0));
   const __m512i s_all = _mm512_set1_epi32(-136 * sum), s_high = _mm512_set1_epi32(-128 * sum);
-  __m512i acc[4 * CH];
-  for (int q = 0; q < CH; ++q) {
-    acc[4 * q] = acc[4 * q + 2] = s_all;
-    acc[4 * q + 1] = acc[4 * q + 3] = s_high;
+  __m512i acc[8];
+  for (int q = 0; q < 4; ++q) {
+    acc[2 * q] = s_all;
+    acc[2 * q + 1] = s_high;
   }
   for (int32_t g = 0; g < ng; ++g) {
     const uint8_t* const* r = cur + 4 * g;
     const __m512i xv = _mm512_set1_epi32(xq4[g]);
-    for (int q = 0; q < CH; ++q) {
-      __m512i pa, pb;
-      pair_rows(r, o + 32 * q, pa, pb);
-      const __m512i p0 = _mm512_permutex2var_epi8(pa, i0, pb), p1 = _mm512_permutex2var_epi8(pa, i1, pb);
-      acc[4 * q] = _mm512_dpbusd_epi32(acc[4 * q], p0, xv);
-      acc[4 * q + 1] = _mm512_dpbusd_epi32(acc[4 * q + 1], _mm512_and_si512(p0, high), xv);
-      acc[4 * q + 2] = _mm512_dpbusd_epi32(acc[4 * q + 2], p1, xv);
-      acc[4 * q + 3] = _mm512_dpbusd_epi32(acc[4 * q + 3], _mm512_and_si512(p1, high), xv);
+    const __m512i r0 = _mm512_loadu_si512(r[0] + o), r1 = _mm512_loadu_si512(r[1] + o);
+    const __m512i r2 = _mm512_loadu_si512(r[2] + o), r3 = _mm512_loadu_si512(r[3] + o);
+    const __m512i lo01 = _mm512_unpacklo_epi8(r0, r1), hi01 = _mm512_unpackhi_epi8(r0, r1);
+    const __m512i lo23 = _mm512_unpacklo_epi8(r2, r3), hi23 = _mm512_unpackhi_epi8(r2, r3);
+    const __m512i p[4] = {_mm512_unpacklo_epi16(lo01, lo23), _mm512_unpackhi_epi16(lo01, lo23),
+                          _mm512_unpacklo_epi16(hi01, hi23), _mm512_unpackhi_epi16(hi01, hi23)};
+    for (int q = 0; q < 4; ++q) {
+      acc[2 * q] = _mm512_dpbusd_epi32(acc[2 * q], p[q], xv);
+      acc[2 * q + 1] = _mm512_dpbusd_epi32(acc[2 * q + 1], _mm512_and_si512(p[q], high), xv);
     }
   }
-  for (int q = 0; q < 2 * CH; ++q) {
-    out[2 * q] = _mm512_sub_epi32(acc[2 * q], acc[2 * q + 1]);
-    out[2 * q + 1] = _mm512_srai_epi32(acc[2 * q + 1], 4);
+  q4_finish(acc, 4, out);
+}
+
+// q4, 64 columns in block order (a row's last partial chunk) at byte offset o: [r0 | r1], [r2 | r3] and one
+// vpermt2b per 16 byte positions.
+inline void q4_step64(const uint8_t* const* cur, const int32_t* xq4, int32_t ng, int64_t o, int32_t sum,
+                      const __m512i& i0, const __m512i& i1, __m512i* out) {
+  const __m512i high = _mm512_set1_epi8(static_cast<char>(0xF0));
+  const __m512i s_all = _mm512_set1_epi32(-136 * sum), s_high = _mm512_set1_epi32(-128 * sum);
+  __m512i acc[4] = {s_all, s_high, s_all, s_high};
+  for (int32_t g = 0; g < ng; ++g) {
+    const __m512i xv = _mm512_set1_epi32(xq4[g]);
+    __m512i pa, pb;
+    pair_rows(cur + 4 * g, o, pa, pb);
+    const __m512i p0 = _mm512_permutex2var_epi8(pa, i0, pb), p1 = _mm512_permutex2var_epi8(pa, i1, pb);
+    acc[0] = _mm512_dpbusd_epi32(acc[0], p0, xv);
+    acc[1] = _mm512_dpbusd_epi32(acc[1], _mm512_and_si512(p0, high), xv);
+    acc[2] = _mm512_dpbusd_epi32(acc[2], p1, xv);
+    acc[3] = _mm512_dpbusd_epi32(acc[3], _mm512_and_si512(p1, high), xv);
   }
+  q4_finish(acc, 2, out);
 }
 
 template <int Bits>
@@ -166,10 +192,13 @@ void qrows(const SparseQRows& call, int64_t c0, int64_t c1) {
       const int32_t ng = blk.ng;
       int64_t c = a;
       if constexpr (Bits == 4) {
-        for (; c + 128 <= b; c += 128) {  // 64 bytes of each row: one cache line
+        // Whole chunks: the range starts on one (c0 a multiple of 128, tiles of 2048), and a chunk is whole
+        // when the tile's row holds its 64 bytes.
+        const int64_t whole = first + (stride / 64) * 128;  // the end of the tile's whole chunks (a column)
+        for (; c + 128 <= b && c + 128 <= whole; c += 128) {  // 64 bytes of each row: one cache line
           const int64_t o = (c - a) / 2;
           __m512i v[8];
-          q4_step<2>(cur, xq4, ng, o, blk.sum, i0, i1, v);
+          q4_chunk(cur, xq4, ng, o, blk.sum, v);
           // The next block's rows at these columns (its pass over the tile comes after this one's).
           for (int k = 0; k < nn; ++k) _mm_prefetch(reinterpret_cast<const char*>(nxt[k] + o), _MM_HINT_T0);
           apply<8>(v, s + c, dx, call.y + c);
@@ -177,7 +206,7 @@ void qrows(const SparseQRows& call, int64_t c0, int64_t c1) {
         if (c + 64 <= b) {
           const int64_t o = (c - a) / 2;
           __m512i v[4];
-          q4_step<1>(cur, xq4, ng, o, blk.sum, i0, i1, v);
+          q4_step64(cur, xq4, ng, o, blk.sum, i0, i1, v);
           for (int k = 0; k < nn; ++k) _mm_prefetch(reinterpret_cast<const char*>(nxt[k] + o), _MM_HINT_T0);
           apply<4>(v, s + c, dx, call.y + c);
           c += 64;
@@ -191,7 +220,8 @@ void qrows(const SparseQRows& call, int64_t c0, int64_t c1) {
             acc[0] = _mm512_dpbusd_epi32(acc[0], p, xv);
             acc[1] = _mm512_dpbusd_epi32(acc[1], _mm512_and_si512(p, high), xv);
           }
-          const __m512i v[2] = {_mm512_sub_epi32(acc[0], acc[1]), _mm512_srai_epi32(acc[1], 4)};
+          __m512i v[2];
+          q4_finish(acc, 1, v);
           apply<2>(v, s + c, dx, call.y + c);
         }
       } else {
@@ -255,10 +285,16 @@ void qrows(const SparseQRows& call, int64_t c0, int64_t c1) {
               const int8_t* q = reinterpret_cast<const int8_t*>(r + (c - first));
               for (int j = 0; j < 32; ++j) acc[j] += xq * int32_t(q[j]);
             } else {
-              const uint8_t* q = r + (c - first) / 2;
+              // byte j of the 32-column block: in a whole 64-byte chunk at 16 (j / 4) + 4 q + j % 4 (q the
+              // block's place in the chunk), in a row's last partial chunk at j
+              const int64_t off = (c - first) / 2, chunk = off / 64 * 64;
+              const bool whole = chunk + 64 <= stride;
+              const uint8_t* q = r + chunk;
+              const int64_t qb = (off - chunk) / 16;
               for (int j = 0; j < 16; ++j) {
-                acc[j] += xq * (int32_t(q[j] & 15) - 8);
-                acc[j + 16] += xq * (int32_t(q[j] >> 4) - 8);
+                const uint8_t byte = whole ? q[16 * (j / 4) + 4 * qb + j % 4] : q[16 * qb + j];
+                acc[j] += xq * (int32_t(byte & 15) - 8);
+                acc[j + 16] += xq * (int32_t(byte >> 4) - 8);
               }
             }
           }
