@@ -18,14 +18,14 @@ per-expert MatMuls are ordinary MatMuls here):
    expert MatMuls with the options given); so is an MoE block whose hidden or expert size the block does not divide
    (its experts are quantized whole or not at all; cases 3 and 4).
 4. ``com.microsoft.MoE`` (the ``ort-moe`` lowering) → ``com.microsoft.QMoE`` (``passes/lower_qmoe.py``).
-5. ``ai.layerzero::SparseLinear`` (``SparsifyActivations``' native form, issue 23) with ``weight_format`` ``"f"`` and
-   a constant float weight ``W [K, N]`` → ``"q4"`` (int4: ``[K, N/2]`` uint8 nibbles) / ``"q8"`` (int8: ``[K, N]``
-   int8) with float16 ``w_scales [K/32, N]`` at input 5 (``""`` for an absent scale / bias at 3 / 4): symmetric
-   blocks of 32 along K (the reduction axis, as MatMulNBits), one input channel per stored row (``plugins/quant.py``
-   ``quantize_k_blocks``, the kernel's one format; ``sparse_linear_codes``). As for case 3, another ``block`` or
-   ``symmetric=False`` is refused (``InvalidInputError`` naming the option); ``K`` or ``N`` not a multiple of 32
-   keeps ``"f"`` (a ``Refusal`` in ``kept``). The kernel quantizes x to int8 (MatMulNBits' accuracy_level 4 does
-   too, with other rounding): the verification's quantized-dense reference holds the same projections as
+5. ``ai.layerzero::SparseLinear`` (``SparsifyActivations``' native form, issue 23) with ``weight_format`` ``"f"`` and a
+   constant float weight ``W [K, N]`` → ``"q4"`` (int4: ``[K, N/2]`` uint8 nibbles) / ``"q8"`` (int8: ``[K, N]`` int8)
+   with float16 ``w_scales [K/32, N]`` at input 5 (``""`` for an absent scale / bias at 3 / 4): symmetric blocks of 32
+   along K (the reduction axis, as MatMulNBits), one input channel per stored row of a 2048-column tile
+   (``plugins/quant.py`` ``quantize_k_blocks``, the kernel's one format; ``sparse_linear_codes``). As for case 3,
+   another ``block`` or ``symmetric=False`` is refused (``InvalidInputError`` naming the option); ``K`` or ``N`` not a
+   multiple of 32 keeps ``"f"`` (a ``Refusal`` in ``kept``). The kernel quantizes x to int8 (MatMulNBits' accuracy_level
+   4 does too, with other rounding): the verification's quantized-dense reference holds the same projections as
    SparseLinear nodes at thresholds 0 (the dense product of the same codes and int8 x), quantized by this case
    (``compiler/compile.py`` ``quantized_dense_reference``, ``as_dense_sparse_linear``).
 
@@ -207,9 +207,16 @@ def native_expert_codes(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarra
     return np.ascontiguousarray(stored), np.ascontiguousarray(scales.astype(np.float16))
 
 
+#: Columns of a stored tile of SparseLinear's q8 / q4 codes (the kernel's format: ``sparse_linear_codes``).
+SPARSE_TILE = 2048
+
+
 def sparse_linear_codes(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     """SparseLinear's ``(w, w_scales)`` of a MatMul weight ``W [K, N]`` (input-major, blocks of 32 along K): q8
-    ``[K, N]`` int8, q4 ``[K, N/2]`` uint8; float16 scales ``[K/32, N]`` (``plugins/quant.py`` quantize_k_blocks)."""
+    ``[K, N]`` int8, q4 ``[K, N/2]`` uint8, stored in column tiles of ``SPARSE_TILE`` columns (tile ``t`` a
+    row-major ``[K, width]`` block, the tiles one after the other; q4: each whole 64-byte chunk of a tile's row
+    with its 4 blocks' 4-byte groups transposed); float16 scales ``[K/32, N]`` (``plugins/quant.py``
+    quantize_k_blocks)."""
     w = np.asarray(w, np.float32)
     k, n = w.shape
     # The experts' rows quantization of W^T ([N, K]: blocks along K), laid out input-major; equal to plugins/quant.py's
@@ -218,9 +225,20 @@ def sparse_linear_codes(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarra
     offset = codes.reshape(n, k).T  # stored code + 128 (q8) / + 8 (q4), [K, N]
     scales = np.ascontiguousarray(scales.reshape(n, k // EXPERT_BLOCK).T.astype(np.float16))
     if bits == 8:
-        return np.ascontiguousarray((offset.astype(np.int16) - 128).astype(np.int8)), scales
-    nib = offset.astype(np.uint8).reshape(k, n // EXPERT_BLOCK, 2, EXPERT_BLOCK // 2)
-    return np.ascontiguousarray((nib[:, :, 0, :] | (nib[:, :, 1, :] << 4)).reshape(k, n // 2)), scales
+        rows = (offset.astype(np.int16) - 128).astype(np.int8)
+    else:
+        nib = offset.astype(np.uint8).reshape(k, n // EXPERT_BLOCK, 2, EXPERT_BLOCK // 2)
+        rows = (nib[:, :, 0, :] | (nib[:, :, 1, :] << 4)).reshape(k, n // 2)
+    per_tile = SPARSE_TILE * bits // 8  # stored elements of a full tile's row
+    tiles = []
+    for c in range(0, rows.shape[1], per_tile):
+        tile = rows[:, c : c + per_tile].copy()
+        if bits == 4:  # each whole 64-byte chunk: byte 4 L + m of its block q at 16 L + 4 q + m
+            whole = tile.shape[1] // 64 * 64
+            chunks = tile[:, :whole].reshape(k, -1, 4, 4, 4)
+            tile[:, :whole] = chunks.transpose(0, 1, 3, 2, 4).reshape(k, whole)
+        tiles.append(tile.reshape(-1))
+    return np.concatenate(tiles).reshape(rows.shape), scales
 
 
 class QuantizeWeights(ir.passes.InPlacePass):

@@ -39,6 +39,7 @@ import numpy as np
 __all__ = [
     "BLOCK",
     "FORMATS",
+    "K_TILE",
     "dequantize_blocks",
     "dequantize_k_blocks",
     "moe_quant_reference",
@@ -127,12 +128,29 @@ def quantize_activations(x: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray,
     return q.reshape(x.shape), d.astype(np.float32)
 
 
+#: Columns of a stored tile of ``quantize_k_blocks``' codes.
+K_TILE = 2048
+
+
+def _tile_width(bits: int) -> int:
+    """Stored elements (q8 codes, q4 bytes) of a row of one full tile."""
+    return K_TILE if bits == 8 else K_TILE // 2
+
+
 def quantize_k_blocks(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     """SparseLinear's q8 / q4 format of an input-major weight ``W [K, N]`` (``plugins/sparse.py``): symmetric
     blocks of 32 along K (the reduction axis; one float16 scale per (32-row block, column): ``scales [K/32, N]``,
     ``d`` and the codes as ``quantize_blocks``), one input channel per stored row. q8: codes ``[K, N]`` int8. q4:
     ``[K, N/2]`` uint8; within each 32-column block of a row, byte ``j`` holds column ``j`` in its low nibble and
-    column ``j + 16`` in its high nibble (llama.cpp's Q4_0 order), each as code + 8. K and N multiples of 32."""
+    column ``j + 16`` in its high nibble (llama.cpp's Q4_0 order), each as code + 8. K and N multiples of 32.
+
+    The codes are stored in column tiles of ``K_TILE`` (2048) columns: tile ``t`` (columns ``[2048 t, min(N, 2048 t
+    + 2048))``) is a row-major ``[K, width]`` block (q4 ``width / 2`` bytes a row), the tiles one after the other
+    in the ``[K, N]`` / ``[K, N/2]`` array (N <= 2048: one tile). q4: within a tile's row each whole 64-byte chunk
+    (128 columns, blocks q = 0..3) holds at byte ``16 L + 4 q + m`` the byte ``4 L + m`` of block q (the order in
+    which the kernel's byte / word unpacks of 4 rows give vpdpbusd lanes in column order); the bytes of a row's
+    last partial chunk stay in block order. The kernel reads a tile's kept rows as contiguous segments
+    (``plugins/ort/src/sparse_linear.h``); ``k_block_codes`` undoes both."""
     w = np.asarray(w, np.float32)
     if w.ndim != 2:
         raise ValueError(f"w must be [K, N], not {w.shape}")
@@ -143,18 +161,48 @@ def quantize_k_blocks(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]
     q = unpack_codes(codes, bits).T  # signed [K, N]
     scales = np.ascontiguousarray(scales.T)
     if bits == 8:
-        return np.ascontiguousarray(q.astype(np.int8)), scales
+        return _tiles(q.astype(np.int8), _tile_width(8)), scales
     nib = (q.astype(np.int16) + 8).astype(np.uint8).reshape(k, n // BLOCK, 2, BLOCK // 2)
     packed = nib[:, :, 0, :] | (nib[:, :, 1, :] << 4)
-    return np.ascontiguousarray(packed.reshape(k, n // 2)), scales
+    return _tiles(packed.reshape(k, n // 2), _tile_width(4), chunks=True), scales
+
+
+def _transpose_chunks(rows: np.ndarray) -> np.ndarray:
+    """q4: each whole 64-byte chunk of a tile's rows ``[K, w]`` with byte ``4 L + m`` of its 32-column block
+    ``q`` moved to ``16 L + 4 q + m`` (its own inverse); a row's last partial chunk as it is."""
+    k, w = rows.shape
+    whole = w // 64 * 64
+    out = rows.copy()
+    out[:, :whole] = rows[:, :whole].reshape(k, -1, 4, 4, 4).transpose(0, 1, 3, 2, 4).reshape(k, whole)
+    return out
+
+
+def _tiles(rows: np.ndarray, width: int, chunks: bool = False) -> np.ndarray:
+    """``rows [K, C]`` in column tiles of ``width``: each tile's ``[K, w]`` block row-major, one after the other
+    (``chunks``: q4's whole 64-byte chunks transposed, ``_transpose_chunks``)."""
+    k, c = rows.shape
+    tiles = [rows[:, t : t + width] for t in range(0, c, width)]
+    return np.concatenate([(_transpose_chunks(t) if chunks else t).reshape(-1) for t in tiles]).reshape(k, c)
+
+
+def _untiled(stored: np.ndarray, width: int, chunks: bool = False) -> np.ndarray:
+    """The ``[K, C]`` rows of ``_tiles``' layout."""
+    k, c = stored.shape
+    flat = stored.reshape(-1)
+    out = np.empty_like(stored)
+    for t in range(0, c, width):
+        w = min(width, c - t)
+        tile = flat[k * t : k * (t + w)].reshape(k, w)
+        out[:, t : t + w] = _transpose_chunks(tile) if chunks else tile
+    return out
 
 
 def k_block_codes(codes: np.ndarray, bits: int) -> np.ndarray:
-    """The signed codes ``[K, N]`` (int8) of ``quantize_k_blocks``' ``codes``."""
+    """The signed codes ``[K, N]`` (int8) of ``quantize_k_blocks``' ``codes`` (tiled)."""
     if bits == 8:
-        c = np.asarray(codes)
+        c = _untiled(np.asarray(codes), _tile_width(8))
         return c.view(np.int8) if c.dtype == np.uint8 else c.astype(np.int8)
-    c = np.asarray(codes, np.uint8)
+    c = _untiled(np.asarray(codes, np.uint8), _tile_width(4), chunks=True)
     k, half = c.shape
     b = c.reshape(k, half // (BLOCK // 2), BLOCK // 2)
     out = np.empty((k, b.shape[1], 2, BLOCK // 2), np.int8)

@@ -254,6 +254,29 @@ def test_sparse_linear_codes_are_quantize_blocks_along_k() -> None:
     q = quant.k_block_codes(codes, 4)
     np.testing.assert_array_equal(codes[:, :16] & 15, q[:, :16] + 8)
     np.testing.assert_array_equal(codes[:, :16] >> 4, q[:, 16:32] + 8)
+    # N > 2048: column tiles of 2048, each a row-major [K, width] block (q4 width / 2 bytes a row), one after the
+    # other: tile 0's rows first (1024 bytes each), then tile 1's (N - 2048 columns)
+    w = np.random.default_rng(3).normal(size=(64, 2048 + 64)).astype(np.float32)
+    for bits, per_col in ((4, 2), (8, 1)):
+        codes, _ = sparse_linear_codes(w, bits)
+        rows, _ = sparse_linear_codes(w[:, :2048], bits)  # one tile: the plain rows
+        tail, _ = sparse_linear_codes(w[:, 2048:], bits)
+        flat = codes.reshape(-1)
+        np.testing.assert_array_equal(flat[: 64 * 2048 // per_col].reshape(64, -1), rows)
+        np.testing.assert_array_equal(flat[64 * 2048 // per_col :].reshape(64, -1), tail)
+        np.testing.assert_array_equal(quant.k_block_codes(codes, bits), quant.unpack_codes(quant.quantize_blocks(
+            w, bits, 32, axis=0)[0], bits).T)  # fmt: skip
+    # q4, a whole 64-byte chunk of a row (128 columns): byte 16 L + 4 q + m holds byte 4 L + m of its 32-column
+    # block q (column 32 q + 4 L + m low, + 16 high); a row's last partial chunk (here bytes 64..79) in block order
+    w = np.random.default_rng(4).normal(size=(32, 160)).astype(np.float32)
+    codes, _ = sparse_linear_codes(w, 4)
+    nib = quant.k_block_codes(codes, 4).astype(np.int16) + 8  # [32, 160]
+    for b in range(4):
+        for j in range(16):
+            byte = codes[:, 16 * (j // 4) + 4 * b + j % 4]
+            np.testing.assert_array_equal(byte & 15, nib[:, 32 * b + j])
+            np.testing.assert_array_equal(byte >> 4, nib[:, 32 * b + 16 + j])
+    np.testing.assert_array_equal(codes[:, 64:] & 15, nib[:, 128:144])
 
 
 def _one_node(n: int, inputs: int = 4, k: int = 32) -> ir.Model:
@@ -428,10 +451,11 @@ def test_pass_codes_equal_the_kernel_format(bits):
     from layerzero.plugins.quant import quantize_k_blocks
 
     rng = np.random.default_rng(bits)
-    w = (rng.standard_normal((96, 128)) * rng.lognormal(size=(96, 1))).astype(np.float32)
-    w[5] = 0
-    got, got_scales = sparse_linear_codes(w, bits)
-    want, want_scales = quantize_k_blocks(w, bits)
-    assert got.dtype == want.dtype and got.shape == want.shape
-    np.testing.assert_array_equal(got, want)
-    np.testing.assert_array_equal(got_scales.view(np.uint16), want_scales.view(np.uint16))
+    for n in (128, 2048 + 96):  # one column tile; two, the second narrower (tiles of 2048 columns)
+        w = (rng.standard_normal((96, n)) * rng.lognormal(size=(96, 1))).astype(np.float32)
+        w[5] = 0
+        got, got_scales = sparse_linear_codes(w, bits)
+        want, want_scales = quantize_k_blocks(w, bits)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got_scales.view(np.uint16), want_scales.view(np.uint16))

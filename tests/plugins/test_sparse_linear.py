@@ -173,6 +173,8 @@ CASES = [  # (fmt, weight type, K, N)
     ("q8", "int8", 320, 96),
     ("q4", "uint8", 96, 160),
     ("q4", "uint8", 320, 96),
+    ("q4", "uint8", 64, 4096 + 160),  # three column tiles of the stored codes (2048 columns), the last narrower
+    ("q8", "int8", 64, 2048 + 96),
 ]
 
 
@@ -307,7 +309,7 @@ def test_leading_dims_and_kept_shape(ort_lib):
 def test_threads_and_groups_do_not_change_the_result(ort_lib, fmt):
     # Bitwise: 1, 2, 4 intra-op threads; and a token alone (the decode path) = the same token in a group of 17.
     k = 520 if fmt == "f" else 512
-    w, ws, _ = weights(k, 1000 if fmt == "f" else 1024, fmt, seed=4)
+    w, ws, _ = weights(k, 1000 if fmt == "f" else 2048 + 96, fmt, seed=4)  # q8 / q4: two column tiles
     thr = np.full(k, 0.9, np.float32)
     model = sparse_model(
         w, thr, fmt=fmt, w_scales=ws, bias=np.linspace(-1, 1, w.shape[1] * (2 if fmt == "q4" else 1), dtype=np.float32)
@@ -320,6 +322,12 @@ def test_threads_and_groups_do_not_change_the_result(ort_lib, fmt):
     for t in (0, 8, 16):
         y, kept = one.run(None, {"x": x[t : t + 1]})
         assert np.array_equal(y[0], outs[0][0][t]) and kept[0] == outs[0][1][t]
+    # One thread: the first calls split the columns in two ranges, later ones (the pool seen to have one thread)
+    # run one range, every 16th split again: the same bits in every call.
+    single = session(ort_lib, model, 1)
+    for _ in range(20):
+        y, kept = single.run(None, {"x": x[3:4]})
+        assert np.array_equal(y[0], outs[0][0][3]) and kept[0] == outs[0][1][3]
 
 
 def _script_env(**extra: str) -> dict[str, str]:
@@ -350,7 +358,7 @@ def _run_in_process(lib, model_path, inputs, out, threads=1, **env) -> np.ndarra
 def test_column_split_does_not_change_the_result(ort_lib, tmp_path, fmt):
     # LAYERZERO_ORT_SPARSE_SPLIT forces the number of column ranges (1, 3, 7): the same bits every time.
     k = 200 if fmt == "f" else 224
-    w, ws, _ = weights(k, 1000 if fmt == "f" else 1056, fmt, seed=6)
+    w, ws, _ = weights(k, 1000 if fmt == "f" else 2048 + 96, fmt, seed=6)  # q8 / q4: ranges across a tile's end
     onnx.save(sparse_model(w, np.full(k, 0.8, np.float32), fmt=fmt, w_scales=ws), tmp_path / "m.onnx")
     np.savez(tmp_path / "in.npz", x=activations(5, k, seed=7))
     outs = [
@@ -386,7 +394,7 @@ def test_best_and_portable_kernels_agree(ort_lib, tmp_path, fmt):
     # The same model and inputs on the best ISA (AVX-512 here) and on the portable kernels: close (f), the same
     # bits (q8 / q4: integer sums, then the same float steps).
     k = 300 if fmt == "f" else 320
-    w, ws, _ = weights(k, 640, fmt, seed=8)
+    w, ws, _ = weights(k, 640 if fmt == "f" else 2048 + 160, fmt, seed=8)
     onnx.save(sparse_model(w, np.full(k, 0.5, np.float32), fmt=fmt, w_scales=ws), tmp_path / "m.onnx")
     np.savez(tmp_path / "in.npz", x=activations(4, k, seed=9))
     best = _run_in_process(ort_lib, tmp_path / "m.onnx", tmp_path / "in.npz", tmp_path / "a.npy")

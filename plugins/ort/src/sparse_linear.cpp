@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <atomic>
 #include <functional>
 #include <string>
 #include <thread>
@@ -48,16 +49,26 @@ constexpr size_t kInputs = 6;  // x, w, thresholds, scale?, bias?, w_scales?
 constexpr size_t kScale = 3, kBias = 4, kWScales = 5;
 constexpr int64_t kGroup = 8;    // tokens whose kept rows are streamed together (T > 1)
 constexpr int64_t kColumns = 64;  // the column split's granule
+constexpr int64_t kQColumns = 128;  // q8 / q4: the split's granule (a q4 row's 64-byte chunk, sparse_linear.h)
 constexpr int64_t kQBlock = 32;   // q8 / q4: channels of K per block (x's int8 quantization, w's scales)
 constexpr int64_t kQTile = 256;   // q8 / q4, T > 1: columns a thread runs for every token before the next ones
 
+// LAYERZERO_ORT_SPARSE_SPLIT: the number of column ranges every call is split into (tests: the result must not
+// depend on it); 0 when unset.
+int64_t forced_split() {
+  static const int64_t forced = [] {
+    const char* v = std::getenv("LAYERZERO_ORT_SPARSE_SPLIT");
+    const long n = v != nullptr ? std::strtol(v, nullptr, 10) : 0;
+    return n > 0 ? static_cast<int64_t>(n) : int64_t{0};
+  }();
+  return forced;
+}
+
 // How many column ranges a call is split into: the hardware threads (at most one range each, so a thread streams
-// one contiguous part of every kept row), or LAYERZERO_ORT_SPARSE_SPLIT (tests: the result must not depend on it).
+// one contiguous part of every kept row), or the forced split.
 int64_t split_items() {
   static const int64_t items = [] {
-    const char* v = std::getenv("LAYERZERO_ORT_SPARSE_SPLIT");
-    const long forced = v != nullptr ? std::strtol(v, nullptr, 10) : 0;
-    if (forced > 0) return static_cast<int64_t>(forced);
+    if (forced_split() > 0) return forced_split();
     return std::max<int64_t>(1, std::thread::hardware_concurrency());
   }();
   return items;
@@ -138,6 +149,43 @@ struct SparseLinearKernel {
   std::string format_name;
   bool quant = false;
   SparseFormat format = SparseFormat::f32;  // from w's declared type (the node's runs use their w's own)
+  // Whether ONNX Runtime's intra-op pool runs a call's column ranges on more than the calling thread (the custom-op
+  // API does not say how many threads it has): -1 not known yet, 1 yes (an item ran on another thread), 0 no
+  // (kSerialCalls calls in a row whose items all ran on the caller). Once 0, a call is one range (every
+  // kProbeCalls-th call split again, to see other threads if a pool that was slow to wake has them): with one
+  // thread, two ranges stream every kept row in two halves, shorter streams (q4, N = 2048, 1 thread: ~0.41x ->
+  // 0.53x MatMulNBits' speed dense in a microbenchmark). The split never changes the result (sparse_linear.h).
+  static constexpr int kSerialCalls = 3, kProbeCalls = 16;
+  std::atomic<int> pool_parallel{-1};
+  std::atomic<int> serial_calls{0};
+  std::atomic<int> calls{0};
+
+  int64_t items_for(int64_t units) {
+    const int64_t items = std::min(units, split_items());
+    if (forced_split() > 0 || pool_parallel.load(std::memory_order_relaxed) != 0) return items;
+    return calls.fetch_add(1, std::memory_order_relaxed) % kProbeCalls == kProbeCalls - 1 ? items : 1;
+  }
+
+  // work(0 .. items) over the intra-op pool (inline when one item), learning pool_parallel.
+  void run_items(Ort::KernelContext& ctx, int64_t items, const std::function<void(size_t)>& work) {
+    if (items == 1) {
+      work(0);
+      return;
+    }
+    const std::thread::id caller = std::this_thread::get_id();
+    std::atomic<bool> other{false};
+    const std::function<void(size_t)> item = [&](size_t k) {
+      if (std::this_thread::get_id() != caller) other.store(true, std::memory_order_relaxed);
+      work(k);
+    };
+    ctx.ParallelFor([](void* data, size_t i) { (*static_cast<const std::function<void(size_t)>*>(data))(i); },
+                    static_cast<size_t>(items), 0, const_cast<void*>(static_cast<const void*>(&item)));
+    if (other.load(std::memory_order_relaxed))
+      pool_parallel.store(1, std::memory_order_relaxed);
+    else if (pool_parallel.load(std::memory_order_relaxed) == -1 &&
+             serial_calls.fetch_add(1, std::memory_order_relaxed) + 1 >= kSerialCalls)
+      pool_parallel.store(0, std::memory_order_relaxed);
+  }
 
   [[noreturn]] void fail(const std::string& what) const {
     throw Failure{ORT_INVALID_ARGUMENT, "ai.layerzero::SparseLinear node '" + node + "': " + what};
@@ -349,7 +397,7 @@ struct SparseLinearKernel {
     }
     const SparseRowsFn fn = sparse_kernels().by_format[static_cast<int>(fmt)];
     const int64_t units = (N + kColumns - 1) / kColumns;
-    const int64_t items = std::min(units, split_items());
+    const int64_t items = items_for(units);
     const int64_t group = T == 1 ? 1 : kGroup;
     std::vector<int32_t> rows(static_cast<size_t>(K)), ntok, tok;
     std::vector<float> vals(static_cast<size_t>(K * group));
@@ -410,12 +458,7 @@ struct SparseLinearKernel {
           for (int64_t j = 0; j < g; ++j)
             for (int64_t c = c0; c < c1; ++c) call.y[j * N + c] += bias[c];
       };
-      if (items == 1) {
-        work(0);
-      } else {
-        ctx.ParallelFor([](void* data, size_t i) { (*static_cast<const std::function<void(size_t)>*>(data))(i); },
-                        static_cast<size_t>(items), 0, const_cast<void*>(static_cast<const void*>(&work)));
-      }
+      run_items(ctx, items, work);
     }
   }
 
@@ -442,14 +485,15 @@ struct SparseLinearKernel {
         float val[kQBlock];
         int m = 0;
         float amax = 0.0f;
-        for (int64_t j = 0; j < kQBlock; ++j) {
+        for (int64_t j = 0; j < kQBlock; ++j) {  // no branch on the keep test (half the channels at s = 0.5)
           const int64_t i = kb * kQBlock + j;
-          if (!(std::fabs(xr[i]) <= limit[i])) {
-            idx[m] = static_cast<int32_t>(i);
-            val[m++] = xr[i];
-            const float a = std::fabs(xr[i]);
-            amax = (a > amax || a != a) ? a : amax;  // NaN wins, as numpy's max
-          }
+          const float v = xr[i], a = std::fabs(v);
+          const bool keep = !(a <= limit[i]);
+          idx[m] = static_cast<int32_t>(i);
+          val[m] = v;
+          m += keep ? 1 : 0;
+          const float ak = keep ? a : 0.0f;
+          amax = (ak > amax || ak != ak) ? ak : amax;  // NaN wins, as numpy's max
         }
         if (m == 0) continue;
         nk += m;
@@ -482,6 +526,7 @@ struct SparseLinearKernel {
       kept[t] = nk;
       SparseQRows& call = calls[static_cast<size_t>(t)];
       call.w = w;
+      call.k = K;
       call.scales = scales;
       call.n = N;
       call.blocks = bl;
@@ -492,11 +537,11 @@ struct SparseLinearKernel {
     }
     std::memset(y, 0, sizeof(float) * static_cast<size_t>(T * N));
     const SparseQFn fn = fmt == SparseFormat::q8 ? sparse_q_kernels().q8 : sparse_q_kernels().q4;
-    const int64_t units = (N + kColumns - 1) / kColumns;
-    const int64_t items = std::min(units, split_items());
+    const int64_t units = (N + kQColumns - 1) / kQColumns;
+    const int64_t items = items_for(units);
     const std::function<void(size_t)> work = [&](size_t k) {
-      const int64_t c0 = int64_t(k) * units / items * kColumns;
-      const int64_t c1 = std::min(N, (int64_t(k) + 1) * units / items * kColumns);
+      const int64_t c0 = int64_t(k) * units / items * kQColumns;
+      const int64_t c1 = std::min(N, (int64_t(k) + 1) * units / items * kQColumns);
       const int64_t step = T == 1 ? c1 - c0 : kQTile;
       for (int64_t a = c0; a < c1; a += step) {
         const int64_t b = std::min(c1, a + step);
@@ -506,12 +551,7 @@ struct SparseLinearKernel {
         for (int64_t t = 0; t < T; ++t)
           for (int64_t c = c0; c < c1; ++c) y[t * N + c] += bias[c];
     };
-    if (items == 1) {
-      work(0);
-    } else {
-      ctx.ParallelFor([](void* data, size_t i) { (*static_cast<const std::function<void(size_t)>*>(data))(i); },
-                      static_cast<size_t>(items), 0, const_cast<void*>(static_cast<const void*>(&work)));
-    }
+    run_items(ctx, items, work);
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {

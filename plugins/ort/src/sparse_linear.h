@@ -4,8 +4,15 @@
 //                                               bias? [N] float32, w_scales? [K/32, N] float16)
 //   w: weight_format "f": [K, N] float32 / float16 / bfloat16 (the MatMul's B: row i = input channel i);
 //      "q8": [K, N] int8 codes; "q4": [K, N/2] uint8, within each 32-column block of a row byte j holding column
-//      j (low nibble) and column j + 16 (high nibble) as code + 8 (plugins/quant.py quantize_k_blocks); blocks
-//      of 32 along K: w_scales [K/32, N] float16, element (i, n) = code * d[i / 32, n]. K, N multiples of 32.
+//      j (low nibble) and column j + 16 (high nibble) as code + 8; blocks of 32 along K: w_scales [K/32, N]
+//      float16, element (i, n) = code * d[i / 32, n]. K, N multiples of 32. q8 / q4 rows are stored in column
+//      tiles (plugins/quant.py quantize_k_blocks): tile t = columns [2048 t, min(N, 2048 t + 2048)), each a
+//      row-major [K, width] block (q4: width / 2 bytes a row), the tiles one after the other; N <= 2048 is one
+//      tile, the plain row-major matrix. A tile's rows are contiguous: a kept row of a block is one short stream
+//      the next rows follow, a skipped row a skipped contiguous segment (kSparseQTile). q4: within a tile's row,
+//      each whole 64-byte chunk (128 columns, 4 blocks of 32) holds at byte 16 L + 4 q + m the byte 4 L + m of
+//      its block q (a 4 x 4 transpose of 4-byte groups: what 8 byte / word unpacks of 4 rows turn into vpdpbusd
+//      lanes in column order); the bytes of a row's last partial chunk (< 64) are in block order.
 //
 // keep[t, i] = !(|x[t, i]| <= thresholds[i] * scale) (NaN kept). Format f: y[t, :] = sum over kept i, ascending,
 // of x[t, i] * W[i, :] (float32, one fused multiply-add per kept channel and column) + bias. q8 / q4: the kept x
@@ -65,8 +72,12 @@ struct SparseQBlock {
   float dx;      // its x scale: max |x| / 127 over the kept channels (float32)
 };
 
+// Columns of a stored q8 / q4 tile (the header's w): also the kernels' column tile (y's 8 KB stay in L1).
+constexpr int64_t kSparseQTile = 2048;
+
 struct SparseQRows {
-  const void* w = nullptr;             // q8 [K, N] int8; q4 [K, N/2] uint8 (see sparse_linear_reference)
+  const void* w = nullptr;             // q8 [K, N] int8; q4 [K, N/2] uint8, in column tiles (w above)
+  int64_t k = 0;                       // K (the tiles' rows)
   const uint16_t* scales = nullptr;    // [K/32, N] float16 bits
   int64_t n = 0;                       // N
   const SparseQBlock* blocks = nullptr;
@@ -76,7 +87,8 @@ struct SparseQRows {
   float* y = nullptr;                  // the token's y (accumulated into)
 };
 
-// y[c] += the token's blocks' contributions, columns [c0, c1) (c0 a multiple of 64, c1 of 32).
+// y[c] += the token's blocks' contributions, columns [c0, c1) (c0 a multiple of 128, c1 of 128 or c1 = N: a
+// range starts on a q4 chunk).
 using SparseQFn = void (*)(const SparseQRows& call, int64_t c0, int64_t c1);
 
 struct SparseQKernels {

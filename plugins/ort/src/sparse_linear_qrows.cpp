@@ -3,18 +3,21 @@
 // -march=x86-64-v4 -mavx512vnni -mavx512vbmi, avx2 with -march=x86-64-v3, generic) and -ffp-contract=off (the
 // per-block float step is a multiply and an add in every build, as the numpy reference).
 //
-// A token's call: for the column range, tiles of kTile columns; per tile, the blocks of K with a kept channel in
-// ascending order; per block and 64 (q4) or 32 (q8) columns, an int32 accumulator per column summed over the
-// block's kept rows only (a skipped row is never read), then y += float(isum) * (d_w * d_x). A column's
-// operations do not depend on the range it falls in, so the result does not depend on the thread split.
+// A token's call: for the column range, its parts in the stored tiles (kSparseQTile columns, sparse_linear.h);
+// per tile, the blocks of K with a kept channel in ascending order; per block and 128 / 64 / 32 (q4) or 64 / 32
+// (q8) columns, int32 accumulators summed over the block's kept rows only (a skipped row is never read), then
+// y += float(isum) * (d_w * d_x). A column's operations do not depend on the range it falls in, so the result does
+// not depend on the thread split.
 //
 // AVX-512 VNNI: 4 kept rows a step. Their bytes for 32 columns (q8: 32 code bytes a row; q4: 16, two columns a
 // byte) are put side by side in two vectors, [row 0 | row 1] and [row 2 | row 3], and one vpermt2b per 16 byte
 // positions interleaves them into 16 lanes of 4 bytes (byte r of lane j = row r's byte j): the layout vpdpbusd
-// multiplies against the 4 rows' x codes broadcast (one int32). The weights are the unsigned operand: q4 nibbles
-// are code + 8 (0..15), q8 codes are XORed with 0x80 (code + 128); the accumulators start at -8 (-128) times the
-// sum of the block's x codes, so the lanes hold the exact signed dot. The 4th row of a short group repeats a kept
-// row with x code 0 (adds 0).
+// multiplies against the 4 rows' x codes broadcast (one int32). The weights are the unsigned operand: q8 codes
+// are XORed with 0x80 (code + 128), the accumulators start at -128 times the sum of the block's x codes, so the
+// lanes hold the exact signed dot; q4 bytes go in whole and masked to their high nibble (q4_step: no shift per
+// step). The 4th row of a short group repeats a kept row with x code 0 (adds 0). The rows of a tile are
+// contiguous (a row's part of a tile 1 KB for q4), so 32 kept rows are 32 streams a few KB apart, not pages apart
+// (the row-major [K, N/2] had every row of a block in the same L1 set at N = 8192, and took 1.5x the time).
 #include <cstring>
 
 #include "dot_rows.h"
@@ -43,11 +46,15 @@ namespace lz {
 namespace LZ_ISA_NS {
 namespace {
 
-constexpr int64_t kTile = 2048;  // columns of a tile (multiple of 64): y's tile (8 KB) stays in L1
-
+// The stored tile of column c (sparse_linear.h: tiles of kSparseQTile columns, each [K, width] row-major): its
+// first byte and its row stride in bytes.
 template <int Bits>
-inline const uint8_t* row_ptr(const void* w, int64_t n, int64_t i) {
-  return static_cast<const uint8_t*>(w) + i * (Bits == 8 ? n : n / 2);
+inline const uint8_t* tile_base(const SparseQRows& call, int64_t c, int64_t* stride, int64_t* first) {
+  const int64_t c0 = c / kSparseQTile * kSparseQTile;
+  const int64_t width = call.n - c0 < kSparseQTile ? call.n - c0 : kSparseQTile;
+  *stride = Bits == 8 ? width : width / 2;
+  *first = c0;
+  return static_cast<const uint8_t*>(call.w) + call.k * (Bits == 8 ? c0 : c0 / 2);
 }
 
 #if LZ_SQ_VNNI
@@ -90,6 +97,65 @@ inline void apply(const __m512i* acc, const uint16_t* s, __m512 dx, float* y) {
   }
 }
 
+// q4: per 16 byte positions (32 columns) two accumulators, one of the whole bytes (low nibble + 16 * high
+// nibble) and one of the high nibbles (byte & 0xF0, i.e. 16 * high): low = whole - high, high = high >> 4, both
+// exact. They start at -(8 + 128) and -128 times the sum of the x codes (the nibbles' offset 8 in both places).
+inline void q4_finish(const __m512i* acc, int count, __m512i* out) {
+  for (int q = 0; q < count; ++q) {
+    out[2 * q] = _mm512_sub_epi32(acc[2 * q], acc[2 * q + 1]);
+    out[2 * q + 1] = _mm512_srai_epi32(acc[2 * q + 1], 4);
+  }
+}
+
+// q4, one whole 64-byte chunk of the block's rows at byte offset o (128 columns, stored transposed:
+// sparse_linear.h): 4 row loads, bytes of rows (0, 1) and (2, 3) unpacked, then words: lane j of output q =
+// the 4 rows' byte 4 L + m of block q (j = 4 L + m), i.e. columns 32 q + j (low) and 32 q + 16 + j (high).
+inline void q4_chunk(const uint8_t* const* cur, const int32_t* xq4, int32_t ng, int64_t o, int32_t sum,
+                     __m512i* out) {
+  const __m512i high = _mm512_set1_epi8(static_cast<char>(0xF0));
+  const __m512i s_all = _mm512_set1_epi32(-136 * sum), s_high = _mm512_set1_epi32(-128 * sum);
+  __m512i acc[8];
+  for (int q = 0; q < 4; ++q) {
+    acc[2 * q] = s_all;
+    acc[2 * q + 1] = s_high;
+  }
+  for (int32_t g = 0; g < ng; ++g) {
+    const uint8_t* const* r = cur + 4 * g;
+    const __m512i xv = _mm512_set1_epi32(xq4[g]);
+    const __m512i r0 = _mm512_loadu_si512(r[0] + o), r1 = _mm512_loadu_si512(r[1] + o);
+    const __m512i r2 = _mm512_loadu_si512(r[2] + o), r3 = _mm512_loadu_si512(r[3] + o);
+    const __m512i lo01 = _mm512_unpacklo_epi8(r0, r1), hi01 = _mm512_unpackhi_epi8(r0, r1);
+    const __m512i lo23 = _mm512_unpacklo_epi8(r2, r3), hi23 = _mm512_unpackhi_epi8(r2, r3);
+    const __m512i p[4] = {_mm512_unpacklo_epi16(lo01, lo23), _mm512_unpackhi_epi16(lo01, lo23),
+                          _mm512_unpacklo_epi16(hi01, hi23), _mm512_unpackhi_epi16(hi01, hi23)};
+    for (int q = 0; q < 4; ++q) {
+      acc[2 * q] = _mm512_dpbusd_epi32(acc[2 * q], p[q], xv);
+      acc[2 * q + 1] = _mm512_dpbusd_epi32(acc[2 * q + 1], _mm512_and_si512(p[q], high), xv);
+    }
+  }
+  q4_finish(acc, 4, out);
+}
+
+// q4, 64 columns in block order (a row's last partial chunk) at byte offset o: [r0 | r1], [r2 | r3] and one
+// vpermt2b per 16 byte positions.
+inline void q4_step64(const uint8_t* const* cur, const int32_t* xq4, int32_t ng, int64_t o, int32_t sum,
+                      const __m512i& i0, const __m512i& i1, __m512i* out) {
+  const __m512i high = _mm512_set1_epi8(static_cast<char>(0xF0));
+  const __m512i s_all = _mm512_set1_epi32(-136 * sum), s_high = _mm512_set1_epi32(-128 * sum);
+  __m512i acc[4] = {s_all, s_high, s_all, s_high};
+  for (int32_t g = 0; g < ng; ++g) {
+    const __m512i xv = _mm512_set1_epi32(xq4[g]);
+    __m512i pa, pb;
+    pair_rows(cur + 4 * g, o, pa, pb);
+    const __m512i p0 = _mm512_permutex2var_epi8(pa, i0, pb), p1 = _mm512_permutex2var_epi8(pa, i1, pb);
+    acc[0] = _mm512_dpbusd_epi32(acc[0], p0, xv);
+    acc[1] = _mm512_dpbusd_epi32(acc[1], _mm512_and_si512(p0, high), xv);
+    acc[2] = _mm512_dpbusd_epi32(acc[2], p1, xv);
+    acc[3] = _mm512_dpbusd_epi32(acc[3], _mm512_and_si512(p1, high), xv);
+  }
+  q4_finish(acc, 2, out);
+}
+
 template <int Bits>
 void qrows(const SparseQRows& call, int64_t c0, int64_t c1) {
   const int64_t n = call.n;
@@ -99,79 +165,100 @@ void qrows(const SparseQRows& call, int64_t c0, int64_t c1) {
       for (int r = 0; r < 4; ++r) idx[4 * j + r] = static_cast<uint8_t>(16 * r + j);
     return _mm512_load_si512(idx);
   }();
-  const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  constexpr int32_t kOffset = Bits == 4 ? 8 : 128;
-  // The row addresses of a block (4 per group), computed once per block and tile: the current block's and the
-  // next one's (whose rows are prefetched while the current block runs).
+  const __m512i high = _mm512_set1_epi8(static_cast<char>(0xF0)), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  // The row addresses of a block (4 per group) at the range's first column, computed once per block and tile:
+  // the current block's and the next one's (whose rows are prefetched while the current block runs).
   const uint8_t* cur[32];
   const uint8_t* nxt[32];
-  auto addresses = [&](int64_t bi, const uint8_t** out) -> int {
-    if (bi >= call.nblocks) return 0;
-    const SparseQBlock& blk = call.blocks[bi];
-    const int32_t* r4 = call.rows4 + 4 * int64_t(blk.g0);
-    for (int32_t k = 0; k < 4 * blk.ng; ++k) out[k] = row_ptr<Bits>(call.w, n, r4[k]);
-    return 4 * blk.ng;
-  };
-  for (int64_t a = c0; a < c1; a += kTile) {
-    const int64_t b = c1 - a > kTile ? a + kTile : c1;
+  for (int64_t a = c0; a < c1;) {
+    int64_t stride = 0, first = 0;
+    const uint8_t* base = tile_base<Bits>(call, a, &stride, &first);
+    const int64_t b = first + kSparseQTile < c1 ? first + kSparseQTile : c1;
+    const int64_t a_off = Bits == 8 ? a - first : (a - first) / 2;  // the range's first byte in a row of the tile
+    auto addresses = [&](int64_t bi, const uint8_t** out) -> int {
+      if (bi >= call.nblocks) return 0;
+      const SparseQBlock& blk = call.blocks[bi];
+      const int32_t* r4 = call.rows4 + 4 * int64_t(blk.g0);
+      for (int32_t k = 0; k < 4 * blk.ng; ++k) out[k] = base + r4[k] * stride + a_off;
+      return 4 * blk.ng;
+    };
     addresses(0, cur);
     for (int64_t bi = 0; bi < call.nblocks; ++bi) {
       const SparseQBlock& blk = call.blocks[bi];
       const int nn = addresses(bi + 1, nxt);
       const uint16_t* s = call.scales + int64_t(blk.kb) * n;
       const __m512 dx = _mm512_set1_ps(blk.dx);
-      const __m512i start = _mm512_set1_epi32(-kOffset * blk.sum);
       const int32_t* xq4 = call.xq4 + blk.g0;
       const int32_t ng = blk.ng;
       int64_t c = a;
-      for (; c + 64 <= b; c += 64) {
-        __m512i acc[4] = {start, start, start, start};
-        const int64_t o = Bits == 4 ? c / 2 : c;
-        for (int32_t g = 0; g < ng; ++g) {
-          const uint8_t* const* r = cur + 4 * g;
-          const __m512i xv = _mm512_set1_epi32(xq4[g]);
-          __m512i pa, pb;
-          pair_rows(r, o, pa, pb);
-          const __m512i p0 = _mm512_permutex2var_epi8(pa, i0, pb), p1 = _mm512_permutex2var_epi8(pa, i1, pb);
-          if constexpr (Bits == 4) {
-            // byte j of a 32-column block: column j (low nibble), column j + 16 (high nibble)
-            acc[0] = _mm512_dpbusd_epi32(acc[0], _mm512_and_si512(p0, m4), xv);
-            acc[1] = _mm512_dpbusd_epi32(acc[1], _mm512_and_si512(_mm512_srli_epi16(p0, 4), m4), xv);
-            acc[2] = _mm512_dpbusd_epi32(acc[2], _mm512_and_si512(p1, m4), xv);
-            acc[3] = _mm512_dpbusd_epi32(acc[3], _mm512_and_si512(_mm512_srli_epi16(p1, 4), m4), xv);
-          } else {
-            acc[0] = _mm512_dpbusd_epi32(acc[0], _mm512_xor_si512(p0, flip), xv);
-            acc[1] = _mm512_dpbusd_epi32(acc[1], _mm512_xor_si512(p1, flip), xv);
+      if constexpr (Bits == 4) {
+        // Whole chunks: the range starts on one (c0 a multiple of 128, tiles of 2048), and a chunk is whole
+        // when the tile's row holds its 64 bytes.
+        const int64_t whole = first + (stride / 64) * 128;  // the end of the tile's whole chunks (a column)
+        for (; c + 128 <= b && c + 128 <= whole; c += 128) {  // 64 bytes of each row: one cache line
+          const int64_t o = (c - a) / 2;
+          __m512i v[8];
+          q4_chunk(cur, xq4, ng, o, blk.sum, v);
+          // The next block's rows at these columns (its pass over the tile comes after this one's).
+          for (int k = 0; k < nn; ++k) _mm_prefetch(reinterpret_cast<const char*>(nxt[k] + o), _MM_HINT_T0);
+          apply<8>(v, s + c, dx, call.y + c);
+        }
+        if (c + 64 <= b) {
+          const int64_t o = (c - a) / 2;
+          __m512i v[4];
+          q4_step64(cur, xq4, ng, o, blk.sum, i0, i1, v);
+          for (int k = 0; k < nn; ++k) _mm_prefetch(reinterpret_cast<const char*>(nxt[k] + o), _MM_HINT_T0);
+          apply<4>(v, s + c, dx, call.y + c);
+          c += 64;
+        }
+        if (c < b) {  // 32 columns
+          const int64_t o = (c - a) / 2;
+          __m512i acc[2] = {_mm512_set1_epi32(-136 * blk.sum), _mm512_set1_epi32(-128 * blk.sum)};
+          for (int32_t g = 0; g < ng; ++g) {
+            const __m512i xv = _mm512_set1_epi32(xq4[g]);
+            const __m512i p = _mm512_permutexvar_epi8(i32, quad_rows(cur + 4 * g, o));
+            acc[0] = _mm512_dpbusd_epi32(acc[0], p, xv);
+            acc[1] = _mm512_dpbusd_epi32(acc[1], _mm512_and_si512(p, high), xv);
+          }
+          __m512i v[2];
+          q4_finish(acc, 1, v);
+          apply<2>(v, s + c, dx, call.y + c);
+        }
+      } else {
+        // q8: codes XORed with 0x80 (code + 128), the accumulators from -128 times the sum of the x codes.
+        const __m512i start = _mm512_set1_epi32(-128 * blk.sum);
+        for (; c + 64 <= b; c += 64) {
+          __m512i acc[4] = {start, start, start, start};
+          const int64_t o = c - a;
+          for (int32_t g = 0; g < ng; ++g) {
+            const uint8_t* const* r = cur + 4 * g;
+            const __m512i xv = _mm512_set1_epi32(xq4[g]);
+            __m512i pa, pb;
+            pair_rows(r, o, pa, pb);
+            acc[0] = _mm512_dpbusd_epi32(acc[0], _mm512_xor_si512(_mm512_permutex2var_epi8(pa, i0, pb), flip), xv);
+            acc[1] = _mm512_dpbusd_epi32(acc[1], _mm512_xor_si512(_mm512_permutex2var_epi8(pa, i1, pb), flip), xv);
             pair_rows(r, o + 32, pa, pb);
             acc[2] = _mm512_dpbusd_epi32(acc[2], _mm512_xor_si512(_mm512_permutex2var_epi8(pa, i0, pb), flip), xv);
             acc[3] = _mm512_dpbusd_epi32(acc[3], _mm512_xor_si512(_mm512_permutex2var_epi8(pa, i1, pb), flip), xv);
           }
-        }
-        // The next block's rows at these columns (its pass over the tile comes after this one's).
-        if (Bits == 8 || c % 128 == 0)
           for (int k = 0; k < nn; ++k) _mm_prefetch(reinterpret_cast<const char*>(nxt[k] + o), _MM_HINT_T0);
-        apply<4>(acc, s + c, dx, call.y + c);
-      }
-      if (c < b) {  // 32 columns
-        __m512i acc[2] = {start, start};
-        for (int32_t g = 0; g < ng; ++g) {
-          const uint8_t* const* r = cur + 4 * g;
-          const __m512i xv = _mm512_set1_epi32(xq4[g]);
-          if constexpr (Bits == 4) {
-            const __m512i p = _mm512_permutexvar_epi8(i32, quad_rows(r, c / 2));
-            acc[0] = _mm512_dpbusd_epi32(acc[0], _mm512_and_si512(p, m4), xv);
-            acc[1] = _mm512_dpbusd_epi32(acc[1], _mm512_and_si512(_mm512_srli_epi16(p, 4), m4), xv);
-          } else {
+          apply<4>(acc, s + c, dx, call.y + c);
+        }
+        if (c < b) {  // 32 columns
+          __m512i acc[2] = {start, start};
+          for (int32_t g = 0; g < ng; ++g) {
+            const __m512i xv = _mm512_set1_epi32(xq4[g]);
             __m512i pa, pb;
-            pair_rows(r, c, pa, pb);
+            pair_rows(cur + 4 * g, c - a, pa, pb);
             acc[0] = _mm512_dpbusd_epi32(acc[0], _mm512_xor_si512(_mm512_permutex2var_epi8(pa, i0, pb), flip), xv);
             acc[1] = _mm512_dpbusd_epi32(acc[1], _mm512_xor_si512(_mm512_permutex2var_epi8(pa, i1, pb), flip), xv);
           }
+          apply<2>(acc, s + c, dx, call.y + c);
         }
-        apply<2>(acc, s + c, dx, call.y + c);
       }
       std::memcpy(cur, nxt, sizeof(cur[0]) * static_cast<size_t>(nn));
     }
+    a = b;
   }
 }
 #else
@@ -180,8 +267,10 @@ void qrows(const SparseQRows& call, int64_t c0, int64_t c1) {
 template <int Bits>
 void qrows(const SparseQRows& call, int64_t c0, int64_t c1) {
   const int64_t n = call.n;
-  for (int64_t a = c0; a < c1; a += kTile) {
-    const int64_t b = c1 - a > kTile ? a + kTile : c1;
+  for (int64_t a = c0; a < c1;) {
+    int64_t stride = 0, first = 0;
+    const uint8_t* base = tile_base<Bits>(call, a, &stride, &first);
+    const int64_t b = first + kSparseQTile < c1 ? first + kSparseQTile : c1;
     for (int64_t bi = 0; bi < call.nblocks; ++bi) {
       const SparseQBlock& blk = call.blocks[bi];
       const uint16_t* s = call.scales + int64_t(blk.kb) * n;
@@ -191,15 +280,21 @@ void qrows(const SparseQRows& call, int64_t c0, int64_t c1) {
           for (int k = 0; k < 4; ++k) {
             const int32_t xq = static_cast<int8_t>(static_cast<uint32_t>(call.xq4[blk.g0 + g]) >> (8 * k));
             if (xq == 0) continue;
-            const uint8_t* r = row_ptr<Bits>(call.w, n, call.rows4[4 * (blk.g0 + g) + k]);
+            const uint8_t* r = base + call.rows4[4 * (blk.g0 + g) + k] * stride;
             if constexpr (Bits == 8) {
-              const int8_t* q = reinterpret_cast<const int8_t*>(r + c);
+              const int8_t* q = reinterpret_cast<const int8_t*>(r + (c - first));
               for (int j = 0; j < 32; ++j) acc[j] += xq * int32_t(q[j]);
             } else {
-              const uint8_t* q = r + c / 2;
+              // byte j of the 32-column block: in a whole 64-byte chunk at 16 (j / 4) + 4 q + j % 4 (q the
+              // block's place in the chunk), in a row's last partial chunk at j
+              const int64_t off = (c - first) / 2, chunk = off / 64 * 64;
+              const bool whole = chunk + 64 <= stride;
+              const uint8_t* q = r + chunk;
+              const int64_t qb = (off - chunk) / 16;
               for (int j = 0; j < 16; ++j) {
-                acc[j] += xq * (int32_t(q[j] & 15) - 8);
-                acc[j + 16] += xq * (int32_t(q[j] >> 4) - 8);
+                const uint8_t byte = whole ? q[16 * (j / 4) + 4 * qb + j % 4] : q[16 * qb + j];
+                acc[j] += xq * (int32_t(byte & 15) - 8);
+                acc[j + 16] += xq * (int32_t(byte >> 4) - 8);
               }
             }
           }
@@ -211,6 +306,7 @@ void qrows(const SparseQRows& call, int64_t c0, int64_t c1) {
         }
       }
     }
+    a = b;
   }
 }
 #endif
