@@ -42,6 +42,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from layerzero.contract import SPARSE_LINEAR_CODE_LAYOUT
 from layerzero.plugins import ort_library
 from layerzero.plugins.quant import dequantize_blocks, quantize_blocks, quantize_k_blocks
 
@@ -219,6 +220,7 @@ def build(layers: int, seed: int = 0, f32_layers: int | None = None):
                         name=name,
                         weight_format=fmt,
                         path=name,
+                        **({} if fmt == "f" else {"code_layout": SPARSE_LINEAR_CODE_LAYOUT}),
                     )
                 )
                 v[ours].outputs += [out, kept]

@@ -43,6 +43,7 @@ __all__ = [
     "ROUTER_PREFIX",
     "RUNTIME_PREFIX",
     "SOLIDIFIED_META_KEY",
+    "SPARSE_LINEAR_CODE_LAYOUT",
     "SPARSE_LINEAR_OP",
     "THRESHOLD_INPUT",
     "DynamicPath",
@@ -77,6 +78,10 @@ MOE_DOMAIN = "ai.layerzero"
 MOE_OP = "MoE"
 #: The activation-sparse linear ``ai.layerzero::SparseLinear`` (``passes/sparsify_activations.py``'s native form).
 SPARSE_LINEAR_OP = "SparseLinear"
+#: The layout of SparseLinear's q8 / q4 codes (attribute ``code_layout``): 1 = column tiles of 2048, each q4 row's
+#: whole 64-byte chunks 4x4-transposed (``plugins/quant.py`` ``quantize_k_blocks``). liblayerzero_ort.so refuses
+#: another value (a bundle compiled with an older layout gives a one-line error, never wrong numbers).
+SPARSE_LINEAR_CODE_LAYOUT = 1
 
 
 def is_runtime_output(name: str) -> bool:

@@ -62,7 +62,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from layerzero.contract import MOE_DOMAIN, SPARSE_LINEAR_OP
+from layerzero.contract import MOE_DOMAIN, SPARSE_LINEAR_CODE_LAYOUT, SPARSE_LINEAR_OP
 from layerzero.errors import InvalidInputError
 from layerzero.passes import lower_qmoe
 from layerzero.passes._builder import Builder
@@ -454,6 +454,7 @@ class QuantizeWeights(ir.passes.InPlacePass):
                 node.replace_input_with(i, value)
         node.attributes["weight_format"] = ir.AttrString("weight_format", fmt)
         node.attributes["block_size"] = ir.AttrInt64("block_size", EXPERT_BLOCK)
+        node.attributes["code_layout"] = ir.AttrInt64("code_layout", SPARSE_LINEAR_CODE_LAYOUT)
         _drop_if_unused(w)
 
 

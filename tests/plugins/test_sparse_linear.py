@@ -28,6 +28,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from layerzero.contract import SPARSE_LINEAR_CODE_LAYOUT
 from layerzero.plugins.quant import k_block_codes, quantize_activations, quantize_k_blocks
 from layerzero.plugins.sparse import bf16_bits, dense_weight, sparse_linear_reference
 
@@ -103,6 +104,8 @@ def sparse_model(
     graph_inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [*lead, x_k or k])]
     if scale_input:
         graph_inputs.append(helper.make_tensor_value_info("scale", TensorProto.FLOAT, []))
+    if fmt != "f":
+        attrs = {"code_layout": SPARSE_LINEAR_CODE_LAYOUT, **attrs}
     node = helper.make_node(
         "SparseLinear", ins, ["y", "kept"], domain="ai.layerzero", name=NODE, weight_format=fmt, path=NODE, **attrs
     )
@@ -452,6 +455,8 @@ def _q4_codes_of_n(n):  # q4 codes of N = n columns (not a multiple of 32), buil
         (lambda: _bad(ws=None), "needs w_scales"),
         (lambda: _bad(fmt="q3"), "weight_format='q3' is not implemented"),
         (lambda: _bad(block_size=64), "block_size=64 is not implemented"),
+        # a bundle compiled with an older code layout (no attribute: the row-major layout before column tiles)
+        (lambda: _bad(code_layout=0), "code_layout=0: its q4 codes are not in this library's layout 1"),
         (lambda: _bad(bias=np.zeros(65, np.float32)), "bias must be [N] = [64]"),
     ],
 )

@@ -256,6 +256,11 @@ struct SparseLinearKernel {
     if (format_name != "f" && format_name != "q8" && format_name != "q4")
       fail("weight_format='" + format_name + "' is not implemented by liblayerzero_ort.so (f, q8, q4)");
     quant = format_name != "f";
+    const int64_t layout = attr_int(info, "code_layout", 0);
+    if (quant && layout != kCodeLayout)
+      fail("code_layout=" + std::to_string(layout) + ": its " + format_name + " codes are not in this library's layout " +
+           std::to_string(kCodeLayout) + " (column tiles of 2048; compiled by another LayerZero version: compile the "
+           "model again)");
     const int64_t block = attr_int(info, "block_size", 32);
     if (block != 32) fail("block_size=" + std::to_string(block) + " is not implemented by liblayerzero_ort.so (32)");
     const size_t inputs = ki.GetInputCount();

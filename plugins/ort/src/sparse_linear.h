@@ -74,6 +74,9 @@ struct SparseQBlock {
 
 // Columns of a stored q8 / q4 tile (the header's w): also the kernels' column tile (y's 8 KB stay in L1).
 constexpr int64_t kSparseQTile = 2048;
+// The q8 / q4 code layout these kernels read (the node's code_layout attribute; compiler/contract.py
+// SPARSE_LINEAR_CODE_LAYOUT): 1 = column tiles of kSparseQTile, q4 rows' 64-byte chunks 4x4-transposed.
+constexpr int64_t kCodeLayout = 1;
 
 struct SparseQRows {
   const void* w = nullptr;             // q8 [K, N] int8; q4 [K, N/2] uint8, in column tiles (w above)
