@@ -12,7 +12,10 @@
 4. A group's error at ``s`` (``GroupSamples.error``): the relative squared error of its projections' outputs on
    the calibration tokens, ``‖(x − xm) W‖² / ‖x W‖²``, made monotone in ``s`` (a running maximum: a larger drop set
    can cancel by chance). With ``sensitivity`` (``probe_sensitivity``: the model-output deviation measured with
-   that group alone at the probe level, divided by its own error there) the error is brought to the model output.
+   that group alone at each of ``PROBE_LEVELS``, divided by its own error there; linear between two probes, flat
+   outside) the error is brought to the model output, following the measured curve's shape in ``s``. The compile
+   path measures the probes with ``output_deviation`` (one session, thresholds as inputs) on its calibration
+   requests; bench/sparsity.py with the next-token KL on a calibration window.
 5. Allocation for a model-wide target ``S`` (parameter-weighted: Σ params_g · s_g / Σ params_g), ``greedy``:
    TEAL's greedy, every group from 0, one step (``step``) at a time to the group whose next step costs the least
    error per parameter saved, until ``S`` (the last step stops between two levels, exactly at ``S``);
@@ -37,7 +40,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 
 from layerzero.contract import RUNTIME_PREFIX
@@ -67,6 +69,8 @@ ERROR_TOKENS = 256
 QUANTILE_STEPS = 1000
 #: The levels of the per-channel |x| quantiles a profile records.
 CHANNEL_LEVELS = np.round(np.linspace(0.0, 1.0, 21), 4)
+#: The levels each group is probed at alone (``probe_sensitivity``) by the compile path and bench/sparsity.py.
+PROBE_LEVELS = (0.3, 0.5, 0.7)
 #: The version of a profile's "activations" record.
 ACTIVATION_PROFILE_VERSION = 1
 Evaluate = Callable[[Mapping[str, np.ndarray]], float]
@@ -401,12 +405,12 @@ def _finish(method: str, target: float, groups: Sequence[GroupSamples], index: M
 
 
 def uniform(groups: Sequence[GroupSamples], target: float, criterion: str = "magnitude",
-            sensitivity: Mapping[str, float] | None = None) -> Allocation:  # fmt: skip
+            sensitivity: Mapping[str, float | np.ndarray] | None = None) -> Allocation:  # fmt: skip
     """Every group at level ``target`` exactly (its error interpolated between the two levels around it)."""
     _check_target(target)
     levels = {g.name: float(target) for g in groups}
     thresholds = {g.name: g.thresholds_at(float(target), criterion) for g in groups}
-    err = sum((sensitivity or {}).get(g.name, 1.0) * float(np.interp(target, g.levels, g.error(criterion)))
+    err = sum(float(np.interp(target, g.levels, _model_errors(g, criterion, (sensitivity or {}).get(g.name, 1.0))))
               for g in groups)  # fmt: skip
     total = sum(g.params for g in groups) or 1
     realized = sum(g.params * g.realized(thresholds[g.name], criterion) for g in groups) / total
@@ -414,14 +418,14 @@ def uniform(groups: Sequence[GroupSamples], target: float, criterion: str = "mag
 
 
 def greedy(groups: Sequence[GroupSamples], target: float, criterion: str = "wina",
-           sensitivity: Mapping[str, float] | None = None) -> Allocation:  # fmt: skip
+           sensitivity: Mapping[str, float | np.ndarray] | None = None) -> Allocation:  # fmt: skip
     """TEAL's greedy: the step of least error per parameter saved, until the model-wide sparsity reaches ``target``."""
     _check_target(target)
-    weight = {g.name: (sensitivity or {}).get(g.name, 1.0) for g in groups}
+    errors = {g.name: _model_errors(g, criterion, (sensitivity or {}).get(g.name, 1.0)) for g in groups}
     index = {g.name: 0 for g in groups}
     total = sum(g.params for g in groups) or 1
     reached = 0.0
-    err = sum(weight[g.name] * g.error(criterion)[0] for g in groups)
+    err = sum(errors[g.name][0] for g in groups)
     curve = [(0.0, float(err))]
     while reached < target - 1e-9:
         best, best_cost = None, np.inf
@@ -429,43 +433,61 @@ def greedy(groups: Sequence[GroupSamples], target: float, criterion: str = "wina
             i = index[g.name]
             if i + 1 >= len(g.levels):
                 continue
-            e = g.error(criterion)
+            e = errors[g.name]
             saved = g.params * (g.levels[i + 1] - g.levels[i])
-            cost = weight[g.name] * (e[i + 1] - e[i]) / max(saved, 1e-12)
+            cost = (e[i + 1] - e[i]) / max(saved, 1e-12)
             if cost < best_cost:
                 best, best_cost = g, cost
         if best is None:
             break
         i = index[best.name]
-        e = best.error(criterion)
+        e = errors[best.name]
         gain = best.params * (best.levels[i + 1] - best.levels[i]) / total
         if reached + gain > target + 1e-9:  # the last step goes only as far as the target (a level between two)
             part = (target - reached) / gain
             level = float(best.levels[i] + part * (best.levels[i + 1] - best.levels[i]))
-            curve.append((float(target), float(err + weight[best.name] * part * (e[i + 1] - e[i]))))
+            curve.append((float(target), float(err + part * (e[i + 1] - e[i]))))
             return _finish("greedy", target, groups, index, criterion, curve, (best.name, level))
-        err += weight[best.name] * (e[i + 1] - e[i])
+        err += e[i + 1] - e[i]
         reached += gain
         index[best.name] = i + 1
         curve.append((float(reached), float(err)))
     return _finish("greedy", target, groups, index, criterion, curve)
 
 
-def probe_sensitivity(groups: Sequence[GroupSamples], evaluate: Evaluate, probe: float = 0.5,
-                      criterion: str = "wina") -> dict[str, float]:  # fmt: skip
+def probe_sensitivity(groups: Sequence[GroupSamples], evaluate: Evaluate, probe: float | Sequence[float] = 0.5,
+                      criterion: str = "wina") -> dict[str, float | np.ndarray]:  # fmt: skip
     """Per group: the model-output deviation ``evaluate`` measures with that group alone at level ``probe``,
-    divided by the group's own error there (so the greedy's errors are in the model output's unit)."""
-    out = {}
+    divided by the group's own error there (so the greedy's errors are in the model output's unit).
+
+    ``probe`` a sequence of levels: each group is measured alone at each of them and its sensitivity is an array
+    over its ``levels`` (the ratio at each probe, linear between two, held flat outside them), so the greedy
+    follows the measured model-output error's own shape in ``s``, not one ratio taken at one level."""
+    probes = [float(probe)] if np.isscalar(probe) else sorted({float(p) for p in probe})
+    if not probes or any(not (0 < p < 1) for p in probes):
+        raise InvalidInputError(f"probe levels must be in (0, 1), got {probe!r}")
+    out: dict[str, float | np.ndarray] = {}
     for g in groups:
-        i = int(np.argmin(np.abs(g.levels - probe)))
-        deviation = float(evaluate({g.name: g.thresholds_at(float(g.levels[i]), criterion)}))
-        own = float(g.error(criterion)[i])
-        out[g.name] = deviation / own if own > 0 else 0.0
+        at, ratios = [], []
+        for p in probes:
+            i = int(np.argmin(np.abs(g.levels - p)))
+            if at and g.levels[i] == at[-1]:
+                continue
+            deviation = float(evaluate({g.name: g.thresholds_at(float(g.levels[i]), criterion)}))
+            own = float(g.error(criterion)[i])
+            at.append(float(g.levels[i]))
+            ratios.append(deviation / own if own > 0 else 0.0)
+        out[g.name] = ratios[0] if np.isscalar(probe) else np.interp(g.levels, at, ratios)
     return out
 
 
+def _model_errors(g: GroupSamples | GroupProfile, criterion: str, sensitivity: float | np.ndarray) -> np.ndarray:
+    """The group's error at each of its levels in the model output's unit (monotone: a running maximum)."""
+    return np.maximum.accumulate(np.asarray(sensitivity, float) * g.error(criterion))
+
+
 def max_error(groups: Sequence[GroupSamples], bound: float, evaluate: Evaluate, criterion: str = "wina",
-              sensitivity: Mapping[str, float] | None = None, step: float = 0.05,
+              sensitivity: Mapping[str, float | np.ndarray] | None = None, step: float = 0.05,
               cap: float = 0.95) -> Allocation:  # fmt: skip
     """The largest model-wide sparsity on the greedy path (``step`` apart, up to ``cap`` and ``cap`` itself) whose
     measured deviation is <= ``bound``; its curve is (greedy target, measured deviation) at each level tried, its
@@ -491,44 +513,65 @@ def max_error(groups: Sequence[GroupSamples], bound: float, evaluate: Evaluate, 
 
 
 def output_deviation(model: ir.Model, requests: Sequence[Mapping[str, np.ndarray]]) -> Evaluate:
-    """``max_error``'s measure on ``model`` (reference form, plain ONNX Runtime): for thresholds, the largest relative
-    L2 change of a user output (``layerzero::`` outputs left out) from the dense model over ``requests``, the unit
-    of the profile's zeroing impact."""
+    """The probes' and ``max_error``'s measure on ``model`` (reference form, plain ONNX Runtime): for thresholds,
+    the largest relative L2 change of a user output (``layerzero::`` outputs left out) from the dense model over
+    ``requests``, the unit of the profile's zeroing impact.
+
+    One session serves every evaluation: a copy of the model with every group in ``SparsifyActivations``' reference
+    form and its thresholds made graph inputs (zeros: the dense model, which is the reference), so a probe costs
+    one run of the requests, not a session."""
     from layerzero.ort_runner import create_session
-    from layerzero.passes.sparsify_activations import SparsifyActivations
+    from layerzero.passes.shape_inference import InferShapes
+    from layerzero.passes.sparsify_activations import SparsifyActivations, find_groups
     from layerzero.runtime.guard import relative_l2
 
+    if not requests:
+        raise InvalidInputError("activation impact tolerance: no calibration request to measure the deviation on")
     proto = ir.to_proto(model)
     names = [o.name for o in proto.graph.output if not o.name.startswith(RUNTIME_PREFIX)]
     # A model loaded from a file with external data (every export over 2 GB) names its data relative to that file's
-    # folder: the sessions made from bytes resolve them there (no copy of the weights is written).
+    # folder: the session made from bytes resolves them there (no copy of the weights is written).
     folders = {t.const_value.base_dir for g in model.graphs() for t in g.initializers.values()
                if isinstance(t.const_value, ir.ExternalTensor)}  # fmt: skip
     if len(folders) > 1:
         raise UnsupportedModelError(f"activation impact tolerance: external data in {len(folders)} folders")
     data_dir = next(iter(folders), None) or None
-    dense_session = create_session(proto.SerializeToString(), external_data_dir=data_dir,
-                                   label="the dense calibration model")  # fmt: skip
-    dense = [dense_session.run(names, dict(r)) for r in requests]
-    if not dense:
-        raise InvalidInputError("activation impact tolerance: no calibration request to measure the deviation on")
-    del dense_session
+    variant = ir.from_proto(proto)
+    if data_dir:  # the copy's external tensors read from where the model's do
+        for g in variant.graphs():
+            for v in g.initializers.values():
+                if isinstance(v.const_value, ir.ExternalTensor):
+                    v.const_value.base_dir = data_dir
+    InferShapes()(variant)
+    groups = find_groups(variant)
+    SparsifyActivations({g.name: np.ones(g.channels, np.float32) for g in groups}, native=False)(variant)
+    inputs: dict[str, tuple[str, np.dtype]] = {}
+    graph_inputs = {v.name for v in variant.graph.inputs}
+    for g in groups:
+        init = variant.graph.initializers.get(f"{g.name}.activation_thresholds")
+        if init is None:  # refused by the pass (its rank unknown): never sparsified
+            continue
+        if init.name not in graph_inputs:
+            variant.graph.inputs.append(init)
+        inputs[g.name] = (init.name, init.const_value.numpy().dtype)
+    session = create_session(ir.to_proto(variant).SerializeToString(), external_data_dir=data_dir,
+                             label="the activation-sparse calibration model")  # fmt: skip
+    channels = {g.name: g.channels for g in groups}
+
+    def run(thresholds: Mapping[str, np.ndarray]) -> list[list[np.ndarray]]:
+        unknown = sorted(set(thresholds) - set(inputs))
+        if unknown:
+            raise InvalidInputError(f"activation thresholds name {unknown[0]!r}, which is no sparsified group")
+        feeds = {name: np.asarray(thresholds[g], dtype) if g in thresholds else np.zeros(channels[g], dtype)
+                 for g, (name, dtype) in inputs.items()}  # fmt: skip
+        return [session.run(names, {**dict(r), **feeds}) for r in requests]
+
+    dense = run({})
 
     def evaluate(thresholds: Mapping[str, np.ndarray]) -> float:
-        copy = onnx.ModelProto()
-        copy.CopyFrom(proto)
-        variant = ir.from_proto(copy)
-        if data_dir:  # the copy's external tensors read from where the model's do
-            for g in variant.graphs():
-                for v in g.initializers.values():
-                    if isinstance(v.const_value, ir.ExternalTensor):
-                        v.const_value.base_dir = data_dir
-        SparsifyActivations(thresholds, native=False)(variant)
-        session = create_session(ir.to_proto(variant).SerializeToString(), external_data_dir=data_dir,
-                                 label="the activation-sparse model")  # fmt: skip
         worst = 0.0
-        for r, want in zip(requests, dense, strict=True):
-            for got, base in zip(session.run(names, dict(r)), want, strict=True):
+        for got_all, want in zip(run(thresholds), dense, strict=True):
+            for got, base in zip(got_all, want, strict=True):
                 if np.issubdtype(np.asarray(base).dtype, np.floating):
                     worst = max(worst, float(relative_l2(np.asarray(got), np.asarray(base))))
         return worst

@@ -141,14 +141,13 @@ def compile_model(
     changed = run_dynamic_passes(model, options)
     activation = None
     if options.activation_sparsity and options.dynamic:
-        # --profile with a profile --activations: calibrated from its distributions, else on requests.
+        # --profile with a profile --activations: calibrated from its distributions, else on requests; the
+        # requests are where the groups' probes (and --impact-tolerance's deviation) are measured either way.
         from layerzero.activation_calibration import profiled_activations
 
         profiled = profiled_activations(options.profile) if options.profile is not None else None
-        requests, label = [], f"the profile {options.profile}"
-        if profiled is None or options.activation_impact_tolerance is not None:  # the deviation is measured on them
-            requests, on = _calibration_requests(source_path, original_proto, options)
-            label = on if profiled is None else f"{label} (deviation measured on {on})"
+        requests, on = _calibration_requests(source_path, original_proto, options)
+        label = on if profiled is None else f"the profile {options.profile} (deviation measured on {on})"
         say(f"calibrating activation sparsity {options.activation_sparsity:g} on {label}")
         logger.info("activation sparsity: calibrating on %s", label)
         activation = sparsify_activations(model, options, requests, target.name, profiled=profiled)

@@ -354,15 +354,19 @@ def _sparsify(model: ir.Model, options: CompileOptions, samples: list, rows: int
     """Allocate on the calibrated ``samples`` (greedy to S; with ``activation_impact_tolerance`` T the largest
     sparsity <= S whose deviation, measured on ``requests``, is <= T) and run ``SparsifyActivations``; the
     manifest's record."""
-    from layerzero.activation_calibration import greedy, max_error, output_deviation
+    from layerzero.activation_calibration import PROBE_LEVELS, greedy, max_error, output_deviation, probe_sensitivity
     from layerzero.passes.sparsify_activations import SparsifyActivations
 
     tolerance = options.activation_impact_tolerance
+    method = options.activation_method
+    # The greedy's errors in the model output's unit: each group probed alone at PROBE_LEVELS on the requests
+    # (bench/sparsity.py's allocation; without requests, the projections' own errors).
+    evaluate = output_deviation(model, requests) if requests else None
+    sensitivity = None if evaluate is None else probe_sensitivity(samples, evaluate, PROBE_LEVELS, method)
     if tolerance is None:
-        alloc = greedy(samples, options.activation_sparsity, options.activation_method)
+        alloc = greedy(samples, options.activation_sparsity, method, sensitivity)
     else:
-        alloc = max_error(samples, tolerance, output_deviation(model, requests), options.activation_method,
-                          cap=options.activation_sparsity)  # fmt: skip
+        alloc = max_error(samples, tolerance, evaluate, method, sensitivity, cap=options.activation_sparsity)
     native = False
     if target == "onnxruntime" and options.device == "cpu":
         from layerzero.plugins.ort_library import find_ort_library
@@ -378,6 +382,7 @@ def _sparsify(model: ir.Model, options: CompileOptions, samples: list, rows: int
         "allocation": alloc.method,
         "form": "native" if native else "reference",
         "calibration_rows": int(rows),
+        "probes": None if sensitivity is None else list(PROBE_LEVELS),
         "groups": {name: float(level) for name, level in alloc.levels.items()},
         "curve": [[float(a), float(b)] for a, b in alloc.curve],
         "refused": [r.to_json() for r in step.refused],

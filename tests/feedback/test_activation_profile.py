@@ -56,8 +56,10 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     args = ["compile", str(tmp / "m.onnx"), "-o", str(tmp / "direct.lz"), "--activation-calibration",
             str(tmp / "calibration.npz"), *common]  # fmt: skip
     assert main(args) == 0
+    # The groups' probes are measured on --activation-calibration's request in both (the profile's distributions
+    # replace only the samples).
     assert main(["compile", str(tmp / "m.onnx"), "-o", str(tmp / "profiled.lz"), "--profile", str(tmp / "p.json"),
-                 *common]) == 0  # fmt: skip
+                 "--activation-calibration", str(tmp / "calibration.npz"), *common]) == 0  # fmt: skip
     return tmp
 
 
@@ -94,7 +96,9 @@ def test_compile_from_the_profile_equals_direct_calibration(built: Path) -> None
     quantile table's levels, 1/1000 apart, and linear between two)."""
     direct, profiled = _record(built / "direct.lz"), _record(built / "profiled.lz")
     assert direct["calibration_source"] == "requests" and profiled["calibration_source"] == "profile"
-    assert profiled["calibration"] == f"the profile {built / 'p.json'}"
+    assert profiled["calibration"] == (f"the profile {built / 'p.json'} (deviation measured on "
+                                       f"{built / 'calibration.npz'})")  # fmt: skip
+    assert direct["probes"] == profiled["probes"] == [0.3, 0.5, 0.7]
     assert profiled["calibration_rows"] == direct["calibration_rows"] == SEQ
     assert profiled["groups"].keys() == direct["groups"].keys()
     for name, level in direct["groups"].items():

@@ -68,6 +68,25 @@ def test_small_graph_masks_as_the_numpy_reference_nan_kept(helpers) -> None:
     np.testing.assert_array_equal(zero["y"], dense)
 
 
+def test_output_deviation_is_the_relative_change_from_dense_in_one_session(helpers) -> None:
+    from layerzero.activation_calibration import output_deviation
+    from layerzero.runtime.guard import relative_l2
+
+    model = _small(helpers)
+    x = np.array([[0.4, 0.1, 2.5, -0.3], [0.2, 1.0, 1.9, 0.25], [3.0, 0.05, 0.6, 0.7]], np.float32)
+    evaluate = output_deviation(model, [{"x": x}, {"x": x[:1] * 2}])
+    assert evaluate({}) == 0.0 and not any(n.op_type == "Where" for n in model.graph)  # the model is left alone
+    w = np.arange(1, 13, dtype=np.float32).reshape(4, 3)
+    for t in (np.array([0.5, 0.0, 2.0, 0.25], np.float32), np.full(4, 0.3, np.float32)):
+        worst = 0.0
+        for xs in (x, x[:1] * 2):
+            h = np.maximum(xs, 0)
+            worst = max(worst, float(relative_l2(np.where(h <= t, 0, h) @ w, h @ w)))
+        assert evaluate({"model.layers.0.mlp.down": t}) == pytest.approx(worst, rel=1e-5) and worst > 0
+    with pytest.raises(InvalidInputError):
+        evaluate({"model.layers.9.mlp.down": np.zeros(4, np.float32)})
+
+
 def test_zero_thresholds_leave_the_graph_alone_and_a_second_run_changes_nothing(helpers) -> None:
     model = _small(helpers)
     before = helpers.to_proto(model).SerializeToString()
@@ -344,3 +363,35 @@ def test_probed_sensitivity_scales_each_group_to_the_deviation_measured() -> Non
     probed = probe_sensitivity(groups, lambda t: deviation[next(iter(t))], 0.5, "wina")
     for g in groups:
         assert probed[g.name] == pytest.approx(deviation[g.name] / g.error("wina")[10])
+
+
+def test_probes_at_several_levels_give_the_greedy_the_measured_curve() -> None:
+    from layerzero.activation_calibration import probe_sensitivity
+
+    groups = _seeded_groups()
+
+    def deviation(thresholds) -> float:  # per group, twice the group's own error up to 50 %, ten times beyond
+        ((name, t),) = thresholds.items()
+        g = next(g for g in groups if g.name == name)
+        i = next(i for i, s in enumerate(g.levels) if np.array_equal(g.thresholds_at(float(s)), t))
+        return float(g.error("wina")[i]) * (2.0 if g.levels[i] <= 0.5 else 10.0)
+
+    probed = probe_sensitivity(groups, deviation, (0.3, 0.5, 0.7), "wina")
+    for g in groups:
+        ratio = probed[g.name]
+        assert ratio.shape == g.levels.shape
+        np.testing.assert_allclose(ratio[g.levels <= 0.5], 2.0)
+        np.testing.assert_allclose(ratio[g.levels >= 0.7], 10.0)
+        assert 2.0 < ratio[12] < 10.0  # 0.6: between the two probes
+    # Every group equally sensitive at every level: the greedy's allocation is the unweighted one, only its curve
+    # in the measured unit; the group it takes furthest, made steep 10 % below that, is held there.
+    plain = greedy(groups, 0.4, "wina")
+    same = greedy(groups, 0.4, "wina", {g.name: np.full(g.levels.shape, 3.0) for g in groups})
+    assert same.levels == plain.levels and same.curve[-1][1] == pytest.approx(3 * plain.curve[-1][1])
+    top = max(groups, key=lambda g: plain.levels[g.name])
+    cap = round(plain.levels[top.name] - 0.1, 4)  # below where the unweighted greedy takes it
+    steep = dict(probed, **{top.name: np.where(top.levels <= cap + 1e-9, 1.0, 1e6)})
+    held = greedy(groups, 0.4, "wina", steep)
+    assert held.levels[top.name] <= cap + 1e-9 and abs(held.sparsity - 0.4) <= 0.01
+    with pytest.raises(InvalidInputError):
+        probe_sensitivity(groups, deviation, (0.0, 0.5))
