@@ -68,6 +68,7 @@ from layerzero.passes import lower_qmoe
 from layerzero.passes._builder import Builder
 from layerzero.passes._graph import NameFactory, const_array, replace_value, scope_of
 from layerzero.passes._match import NoMatch, Refusal, need
+from layerzero.passes._moe.lazy import ExpertStack, stack_of
 from layerzero.passes._moe_node import MoENode, is_moe_node
 
 __all__ = [
@@ -195,9 +196,21 @@ def dequantize_matrix(
     return np.ascontiguousarray(w.T)
 
 
-def native_expert_codes(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+def native_expert_codes(w: np.ndarray | ExpertStack, bits: int) -> tuple[np.ndarray, np.ndarray]:
     """The native op's ``(codes, scales)`` of ``[E, out, in]`` experts (blocks of 32 along ``in``): q8 int8 codes,
-    q4 uint8 nibbles; float16 scales ``[E, out, in / 32]`` (``plugins/quant.py`` ``quantize_blocks(axis=-1)``)."""
+    q4 uint8 nibbles; float16 scales ``[E, out, in / 32]`` (``plugins/quant.py`` ``quantize_blocks(axis=-1)``).
+
+    An ``ExpertStack`` is quantized one expert at a time into the output (each block is quantized alone, so the
+    codes are the whole stack's): its float experts are never held together."""
+    if isinstance(w, ExpertStack):
+        codes = scales = None
+        for e in range(w.shape[0]):
+            c, s = native_expert_codes(w.expert(e)[None], bits)
+            if codes is None:
+                codes = np.empty((w.shape[0], *c.shape[1:]), c.dtype)
+                scales = np.empty((w.shape[0], *s.shape[1:]), s.dtype)
+            codes[e], scales[e] = c[0], s[0]
+        return codes, scales
     codes, scales, _ = quantize_rows(w, bits, EXPERT_BLOCK, symmetric=True)
     flat = codes.reshape(*codes.shape[:-2], -1)
     if bits == 8:
@@ -377,7 +390,10 @@ class QuantizeWeights(ir.passes.InPlacePass):
             )
         arrays = []
         for value in (view.w_gate, view.w_up, view.w_down):
-            array = const_array(value)
+            # Experts read one at a time where the rewrite left them lazy (passes/_moe/lazy.py): never held whole.
+            array = stack_of(value)
+            if array is None:
+                array = const_array(value)
             need(array is not None and value.const_value is not None, f"expert weight {value.name} is not a constant",
                  node)  # fmt: skip
             need(value.const_value.dtype in _FLOATS, f"expert weight {value.name} is not a float type", node)
@@ -397,7 +413,6 @@ class QuantizeWeights(ir.passes.InPlacePass):
             node.attributes[name] = value
         for old in olds:
             _drop_if_unused(old)
-
 
     # ------------------------------------------------------------------------------------ SparseLinear
 
@@ -521,7 +536,7 @@ def _case(node: ir.Node) -> str | None:
 _ROUTE_THROUGH = frozenset(
     {"Reshape", "Cast", "Add", "Softmax", "Sigmoid", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Div", "Mul",
      "Where"}
-)
+)  # fmt: skip
 
 
 def is_router(node: ir.Node, depth: int = 6) -> bool:
