@@ -59,6 +59,8 @@ blocks of ``block`` consecutive elements along the reduction axis K of each outp
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import onnx_ir as ir
 
@@ -196,6 +198,12 @@ def dequantize_matrix(
     return np.ascontiguousarray(w.T)
 
 
+#: Expert codes and scales by their stack's key, bits and part, while some model holds them (weakly: an entry goes
+#: with its array): the verification's quantized-dense reference reads the compiled model's file again and gets the
+#: same arrays, read-only to both (its own copy would double the int4 bytes the compile holds).
+_SHARED_CODES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
 def native_expert_codes(w: np.ndarray | ExpertStack, bits: int) -> tuple[np.ndarray, np.ndarray]:
     """The native op's ``(codes, scales)`` of ``[E, out, in]`` experts (blocks of 32 along ``in``): q8 int8 codes,
     q4 uint8 nibbles; float16 scales ``[E, out, in / 32]`` (``plugins/quant.py`` ``quantize_blocks(axis=-1)``).
@@ -203,6 +211,10 @@ def native_expert_codes(w: np.ndarray | ExpertStack, bits: int) -> tuple[np.ndar
     An ``ExpertStack`` is quantized one expert at a time into the output (each block is quantized alone, so the
     codes are the whole stack's): its float experts are never held together."""
     if isinstance(w, ExpertStack):
+        if w.key is not None:
+            codes, scales = _SHARED_CODES.get((w.key, bits, "codes")), _SHARED_CODES.get((w.key, bits, "scales"))
+            if codes is not None and scales is not None:
+                return codes, scales
         codes = scales = None
         for e in range(w.shape[0]):
             c, s = native_expert_codes(w.expert(e)[None], bits)
@@ -210,6 +222,9 @@ def native_expert_codes(w: np.ndarray | ExpertStack, bits: int) -> tuple[np.ndar
                 codes = np.empty((w.shape[0], *c.shape[1:]), c.dtype)
                 scales = np.empty((w.shape[0], *s.shape[1:]), s.dtype)
             codes[e], scales[e] = c[0], s[0]
+        if w.key is not None:
+            codes.flags.writeable = scales.flags.writeable = False  # shared: nobody writes them
+            _SHARED_CODES[(w.key, bits, "codes")], _SHARED_CODES[(w.key, bits, "scales")] = codes, scales
         return codes, scales
     codes, scales, _ = quantize_rows(w, bits, EXPERT_BLOCK, symmetric=True)
     flat = codes.reshape(*codes.shape[:-2], -1)

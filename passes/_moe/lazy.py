@@ -26,10 +26,15 @@ UPCAST_SOURCE = "layerzero_bfloat16_source"
 class ExpertStack:
     """``[E, ...]`` weights given one expert at a time (``expert(e)``, a C-contiguous array of ``shape[1:]``)."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, expert: Callable[[int], np.ndarray]) -> None:
+    def __init__(
+        self, shape: tuple[int, ...], dtype: np.dtype, expert: Callable[[int], np.ndarray], key: tuple | None = None
+    ) -> None:
+        """``key``: what the experts are (their source and the steps since), equal for two stacks of the same
+        values (the verification's reference reads the compile's file again); None: no identity."""
         self.shape = tuple(int(d) for d in shape)
         self.dtype = np.dtype(dtype)
         self._expert = expert
+        self.key = key
 
     @property
     def ndim(self) -> int:
@@ -59,12 +64,15 @@ class ExpertStack:
 
     def transposed(self) -> ExpertStack:
         """Each expert's matrix transposed (``[E, a, b]`` → ``[E, b, a]``)."""
-        return ExpertStack((self.shape[0], *self.shape[1:][::-1]), self.dtype, lambda e: self.expert(e).T)
+        key = None if self.key is None else (*self.key, "T")
+        return ExpertStack((self.shape[0], *self.shape[1:][::-1]), self.dtype, lambda e: self.expert(e).T, key)
 
     def rows(self, rows: np.ndarray) -> ExpertStack:
         """Each expert's rows ``rows`` (axis 1)."""
         rows = np.asarray(rows)
-        return ExpertStack((self.shape[0], len(rows), *self.shape[2:]), self.dtype, lambda e: self.expert(e)[rows])
+        key = None if self.key is None else (*self.key, "rows", tuple(rows.tolist()))
+        shape = (self.shape[0], len(rows), *self.shape[2:])
+        return ExpertStack(shape, self.dtype, lambda e: self.expert(e)[rows], key)
 
 
 def transposed(weight: np.ndarray | ExpertStack) -> np.ndarray | ExpertStack:
@@ -102,6 +110,15 @@ def _file_reader(tensor: ir.ExternalTensor, dtype: np.dtype, upcast: bool) -> Ca
     return read
 
 
+def _file_key(tensor: ir.ExternalTensor, how: str) -> tuple:
+    """An external tensor's identity: its file (by inode and modification time too), offset, shape, how it is read."""
+    import os
+
+    stat = os.stat(tensor.path)
+    shape = tuple(int(d) for d in tensor.shape)
+    return (os.path.realpath(tensor.path), stat.st_ino, stat.st_mtime_ns, tensor.offset or 0, shape, how)
+
+
 def expert_stack(value: ir.Value) -> ExpertStack | None:
     """The initializer ``value`` (rank >= 2, a float type) as an ``ExpertStack`` read expert by expert, or None where
     it need not or cannot be read so (an in-memory tensor, a ``Constant`` node: the caller reads it whole)."""
@@ -112,7 +129,8 @@ def expert_stack(value: ir.Value) -> ExpertStack | None:
     source = getattr(tensor, UPCAST_SOURCE, None)
     if source is not None:  # a bfloat16 tensor computed in float32 (compiler/loader.py)
         if isinstance(source, ir.ExternalTensor):
-            return ExpertStack(shape, np.float32, _file_reader(source, np.dtype(np.float32), upcast=True))
+            key = _file_key(source, "bfloat16->float32")
+            return ExpertStack(shape, np.float32, _file_reader(source, np.dtype(np.float32), upcast=True), key)
         return None
     if isinstance(tensor, ExpertTensor):
         return tensor.stack
@@ -125,7 +143,7 @@ def expert_stack(value: ir.Value) -> ExpertStack | None:
     if isinstance(tensor, ir.ExternalTensor):
         if tensor.dtype == ir.DataType.BFLOAT16:
             return None
-        return ExpertStack(shape, dtype, _file_reader(tensor, dtype, upcast=False))
+        return ExpertStack(shape, dtype, _file_reader(tensor, dtype, upcast=False), _file_key(tensor, dtype.str))
     return None  # in memory already (a small model): read whole, as before
 
 

@@ -85,6 +85,22 @@ def test_rewrite_of_external_data_reads_experts_lazily_and_quantizes_the_same_co
             np.testing.assert_array_equal(getattr(a, slot).const_value.numpy(), getattr(b, slot).const_value.numpy())
 
 
+def test_a_second_load_of_the_file_shares_the_expert_codes(tmp_path: Path) -> None:
+    """The verification's quantized-dense reference loads the source again: its experts' codes are the compiled
+    model's arrays (read-only), not a second copy of the int4 bytes; another bit width gets its own."""
+    _, path = _model(tmp_path, "batched_mm")
+    models = [load_model(path) for _ in range(3)]
+    for model, bits in zip(models, (4, 4, 8)):
+        _rewritten(model)
+        QuantizeWeights(bits)(model)
+    first, second, other = ([MoENode.of(n) for n in m.graph if is_moe_node(n)] for m in models)
+    for a, b, c in zip(first, second, other, strict=True):
+        for slot in ("w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down"):
+            mine, theirs = getattr(a, slot).const_value.numpy(), getattr(b, slot).const_value.numpy()
+            assert mine is theirs and not mine.flags.writeable, slot
+            assert getattr(c, slot).const_value.numpy() is not mine
+
+
 def test_a_bfloat16_external_stack_is_read_one_expert_at_a_time(tmp_path: Path) -> None:
     """The loader's bfloat16 views (float32 computed from bf16 external data) name their source, so one expert is
     read from the file alone, equal to that expert of the whole upcast tensor."""
