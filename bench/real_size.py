@@ -5,6 +5,10 @@ child process whose wall time and peak RSS (``os.wait4``'s rusage of that child 
     python bench/real_size.py --layers 2 --work /tmp/rs2        # a mid-size model of the family (2 of 16 layers)
     python bench/real_size.py --work /tmp/rs16                  # the full 16-layer shape (bf16 ~13.8 GB)
     python bench/real_size.py --layers 2 --steps make,export    # only some steps (the others' files are reused)
+    python bench/real_size.py --layers 2 --work /tmp/rs2 --steps compile --trace   # RSS at every compile stage
+
+The compile needs liblayerzero_ort.so (the native MoE kernel runs the int4 experts; without it every expert would
+lower to a float32 MatMul constant): the bench refuses to run the step without it (exit 2).
 
 The model folder is written without ever holding the model: the module tree is built on the meta device (shapes
 only), then every tensor is drawn in bf16 from its own seeded generator and written to safetensors shards of at
