@@ -5,6 +5,10 @@ child process whose wall time and peak RSS (``os.wait4``'s rusage of that child 
     python bench/real_size.py --layers 2 --work /tmp/rs2        # a mid-size model of the family (2 of 16 layers)
     python bench/real_size.py --work /tmp/rs16                  # the full 16-layer shape (bf16 ~13.8 GB)
     python bench/real_size.py --layers 2 --steps make,export    # only some steps (the others' files are reused)
+    python bench/real_size.py --layers 2 --work /tmp/rs2 --steps compile --trace   # RSS at every compile stage
+
+The compile needs liblayerzero_ort.so (the native MoE kernel runs the int4 experts; without it every expert would
+lower to a float32 MatMul constant): the bench refuses to run the step without it (exit 2).
 
 The model folder is written without ever holding the model: the module tree is built on the meta device (shapes
 only), then every tensor is drawn in bf16 from its own seeded generator and written to safetensors shards of at
@@ -105,6 +109,39 @@ def make_model(folder: Path, layers: int, seed: int = 0, shard_gb: float = 1.0) 
     return {"params": params, "bytes": total, "shards": len(files)}
 
 
+def _rss_mb() -> tuple[int, int]:
+    """This process's resident set and its peak so far (``VmRSS``, ``VmHWM``), in MB."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(rest.split()[0]) // 1024
+    return fields.get("VmRSS", 0), fields.get("VmHWM", 0)
+
+
+def traced_compile(onnx_path: Path, bundle: Path) -> int:
+    """``--trace``'s compile step (this process is its child): ``compile_file`` with ``--weights int4``, printing the
+    resident set and its peak so far at every stage the compile reports (pass boundaries, verification's runs)."""
+    from layerzero.compile import compile_file
+    from layerzero.options import CompileOptions
+
+    start = time.perf_counter()
+    last = [""]
+
+    def say(message: str, **_: object) -> None:
+        stage = message.split(", chunk")[0]
+        if stage != last[0]:
+            rss, hwm = _rss_mb()
+            print(json.dumps({"t": round(time.perf_counter() - start, 1), "rss_mb": rss, "peak_mb": hwm,
+                              "stage": stage}), flush=True)  # fmt: skip
+            last[0] = stage
+
+    compile_file(onnx_path, bundle, CompileOptions(weights="int4"), progress=say, overwrite=True)
+    say("done")
+    return 0
+
+
 def _run(label: str, argv: list[str], log: Path) -> dict:
     """Run one step as a child; its wall time and peak RSS (its own rusage, from ``os.wait4``)."""
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
@@ -138,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rss-slack-gb", type=float, default=2.0, help="compile's bound: int4 size + this")
     parser.add_argument("--compile-args", default="", help="extra arguments for layerzero compile")
     parser.add_argument("--make-only", action="store_true", help=argparse.SUPPRESS)  # the child of the make step
+    parser.add_argument("--trace", action="store_true",
+                        help="compile in a child of this script that prints its RSS at every compile stage (in "
+                             "compile.log); --compile-args is then ignored")  # fmt: skip
+    parser.add_argument("--trace-only", action="store_true", help=argparse.SUPPRESS)  # the child of --trace
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args(argv)
     steps = [s for s in args.steps.split(",") if s]
@@ -147,9 +188,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     work = args.work
     hf, onnx_path, bundle = work / "hf", work / "model.onnx", work / "model.lz"
+    if args.trace_only:
+        return traced_compile(onnx_path, bundle)
     if args.make_only:
         print(json.dumps(make_model(hf, args.layers, args.seed)))
         return 0
+    if "compile" in steps:
+        from layerzero.plugins.ort_library import find_ort_library
+
+        if find_ort_library() is None:
+            # Without it the MoE blocks lower to per-expert If: every expert a float32 MatMul constant (the int4
+            # experts are the native kernel's), the whole model in float32 before quantization.
+            print("compile: liblayerzero_ort.so is not built (python -c 'from layerzero.plugins.ort_library import "
+                  "build_ort_library; build_ort_library()', or LAYERZERO_PLUGIN_DIR): the real-size compile needs "
+                  "the native MoE kernel", file=sys.stderr)  # fmt: skip
+            return 2
     work.mkdir(parents=True, exist_ok=True)
     lz = [sys.executable, "-m", "layerzero"]
     rows = []
@@ -160,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                    "--seed", str(args.seed)]  # fmt: skip
         elif step == "export":
             cmd = [*lz, "export", str(hf), "-o", str(onnx_path), "--force"]
+        elif step == "compile" and args.trace:
+            cmd = [sys.executable, __file__, "--trace-only", "--work", str(work)]
         elif step == "compile":
             cmd = [*lz, "compile", str(onnx_path), "-o", str(bundle), "--weights", "int4", "--force",
                    *args.compile_args.split()]  # fmt: skip

@@ -11,6 +11,7 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from layerzero.errors import InvalidInputError, UnsupportedModelError
+from layerzero.passes._moe.lazy import UPCAST_SOURCE
 
 __all__ = ["check_external_data", "has_bfloat16", "load_model", "upcast_bfloat16"]
 
@@ -171,12 +172,21 @@ def _upcast_tensor(tensor: ir.TensorProtocol, name: str | None) -> ir.LazyTensor
                 bits = np.fromfile(f, dtype=np.uint16, count=count)
             if bits.size != count:
                 raise UnsupportedModelError(f"{tensor.path}: tensor {name!r} is cut short ({bits.size} of {count})")
-            array = (bits.astype(np.uint32) << 16).view(np.float32).reshape(tensor.shape.numpy())
+            wide = bits.astype(np.uint32)
+            del bits
+            wide <<= 16  # in place: one float32-sized buffer at peak besides the bf16 read
+            array = wide.view(np.float32).reshape(tensor.shape.numpy())
         else:
             array = np.asarray(tensor.numpy(), dtype=np.float32)
         return ir.Tensor(array, name=name)
 
-    return ir.LazyTensor(read, dtype=ir.DataType.FLOAT, shape=ir.Shape(tensor.shape), name=name)
+    view = _Bfloat16View(read, dtype=ir.DataType.FLOAT, shape=ir.Shape(tensor.shape), name=name)
+    setattr(view, UPCAST_SOURCE, tensor)  # passes/_moe/lazy.py reads one expert of it alone
+    return view
+
+
+class _Bfloat16View(ir.LazyTensor):
+    """A bfloat16 tensor read as float32 (``_upcast_tensor``), which names its source (``UPCAST_SOURCE``)."""
 
 
 def upcast_bfloat16(model: ir.Model) -> int:

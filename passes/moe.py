@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 
+import numpy as np
 import onnx_ir as ir
 
 from layerzero.errors import InvalidInputError
@@ -12,6 +13,7 @@ from layerzero.passes._builder import Builder
 from layerzero.passes._dynamic import MASK_PREFIX, MOE_DOMAIN, MOE_OP, ROUTER_PREFIX, DynamicPath, record_dynamic_path
 from layerzero.passes._graph import NAME_SCOPES_KEY, NameFactory, make_constant, replace_value
 from layerzero.passes._moe import MoEMatch, Refusal, find_moe_blocks
+from layerzero.passes._moe.lazy import ExpertStack, ExpertTensor
 from layerzero.passes._moe.qmoe import rewrite_qmoe
 from layerzero.passes._moe_node import MoENode
 
@@ -118,7 +120,7 @@ class SkipExperts(ir.passes.InPlacePass):
         router = m.router
         end = m.output.producer()
         weights = [
-            make_constant(graph, names, f"{path}.experts.{part}", array)
+            _expert_constant(graph, names, f"{path}.experts.{part}", array)
             for part, array in (("w_gate", m.w_gate), ("w_up", m.w_up), ("w_down", m.w_down))
         ]
         b_gate, b_up, b_down = _expert_biases(graph, names, path, m)
@@ -231,6 +233,19 @@ def _expert_biases(
         None if array is None else make_constant(graph, names, f"{path}.experts.{part}", array)
         for part, array in (("b_gate", m.b_gate), ("b_up", m.b_up), ("b_down", m.b_down))
     )
+
+
+def _expert_constant(graph: ir.Graph, names: NameFactory, hint: str, array: np.ndarray | ExpertStack) -> ir.Value:
+    """The node's stacked expert weight: an initializer over the ``ExpertStack`` (read one expert at a time, never
+    held whole: ``passes/_moe/lazy.py``) or of the array."""
+    if not isinstance(array, ExpertStack):
+        return make_constant(graph, names, hint, array)
+    name = names(hint)
+    value = ir.Value(name=name, const_value=ExpertTensor(array, name=name))
+    value.shape = ir.Shape(array.shape)
+    value.dtype = value.const_value.dtype
+    graph.register_initializer(value)
+    return value
 
 
 def _follow(rewired: dict[ir.Value, ir.Value], value: ir.Value) -> ir.Value:

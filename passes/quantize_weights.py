@@ -59,6 +59,8 @@ blocks of ``block`` consecutive elements along the reduction axis K of each outp
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import onnx_ir as ir
 
@@ -68,6 +70,7 @@ from layerzero.passes import lower_qmoe
 from layerzero.passes._builder import Builder
 from layerzero.passes._graph import NameFactory, const_array, replace_value, scope_of
 from layerzero.passes._match import NoMatch, Refusal, need
+from layerzero.passes._moe.lazy import ExpertStack, stack_of
 from layerzero.passes._moe_node import MoENode, is_moe_node
 
 __all__ = [
@@ -195,9 +198,34 @@ def dequantize_matrix(
     return np.ascontiguousarray(w.T)
 
 
-def native_expert_codes(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+#: Expert codes and scales by their stack's key, bits and part, while some model holds them (weakly: an entry goes
+#: with its array): the verification's quantized-dense reference reads the compiled model's file again and gets the
+#: same arrays, read-only to both (its own copy would double the int4 bytes the compile holds).
+_SHARED_CODES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def native_expert_codes(w: np.ndarray | ExpertStack, bits: int) -> tuple[np.ndarray, np.ndarray]:
     """The native op's ``(codes, scales)`` of ``[E, out, in]`` experts (blocks of 32 along ``in``): q8 int8 codes,
-    q4 uint8 nibbles; float16 scales ``[E, out, in / 32]`` (``plugins/quant.py`` ``quantize_blocks(axis=-1)``)."""
+    q4 uint8 nibbles; float16 scales ``[E, out, in / 32]`` (``plugins/quant.py`` ``quantize_blocks(axis=-1)``).
+
+    An ``ExpertStack`` is quantized one expert at a time into the output (each block is quantized alone, so the
+    codes are the whole stack's): its float experts are never held together."""
+    if isinstance(w, ExpertStack):
+        if w.key is not None:
+            codes, scales = _SHARED_CODES.get((w.key, bits, "codes")), _SHARED_CODES.get((w.key, bits, "scales"))
+            if codes is not None and scales is not None:
+                return codes, scales
+        codes = scales = None
+        for e in range(w.shape[0]):
+            c, s = native_expert_codes(w.expert(e)[None], bits)
+            if codes is None:
+                codes = np.empty((w.shape[0], *c.shape[1:]), c.dtype)
+                scales = np.empty((w.shape[0], *s.shape[1:]), s.dtype)
+            codes[e], scales[e] = c[0], s[0]
+        if w.key is not None:
+            codes.flags.writeable = scales.flags.writeable = False  # shared: nobody writes them
+            _SHARED_CODES[(w.key, bits, "codes")], _SHARED_CODES[(w.key, bits, "scales")] = codes, scales
+        return codes, scales
     codes, scales, _ = quantize_rows(w, bits, EXPERT_BLOCK, symmetric=True)
     flat = codes.reshape(*codes.shape[:-2], -1)
     if bits == 8:
@@ -395,7 +423,10 @@ class QuantizeWeights(ir.passes.InPlacePass):
             )
         arrays = []
         for value in (view.w_gate, view.w_up, view.w_down):
-            array = const_array(value)
+            # Experts read one at a time where the rewrite left them lazy (passes/_moe/lazy.py): never held whole.
+            array = stack_of(value)
+            if array is None:
+                array = const_array(value)
             need(array is not None and value.const_value is not None, f"expert weight {value.name} is not a constant",
                  node)  # fmt: skip
             need(value.const_value.dtype in _FLOATS, f"expert weight {value.name} is not a float type", node)
@@ -415,7 +446,6 @@ class QuantizeWeights(ir.passes.InPlacePass):
             node.attributes[name] = value
         for old in olds:
             _drop_if_unused(old)
-
 
     # ------------------------------------------------------------------------------------ SparseLinear
 
@@ -540,7 +570,7 @@ def _case(node: ir.Node) -> str | None:
 _ROUTE_THROUGH = frozenset(
     {"Reshape", "Cast", "Add", "Softmax", "Sigmoid", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Div", "Mul",
      "Where"}
-)
+)  # fmt: skip
 
 
 def is_router(node: ir.Node, depth: int = 6) -> bool:

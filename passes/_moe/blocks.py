@@ -56,7 +56,8 @@ class MoEMatch:
     @property
     def params_per_expert(self) -> list[int]:
         arrays = (self.w_gate, self.w_up, self.w_down, self.b_gate, self.b_up, self.b_down)
-        return [int(sum(a[e].size for a in arrays if a is not None)) for e in range(self.experts)]
+        per_expert = sum(int(np.prod(a.shape[1:], dtype=np.int64)) for a in arrays if a is not None)
+        return [per_expert] * self.experts
 
 
 def combination_ends(router: Router, depth: int | None = None) -> list[ir.Node]:

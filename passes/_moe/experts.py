@@ -34,6 +34,7 @@ import numpy as np
 import onnx_ir as ir
 
 from layerzero.passes._moe.gating import GATED_UNITS, SWIGLU_ALPHA, SWIGLU_LIMIT, Gating, act_times_up, gated_unit
+from layerzero.passes._moe.lazy import select_rows
 from layerzero.passes._moe.projections import (
     Projection,
     batched_projection,
@@ -160,7 +161,7 @@ def gate_up(
         g_rows, u_rows = gate_rows(fused.shape[1]), up_rows(fused.shape[1])
         need(len(g_rows) == len(u_rows) and len(g_rows) > 0, "gate/up split: gate and up have different widths")
         need(not set(g_rows.tolist()) & set(u_rows.tolist()), "gate/up split: gate and up share rows")
-        g, u = np.ascontiguousarray(fused[:, g_rows, :]), np.ascontiguousarray(fused[:, u_rows, :])
+        g, u = select_rows(fused, g_rows), select_rows(fused, u_rows)
         b_g = None if bias is None else np.ascontiguousarray(bias[:, g_rows])
         b_u = None if bias is None else np.ascontiguousarray(bias[:, u_rows])
         return g, u, b_g, b_u, x

@@ -10,6 +10,8 @@ import numpy as np
 import onnx_ir as ir
 
 from layerzero.passes._graph import const_array
+from layerzero.passes._moe import lazy
+from layerzero.passes._moe.lazy import ExpertStack
 from layerzero.passes._moe.router import Router
 from layerzero.passes._moe.walk import (
     STD,
@@ -37,8 +39,19 @@ __all__ = [
     "stacked_projection",
 ]
 
-# A projection part: (value, what) -> (weights [E, out, in], bias [E, out] or None, the input it reads).
-Projection = Callable[[ir.Value, str], tuple[np.ndarray, np.ndarray | None, ir.Value]]
+# A projection part: (value, what) -> (weights [E, out, in], bias [E, out] or None, the input it reads). Stacked
+# weights of an external-data model are ``ExpertStack``s (read one expert at a time: ``passes/_moe/lazy.py``).
+Projection = Callable[[ir.Value, str], tuple[np.ndarray | ExpertStack, np.ndarray | None, ir.Value]]
+
+
+def stacked_weight(value: ir.Value, rank: int, what: str) -> np.ndarray | ExpertStack:
+    """``const_weight`` of stacked experts ``[E, ...]``: an ``ExpertStack`` where the initializer can be read one
+    expert at a time (external data, a bfloat16 view of it), else the array."""
+    stack = lazy.expert_stack(value)
+    if stack is None:
+        return const_weight(value, rank, what)
+    need(stack.ndim == rank, f"{what}: {value.name} has shape {list(stack.shape)}, expected rank {rank}")
+    return stack
 
 
 def _through_identity(w: Walk, value: ir.Value) -> ir.Value:
@@ -101,7 +114,8 @@ def batched_projection(w: Walk, router: Router) -> Projection:
             need(attr_of(gather, "batch_dims", 0) == 0, f"{what}: GatherND with batch_dims")
         else:
             need(attr_of(gather, "axis", 0) == 0, f"{what}: Gather of expert weights is not along the experts axis")
-        weight = const_weight(gather.inputs[0], rank, what)
+        source = gather.inputs[0]
+        weight = stacked_weight(source, rank, what) if rank == 3 else const_weight(source, rank, what)
         need(
             weight.shape[0] == router.experts,
             f"{what}: {weight.shape[0]} experts' weights for a router of {router.experts}",
@@ -119,7 +133,7 @@ def batched_projection(w: Walk, router: Router) -> Projection:
         tokens, weights = (matmul.inputs[0], matmul.inputs[1]) if transposed else (matmul.inputs[1], matmul.inputs[0])
         weight = pick(weights, 3, f"{what}: per-token expert weights")
         if transposed:
-            weight = np.ascontiguousarray(weight.transpose(0, 2, 1))
+            weight = lazy.transposed(weight)
         unsq = w.node(tokens, "Unsqueeze", f"{what}: tokens as a matrix")
         need(
             sorted_axes(axes_of(unsq), 3) == ([1] if transposed else [2]),
@@ -142,11 +156,11 @@ def stacked_projection(w: Walk) -> Projection:
     def projection(value: ir.Value, what: str) -> tuple[np.ndarray, np.ndarray | None, ir.Value]:
         value, bias = _biased(w, value, what, lambda b: bias_part(b, what))
         matmul = w.node(value, "MatMul", what)
-        weight = const_weight(matmul.inputs[1], 3, f"{what}: stacked weights [E, in, out]")
+        weight = stacked_weight(matmul.inputs[1], 3, f"{what}: stacked weights [E, in, out]")
         x = matmul.inputs[0]
         need(rank_of(x) in (2, 3), f"{what}: input {x.name} is not [T, in] or [E, T, in]")
         need(bias is None or bias.shape == (weight.shape[0], weight.shape[2]), f"{what}: bias does not fit weights")
-        return np.ascontiguousarray(weight.transpose(0, 2, 1)), bias, x
+        return lazy.transposed(weight), bias, x
 
     return projection
 
