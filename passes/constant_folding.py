@@ -46,6 +46,19 @@ _NEVER_FOLD = frozenset(
 )
 
 
+
+def _element_count(value: ir.Value) -> int | None:
+    """The element count of a constant's tensor (or of a value's static shape), from the shape alone: None when
+    not known without reading the data."""
+    tensor = value.const_value
+    shape = tensor.shape if tensor is not None else value.shape
+    if shape is None:
+        return None
+    dims = list(shape)
+    if not all(isinstance(d, int) for d in dims):
+        return None
+    return int(np.prod(dims, dtype=np.int64)) if dims else 1
+
 class FoldConstants(ir.passes.InPlacePass):
     """Fold computation whose inputs are known at compile time.
 
@@ -137,6 +150,10 @@ class FoldConstants(ir.passes.InPlacePass):
                 elif id(value) in known:
                     array = known[id(value)]
                 else:
+                    count = _element_count(value)
+                    if count is not None and size + count > self.max_elements:
+                        inputs_ok = False  # too large to fold: never read (a MoE's expert stack is GBs)
+                        break
                     array = const_array(value)
                     if array is None:
                         inputs_ok = False

@@ -602,3 +602,28 @@ def test_a_folded_value_listed_twice_as_an_output_keeps_its_name_at_both_places(
     helpers.check_pass(model, FoldConstants, modified=True, delta=1, dce_delta=0)
     assert [o.name for o in model.graph.outputs] == ["y", "z", "y"]
     assert model.graph.outputs[0] is model.graph.outputs[2]
+
+
+def test_a_constant_too_large_to_fold_is_never_read():
+    # A GatherND / Transpose of a MoE's expert stack (GBs in an external-data model): the size comes from the
+    # shape, so the data is never loaded (a lazy tensor counts its reads).
+    reads = []
+
+    def load() -> ir.Tensor:
+        reads.append(1)
+        return ir.tensor(np.ones((4, 8), np.float32))
+
+    big = ir.Value(name="big", const_value=ir.LazyTensor(load, ir.DataType.FLOAT, ir.Shape([4, 8])))
+    big.type, big.shape = ir.TensorType(ir.DataType.FLOAT), ir.Shape([4, 8])
+    small = ir.Value(name="small", const_value=ir.tensor(np.ones((8,), np.float32)))
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([4, 8]))
+    t = ir.node("Transpose", [big], attributes={"perm": [1, 0]})
+    a = ir.node("Add", [small, small])
+    y = ir.node("Add", [x, t.outputs[0]])
+    graph = ir.Graph(
+        [x], [y.outputs[0], a.outputs[0]], nodes=[t, a, y], initializers=[big, small], opset_imports={"": 18}
+    )
+    model = ir.Model(graph, ir_version=10)
+    assert FoldConstants(max_elements=16)(model).modified  # the small Add folds
+    assert reads == [] and [n.op_type for n in model.graph if n.op_type == "Transpose"] == ["Transpose"]
+    assert FoldConstants(max_elements=64)(model).modified and reads  # within the limit it folds (and reads)
