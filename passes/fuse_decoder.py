@@ -53,6 +53,17 @@ import numpy as np
 import onnx_ir as ir
 
 from layerzero.passes._builder import Builder
+from layerzero.passes._fuse_match import (
+    const_axes,
+    int_attr,
+    last_dim,
+    only_reader,
+    other_input,
+    rank_of,
+    reshaped_once,
+    scalar_of,
+    single,
+)
 from layerzero.passes._graph import NameFactory, const_array, replace_value, same_dim, scope_of
 from layerzero.passes._match import NoMatch, Refusal, need
 from layerzero.passes._shapes import SymbolicShapes
@@ -69,66 +80,6 @@ _MS = "com.microsoft"
 _FLOAT = ir.DataType.FLOAT
 
 
-def _one(node: ir.Node | None, op_type: str, *seen: ir.Node) -> ir.Node:
-    need(node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx"),
-         f"expected {op_type}, found {node.op_type if node is not None else 'a graph input or constant'}",
-         *seen, *([node] if node is not None else []))  # fmt: skip
-    assert node is not None
-    return node
-
-
-def _scalar(value: ir.Value | None) -> float | None:
-    array = const_array(value)
-    if array is None or array.size != 1 or array.dtype.kind not in "fiu":
-        return None
-    return float(array.reshape(()))
-
-
-def _only_reader(value: ir.Value, reader: ir.Node, *seen: ir.Node) -> None:
-    need(not value.is_graph_output() and all(use.node is reader for use in value.uses()),
-         f"{value.name} is read outside the pattern", *seen)  # fmt: skip
-
-
-def _other(node: ir.Node, value: ir.Value) -> ir.Value | None:
-    """The other input of a binary node one of whose inputs is ``value``."""
-    a, b = node.inputs[0], node.inputs[1]
-    return b if a is value else a
-
-
-def _axes(node: ir.Node) -> list[int] | None:
-    """A Reduce / Unsqueeze node's constant axes (input 1 or the attribute), None when not constant."""
-    if len(node.inputs) > 1 and node.inputs[1] is not None:
-        array = const_array(node.inputs[1])
-        return None if array is None else [int(a) for a in array.reshape(-1)]
-    attr = node.attributes.get("axes")
-    return None if attr is None else [int(a) for a in attr.as_ints()]
-
-
-def _int_attr(node: ir.Node, name: str, default: int) -> int:
-    attr = node.attributes.get(name)
-    return default if attr is None else int(attr.as_int())
-
-
-def _reshaped_once(value: ir.Value, what: str, seen: list[ir.Node]) -> ir.Node:
-    """The one ``Reshape`` that reads ``value`` (as its data), appended to ``seen`` (raises ``NoMatch``)."""
-    uses = list(value.uses())
-    need(len(uses) == 1 and uses[0].node.op_type == "Reshape" and uses[0].idx == 0 and not value.is_graph_output(),
-         f"{what} is not reshaped once", *seen)  # fmt: skip
-    seen.append(uses[0].node)
-    return uses[0].node
-
-
-def _rank(value: ir.Value) -> int | None:
-    return None if value.shape is None else len(value.shape)
-
-
-def _last_dim(value: ir.Value) -> int | None:
-    if value.shape is None or not len(value.shape):
-        return None
-    dim = value.shape[-1]
-    return dim if isinstance(dim, int) else None
-
-
 class _Norm:
     """A matched RMSNorm: its input, epsilon, weight (None: 1) and the value it computes."""
 
@@ -142,7 +93,7 @@ def _square_of(node: ir.Node) -> ir.Value | None:
     """``x`` when ``node`` is ``Pow(x, 2)`` or ``Mul(x, x)``, else None."""
     if node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
         return None
-    if node.op_type == "Pow" and _scalar(node.inputs[1]) == 2.0:
+    if node.op_type == "Pow" and scalar_of(node.inputs[1]) == 2.0:
         return node.inputs[0]
     if node.op_type == "Mul" and node.inputs[0] is node.inputs[1]:
         return node.inputs[0]
@@ -157,20 +108,20 @@ def match_norm(mean: ir.Node) -> _Norm:
     assert x is not None and square is not None
     seen: list[ir.Node] = [square, mean]
     need(x.dtype == _FLOAT, f"the input is {x.dtype}, not float32 (the kernel's float16 rounding differs)", *seen)
-    rank, dim = _rank(x), _last_dim(x)
+    rank, dim = rank_of(x), last_dim(x)
     need(rank is not None and dim is not None, "the input's rank or last dim is unknown", *seen)
     assert rank is not None and dim is not None
-    axes = _axes(mean)
+    axes = const_axes(mean)
     need(axes is not None and [a % rank for a in axes] == [rank - 1],
          f"the mean reduces axes {axes}, not the last one", *seen)  # fmt: skip
-    need(_int_attr(mean, "keepdims", 1) == 1, "the mean does not keep its dims", *seen)
-    _only_reader(square.outputs[0], mean, *seen)
+    need(int_attr(mean, "keepdims", 1) == 1, "the mean does not keep its dims", *seen)
+    only_reader(square.outputs[0], mean, *seen)
     uses = list(mean.outputs[0].uses())
     need(len(uses) == 1 and uses[0].node.op_type == "Add" and not mean.outputs[0].is_graph_output(),
          "no epsilon Add after the mean", *seen)  # fmt: skip
     add = uses[0].node
     seen.append(add)
-    eps = _scalar(_other(add, mean.outputs[0]))
+    eps = scalar_of(other_input(add, mean.outputs[0]))
     need(eps is not None and eps >= 0.0, "the Add after the mean is no constant epsilon >= 0", *seen)
     assert eps is not None
     uses = list(add.outputs[0].uses())
@@ -188,7 +139,7 @@ def match_norm(mean: ir.Node) -> _Norm:
         if after.op_type == "Reciprocal":
             inverse = after
         else:
-            need(after.op_type == "Div" and after.inputs[1] is sqrt.outputs[0] and _scalar(after.inputs[0]) == 1.0,
+            need(after.op_type == "Div" and after.inputs[1] is sqrt.outputs[0] and scalar_of(after.inputs[0]) == 1.0,
                  f"the Sqrt is read by {after.op_type}, not Reciprocal or 1 / Sqrt", *seen)  # fmt: skip
             inverse = after
         uses = list(inverse.outputs[0].uses())
@@ -196,14 +147,14 @@ def match_norm(mean: ir.Node) -> _Norm:
              "the reciprocal is not multiplied once", *seen)  # fmt: skip
         scaled = uses[0].node
         seen.append(scaled)
-        need(_other(scaled, inverse.outputs[0]) is x, "the reciprocal multiplies another value than the input",
+        need(other_input(scaled, inverse.outputs[0]) is x, "the reciprocal multiplies another value than the input",
              *seen)  # fmt: skip
     out = scaled.outputs[0]
     weight, weight_value = None, None
     uses = list(out.uses())
     if len(uses) == 1 and not out.is_graph_output() and uses[0].node.op_type == "Mul":
         mul = uses[0].node
-        w = _other(mul, out)
+        w = other_input(mul, out)
         array = const_array(w)
         if array is not None and array.dtype == np.float32 and array.shape == (dim,):
             weight, weight_value, out = array, w, mul.outputs[0]
@@ -239,10 +190,11 @@ def _slice_bounds(node: ir.Node, rank: int) -> tuple[int, int] | None:
 def _halved_table(value: ir.Value, func: str, seen: list[ir.Node]) -> ir.Value:
     """The ``[B, S, H]`` table under ``Unsqueeze(t, [1])`` = ``value``, when its halves are provably equal: walking
     up through scalar Mul / Div and Casts to float, ``func`` (Cos / Sin) of ``Concat(f, f)`` on the last axis."""
-    unsqueeze = _one(value.producer(), "Unsqueeze", *seen)
-    need(_axes(unsqueeze) == [1], f"the {func} table is unsqueezed at {_axes(unsqueeze)}, not [1]", *seen, unsqueeze)
+    unsqueeze = single(value.producer(), "Unsqueeze", *seen)
+    axes = const_axes(unsqueeze)
+    need(axes == [1], f"the {func} table is unsqueezed at {axes}, not [1]", *seen, unsqueeze)
     table = unsqueeze.inputs[0]
-    need(table is not None and _rank(table) == 3, f"the {func} table is not 3-D", *seen, unsqueeze)
+    need(table is not None and rank_of(table) == 3, f"the {func} table is not 3-D", *seen, unsqueeze)
     assert table is not None
     current: ir.Value | None = table
     for _ in range(8):
@@ -252,14 +204,14 @@ def _halved_table(value: ir.Value, func: str, seen: list[ir.Node]) -> ir.Value:
         if node.op_type == func:
             cat = node.inputs[0].producer() if node.inputs[0] is not None else None
             need(cat is not None and cat.op_type == "Concat" and len(cat.inputs) == 2
-                 and cat.inputs[0] is cat.inputs[1] and _int_attr(cat, "axis", 0) in (-1, 2),
+                 and cat.inputs[0] is cat.inputs[1] and int_attr(cat, "axis", 0) in (-1, 2),
                  f"the {func} table's angle is not Concat(f, f) on the last axis: its halves may differ",
                  *seen, unsqueeze)  # fmt: skip
             return table
-        cast = node.op_type == "Cast" and _int_attr(node, "to", 0) == _FLOAT.value
-        if cast or (node.op_type in ("Mul", "Div") and _scalar(node.inputs[1]) is not None):
+        cast = node.op_type == "Cast" and int_attr(node, "to", 0) == _FLOAT.value
+        if cast or (node.op_type in ("Mul", "Div") and scalar_of(node.inputs[1]) is not None):
             current = node.inputs[0]
-        elif node.op_type == "Mul" and _scalar(node.inputs[0]) is not None:
+        elif node.op_type == "Mul" and scalar_of(node.inputs[0]) is not None:
             current = node.inputs[1]
         else:
             raise NoMatch(f"the {func} table is computed by {node.op_type}: its halves may differ", *seen, node)
@@ -269,47 +221,47 @@ def _halved_table(value: ir.Value, func: str, seen: list[ir.Node]) -> ir.Value:
 def match_rotary(neg: ir.Node) -> _Rotary:
     """Case 2 from its ``Neg`` (raises ``NoMatch`` naming the check that failed)."""
     seen: list[ir.Node] = []
-    upper = _one(neg.inputs[0].producer() if neg.inputs[0] is not None else None, "Slice", neg)
+    upper = single(neg.inputs[0].producer() if neg.inputs[0] is not None else None, "Slice", neg)
     x = upper.inputs[0]
     seen += [upper, neg]
     need(x is not None and x.dtype == _FLOAT, "the rotated value is not float32", *seen)
     assert x is not None
-    rank, head = _rank(x), _last_dim(x)
+    rank, head = rank_of(x), last_dim(x)
     need(rank == 4 and head is not None and head % 2 == 0, "the rotated value is not [B, N, S, H], H even", *seen)
     assert head is not None
     half = head // 2
     bounds = _slice_bounds(upper, 4)
     need(bounds is not None and bounds[0] == half and bounds[1] >= head,
          f"the negated slice is {bounds}, not the upper half [{half}:]", *seen)  # fmt: skip
-    _only_reader(upper.outputs[0], neg, *seen)
+    only_reader(upper.outputs[0], neg, *seen)
     uses = list(neg.outputs[0].uses())
     need(len(uses) == 1 and uses[0].node.op_type == "Concat" and not neg.outputs[0].is_graph_output(),
          "the negated half is not concatenated once", *seen)  # fmt: skip
     cat = uses[0].node
     seen.append(cat)
-    need(len(cat.inputs) == 2 and cat.inputs[0] is neg.outputs[0] and _int_attr(cat, "axis", 0) in (-1, 3),
+    need(len(cat.inputs) == 2 and cat.inputs[0] is neg.outputs[0] and int_attr(cat, "axis", 0) in (-1, 3),
          "the Concat is not (-upper, lower) on the last axis", *seen)  # fmt: skip
-    lower = _one(cat.inputs[1].producer() if cat.inputs[1] is not None else None, "Slice", *seen)
+    lower = single(cat.inputs[1].producer() if cat.inputs[1] is not None else None, "Slice", *seen)
     seen.append(lower)
     need(lower.inputs[0] is x and _slice_bounds(lower, 4) == (0, half), "the Concat's second half is not x[..., :H/2]",
          *seen)  # fmt: skip
-    _only_reader(lower.outputs[0], cat, *seen)
+    only_reader(lower.outputs[0], cat, *seen)
     uses = list(cat.outputs[0].uses())
     need(len(uses) == 1 and uses[0].node.op_type == "Mul" and not cat.outputs[0].is_graph_output(),
          "rotate_half is not multiplied once", *seen)  # fmt: skip
     mul_sin = uses[0].node
     seen.append(mul_sin)
-    sin = _other(mul_sin, cat.outputs[0])
+    sin = other_input(mul_sin, cat.outputs[0])
     uses = list(mul_sin.outputs[0].uses())
     need(len(uses) == 1 and uses[0].node.op_type == "Add" and not mul_sin.outputs[0].is_graph_output(),
          "rotate_half * sin is not added once", *seen)  # fmt: skip
     add = uses[0].node
     seen.append(add)
-    mul_cos = _one(_other(add, mul_sin.outputs[0]).producer(), "Mul", *seen)
+    mul_cos = single(other_input(add, mul_sin.outputs[0]).producer(), "Mul", *seen)
     seen.append(mul_cos)
     need(x in (mul_cos.inputs[0], mul_cos.inputs[1]), "the Add's other term is not x * cos", *seen)
-    _only_reader(mul_cos.outputs[0], add, *seen)
-    cos = _other(mul_cos, x)
+    only_reader(mul_cos.outputs[0], add, *seen)
+    cos = other_input(mul_cos, x)
     need(cos is not None and sin is not None, "no cos / sin", *seen)
     assert cos is not None and sin is not None
     cos_table = _halved_table(cos, "Cos", seen)
@@ -326,7 +278,7 @@ def match_rotary(neg: ir.Node) -> _Rotary:
 
 def match_view_transpose(node: ir.Node, shapes: SymbolicShapes) -> tuple[ir.Value, ir.Value]:
     """Case 3 from its ``Transpose`` [0, 2, 1]: ``(k, the value it computes)`` (raises ``NoMatch``)."""
-    first = _one(node.inputs[0].producer() if node.inputs[0] is not None else None, "Reshape", node)
+    first = single(node.inputs[0].producer() if node.inputs[0] is not None else None, "Reshape", node)
     seen = [first, node]
     x = first.inputs[0]
     dims = shapes.dims(x)
@@ -335,8 +287,8 @@ def match_view_transpose(node: ir.Node, shapes: SymbolicShapes) -> tuple[ir.Valu
     view = shapes.vector(first.inputs[1])
     need(view is not None and len(view) == 3 and view[1:] == dims[2:] and view[0] in (-1, "-1"),
          f"the 3-D view {view} is not [-1, T, H] of {dims}", *seen)  # fmt: skip
-    _only_reader(first.outputs[0], node, *seen)
-    last = _reshaped_once(node.outputs[0], "the transposed view", seen)
+    only_reader(first.outputs[0], node, *seen)
+    last = reshaped_once(node.outputs[0], "the transposed view", seen)
     back = shapes.vector(last.inputs[1])
     need(back == [dims[0], dims[1], dims[3], dims[2]], f"the view goes back to {back}, not {dims} transposed", *seen)
     need(all(isinstance(d, str) or d > 0 for d in (*dims, *back)), "a dim of the views is 0", *seen)
@@ -370,7 +322,7 @@ def _head_chain(value: ir.Value, seen: list[ir.Node]) -> tuple[list[ir.Node], ir
             need(perm is not None and list(perm.as_ints())[:2] == [0, 1] and len(perm.as_ints()) == 4,
                  "a Transpose moves the batch or head axis", *seen, node)  # fmt: skip
         else:
-            need(node.op_type == "Mul" and _scalar(_other(node, value)) is not None,
+            need(node.op_type == "Mul" and scalar_of(other_input(node, value)) is not None,
                  f"the repeated cache is read by {node.op_type}", *seen, node)  # fmt: skip
         chain.append(node)
         value = node.outputs[0]
@@ -378,16 +330,16 @@ def _head_chain(value: ir.Value, seen: list[ir.Node]) -> tuple[list[ir.Node], ir
 
 def match_repeat_kv(expand: ir.Node, shapes: SymbolicShapes) -> _Repeat:
     """Case 4 from its ``Expand`` (raises ``NoMatch``)."""
-    unsq = _one(expand.inputs[0].producer() if expand.inputs[0] is not None else None, "Unsqueeze", expand)
+    unsq = single(expand.inputs[0].producer() if expand.inputs[0] is not None else None, "Unsqueeze", expand)
     seen = [unsq, expand]
     kv = unsq.inputs[0]
     kd = shapes.dims(kv)
     need(kv is not None and kd is not None and len(kd) == 4, "the repeated value is not 4-D", *seen)
     assert kv is not None and kd is not None
     need(kv.dtype == _FLOAT, f"the cache is {kv.dtype}, not float32", *seen)
-    axes = _axes(unsq)
+    axes = const_axes(unsq)
     need(axes is not None and [a % 5 for a in axes] == [2], f"the cache is unsqueezed at {axes}, not 2", *seen)
-    _only_reader(unsq.outputs[0], expand, *seen)
+    only_reader(unsq.outputs[0], expand, *seen)
     ed = shapes.dims(expand.outputs[0])
     need(ed is not None and len(ed) == 5 and [ed[0], ed[1], ed[3], ed[4]] == kd and isinstance(ed[2], int)
          and ed[2] >= 1, f"the Expand to {ed} is not [B, Hk, r, S, D] of {kd}", *seen)  # fmt: skip
@@ -395,7 +347,7 @@ def match_repeat_kv(expand: ir.Node, shapes: SymbolicShapes) -> _Repeat:
     kv_heads, rep = kd[1], int(ed[2])
     need(isinstance(kv_heads, int) and kv_heads >= 1, f"the cache's head count {kv_heads} is not static", *seen)
     assert isinstance(kv_heads, int)
-    reshape = _reshaped_once(expand.outputs[0], "the expanded cache", seen)
+    reshape = reshaped_once(expand.outputs[0], "the expanded cache", seen)
     rd = shapes.dims(reshape.outputs[0])
     need(rd == [kd[0], kv_heads * rep, kd[2], kd[3]], f"the repeated cache is {rd}, not [B, Hk * r, S, D]", *seen)
     chain, matmul = _head_chain(reshape.outputs[0], seen)
@@ -459,7 +411,7 @@ class FuseDecoder(ir.passes.InPlacePass):
             except NoMatch as failure:
                 self.refused.append(Refusal.of(scope_of(node), failure, "rmsnorm"))
                 continue
-            dim = _last_dim(norm.x)
+            dim = last_dim(norm.x)
             assert dim is not None
             if norm.weight_value is not None:
                 weight = norm.weight_value
@@ -492,7 +444,7 @@ class FuseDecoder(ir.passes.InPlacePass):
             except NoMatch as failure:
                 self.refused.append(Refusal.of(scope_of(node), failure, "rotary"))
                 continue
-            head = _last_dim(rot.x)
+            head = last_dim(rot.x)
             assert head is not None
             for table in (rot.cos, rot.sin):
                 if id(table) not in caches:
@@ -534,9 +486,9 @@ class FuseDecoder(ir.passes.InPlacePass):
                 continue
             first = node.inputs[0].producer() if node.inputs[0] is not None else None
             readers = [u.node.op_type for u in node.outputs[0].uses()]
-            if first is None or first.op_type != "Unsqueeze" or _axes(first) != [2] or readers != ["Reshape"]:
+            if first is None or first.op_type != "Unsqueeze" or const_axes(first) != [2] or readers != ["Reshape"]:
                 continue  # not repeat_kv's form (a mask broadcast, an expert's tokens)
-            if first.inputs[0] is None or _rank(first.inputs[0]) != 4:
+            if first.inputs[0] is None or rank_of(first.inputs[0]) != 4:
                 continue
             shapes = SymbolicShapes(graph) if shapes is None else shapes
             try:
@@ -551,7 +503,7 @@ class FuseDecoder(ir.passes.InPlacePass):
                 if link.op_type == "Transpose":
                     value = b.op1("Transpose", [value], perm=list(link.attributes["perm"].as_ints()))
                 else:
-                    value = b.op1("Mul", [value, _other(link, old)])
+                    value = b.op1("Mul", [value, other_input(link, old)])
                 value.dtype, old = _FLOAT, link.outputs[0]
             matmul = rep.matmul
             grouped = b.op1("Reshape", [matmul.inputs[0], b.ints(0, rep.kv_heads, -1, 0)])
