@@ -4,7 +4,8 @@ The benches cache their compiled bundles (~minutes each at their sizes); the cac
 the sizes, not the compiler. ``code_stamp()`` hashes the sources that decide what a compile writes and how it runs:
 the ``layerzero`` package's Python files (compiler, passes, runtime, plugins) and the native library's sources
 (``plugins/ort/src``, its CMakeLists). ``fresh(bundle)`` says whether ``bundle`` was stamped with the current code;
-``stamp(bundle)`` records it once the bundle is written (a file beside the bundle: ``<bundle>.code-stamp``).
+``stamp(bundle)`` records it once the bundle is written (a file beside the bundle: ``<bundle>.code-stamp``);
+``native_library`` does the same for a bench's own build of ``liblayerzero_ort.so``.
 """
 
 from __future__ import annotations
@@ -48,3 +49,21 @@ def fresh(bundle: Path) -> bool:
 def stamp(bundle: Path) -> None:
     """Record that ``bundle`` was just compiled by the current code."""
     _file(bundle).write_text(code_stamp() + "\n")
+
+
+def native_library(plugin_dir: Path, say, what: str) -> str | None:
+    """A bench's own ``liblayerzero_ort.so`` (``plugin_dir``, what ``LAYERZERO_PLUGIN_DIR`` points at): built when
+    missing or when the sources changed since its build (an incremental CMake build); a library found elsewhere is
+    used as it is. None when there, else why not (a missing compiler or header set)."""
+    from layerzero.plugins import ort_library
+
+    found = ort_library.find_ort_library()
+    if found is not None and (found.parent.resolve() != plugin_dir.resolve() or fresh(found)):
+        return None
+    say(f"building liblayerzero_ort.so ({what}) into {plugin_dir}")
+    try:
+        library = ort_library.build_ort_library(plugin_dir, jobs=2, fetch_headers=False)
+    except Exception as exc:  # a missing compiler / header set: the caller's table says so
+        return f"not built: {str(exc).splitlines()[0]}"
+    stamp(library)
+    return None

@@ -214,17 +214,9 @@ def external_weights(path: Path, say) -> None:
 
 
 def native_library(say) -> str | None:
-    """Build liblayerzero_ort.so into this bench's cache when missing; None when built, else why not."""
-    from layerzero.plugins import ort_library
-
-    if ort_library.find_ort_library() is not None:
-        return None
-    say("building liblayerzero_ort.so (native lowering) into " + str(PLUGIN_DIR))
-    try:
-        ort_library.build_ort_library(PLUGIN_DIR, jobs=2, fetch_headers=False)
-    except Exception as exc:  # a missing compiler / header set: the table says so, the rest runs
-        return f"not built: {str(exc).splitlines()[0]}"
-    return None
+    """liblayerzero_ort.so in this bench's cache, built when missing or stale; None when there, else why not (the
+    table says so, the rest runs)."""
+    return _stamp.native_library(PLUGIN_DIR, say, "native lowering")
 
 
 def bundle(prepared: dict[str, Any], lowering: str, say, verify: bool = True) -> tuple[Path, float | None]:

@@ -64,6 +64,7 @@ CACHE = ROOT_CACHE / "decode_dense"
 os.environ.setdefault("LAYERZERO_PLUGIN_DIR", str(CACHE / "plugins"))
 sys.path.insert(0, str(BENCH))
 
+import _stamp  # noqa: E402  # bench/_stamp.py (BENCH is on sys.path): which cached bundles the current code compiled
 import numpy as np  # noqa: E402
 
 from layerzero.compile import compile_file  # noqa: E402
@@ -89,18 +90,9 @@ def peak_rss_gb() -> float:
 
 
 def native_library() -> str | None:
-    """Build liblayerzero_ort.so into LAYERZERO_PLUGIN_DIR (this bench's) when missing; None when built, else why."""
-    from layerzero.plugins import ort_library
-
-    if ort_library.find_ort_library() is not None:
-        return None
-    where = Path(os.environ["LAYERZERO_PLUGIN_DIR"])
-    say(f"building liblayerzero_ort.so (SparseLinear) into {where}")
-    try:
-        ort_library.build_ort_library(where, jobs=2, fetch_headers=False)
-    except Exception as exc:  # a missing compiler / header set: the sparse columns run the reference form
-        return f"not built: {str(exc).splitlines()[0]}"
-    return None
+    """liblayerzero_ort.so in LAYERZERO_PLUGIN_DIR (this bench's), built when missing or stale; None when there,
+    else why (the sparse columns then run the reference form)."""
+    return _stamp.native_library(Path(os.environ["LAYERZERO_PLUGIN_DIR"]), say, "SparseLinear")
 
 
 def source(size: str) -> dict[str, Path]:
@@ -193,7 +185,7 @@ def lz_bundle(src: dict[str, Path], root: Path, name: str, verify: bool, max_dev
     out = root / name
     manifest_file = out / "manifest.json"
     verified = manifest_file.is_file() and json.loads(manifest_file.read_text())["options"].get("verify", False)
-    if manifest_file.is_file() and (verified or not verify):
+    if manifest_file.is_file() and _stamp.fresh(out) and (verified or not verify):
         return out, "compiled with verification (cached)" if verified else "compiled --no-verify (cached)"
     if verify and options.get("activation_sparsity"):
         options["max_deviation"] = max_deviation
@@ -201,6 +193,7 @@ def lz_bundle(src: dict[str, Path], root: Path, name: str, verify: bool, max_dev
     say(f"compiling {name}: {flags}{'' if verify else ' --no-verify'}")
     start = time.perf_counter()
     compile_file(src["export"], out, CompileOptions(verify=verify, **options), overwrite=True)
+    _stamp.stamp(out)
     seconds = time.perf_counter() - start
     return out, f"compiled {'with verification' if verify else '--no-verify'} in {seconds:.0f} s"
 
