@@ -58,7 +58,12 @@ median decode tokens/s, time to first token and median step. Columns:
   ``llama_model_quantize`` (``bench/_llamacpp.py``); F32 is the conversion's check (its logits must be the
   export's within 1e-3 relative L2);
 - LZ int4 / int8: ``CompileOptions(weights="int4")`` with the native lowering; until that option exists the column
-  says "not available" and the run is a miss (exit 1).
+  says "not available" and the run is a miss (exit 1);
+- read bound (not a tool: a ceiling): LZ int4 / int8's own weight bytes of one decode token (the MatMulNBits
+  codes and scales, the routers, ``top_k`` experts' codes and scales per MoE layer, freshly drawn each token)
+  streamed alone by the native kernels' read loop on the same threads in the same rounds (``_ReadBound``): the
+  tokens/s no kernel reading those bytes can pass here, printed with LZ's share of it and whether 3 × ORT int4 (a
+  target) lies above it.
 Beside each: the quantization's deviation from the fp32 export on the prompt (one prefill: top-1 agreement of the
 greedy id at every position, relative L2 of the logits) and how many of the greedy ids equal transformers' fp32 ones
 from the start; LZ int4 / int8's greedy ids must equal those of its own quantized-dense reference
@@ -571,6 +576,105 @@ class _EngineColumn:
         return prefill_logits(self.engine, prompt)[0]
 
 
+class _ReadBound:
+    """The least a decode step of a quantized bundle must read, streamed with nothing else done: the weights every
+    token reads (the MatMulNBits codes, scales and zero points: projections and lm_head; the routers' float
+    MatMuls) and, per MoE layer, ``top_k`` experts' codes and scales (a fresh seeded draw of experts each token, so
+    the whole model's experts rotate through the caches as decode's routing does). Embeddings, norms, rotary caches
+    and the KV cache are left out, so the bytes are a lower bound and the tokens/s an upper one. Streamed by
+    liblayerzero_ort.so's ``LayerZeroOrtStreamRead`` (the native kernels' read pattern without their arithmetic;
+    the buffers backed by huge pages as the kernels back theirs) on ``threads`` threads, each a share of every
+    token's regions (ctypes releases the GIL). ``generate`` streams ``new`` tokens' regions and returns the same
+    dict as the engine columns (no ids)."""
+
+    def __init__(self, bundle: Path, threads: int, seed: int = 0) -> None:
+        import ctypes
+
+        import onnx_ir as ir
+
+        from layerzero.plugins import ort_library
+
+        lib = ctypes.CDLL(str(ort_library.find_ort_library()))
+        self._read = lib.LayerZeroOrtStreamRead
+        self._read.restype = ctypes.c_float
+        advise = lib.LayerZeroOrtAdviseHugePages
+        advise.restype = ctypes.c_size_t
+        self._ctypes = ctypes
+        model = ir.load(bundle / "model.onnx")
+        keep: list[np.ndarray] = []  # the arrays stay alive as long as their pointers are used
+
+        def array(value: Any) -> np.ndarray | None:
+            if value is None or value.const_value is None:
+                return None
+            a = np.ascontiguousarray(value.const_value.numpy())
+            advise(ctypes.c_void_p(a.ctypes.data), ctypes.c_size_t(a.nbytes))
+            keep.append(a)
+            return a
+
+        dense: list[np.ndarray] = []
+        self.layers: list[tuple[int, list[np.ndarray]]] = []  # (top_k, [codes / scales stacked over experts])
+        for node in model.graph:
+            if node.op_type == "MatMulNBits" or (node.op_type in ("MatMul", "Gemm") and node.domain == ""):
+                dense += [a for a in map(array, node.inputs[1:]) if a is not None]
+            elif node.op_type == "MoE" and node.domain == "ai.layerzero":
+                stacked = [a for i in (2, 3, 4, 10, 11, 12) if i < len(node.inputs)
+                           for a in [array(node.inputs[i])] if a is not None]  # fmt: skip
+                self.layers.append((node.attributes["top_k"].as_int(), stacked))
+        self.dense_bytes = sum(a.nbytes for a in dense)
+        self.expert_bytes = sum(k * sum(a[0].nbytes for a in stacked) for k, stacked in self.layers)
+        self.bytes = self.dense_bytes + self.expert_bytes
+        self._dense, self._keep = dense, keep
+        self.threads = threads
+        self._rng = np.random.default_rng(seed)
+
+    def _token_regions(self) -> list[np.ndarray]:
+        regions = list(self._dense)
+        for k, stacked in self.layers:
+            for e in self._rng.choice(len(stacked[0]), size=k, replace=False):
+                regions += [a[e] for a in stacked]
+        return regions
+
+    def _args(self, regions: list[np.ndarray]) -> tuple[Any, Any, Any]:
+        c, n = self._ctypes, len(regions)
+        return (c.c_void_p * n)(*[r.ctypes.data for r in regions]), (c.c_int64 * n)(*[r.nbytes for r in regions]), n
+
+    def _step(self) -> float:
+        """One token's regions streamed: the time from the first thread's start to the last one's end (the
+        threads made and the arguments built before, outside the time)."""
+        import threading
+
+        regions = [r.reshape(-1).view(np.uint8) for r in self._token_regions()]
+        shares: list[list[np.ndarray]] = [[] for _ in range(self.threads)]
+        for r in regions:  # every region cut in equal shares: each thread streams 1 / threads of every matrix
+            for i, part in enumerate(np.array_split(r, self.threads)):
+                shares[i].append(part)
+        args = [self._args(share) for share in shares]
+        if self.threads == 1:
+            t0 = time.perf_counter()
+            self._read(*args[0])
+            return time.perf_counter() - t0
+        barrier = threading.Barrier(self.threads)
+        spans: list[tuple[float, float]] = []
+
+        def work(a: tuple[Any, Any, Any]) -> None:
+            barrier.wait()
+            t0 = time.perf_counter()
+            self._read(*a)
+            spans.append((t0, time.perf_counter()))
+
+        workers = [threading.Thread(target=work, args=(a,)) for a in args]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        return max(e for _, e in spans) - min(b for b, _ in spans)
+
+    def generate(self, prompt: list[int], new: int) -> dict[str, Any]:
+        steps = [self._step() for _ in range(max(new - 1, 1))]
+        step = statistics.median(steps)
+        return {"ids": [], "ttft": 0.0, "tps": len(steps) / sum(steps), "step": step}
+
+
 def quantized_main(args: argparse.Namespace, rounds: int, verify_mode: str, say) -> int:
     """``--weights int4 / int8``: the columns of the module doc's quantized table, interleaved rounds, medians."""
     import _llamacpp  # bench/_llamacpp.py, beside this script
@@ -639,6 +743,9 @@ def quantized_main(args: argparse.Namespace, rounds: int, verify_mode: str, say)
             ref = _EngineColumn(lz_reference(prepared, bits, paths[f"LZ int{bits}"], say), threads[-1])
             reference_ids = ref.generate(prompt, args.new)["ids"]
             del ref
+        if f"LZ int{bits}" in paths:  # what LZ int's bytes allow at all, streamed in the same rounds
+            for t in threads:
+                columns[("read bound", t)] = _ReadBound(paths[f"LZ int{bits}"], t)
         for column in columns.values():  # warm-up: sessions, allocators, page cache
             column.generate(prompt[:4], 2)
         timings: dict[tuple[str, int], list[dict[str, Any]]] = {key: [] for key in columns}
@@ -691,6 +798,21 @@ def quantized_main(args: argparse.Namespace, rounds: int, verify_mode: str, say)
                 f"{family} llama.cpp F32: relative L2 {deviation['llama.cpp F32'][1]:.1e} from the export's logits: "
                 "the GGUF is not the same model"
             )
+        bound = {t: statistics.median(v["tps"] for v in timings[("read bound", t)])
+                 for t in threads if ("read bound", t) in timings}  # fmt: skip
+        if bound:
+            rb = columns[("read bound", threads[0])]
+            print(f"  read bound: LZ int{bits}'s weights a token read at least {rb.bytes / 1e6:.1f} MB (dense, lm_head "
+                  f"and routers {rb.dense_bytes / 1e6:.1f} MB, routed experts {rb.expert_bytes / 1e6:.1f} MB), "
+                  "streamed alone in the same rounds:")  # fmt: skip
+            for t, b in bound.items():
+                lz = tps.get((f"LZ int{bits}", t), 0.0)
+                ort_x3 = 3 * tps.get((f"ORT int{bits}", t), 0.0)
+                print(f"    {t} thread(s): {b:.1f} tok/s at most ({rb.bytes * b / 1e9:.1f} GB/s); LZ int{bits} at "
+                      f"{lz / b:.2f} of it; 3 x ORT int{bits} = {ort_x3:.1f} tok/s is "
+                      f"{'above the bound: no kernel reading these bytes reaches it' if ort_x3 > b else 'below it'}")
+                results.append(dict(family=family, column="read bound", threads=t, decode_tokens_per_s=b,
+                                    bytes_per_token=rb.bytes, rounds=[v["tps"] for v in timings[("read bound", t)]]))
         for t in threads:
             for num, den, want in QUANT_TARGETS[bits]:
                 a, b = tps.get((num, t)), tps.get((den, t))

@@ -81,6 +81,11 @@ def test_decode_bench_quantized_columns(bench_env: dict[str, str], tmp_path: Pat
         assert f"llama.cpp {kind}" in text and "llama_cpp not importable" in text
     if "weights" in {f.name for f in dataclasses.fields(CompileOptions)}:
         assert (f"LZ int{bits}", 1) in rows
+        assert "read bound: LZ int" in text
+        for t in (1, 2):  # LZ int's own weights streamed alone: some bytes, and faster than the whole decode step
+            bound = rows[("read bound", t)]
+            assert bound["bytes_per_token"] > 0
+            assert bound["decode_tokens_per_s"] > rows[(f"LZ int{bits}", t)]["decode_tokens_per_s"]
         assert done.returncode == 0, text[-3000:]
     else:
         assert f"LZ int{bits}                - not available: CompileOptions has no weights option" in text
