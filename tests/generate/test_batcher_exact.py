@@ -6,6 +6,15 @@ cache axis sum a row shifted by masked leading columns in another order unless t
 ``PAD_ALIGN``; MatMulNBits at accuracy level 4 rounds activations to int8 and turns a last-bit difference into
 ~3e-2 on the logits. The batcher keeps every row's padding a multiple of ``PAD_ALIGN``.
 
+What the bits rest on besides the batcher: a MatMulNBits row at M = 1 (one request alone) equals its row at
+M >= 2 (a batch) on x86-64 AVX-512 (measured), but not on AVX2 (AMD EPYC, measured: ~6e-6 for int4 and int8 at
+accuracy level 4; rows at M = 2-8 equal each other). The batcher's own exactness is therefore checked against
+each request run alone *teacher-forced with the batch's ids at the batch's M path*: a step the batch ran with one
+row is compared with the request's solo step, a step it ran with more rows with the request run as two identical
+rows. Where the engine's solo step equals its 2-row step (probed on the installed runtime), the batched ids are
+also checked against the request's own solo generate; where not, that check is a skip naming the measured
+difference, since greedy ids then differ at near-ties for a reason outside the batcher.
+
 The model: hidden 512 (16 heads of 32 over 8 KV heads), 2 layers, vocab 256, initializer range 0.05: the size where,
 before the alignment, an int4 request's greedy ids differed from its solo run (the tiny test models' ids did not,
 their logits did).
@@ -63,21 +72,37 @@ def _bundle(exported: Path, weights: str) -> Path:
     return out
 
 
-def _solo_logits(engine: Engine, prompt: list[int], new: int) -> tuple[list[int], list[np.ndarray]]:
-    """The request alone, step by step through ``Engine.run``: greedy ids and each decode step's last logits."""
+def _solo_logits(
+    engine: Engine, prompt: list[int], new: int, forced: list[int] | None = None, rows_at: list[int] | None = None
+) -> tuple[list[int], list[np.ndarray]]:
+    """The request alone, step by step through ``Engine.run``: greedy ids and each decode step's last logits.
+
+    ``forced``: feed these ids instead of the greedy ones (teacher forcing). ``rows_at[s - 1]``: decode step ``s``
+    runs as that many identical rows when above 1 (the kernels' M >= 2 path a batch takes), alone otherwise.
+    """
     past = {i.name: np.zeros([1, i.shape[1], 0, i.shape[3]], i.dtype) for i in engine.input_specs
             if i.name.startswith("past_key_values.")}  # fmt: skip
     ids, rows, n = [], [], len(prompt)
     feeds = {"input_ids": np.asarray([prompt]), "position_ids": np.arange(n)[None]}
     for step in range(new):
-        out = engine.run({**feeds, "attention_mask": np.ones((1, n + step), np.int64), **past}).outputs
+        copies = 2 if step and rows_at is not None and rows_at[step - 1] > 1 else 1
+        batch = {**feeds, "attention_mask": np.ones((1, n + step), np.int64), **past}
+        out = engine.run({k: np.repeat(v, copies, axis=0) for k, v in batch.items()}).outputs
         logits = out["logits"][0, -1]
         if step:
             rows.append(logits)
-        ids.append(int(np.argmax(logits)))
-        past = {p: out[p.replace("past_key_values", "present")] for p in past}
+        ids.append(int(np.argmax(logits)) if forced is None else forced[step])
+        past = {p: out[p.replace("past_key_values", "present")][:1] for p in past}
         feeds = {"input_ids": np.asarray([[ids[-1]]]), "position_ids": np.asarray([[n + step]])}
     return ids, rows
+
+
+def _batch_path_difference(engine: Engine) -> float:
+    """The largest logit difference between one decode step run alone and the same step as 2 identical rows:
+    0.0 where the installed runtime's kernels give a row the same bits at M = 1 as at M >= 2."""
+    _, alone = _solo_logits(engine, PROMPTS[0], 3)
+    _, paired = _solo_logits(engine, PROMPTS[0], 3, rows_at=[2, 2])
+    return max(float(np.abs(a - b).max()) for a, b in zip(alone, paired))
 
 
 class _Recorder:
@@ -87,6 +112,7 @@ class _Recorder:
         self.run = engine.run
         self.batcher: ContinuousBatcher | None = None
         self.logits: dict[int, list[np.ndarray]] = collections.defaultdict(list)  # id(ticket) -> its steps
+        self.rows: dict[int, list[int]] = collections.defaultdict(list)  # id(ticket) -> each step's batch rows
         self.widths: set[int] = set()  # the cache widths the batched steps ran at
         self.pads: set[int] = set()  # the rows' left paddings (masked leading columns) in those steps
 
@@ -98,6 +124,7 @@ class _Recorder:
             self.pads.update(int(np.argmax(row)) for row in feeds["attention_mask"])
             for i, row in enumerate(self.batcher._rows):
                 self.logits[id(row.ticket)].append(result.outputs["logits"][i, -1].copy())
+                self.rows[id(row.ticket)].append(past.shape[0])
         return result
 
 
@@ -116,14 +143,21 @@ def test_batched_steps_equal_solo_steps_bit_for_bit(exported: Path, weights: str
                    for p, n in zip(PROMPTS, NEW)]  # fmt: skip
         results = [t.result(timeout=300) for t in tickets]
         assert batcher.rows_stepped > batcher.steps_run  # steps were shared
+    engine.run = recorder.run
     assert len(recorder.widths) > 1
     assert max(recorder.pads) > 0 and all(pad % PAD_ALIGN == 0 for pad in recorder.pads)  # padded, aligned
-    assert [r.ids for r in results] == [s[0] for s in solo]  # greedy ids equal the solo runs'
-    for ticket, (_, rows), n in zip(tickets, solo, NEW):
-        got = recorder.logits[id(ticket)]
-        assert len(got) == n - 1
-        for step, (a, b) in enumerate(zip(got, rows)):
-            assert np.array_equal(a, b), f"prompt {ticket.prompt}, step {step + 1}: max diff {np.abs(a - b).max()}"
+    for ticket, result, n in zip(tickets, results, NEW):
+        got, rows_at = recorder.logits[id(ticket)], recorder.rows[id(ticket)]
+        assert len(got) == n - 1 == len(rows_at)
+        # The batcher adds nothing: each step's logits are the request's own, alone at the batch's kernel path.
+        _, reference = _solo_logits(engine, ticket.prompt, n, forced=result.ids, rows_at=rows_at)
+        for step, (a, b) in enumerate(zip(got, reference)):
+            assert np.array_equal(a, b), f"prompt {ticket.prompt}, step {step + 1} ({rows_at[step]} rows): " \
+                                         f"max diff {np.abs(a - b).max()}"  # fmt: skip
+        assert result.ids[1:] == [int(np.argmax(row)) for row in reference]  # greedy on those logits
+    # Where a row's bits do not depend on the batch's kernel path, that is the solo run itself.
+    if _batch_path_difference(engine) == 0.0:
+        assert [r.ids for r in results] == [s[0] for s in solo]  # greedy ids equal the solo runs'
 
 
 def _session(node: helper.NodeProto, inputs: list[str]) -> ort.InferenceSession:
@@ -158,6 +192,12 @@ def test_runtime_reductions_are_exact_under_aligned_padding(length: int) -> None
 def test_batched_quantized_greedy_ids_equal_solo_ids(exported: Path, weights: str) -> None:
     """The issue's symptom: before the alignment, the int4 bundle's first request got other ids here."""
     engine = Engine.load(_bundle(exported, weights))
+    difference = _batch_path_difference(engine)
+    if difference:
+        pytest.skip(f"{weights}: the installed ONNX Runtime's kernels give a row other bits alone (M = 1) than in a "
+                    f"batch (M >= 2) on this CPU (max logit difference {difference:.2g}), outside the batcher: "
+                    f"greedy ids may differ at near-ties; test_batched_steps_equal_solo_steps_bit_for_bit checks "
+                    f"the batcher against the batch's own kernel path")  # fmt: skip
     expected = [engine.generate(p, max_new_tokens=24, stop_tokens=()).ids for p in PROMPTS[:6]]
     with ContinuousBatcher(engine, max_batch=4) as batcher:
         tickets = [batcher.submit(GenerationRequest(p, max_new_tokens=24, stop_tokens=())) for p in PROMPTS[:6]]
