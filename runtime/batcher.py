@@ -14,25 +14,25 @@ past under ``attention_mask`` 0, position ids counting each row's own tokens, as
 callback answering True — a stop string —, or a cancel); columns no remaining row attends to are cut from the front
 of the cache.
 
-Each request keeps its own sampling options (temperature, top-k, top-p, a generator seeded by its ``seed``) and
-stop condition; a greedy request gets the ids it gets alone (tests/generate/test_batcher.py), and every decode
-step's logits of a row are bit for bit those of its solo step at the same kernel path, float32, int4 and int8
-bundles alike (tests/generate/test_batcher_exact.py; the kernel path below). That takes aligned padding: ONNX Runtime's CPU Softmax and MatMul over the
-cache axis (the attention's softmax and its product with V) sum a row in another order when it is shifted by
-masked leading columns, unless the shift is a multiple of ``PAD_ALIGN`` (4; measured: a shift of 1-3 columns
-changes the logits by ~1e-6 in float32, ~3e-2 in int4 / int8, where MatMulNBits' accuracy level 4 rounds each
-activation block to int8 and a last-bit change flips codes; greedy ids then differ). So every row's padding is
-kept a multiple of ``PAD_ALIGN``: a prefilled request joins the batch at the first step where its length is
-congruent to the batch's width modulo ``PAD_ALIGN`` (it waits at most ``PAD_ALIGN - 1`` steps, its first token
+Each request keeps its own sampling options (temperature, top-k, top-p, a generator seeded by its ``seed``) and stop
+condition; a greedy request gets the ids it gets alone (tests/generate/test_batcher.py), and every decode step's
+logits of a row are bit for bit those of its solo step at the same kernel path, float32, int4 and int8 bundles alike
+(tests/generate/test_batcher_exact.py; the kernel path below). That takes aligned padding: ONNX Runtime's CPU
+Softmax and MatMul over the cache axis (the attention's softmax and its product with V) sum a row in another order
+when it is shifted by masked leading columns, unless the shift is a multiple of ``PAD_ALIGN`` (4; measured: a shift
+of 1-3 columns changes the logits by ~1e-6 in float32, ~3e-2 in int4 / int8, where MatMulNBits' accuracy level 4
+rounds each activation block to int8 and a last-bit change flips codes; greedy ids then differ). So every row's
+padding is kept a multiple of ``PAD_ALIGN``: a prefilled request joins the batch at the first step where its length
+is congruent to the batch's width modulo ``PAD_ALIGN`` (it waits at most ``PAD_ALIGN - 1`` steps, its first token
 already streamed), and a leaving row's cut drops a multiple of ``PAD_ALIGN`` columns. Whether MatMulNBits gives a
 row the same bits alone (M = 1) as in a batch (M >= 2) depends on the CPU's kernel, not on the batcher: on x86-64
-AVX-512 at accuracy level 4 it does (measured; at levels 0 / 1 not: 1e-5), on AVX2 (AMD EPYC, measured) it does
-not at any level (~6e-6 on one matrix, ~2e-6 on the test model's int4 logits; rows at M = 2-8 equal each other),
-and there a quantized request's greedy ids batched can differ from its solo ids at a near-tie. The test checks
-every batched step bit for bit against the request alone at the batch's kernel path (two identical rows), and
-the ids against solo generate where the installed runtime's two paths agree (a skip naming the difference where
-not). Making them agree would take running every solo decode step as two rows (measured on AVX2: a [2048, 8192]
-int4 MatMulNBits takes 0.78 ms at M = 2 against 0.61 at M = 1); it is not done.
+AVX-512 at accuracy level 4 it does (measured; at levels 0 / 1 not: 1e-5), on AVX2 (AMD EPYC, measured) it does not
+at any level (~6e-6 on one matrix, ~2e-6 on the test model's int4 logits; rows at M = 2-8 equal each other), and
+there a quantized request's greedy ids batched can differ from its solo ids at a near-tie. The test checks every
+batched step bit for bit against the request alone at the batch's kernel path (two identical rows), and the ids
+against solo generate where the installed runtime's two paths agree (a skip naming the difference where not). Making
+them agree would take running every solo decode step as two rows (measured on AVX2: a [2048, 8192] int4 MatMulNBits
+takes 0.78 ms at M = 2 against 0.61 at M = 1); it is not done.
 
 The cache: the exported graph writes each present with its own ``Concat(past, new)``, so every step copies the
 whole cache once inside ONNX Runtime (also when one request runs alone); the batcher adds a copy of the cache
