@@ -810,7 +810,9 @@ def quantized_main(args: argparse.Namespace, rounds: int, verify_mode: str, say)
                 ort_x3 = 3 * tps.get((f"ORT int{bits}", t), 0.0)
                 print(f"    {t} thread(s): {b:.1f} tok/s at most ({rb.bytes * b / 1e9:.1f} GB/s); LZ int{bits} at "
                       f"{lz / b:.2f} of it; 3 x ORT int{bits} = {ort_x3:.1f} tok/s is "
-                      f"{'above the bound: no kernel reading these bytes reaches it' if ort_x3 > b else 'below it'}")
+                      f"{'above the bound: no kernel reading these bytes reaches it' if ort_x3 > b else 'below it'}"
+                      + ("; LZ is faster than the stream: at this size the loop's per-region calls, not the bytes, "
+                         "set the stream's time, and it bounds nothing" if lz > b else ""))  # fmt: skip
                 results.append(dict(family=family, column="read bound", threads=t, decode_tokens_per_s=b,
                                     bytes_per_token=rb.bytes, rounds=[v["tps"] for v in timings[("read bound", t)]]))
         for t in threads:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 
 from layerzero.compile import compile_model
 from layerzero.models.moe import MoEConfig, build_moe, moe_feeds
 from layerzero.options import CompileOptions
+from layerzero.ort_runner import create_session
 from layerzero.passes._dynamic import MASK_PREFIX, ROUTER_PREFIX, read_dynamic_paths
 from layerzero.passes.moe import SkipExperts
 from layerzero.passes.shape_inference import InferShapes
@@ -45,9 +45,8 @@ def moe_stacks(draw: st.DrawFn) -> MoEConfig:
 
 
 def _run(proto: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    # liblayerzero_ort.so registered when it is built: the default lowering ("auto") writes ai.layerzero::MoE then.
+    session = create_session(proto.SerializeToString())
     return session.run(["y"], feeds)[0]
 
 

