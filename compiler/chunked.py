@@ -20,6 +20,7 @@ import onnx_ir as ir
 from layerzero.errors import InvalidInputError, UnsupportedModelError
 from layerzero.ort_runner import create_session
 from layerzero.passes._graph import node_subgraphs
+from layerzero.passes._moe.lazy import UPCAST_SOURCE
 
 __all__ = ["ChunkedRunner", "run_in_chunks", "weight_bytes"]
 
@@ -104,6 +105,73 @@ def _weight_array(value: ir.Value) -> np.ndarray | None:
     return np.require(array, dtype=array.dtype.newbyteorder("="), requirements=("C_CONTIGUOUS", "ALIGNED"))
 
 
+def _bfloat16_bits(value: ir.Value) -> np.memmap | None:
+    """The raw bfloat16 bits (a read-only uint16 map of the external data) behind an upcast initializer
+    (``loader.upcast_bfloat16``'s lazy float32 view), or None for any other weight."""
+    source = getattr(value.const_value, UPCAST_SOURCE, None)
+    if not isinstance(source, ir.ExternalTensor) or source.dtype != ir.DataType.BFLOAT16:
+        return None
+    return np.memmap(source.path, dtype=np.uint16, mode="r", offset=source.offset or 0, shape=tuple(source.shape))
+
+
+def _gathers_bfloat16(node: ir.Node, inits: set[ir.Value] | None = None) -> bool:
+    """Whether ``node`` is a ``Gather`` / ``GatherND`` (batch_dims 0) of an upcast bfloat16 weight held in
+    external data by computed indices: what ``_gather_bfloat16`` runs (no tensor is read to tell)."""
+    if node.domain not in ("", "ai.onnx") or node.op_type not in ("Gather", "GatherND") or len(node.inputs) != 2:
+        return False
+    data, indices = node.inputs
+    if data is None or indices is None or not node.outputs[0].name or indices.const_value is not None:
+        return False
+    if inits is not None and data not in inits:
+        return False
+    if node.op_type == "GatherND" and node.attributes.get_int("batch_dims", 0) != 0:
+        return False
+    source = getattr(data.const_value, UPCAST_SOURCE, None)
+    return isinstance(source, ir.ExternalTensor) and source.dtype == ir.DataType.BFLOAT16
+
+
+def _gather_bfloat16(node: ir.Node, env: dict[str, np.ndarray]) -> bool:
+    """Run a lone ``Gather`` / ``GatherND`` (batch_dims 0) of an upcast bfloat16 weight here, gathering its bits
+    from the file's map and upcasting only what was gathered; True when done (``env`` has its output).
+
+    The upcast ONNX Runtime would gather from is the whole weight in float32 (a batched_mm export's
+    ``GatherND(experts, indices)`` reads a [64, 2048, 2048] table per layer to keep the ``T * k`` rows routed:
+    1.07 GB read, then the gathered rows); here only the gathered rows' pages are read and only they are upcast.
+    Exact: the upcast (bits << 16) commutes with the gather. Indices are ONNX's (negative counts from the end);
+    one out of range is a one-line error, as ONNX Runtime's would be.
+    """
+    if not _gathers_bfloat16(node) or node.inputs[1].name not in env:
+        return False
+    data, indices = node.inputs
+    bits = _bfloat16_bits(data)
+    index = np.asarray(env[indices.name]).astype(np.int64)
+    try:
+        if node.op_type == "Gather":
+            axis = node.attributes.get_int("axis", 0)
+            axis = axis + bits.ndim if axis < 0 else axis
+            size = bits.shape[axis]
+            if index.size and (index.min() < -size or index.max() >= size):
+                raise IndexError(f"an index outside [-{size}, {size})")
+            picked = np.take(bits, index, axis=axis)
+        else:
+            depth = index.shape[-1]
+            if depth > bits.ndim:
+                raise IndexError(f"index depth {depth} above the data's rank {bits.ndim}")
+            for d in range(depth):
+                column, size = index[..., d], bits.shape[d]
+                if column.size and (column.min() < -size or column.max() >= size):
+                    raise IndexError(f"an index outside [-{size}, {size}) on axis {d}")
+            picked = bits[tuple(index[..., d] for d in range(depth))]
+    except IndexError as exc:
+        raise InvalidInputError(f"{node.op_type} {node.name!r} of {data.name!r}: {exc}") from None
+    del bits  # the map: its pages leave the resident set with it
+    wide = np.ascontiguousarray(picked, dtype=np.uint32)
+    del picked
+    wide <<= 16
+    env[node.outputs[0].name] = wide.view(np.float32)
+    return True
+
+
 def run_in_chunks(
     model: ir.Model, feeds: Mapping[str, np.ndarray], budget_bytes: int,
     on_chunk: Callable[[int, int], None] | None = None,
@@ -120,6 +188,12 @@ def run_in_chunks(
     loaded: set[ir.Value] = set()
     size = 0
     for node in nodes:
+        if _gathers_bfloat16(node, inits):  # a step of its own, run here (its weight is never loaded whole)
+            if current:
+                chunks.append(current)
+            chunks.append([node])
+            current, loaded, size = [], set(), 0
+            continue
         new = {v for v in node_reads[node] if v in inits and v not in loaded}
         extra = sum(v.const_value.nbytes for v in new if v.const_value is not None)
         if current and size + extra > budget_bytes:
@@ -146,7 +220,8 @@ def run_in_chunks(
     for index, chunk in enumerate(chunks):
         if on_chunk is not None:
             on_chunk(index + 1, len(chunks))
-        _run_chunk(model, chunk, index, position, owner, inits, node_reads, env, opsets)
+        if not (len(chunk) == 1 and _gather_bfloat16(chunk[0], env)):
+            _run_chunk(model, chunk, index, position, owner, inits, node_reads, env, opsets)
         # Activations no later chunk reads are dropped as we go.
         needed = needed_after[index]
         for name in [n for n in env if n not in needed and n not in feeds]:
