@@ -119,3 +119,27 @@ def test_a_bfloat16_external_stack_is_read_one_expert_at_a_time(tmp_path: Path) 
         np.testing.assert_array_equal(stack.expert(e), whole[e])
     np.testing.assert_array_equal(np.asarray(stack.transposed()), whole.transpose(0, 2, 1))
     np.testing.assert_array_equal(np.asarray(stack.rows(np.arange(1, 6, 2))), whole[:, 1::2])
+
+
+def test_the_native_lowering_reads_no_expert(tmp_path: Path) -> None:
+    """``LowerMoE`` keeps the node for liblayerzero_ort.so without reading its experts (before: ``MoESpec.of`` read
+    every block's stack whole, 1.6 GB a block at OLMoE-1B-7B's shape); the ``if`` lowering lays them out, so reads."""
+    from layerzero.passes.lower_moe import LowerMoE
+
+    for lowering, reads in (("native", False), ("if", True)):
+        _, path = _model(tmp_path, "batched_mm")
+        model = load_model(path)
+        _rewritten(model)
+        floats = _expert_bytes(model)
+        tracemalloc.start()
+        try:
+            step = LowerMoE(lowering, native_present=True)
+            step(model)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert [k for _, k in step.lowered] == [lowering] * LAYERS
+        if reads:
+            assert peak > floats / (3 * LAYERS), (lowering, peak, floats)  # at least one block's gate read
+        else:
+            assert peak < floats / (3 * LAYERS * 8), (lowering, peak, floats)
