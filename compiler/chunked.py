@@ -18,6 +18,7 @@ import onnx
 import onnx_ir as ir
 
 from layerzero.errors import InvalidInputError, UnsupportedModelError
+from layerzero.loader import bfloat16_bits_to_float32
 from layerzero.ort_runner import create_session
 from layerzero.passes._graph import node_subgraphs
 from layerzero.passes._moe.lazy import UPCAST_SOURCE
@@ -105,34 +106,25 @@ def _weight_array(value: ir.Value) -> np.ndarray | None:
     return np.require(array, dtype=array.dtype.newbyteorder("="), requirements=("C_CONTIGUOUS", "ALIGNED"))
 
 
-def _bfloat16_bits(value: ir.Value) -> np.memmap | None:
-    """The raw bfloat16 bits (a read-only uint16 map of the external data) behind an upcast initializer
-    (``loader.upcast_bfloat16``'s lazy float32 view), or None for any other weight."""
-    source = getattr(value.const_value, UPCAST_SOURCE, None)
-    if not isinstance(source, ir.ExternalTensor) or source.dtype != ir.DataType.BFLOAT16:
-        return None
-    return np.memmap(source.path, dtype=np.uint16, mode="r", offset=source.offset or 0, shape=tuple(source.shape))
-
-
-def _gathers_bfloat16(node: ir.Node, inits: set[ir.Value] | None = None) -> bool:
-    """Whether ``node`` is a ``Gather`` / ``GatherND`` (batch_dims 0) of an upcast bfloat16 weight held in
-    external data by computed indices: what ``_gather_bfloat16`` runs (no tensor is read to tell)."""
+def _gathered_bfloat16(node: ir.Node, inits: set[ir.Value]) -> ir.ExternalTensor | None:
+    """The bfloat16 external data behind ``node``'s weight when it is a ``Gather`` / ``GatherND`` (batch_dims 0) of
+    an upcast bfloat16 initializer (``loader.upcast_bfloat16``'s lazy float32 view) by computed indices: what
+    ``_gather_bfloat16`` runs (no tensor is read to tell); None otherwise."""
     if node.domain not in ("", "ai.onnx") or node.op_type not in ("Gather", "GatherND") or len(node.inputs) != 2:
-        return False
+        return None
     data, indices = node.inputs
-    if data is None or indices is None or not node.outputs[0].name or indices.const_value is not None:
-        return False
-    if inits is not None and data not in inits:
-        return False
+    if data not in inits or indices is None or indices.const_value is not None or not node.outputs[0].name:
+        return None
     if node.op_type == "GatherND" and node.attributes.get_int("batch_dims", 0) != 0:
-        return False
+        return None
     source = getattr(data.const_value, UPCAST_SOURCE, None)
-    return isinstance(source, ir.ExternalTensor) and source.dtype == ir.DataType.BFLOAT16
+    ok = isinstance(source, ir.ExternalTensor) and source.dtype == ir.DataType.BFLOAT16
+    return source if ok else None
 
 
-def _gather_bfloat16(node: ir.Node, env: dict[str, np.ndarray]) -> bool:
-    """Run a lone ``Gather`` / ``GatherND`` (batch_dims 0) of an upcast bfloat16 weight here, gathering its bits
-    from the file's map and upcasting only what was gathered; True when done (``env`` has its output).
+def _gather_bfloat16(node: ir.Node, source: ir.ExternalTensor, env: dict[str, np.ndarray]) -> None:
+    """Run a lone ``Gather`` / ``GatherND`` (batch_dims 0) of an upcast bfloat16 weight (``source``, its external
+    data) here, gathering its bits from the file's map and upcasting only what was gathered, into ``env``.
 
     The upcast ONNX Runtime would gather from is the whole weight in float32 (a batched_mm export's
     ``GatherND(experts, indices)`` reads a [64, 2048, 2048] table per layer to keep the ``T * k`` rows routed:
@@ -140,10 +132,10 @@ def _gather_bfloat16(node: ir.Node, env: dict[str, np.ndarray]) -> bool:
     Exact: the upcast (bits << 16) commutes with the gather. Indices are ONNX's (negative counts from the end);
     one out of range is a one-line error, as ONNX Runtime's would be.
     """
-    if not _gathers_bfloat16(node) or node.inputs[1].name not in env:
-        return False
     data, indices = node.inputs
-    bits = _bfloat16_bits(data)
+    if indices.name not in env:
+        raise InvalidInputError(f"missing input {indices.name!r} for {node.op_type} {node.name!r}")
+    bits = np.memmap(source.path, dtype=np.uint16, mode="r", offset=source.offset or 0, shape=tuple(source.shape))
     index = np.asarray(env[indices.name]).astype(np.int64)
     try:
         if node.op_type == "Gather":
@@ -165,11 +157,7 @@ def _gather_bfloat16(node: ir.Node, env: dict[str, np.ndarray]) -> bool:
     except IndexError as exc:
         raise InvalidInputError(f"{node.op_type} {node.name!r} of {data.name!r}: {exc}") from None
     del bits  # the map: its pages leave the resident set with it
-    wide = np.ascontiguousarray(picked, dtype=np.uint32)
-    del picked
-    wide <<= 16
-    env[node.outputs[0].name] = wide.view(np.float32)
-    return True
+    env[node.outputs[0].name] = bfloat16_bits_to_float32(picked)
 
 
 def run_in_chunks(
@@ -187,10 +175,13 @@ def run_in_chunks(
     current: list[ir.Node] = []
     loaded: set[ir.Value] = set()
     size = 0
+    gathers: dict[int, ir.ExternalTensor] = {}  # chunk index -> the bf16 data its lone Gather reads here
     for node in nodes:
-        if _gathers_bfloat16(node, inits):  # a step of its own, run here (its weight is never loaded whole)
+        source = _gathered_bfloat16(node, inits)
+        if source is not None:  # a step of its own, run here (its weight is never loaded whole)
             if current:
                 chunks.append(current)
+            gathers[len(chunks)] = source
             chunks.append([node])
             current, loaded, size = [], set(), 0
             continue
@@ -220,7 +211,9 @@ def run_in_chunks(
     for index, chunk in enumerate(chunks):
         if on_chunk is not None:
             on_chunk(index + 1, len(chunks))
-        if not (len(chunk) == 1 and _gather_bfloat16(chunk[0], env)):
+        if index in gathers:
+            _gather_bfloat16(chunk[0], gathers[index], env)
+        else:
             _run_chunk(model, chunk, index, position, owner, inits, node_reads, env, opsets)
         # Activations no later chunk reads are dropped as we go.
         needed = needed_after[index]

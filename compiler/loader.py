@@ -158,6 +158,14 @@ def has_bfloat16(model: ir.Model) -> bool:
     return False
 
 
+def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 values given as their uint16 bits, as float32 (exact: the bits become the high half); one
+    float32-sized buffer, shifted in place."""
+    wide = np.ascontiguousarray(bits, dtype=np.uint32)
+    wide <<= 16
+    return wide.view(np.float32)
+
+
 def _upcast_tensor(tensor: ir.TensorProtocol, name: str | None) -> ir.LazyTensor:
     """``tensor`` (bfloat16) as a float32 tensor computed on every read (never cached: a weight read by a pass is
     upcast, used and dropped, so the model is never held in float32). External data is read with a plain file read,
@@ -172,10 +180,8 @@ def _upcast_tensor(tensor: ir.TensorProtocol, name: str | None) -> ir.LazyTensor
                 bits = np.fromfile(f, dtype=np.uint16, count=count)
             if bits.size != count:
                 raise UnsupportedModelError(f"{tensor.path}: tensor {name!r} is cut short ({bits.size} of {count})")
-            wide = bits.astype(np.uint32)
+            array = bfloat16_bits_to_float32(bits).reshape(tensor.shape.numpy())
             del bits
-            wide <<= 16  # in place: one float32-sized buffer at peak besides the bf16 read
-            array = wide.view(np.float32).reshape(tensor.shape.numpy())
         else:
             array = np.asarray(tensor.numpy(), dtype=np.float32)
         return ir.Tensor(array, name=name)
