@@ -260,8 +260,12 @@ def _gather_bounds(model: onnx.ModelProto) -> dict[str, int]:
     return bounds
 
 
-def _default_size(dim_param: str) -> int:
-    return 1 if "batch" in dim_param.lower() else 8
+def _batch_1_else(size: int) -> Callable[[str], int]:
+    """A ``dynamic_size``: 1 for a dim whose name says batch, ``size`` for any other."""
+    return lambda dim_param: 1 if "batch" in dim_param.lower() else size
+
+
+_default_size = _batch_1_else(8)
 
 
 def make_inputs(
@@ -412,8 +416,7 @@ def input_sets(
     if full:
         sets = [InputSet("default", make_inputs(model, shapes, seed))]
     else:
-        size = lambda name: 1 if "batch" in name.lower() else BIG_MODEL_SIZE  # noqa: E731
-        sets = [InputSet("default", make_inputs(model, shapes, seed, dynamic_size=size))]
+        sets = [InputSet("default", make_inputs(model, shapes, seed, dynamic_size=_batch_1_else(BIG_MODEL_SIZE)))]
     sets.append(InputSet("dynamic dims 1", make_inputs(model, shapes, seed + 1, dynamic_size=lambda _name: 1)))
     if not full:
         return _distinct(sets)
