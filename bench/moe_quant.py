@@ -52,6 +52,17 @@ def _graph(node: onnx.NodeProto, hidden: int, experts: int, inits: list, domain:
     )
 
 
+def floor_model(hidden: int) -> onnx.ModelProto:
+    """An ``Identity`` of the hidden input: what any run costs before the block's work."""
+    floor = helper.make_graph(
+        [helper.make_node("Identity", ["hidden"], ["y"])],
+        "floor",
+        [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["T", hidden])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", hidden])],
+    )
+    return helper.make_model(floor, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
 def build(experts: int, top_k: int, hidden: int, ffn: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     router = (rng.standard_normal((experts, hidden)) / np.sqrt(hidden)).astype(np.float32)
@@ -113,13 +124,7 @@ def build(experts: int, top_k: int, hidden: int, ffn: int, seed: int = 0):
             numpy_helper.from_array(scales[2].astype(np.float32), "s2"),
         ]
         models[f"QMoE int{bits}"] = _graph(node, hidden, experts, inits, "com.microsoft")
-    floor = helper.make_graph(
-        [helper.make_node("Identity", ["hidden"], ["y"])],
-        "floor",
-        [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["T", hidden])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", hidden])],
-    )
-    models["floor"] = helper.make_model(floor, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    models["floor"] = floor_model(hidden)
     return models, router, w, quant
 
 
@@ -144,6 +149,38 @@ class Runner:
         self.times.append(time.perf_counter() - start)
 
 
+def native() -> tuple[object, ctypes.CDLL, object] | None:
+    """liblayerzero_ort.so (its path, the loaded library, its ``LayerZeroOrtStreamRead``), None (said on stderr)
+    when it is not built."""
+    lib = ort_library.find_ort_library()
+    if lib is None:
+        print("liblayerzero_ort.so not built (layerzero plugins build; LAYERZERO_PLUGIN_DIR)", file=sys.stderr)
+        return None
+    cdll = ctypes.CDLL(str(lib))
+    cdll.LayerZeroOrtQuantIsa.restype = ctypes.c_char_p
+    cdll.LayerZeroOrtIsa.restype = ctypes.c_char_p
+    stream = cdll.LayerZeroOrtStreamRead
+    stream.restype = ctypes.c_float
+    return lib, cdll, stream
+
+
+def timed_stream(stream, arrays: list[np.ndarray]) -> float:
+    """Seconds ``LayerZeroOrtStreamRead`` takes over ``arrays`` (the kernels' read pattern, no arithmetic)."""
+    ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
+    sizes = (ctypes.c_int64 * len(arrays))(*[a.nbytes for a in arrays])
+    start = time.perf_counter()
+    stream(ptrs, sizes, len(arrays))
+    return time.perf_counter() - start
+
+
+def finish(ok: bool, misses: list[str]) -> int:
+    """The load at the end, each missed target; the exit status (1: a wrong result or a miss)."""
+    print(f"\nload {os.getloadavg()[0]:.2f}/{os.cpu_count()} at end")
+    for miss in misses:
+        print(f"MISSED: {miss}")
+    return 0 if ok and not misses else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", type=int, nargs="+", default=[64, 128], choices=sorted(SHAPES))
@@ -151,14 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=1)
     p.add_argument("--rounds", type=int, default=40)
     args = p.parse_args(argv)
-    lib = ort_library.find_ort_library()
-    if lib is None:
-        print("liblayerzero_ort.so not built (layerzero plugins build; LAYERZERO_PLUGIN_DIR)", file=sys.stderr)
+    found = native()
+    if found is None:
         return 2
-    cdll = ctypes.CDLL(str(lib))
-    cdll.LayerZeroOrtQuantIsa.restype = ctypes.c_char_p
-    stream = cdll.LayerZeroOrtStreamRead
-    stream.restype = ctypes.c_float
+    lib, cdll, stream = found
     print(f"kernels: {cdll.LayerZeroOrtQuantIsa().decode()}; load {os.getloadavg()[0]:.2f}/{os.cpu_count()} at start")
     ok = True
     misses: list[str] = []
@@ -214,12 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                     if isinstance(r, Runner):
                         r.run()
                     else:
-                        arrays, _ = regions[r]
-                        ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
-                        sizes = (ctypes.c_int64 * len(arrays))(*[a.nbytes for a in arrays])
-                        start = time.perf_counter()
-                        stream(ptrs, sizes, len(arrays))
-                        streams[r].append(time.perf_counter() - start)
+                        streams[r].append(timed_stream(stream, regions[r][0]))
             p50 = {name: float(np.median(r.times)) * 1e3 for name, r in runners.items()}
             s50 = {b: float(np.median(v)) * 1e3 for b, v in streams.items()}
             print(
@@ -246,10 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                     misses.append(f"{where}: native / QMoE {vs_qmoe:.2f} > 0.8")
                 if judged_bound and vs_bound > 1.3:
                     misses.append(f"{where}: native / (stream + floor) {vs_bound:.2f} > 1.3")
-    print(f"\nload {os.getloadavg()[0]:.2f}/{os.cpu_count()} at end")
-    for miss in misses:
-        print(f"MISSED: {miss}")
-    return 0 if ok and not misses else 1
+    return finish(ok, misses)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from layerzero.passes._dynamic import read_dynamic_paths
 from layerzero.pipeline import (
     bypass_declared_layers,
     fuse_decoder,
+    fuse_expert_masks,
     lower_for_target,
     needs_dynamic_reference,
     quantize_weights,
@@ -164,6 +165,7 @@ def compile_model(
     if options.quant_bits:
         say(f"quantizing weights ({options.weights})")
     quantizer = quantize_weights(model, options)  # last: what the passes removed is never quantized
+    fuse_expert_masks(model, options)  # activation-sparse experts that stayed float: into the native kernel
     after = summarize(model, options.flag_pattern)
     kinds = {b.scope: "declared-flag" for b in pipeline.bypassed}
     kinds.update({s: "consumed-flag" for s in consumed if s not in kinds})

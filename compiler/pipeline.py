@@ -39,6 +39,7 @@ __all__ = [
     "PipelineResult",
     "bypass_declared_layers",
     "fuse_decoder",
+    "fuse_expert_masks",
     "lower_for_target",
     "needs_dynamic_reference",
     "quantize_weights",
@@ -257,6 +258,27 @@ def quantize_weights(
     return step
 
 
+def fuse_expert_masks(
+    model: ir.Model, options: CompileOptions, after_pass: Callable[[str, ir.Model], None] | None = None
+) -> list[str]:
+    """Activation-sparse MoE experts into liblayerzero_ort.so's kernel (``FuseExpertActivationMask``): with
+    ``--activation-sparsity`` for the onnxruntime CPU target when the library is built, after the quantization (so
+    only experts that stayed float). Returns the mask outputs it fused."""
+    if not options.activation_sparsity or not options.dynamic:
+        return []
+    if options.target != "onnxruntime" or options.device != "cpu":
+        return []
+    from layerzero.passes.sparsify_experts import FuseExpertActivationMask
+    from layerzero.plugins.ort_library import find_ort_library
+
+    if find_ort_library() is None:
+        return []
+    step = FuseExpertActivationMask()
+    if run_pass(step, model).modified and after_pass is not None:
+        after_pass("FuseExpertActivationMask", model)
+    return list(step.fused)
+
+
 def fuse_decoder(
     model: ir.Model, options: CompileOptions, after_pass: Callable[[str, ir.Model], None] | None = None
 ) -> FuseDecoder | None:
@@ -316,6 +338,10 @@ def sparsify_activations(
 
     InferShapes()(model)
     groups = find_groups(model)
+    if options.quant_bits:
+        # Quantized experts keep the dense kernel (the input-major layout is float only): a sparsified expert group
+        # would cost accuracy and save nothing, so the allocation never sees one.
+        groups = [g for g in groups if not g.experts]
     if not groups:
         raise InvalidInputError(
             f"--activation-sparsity {options.activation_sparsity:g}: the model has no float MatMul with a constant "

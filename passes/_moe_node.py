@@ -11,9 +11,17 @@ empty slots are dropped, so a v1 block is a 5-input node)::
         9 threshold [] float32,                                          optional: the run-time zeroing threshold
                                                                          (the graph input ``layerzero::threshold``,
                                                                          given by the native lowering)
-        10 s_gate [E, F, H/32], 11 s_up [E, F, H/32], 12 s_down [E, H, F/32] float16)
+        10 s_gate [E, F, H/32], 11 s_up [E, F, H/32], 12 s_down [E, H, F/32] float16,
                                                                          the quantized experts' scales (only with
                                                                          weight_format q8 / q4: 13 inputs)
+        13 x_thresholds [H] float32, 14 activation_scale [] float32)    activation-sparse experts (only with
+                                                                         gate_up_layout "input_major": 15 inputs)
+
+Activation-sparse experts (issue 23; ``gate_up_layout`` "input_major", float experts, the native kernel only:
+written by ``sparsify_experts.FuseExpertActivationMask`` after the lowering): w_gate and w_up stored ``[E, H, F]``
+(row i = input channel i), an x channel dropped for every expert's gate and up when ``|x_i| <= x_thresholds[i] *
+activation_scale`` (NaN kept); w_down as ever. A third output, ``kept [T]`` int64, counts each token's kept
+channels.
 
 Quantized experts (``weight_format`` "q8" / "q4", ``block_size`` 32; default "f", float weights): inputs 2-4 hold
 the codes (q8 int8 ``[E, out, in]``, q4 uint8 ``[E, out, in/2]``, two codes a byte) and 10-12 their float16
@@ -66,6 +74,8 @@ INPUTS = (
     "s_gate",
     "s_up",
     "s_down",
+    "x_thresholds",
+    "activation_scale",
 )
 #: The expert biases' and the selection bias' positions (the v2 inputs), and the threshold's.
 V2_SLOTS = (5, 6, 7, 8)
@@ -101,6 +111,8 @@ class MoENode:
     s_gate: ir.Value | None = None
     s_up: ir.Value | None = None
     s_down: ir.Value | None = None
+    x_thresholds: ir.Value | None = None
+    activation_scale: ir.Value | None = None
     top_k: int = 1
     normalize: bool = False
     scoring: str = "softmax"
@@ -117,6 +129,8 @@ class MoENode:
     #: "f" (float experts) | "q8" | "q4" (codes at 2-4, scales at 10-12), in blocks of ``block_size``.
     weight_format: str = "f"
     block_size: int = QUANT_BLOCK
+    #: "output_major" (w_gate, w_up [E, F, H]) | "input_major" ([E, H, F], with x_thresholds: module docstring).
+    gate_up_layout: str = "output_major"
     #: Attributes of the node this view was read from that the layout does not know (kept by ``to_node``).
     extra: dict[str, ir.Attr] = dataclasses.field(default_factory=dict)
 
@@ -157,6 +171,7 @@ class MoENode:
             jitter_eps=float(attr("jitter_eps", 0.01)),
             weight_format=str(attr("weight_format", "f")),
             block_size=int(attr("block_size", QUANT_BLOCK)),
+            gate_up_layout=str(attr("gate_up_layout", "output_major")),
             extra={k: a for k, a in node.attributes.items() if k not in known},
         )
 
@@ -221,6 +236,8 @@ class MoENode:
         if self.routing != "topk":
             attrs += [ir.AttrString("routing", self.routing), ir.AttrFloat32("jitter_eps", self.jitter_eps)]
         attrs += list(self.format_attributes().values())
+        if self.gate_up_layout != "output_major":
+            attrs.append(ir.AttrString("gate_up_layout", self.gate_up_layout))
         written = {a.name for a in attrs}
         attrs += [a for k, a in self.extra.items() if k not in written]
         return attrs

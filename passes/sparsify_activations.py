@@ -7,6 +7,16 @@ a layer scope, ``model.layers.<i>...``; ``lm_head`` and embeddings are outside e
   gate/up the MLP's, o and down their own). A group's name, the key of ``thresholds``, is the module scope above its
   projections plus their leaf names without ``_proj`` (single letters run together): ``model.layers.3.self_attn.qkv``,
   ``model.layers.3.self_attn.o``, ``model.layers.3.mlp.gate_up``, ``model.layers.3.mlp.down`` (``find_groups``).
+- **Experts** (issue 23, composes with MoE): a float ``ai.layerzero::MoE`` block inside a layer is one group,
+  ``<its scope>.gate_up`` (``model.layers.3.mlp.experts.gate_up``), thresholding its hidden input for every
+  expert's gate and up (the router's logits are computed from the unthresholded x: routing unchanged; down reads
+  its own h, not thresholded). Its weights are the
+  gate and up of its first top_k experts, ``[H, F]`` each: the parameters one token reads through x, so the
+  parameter-weighted sparsity counts the routed bytes and the calibration error is those experts' (an estimate of
+  the routed ones'). The router's MatMul (``_routers``: what reaches the MoE's router_logits) is never a group.
+  The pass writes the reference form for it; the native lowering's ``fuse_moe_activation_mask`` (passes/
+  lower_moe_native.py) takes the Where into the kernel (gate / up stored input-major, the thresholds at inputs
+  13-14, the kept count as output 2) when the experts stay float.
 - **Thresholds**: one per input channel (``[K]``, or a scalar: the uniform case), all >= 0. An entry is kept when
   ``NOT (|x| <= threshold * scale)``, so NaN is kept and propagates, and threshold 0 keeps every nonzero entry (the
   dense result). ``scale`` is the run-time multiplier ``layerzero::activation_scale`` (a graph input, default 1;
@@ -53,6 +63,8 @@ from layerzero.passes._builder import Builder, claim_name
 from layerzero.passes._dynamic import read_dynamic_paths, record_dynamic_path
 from layerzero.passes._graph import NameFactory, const_array, insert_after_producer, layer_of, replace_value, scope_of
 from layerzero.passes._match import NoMatch, Refusal, need
+from layerzero.passes._moe.lazy import stack_of
+from layerzero.passes._moe_node import MoENode, is_moe_node
 
 __all__ = ["SPARSE_LINEAR_OP", "ActivationGroup", "SparsifyActivations", "find_groups"]
 
@@ -81,6 +93,11 @@ class ActivationGroup:
     def scopes(self) -> list[str]:
         return [scope_of(n) for n in self.projections]
 
+    @property
+    def experts(self) -> bool:
+        """A MoE block's experts (the group's one node is its ``ai.layerzero::MoE``)."""
+        return len(self.projections) == 1 and is_moe_node(self.projections[0])
+
 
 def _projection_weight(node: ir.Node) -> np.ndarray | None:
     if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
@@ -105,10 +122,69 @@ def _group_name(scopes: list[str]) -> str:
     return f"{parent}.{joined}"
 
 
+#: Ops between a router's MatMul and the MoE's router_logits input that ``_routers`` looks through.
+_ROUTER_PATH = {"Reshape", "Cast", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Add"}
+
+
+def _routers(model: ir.Model) -> set[ir.Node]:
+    """The MatMuls whose product reaches an ``ai.layerzero::MoE`` node's router_logits (through reshapes, casts
+    and a bias add): the routers, never a projection group (their input thresholded would change the routing)."""
+    out: set[ir.Node] = set()
+    for node in model.graph:
+        if not is_moe_node(node) or len(node.inputs) < 2:
+            continue
+        value, hops = node.inputs[1], 0
+        while value is not None and value.producer() is not None and hops < 8:
+            producer = value.producer()
+            if producer.op_type in ("MatMul", "Gemm"):
+                out.add(producer)
+                break
+            if producer.op_type not in _ROUTER_PATH:
+                break
+            value, hops = producer.inputs[0], hops + 1
+    return out
+
+
+def _expert_group_weights(node: ir.Node) -> list[np.ndarray] | None:
+    """A float ``ai.layerzero::MoE``'s experts as a group's weights: the gate and up matrices of its first top_k
+    experts, each ``[H, F]`` (row i = input channel i), so the group's parameters are the expert weights one token
+    reads through x (the routed experts' gate and up) and its calibration error theirs; None when the node has no
+    constant float experts in its graph form (quantized, or weights fed at run time)."""
+    view = MoENode.of(node)
+    if view.quantized or node.attributes.get("gate_up_layout") is not None:
+        return None
+    arrays = []
+    for value in (view.w_gate, view.w_up):
+        if value is None or value.dtype not in _FLOATS or value.const_value is None or value.is_graph_input():
+            return None
+        if len(value.const_value.shape) != 3:
+            return None
+        arrays.append(value)
+    k = max(1, min(view.top_k, int(arrays[0].const_value.shape[0])))
+    out = []
+    for value in arrays:
+        stack = stack_of(value)
+        for e in range(k):
+            w = stack.expert(e) if stack is not None else value.const_value.numpy()[e]
+            out.append(np.asarray(w, np.float32).T)
+    return out
+
+
 def find_groups(model: ir.Model) -> list[ActivationGroup]:
     """The projection groups of ``model``'s main graph, in graph order (names as the module docstring says)."""
     by_x: dict[ir.Value, list[tuple[ir.Node, np.ndarray]]] = {}
+    routers = _routers(model)
+    experts: list[ActivationGroup] = []
     for node in model.graph:
+        if is_moe_node(node) and layer_of(scope_of(node)) is not None:
+            weights = _expert_group_weights(node)
+            x = node.inputs[0]
+            if weights is not None and x is not None and x.dtype in _FLOATS:
+                scope = scope_of(node) or node.name or "moe"
+                experts.append(ActivationGroup(f"{scope}.gate_up", x, [node], weights))
+            continue
+        if node in routers:
+            continue
         weight = _projection_weight(node)
         x = node.inputs[0] if weight is not None else None
         if x is None or x.dtype not in _FLOATS or layer_of(scope_of(node)) is None:
@@ -126,7 +202,15 @@ def find_groups(model: ir.Model) -> list[ActivationGroup]:
             name = f"{base}_{i}"
         taken.add(name)
         groups.append(ActivationGroup(name, x, [n for n, _ in members], [w for _, w in members]))
-    return groups
+    for g in experts:  # after the projections: a name taken by a projection group gets a suffix
+        base, i = g.name, 1
+        while g.name in taken:
+            i += 1
+            g.name = f"{base}_{i}"
+        taken.add(g.name)
+        groups.append(g)
+    order = {node: i for i, node in enumerate(model.graph)}
+    return sorted(groups, key=lambda g: order.get(g.projections[0], 0))
 
 
 def _checked(name: str, value: object, channels: int) -> np.ndarray:
@@ -213,7 +297,7 @@ class SparsifyActivations(ir.passes.InPlacePass):
                     detail={
                         "channels": group.channels,
                         "projections": group.scopes,
-                        "form": "native" if self.native else "reference",
+                        "form": "native" if self.native and not group.experts else "reference",
                         "scale_input": ACTIVATION_SCALE_INPUT,
                     },
                 ),
@@ -226,7 +310,7 @@ class SparsifyActivations(ir.passes.InPlacePass):
 
     def _check(self, group: ActivationGroup) -> None:
         need(group.x.shape is not None and len(group.x.shape) >= 1, "its input's rank is unknown", *group.projections)
-        if self.native:
+        if self.native and not group.experts:
             need(group.x.dtype == ir.DataType.FLOAT, "SparseLinear takes a float32 input", *group.projections)
 
     def _rewrite(
@@ -236,8 +320,9 @@ class SparsifyActivations(ir.passes.InPlacePass):
         b = Builder.for_model(model, names, scope=group.name, scope_metadata=True)
         x = group.x
         dtype = x.dtype.numpy()
-        thresholds = b.weight("activation_thresholds", t.astype(np.float32 if self.native else dtype))
-        if self.native:
+        native = self.native and not group.experts  # experts: the reference form (their lowering fuses it)
+        thresholds = b.weight("activation_thresholds", t.astype(np.float32 if native else dtype))
+        if native:
             return self._native(model, b, group, thresholds, scale)
         s = scale if x.dtype == ir.DataType.FLOAT else b.op1("Cast", [scale], to=x.dtype)
         drop = b.op1("LessOrEqual", [b.op1("Abs", [x]), b.op1("Mul", [thresholds, s])])

@@ -9,10 +9,17 @@
 //     q8: c_gate, c_up [E, F, H] int8, c_down [E, H, F] int8; q4: [E, F, H/2], [E, F, H/2], [E, H, F/2] uint8, two
 //     codes a byte (element 2j low nibble, 2j+1 high, each code + 8); symmetric 32-blocks along each row (the
 //     reduction axis), one float16 scale per block: w = code * scale (plugins/quant.py; H, F multiples of 32)
+//   y, mask, kept? [T] int64 = MoE(hidden, router_logits, w_gate [E, H, F], w_up [E, H, F], w_down [E, H, F],
+//                 b_gate?, b_up?, b_down?, score_bias?, threshold?, "", "", "", x_thresholds [H] float32,
+//                 activation_scale [] float32)       (activation-sparse experts: gate_up_layout "input_major")
+//     float experts only; gate / up stored input-major (row i = input channel i); x channel i dropped for every
+//     expert's gate and up when |x_i| <= x_thresholds[i] * activation_scale (NaN kept); kept: each token's kept
+//     channels (moe.h MoEWeights::input_major)
 //   attributes: top_k (int), normalize (0/1), scoring ("softmax" | "sigmoid"), activation ("silu" | "gelu" |
 //               "relu" | "swiglu_oai"), zeroing_threshold (float), path (string, informative); v2
 //               (moe_op_v2, defaults = v1): n_group, topk_group (int), routed_scaling_factor, activation_alpha,
-//               activation_limit (float), routing ("topk"); weight_format ("f" | "q8" | "q4"), block_size (32)
+//               activation_limit (float), routing ("topk"); weight_format ("f" | "q8" | "q4"), block_size (32);
+//               gate_up_layout ("output_major" | "input_major")
 //
 // The layouts: inputs 0-4 and 5-8 at the positions of the op contract (moe_op_v2; "" = absent), the run-time
 // threshold after them (9). A node of exactly 6 inputs whose 6th is named layerzero::threshold (or is declared a
@@ -29,6 +36,7 @@
 #include <onnxruntime_cxx_api.h>
 #undef ORT_API_MANUAL_INIT
 
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -44,9 +52,13 @@ namespace {
 
 constexpr const char* kDomain = "ai.layerzero";
 constexpr const char* kOpName = "MoE";
-constexpr size_t kInputs = 13;  // 5 required; 5-8 the v2 optional inputs, 9 the threshold, 10-12 the scales
-constexpr size_t kFloatInputs = 10;  // weight_format "f": at most the threshold
+constexpr size_t kInputs = 15;  // 5 required; 5-8 the v2 optional inputs, 9 the threshold, 10-12 the scales,
+                                // 13-14 the activation thresholds and scale (gate_up_layout "input_major")
+constexpr size_t kQuantInputs = 13;  // q8 / q4: exactly the scales' layout
+constexpr size_t kFloatInputs = 10;  // weight_format "f": at most the threshold (15 with activation thresholds)
 constexpr size_t kScales = 10;       // s_gate, s_up, s_down of the quantized formats
+constexpr size_t kXThresholds = 13;  // x_thresholds [H] float32 (input_major)
+constexpr size_t kXScale = 14;       // activation_scale [] float32 (input_major)
 constexpr size_t kScoreBias = 8;
 constexpr size_t kThreshold = 9;
 constexpr const char* kThresholdName = "layerzero::threshold";
@@ -96,6 +108,7 @@ struct MoEKernel {
   int threshold_index = -1;  // the run-time threshold input (5 in the v1 layout, 9 in v2), -1: none
   bool v1_layout = true;
   lz::WeightFormat format = lz::WeightFormat::f;
+  bool input_major = false;  // gate_up_layout "input_major": w_gate, w_up [E, H, F]; inputs 13-14 the thresholds
 
   static bool code_type(lz::WeightFormat f, ONNXTensorElementDataType t) {
     return (f == lz::WeightFormat::q8 && t == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8) ||
@@ -144,10 +157,19 @@ struct MoEKernel {
       fail("has " + std::to_string(inputs) + " inputs; this liblayerzero_ort.so implements 5 to 13 (hidden, "
            "router_logits, w_gate, w_up, w_down[, b_gate, b_up, b_down, score_bias, threshold, s_gate, s_up, "
            "s_down]): rebuild it (layerzero plugins build)");
-    if (format == lz::WeightFormat::f && inputs > kFloatInputs)
+    const std::string layout = attr_string(info, "gate_up_layout", "output_major");
+    if (layout != "output_major" && layout != "input_major")
+      fail("gate_up_layout='" + layout + "' is not implemented by liblayerzero_ort.so (output_major, input_major)");
+    input_major = layout == "input_major";
+    if (input_major && format != lz::WeightFormat::f)
+      fail("gate_up_layout='input_major' takes float experts (weight_format='f'), not '" + format_name + "'");
+    if (input_major && inputs != kInputs)
+      fail("gate_up_layout='input_major' needs 15 inputs (x_thresholds and activation_scale at 13-14; \"\" for "
+           "absent ones before them), not " + std::to_string(inputs));
+    if (format == lz::WeightFormat::f && !input_major && inputs > kFloatInputs)
       fail("input size " + std::to_string(inputs) + ": weight_format='f' takes 5 to 10 inputs (the scales at "
-           "10-12 are for q8 / q4)");
-    if (format != lz::WeightFormat::f && inputs != kInputs)
+           "10-12 are for q8 / q4, 13-14 for gate_up_layout='input_major')");
+    if (format != lz::WeightFormat::f && inputs != kQuantInputs)
       fail("weight_format='" + format_name + "' needs 13 inputs (the scales s_gate, s_up, s_down at 10-12; \"\" for "
            "absent ones before them), not " + std::to_string(inputs));
     if (inputs == 6) {
@@ -200,6 +222,8 @@ struct MoEKernel {
     }
     for (auto& s : shapes)
       if (s.size() != 3) fail("expert weights must be rank 3 ([E, F, H], [E, F, H], [E, H, F])");
+    if (input_major && (shapes[0] != shapes[2] || shapes[1] != shapes[2]))
+      fail("gate_up_layout='input_major': w_gate, w_up and w_down must all be [E, H, F]");
     const int64_t E = shapes[0][0];
     if (format != lz::WeightFormat::f) {
       // The reduction lengths (H of w_gate / w_up, F of w_down) must be whole 32-blocks: refused, not padded.
@@ -233,7 +257,7 @@ struct MoEKernel {
     if (E > 0 && cfg.top_k > E) fail("top_k=" + std::to_string(cfg.top_k) + " > " + std::to_string(E) + " experts");
     if (E > 0 && !lz::group_error(cfg, E).empty()) fail(lz::group_error(cfg, E));
     // The expert weights are initializers ONNX Runtime has placed by now: back them with huge pages in place.
-    for (size_t i = 2; i < (format == lz::WeightFormat::f ? 5u : kInputs); ++i) {
+    for (size_t i = 2; i < (format == lz::WeightFormat::f ? 5u : kQuantInputs); ++i) {
       if (i >= 5 && i < kScales) continue;
       int is_constant = 0;
       const OrtValue* value = nullptr;
@@ -308,9 +332,10 @@ struct MoEKernel {
     const std::vector<int64_t> us = wu.GetTensorTypeAndShapeInfo().GetShape();
     const std::vector<int64_t> ds = wd.GetTensorTypeAndShapeInfo().GetShape();
     if (gs.size() != 3 || ds.size() != 3) fail("w_gate must be [E, F, H], w_down [E, H, F]");
-    const int64_t E = gs[0], F = gs[1], H = reduction(gs[2]);
-    if (us != gs || ds != std::vector<int64_t>{E, H, format == lz::WeightFormat::q4 ? F / 2 : F} ||
-        (format == lz::WeightFormat::q4 && F % 2 != 0))
+    const int64_t E = gs[0], F = input_major ? gs[2] : gs[1], H = input_major ? gs[1] : reduction(gs[2]);
+    if (input_major && (us != gs || ds != gs)) fail("w_gate, w_up, w_down [E, H, F] expected (input_major)");
+    if (!input_major && (us != gs || ds != std::vector<int64_t>{E, H, format == lz::WeightFormat::q4 ? F / 2 : F} ||
+        (format == lz::WeightFormat::q4 && F % 2 != 0)))
       fail(format == lz::WeightFormat::f    ? "expert weights [E, F, H], [E, F, H], [E, H, F] expected"
            : format == lz::WeightFormat::q8 ? "expert weight codes [E, F, H], [E, F, H], [E, H, F] expected (q8)"
                                             : "expert weight codes [E, F, H/2], [E, F, H/2], [E, H, F/2] (q4)");
@@ -334,10 +359,36 @@ struct MoEKernel {
         if (!(threshold >= 0.0f)) fail("threshold " + std::to_string(threshold) + " < 0");
       }
     }
+    // input_major: the activation thresholds (x channel i dropped when |x_i| <= x_thresholds[i] * scale).
+    std::vector<float> x_limit;
+    if (input_major) {
+      Ort::ConstValue tv = ctx.GetInput(kXThresholds);
+      Ort::ConstValue sv = ctx.GetInput(kXScale);
+      if (tv == nullptr || sv == nullptr) fail("x_thresholds and activation_scale (inputs 13-14) are required");
+      auto ti = tv.GetTensorTypeAndShapeInfo();
+      auto si = sv.GetTensorTypeAndShapeInfo();
+      if (ti.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || ti.GetElementCount() != size_t(H))
+        fail("x_thresholds must be float32 [" + std::to_string(H) + "]");
+      if (si.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || si.GetElementCount() != 1)
+        fail("activation_scale must be a float32 scalar");
+      const float scale = *sv.GetTensorData<float>();
+      if (!(scale >= 0.0f) || std::isinf(scale)) fail("activation_scale " + std::to_string(scale) + " (finite, >= 0)");
+      const float* t = tv.GetTensorData<float>();
+      x_limit.resize(size_t(H));
+      for (int64_t i = 0; i < H; ++i) {
+        if (!(t[i] >= 0.0f) || std::isinf(t[i])) fail("x_thresholds must be finite and >= 0");
+        x_limit[i] = t[i] * scale;
+      }
+    }
     Ort::UnownedValue y = ctx.GetOutput(0, hs);
     Ort::UnownedValue mask = ctx.GetOutput(1, std::vector<int64_t>{T, E});
+    int64_t* kept = nullptr;
+    if (ctx.GetOutputCount() > 2)
+      kept = ctx.GetOutput(2, std::vector<int64_t>(hs.begin(), hs.end() - 1)).GetTensorMutableData<int64_t>();
     lz::MoEWeights w;
     w.format = format;
+    w.input_major = input_major;
+    w.x_limit = input_major ? x_limit.data() : nullptr;
     if (format == lz::WeightFormat::f) {
       weight_type(wg.GetTensorTypeAndShapeInfo().GetElementType(), &w.type);
     } else {
@@ -407,7 +458,7 @@ struct MoEKernel {
           [](void* data, size_t i) { (*static_cast<const std::function<void(size_t)>*>(data))(i); }, total, 0,
           const_cast<void*>(static_cast<const void*>(&fn)));
     };
-    lz::run_experts(x_f, T, w, cfg, weights, m, y_f, parallel_for);
+    lz::run_experts(x_f, T, w, cfg, weights, m, y_f, parallel_for, kept);
     if constexpr (!std::is_same_v<V, float>) {
       V* out = y.GetTensorMutableData<V>();
       for (size_t i = 0; i < yf.size(); ++i) out[i] = Hidden<V>::from_float(yf[i]);
@@ -445,7 +496,7 @@ struct MoEOp : Ort::CustomOpBase<MoEOp<V>, MoEKernel<V>, true> {
   size_t GetInputTypeCount() const { return kInputs; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
     if (i <= 1) return Hidden<V>::type;
-    if (i == kThreshold) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    if (i == kThreshold || i == kXThresholds || i == kXScale) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
     // the scales (10-12): float16, checked when the kernel is created (a float format node with 11-13 inputs is
     // refused there too, with its count)
     // expert weights, biases, score_bias: float32, float16 or bfloat16 (checked when the kernel is created);
@@ -455,9 +506,13 @@ struct MoEOp : Ort::CustomOpBase<MoEOp<V>, MoEKernel<V>, true> {
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
     return i >= 5 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
-  size_t GetOutputTypeCount() const { return 2; }
+  size_t GetOutputTypeCount() const { return 3; }
   ONNXTensorElementDataType GetOutputType(size_t i) const {
-    return i == 0 ? Hidden<V>::type : ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
+    return i == 0 ? Hidden<V>::type : (i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+  }
+  // kept [T...] int64 (2): the x channels each token keeps (H without activation thresholds).
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
+    return i >= 2 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
 };
 

@@ -1,6 +1,8 @@
 // The native ai.layerzero::MoE computation (see moe.h).
 #include "moe.h"
 
+#include "sparse_linear.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -479,9 +481,12 @@ void run_experts_quant(const float* x, int64_t tokens, const MoEWeights& w, cons
 }  // namespace
 
 void run_experts(const float* x, int64_t tokens, const MoEWeights& w, const MoEConfig& cfg,
-                 const std::vector<float>& weights, const uint8_t* mask, float* y, const ParallelFor& parallel_for) {
+                 const std::vector<float>& weights, const uint8_t* mask, float* y, const ParallelFor& parallel_for,
+                 int64_t* kept) {
   const int64_t E = w.experts, F = w.ffn, H = w.hidden;
   std::memset(y, 0, sizeof(float) * static_cast<size_t>(tokens * H));
+  if (kept != nullptr && !w.input_major)
+    for (int64_t t = 0; t < tokens; ++t) kept[t] = H;
   if (tokens == 0) return;
   if (w.format != WeightFormat::f) {
     run_experts_quant(x, tokens, w, cfg, weights, mask, y, parallel_for);
@@ -528,23 +533,71 @@ void run_experts(const float* x, int64_t tokens, const MoEWeights& w, const MoEC
   }
   const DotRowsFn dot = dot_kernels().by_type[static_cast<int>(w.type)];
   const size_t esize = element_size(w.type);
+  // input_major: each token's kept x channels (ascending) and their values, computed once for all its experts.
+  std::vector<int32_t> kept_rows;
+  std::vector<float> kept_vals;
+  std::vector<int64_t> kept_count;
+  if (w.input_major) {
+    kept_rows.resize(static_cast<size_t>(tokens * H));
+    kept_vals.resize(kept_rows.size());
+    kept_count.assign(static_cast<size_t>(tokens), 0);
+    for (int64_t t = 0; t < tokens; ++t) {
+      int64_t n = 0;
+      for (int64_t i = 0; i < H; ++i) {
+        const float v = x[t * H + i];
+        if (w.x_limit == nullptr || !(std::fabs(v) <= w.x_limit[i])) {
+          kept_rows[t * H + n] = static_cast<int32_t>(i);
+          kept_vals[t * H + n++] = v;
+        }
+      }
+      kept_count[t] = n;
+      if (kept != nullptr) kept[t] = n;
+    }
+  }
+  const SparseRowsFn rows_fn = w.input_major ? sparse_kernels().by_format[static_cast<int>(w.type)] : nullptr;
   const char* gate = static_cast<const char*>(w.gate);
   const char* up = static_cast<const char*>(w.up);
   const char* down = static_cast<const char*>(w.down);
 
   // Phase 1, items = active experts x F pieces: h[n, piece] = act(x W_gate[piece]^T) * (x W_up[piece]^T).
-  const int64_t f_pieces = pieces_for(F, active.size()), f_rows = (F + f_pieces - 1) / f_pieces;
+  // (input_major: pieces of whole 64-column units, the row kernels' granule.)
+  const int64_t f_pieces = pieces_for(F, active.size());
+  const int64_t f_rows = w.input_major ? (F / 64 + f_pieces - 1) / f_pieces * 64 : (F + f_pieces - 1) / f_pieces;
   parallel_for(active.size() * static_cast<size_t>(f_pieces), [&](size_t item) {
     const Active& a = active[item / f_pieces];
-    const int64_t f0 = static_cast<int64_t>(item % f_pieces) * f_rows, rows = std::min(f_rows, F - f0);
+    const int64_t f0 = static_cast<int64_t>(item % f_pieces) * f_rows;
+    const int64_t rows = item % f_pieces + 1 == static_cast<size_t>(f_pieces) ? F - f0 : std::min(f_rows, F - f0);
     if (rows <= 0) return;
     const int64_t n = static_cast<int64_t>(a.tokens.size());
-    const size_t offset = (static_cast<size_t>(a.expert * F + f0) * H) * esize;
     thread_local std::vector<float> g, u;
     g.resize(static_cast<size_t>(n * rows));
     u.resize(static_cast<size_t>(n * rows));
-    dot(gate + offset, rows, H, a.x, n, H, g.data(), rows);
-    dot(up + offset, rows, H, a.x, n, H, u.data(), rows);
+    if (w.input_major) {
+      // Each token of the expert on its own (its kept rows, streamed once; y = g of the piece, columns f0..).
+      std::fill(g.begin(), g.end(), 0.0f);
+      std::fill(u.begin(), u.end(), 0.0f);
+      const size_t matrix = static_cast<size_t>(a.expert * H * F) * esize;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t t = a.tokens[j];
+        SparseRows call;
+        call.n = F;
+        call.rows = kept_rows.data() + t * H;
+        call.nrows = kept_count[t];
+        call.xv = kept_vals.data() + t * H;
+        call.ldy = rows;
+        call.tokens = 1;
+        call.w = gate + matrix;
+        call.y = g.data() + j * rows - f0;
+        rows_fn(call, f0, f0 + rows);
+        call.w = up + matrix;
+        call.y = u.data() + j * rows - f0;
+        rows_fn(call, f0, f0 + rows);
+      }
+    } else {
+      const size_t offset = (static_cast<size_t>(a.expert * F + f0) * H) * esize;
+      dot(gate + offset, rows, H, a.x, n, H, g.data(), rows);
+      dot(up + offset, rows, H, a.x, n, H, u.data(), rows);
+    }
     float* h = hbuf + a.h_offset;
     if (w.b_gate != nullptr || w.b_up != nullptr) {  // v2 expert biases, added to the projections' outputs
       for (int64_t r = 0; r < rows; ++r) {

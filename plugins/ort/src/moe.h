@@ -57,6 +57,13 @@ struct MoEWeights {
   const void* b_up = nullptr;
   const void* b_down = nullptr;
   WeightType b_gate_type = WeightType::f32, b_up_type = WeightType::f32, b_down_type = WeightType::f32;
+  // Activation sparsity of the experts' input (issue 23; gate_up_layout "input_major", format f only): w_gate and
+  // w_up stored [E, H, F] (row i = input channel i, as SparseLinear's W), so a dropped channel is a row not read;
+  // x channel i of a token is dropped when |x_i| <= x_limit[i] (NaN kept; x_limit nullptr: every channel kept).
+  // gate / up of a token are then the sum over its kept channels, ascending, of x_i * W[e, i, :] (one fused
+  // multiply-add per kept channel and column: sparse_linear_rows.cpp's float kernels). w_down stays [E, H, F].
+  bool input_major = false;
+  const float* x_limit = nullptr;
 };
 
 // Back [data, data + bytes) with transparent huge pages, in place (Linux: madvise MADV_HUGEPAGE, then
@@ -86,7 +93,9 @@ bool parse_weight_format(const std::string& s, WeightFormat* out);
 // Quantized formats: each token's x and each expert's intermediate h quantized per 32-block to int8
 // (quantize_token), then the integer row dots of qdot_kernels(); the rest (routing weights, biases, glu, the sum
 // in expert order) in float as for the float weights.
+// kept [T] (nullptr: not wanted): the number of x channels each token keeps (input_major; H otherwise).
 void run_experts(const float* x, int64_t tokens, const MoEWeights& w, const MoEConfig& cfg,
-                 const std::vector<float>& weights, const uint8_t* mask, float* y, const ParallelFor& parallel_for);
+                 const std::vector<float>& weights, const uint8_t* mask, float* y, const ParallelFor& parallel_for,
+                 int64_t* kept = nullptr);
 
 }  // namespace lz

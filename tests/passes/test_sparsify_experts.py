@@ -1,0 +1,145 @@
+"""Activation-sparse MoE experts (issue 23): ``find_groups`` makes a float ``ai.layerzero::MoE`` block one group
+(its router never a group), ``SparsifyActivations`` writes its reference form (the hidden input thresholded, the
+router reading it unthresholded) and ``FuseExpertActivationMask`` takes that mask into the native kernel (gate / up
+input-major, thresholds at 13-14, the kept count as output 2). Numerics: the fused model against the reference
+form and against a numpy forward of the same thresholds; scale 0 = dense; a quantized block is left alone."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from layerzero.contract import ACTIVATION_SCALE_INPUT, DYNAMIC_META_KEY, MASK_PREFIX
+from layerzero.passes._dynamic import threshold_input
+from layerzero.passes.shape_inference import InferShapes
+from layerzero.passes.sparsify_activations import SparsifyActivations, find_groups
+from layerzero.passes.sparsify_experts import FuseExpertActivationMask
+from layerzero.plugins.reference import moe_reference
+
+E, K, H, F = 4, 2, 64, 96
+GROUP = "model.layers.0.mlp.experts.gate_up"
+
+
+def _model(seed: int = 0) -> tuple[ir.Model, dict[str, np.ndarray]]:
+    """x -> router MatMul -> logits; MoE(x, logits, experts, threshold) -> y; one MatMul after (o, a group)."""
+    rng = np.random.default_rng(seed)
+    w = {
+        "router": (rng.standard_normal((H, E)) / np.sqrt(H)).astype(np.float32),
+        "wg": (rng.standard_normal((E, F, H)) / np.sqrt(H)).astype(np.float32),
+        "wu": (rng.standard_normal((E, F, H)) / np.sqrt(H)).astype(np.float32),
+        "wd": (rng.standard_normal((E, H, F)) / np.sqrt(F)).astype(np.float32),
+    }
+
+    def const(name: str, array: np.ndarray) -> ir.Value:
+        v = ir.Value(name=name, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(array.shape),
+                     const_value=ir.tensor(array, name=name))  # fmt: skip
+        return v
+
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["T", H]))
+    inits = {n: const(f"model.layers.0.mlp.{n}", a) for n, a in w.items()}
+    router = ir.Node("", "MatMul", [x, inits["router"]], name="/model/layers.0/mlp/gate/MatMul")
+    graph = ir.Graph([x], [], nodes=[router], initializers=list(inits.values()), name="g",
+                     opset_imports={"": 18, "ai.layerzero": 1})  # fmt: skip
+    model = ir.Model(graph, ir_version=10)
+    thr = threshold_input(model, 0.0)
+    moe = ir.Node("ai.layerzero", "MoE", [x, router.outputs[0], inits["wg"], inits["wu"], inits["wd"],
+                                          None, None, None, None, thr],
+                  attributes=[ir.AttrInt64("top_k", K), ir.AttrInt64("normalize", 1)], num_outputs=2,
+                  name="/model/layers.0/mlp/experts/MoE")  # fmt: skip
+    graph.append(moe)
+    y, mask = moe.outputs
+    y.name, mask.name = "y", "experts_mask"
+    graph.outputs.extend([y, mask])
+    InferShapes()(model)
+    y.dtype, y.shape = ir.DataType.FLOAT, ir.Shape(["T", H])
+    mask.dtype, mask.shape = ir.DataType.BOOL, ir.Shape(["T", E])
+    return model, w
+
+
+def _session(model: ir.Model):
+    """A session with liblayerzero_ort.so (skips, or fails under LAYERZERO_REQUIRE_NATIVE=1, where it cannot be
+    built)."""
+    import onnxruntime as ort
+
+    from tests.plugins.native_build import build_ort_test_library
+
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(build_ort_test_library()))
+    return ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def test_groups_take_the_experts_and_leave_the_router():
+    model, _ = _model()
+    groups = find_groups(model)
+    assert [g.name for g in groups] == [GROUP]  # the router's MatMul reads the same x: never a group
+    g = groups[0]
+    assert g.experts and g.channels == H and g.params == K * 2 * F * H  # the routed gate / up of one token
+
+
+def _thresholds(seed: int = 1) -> np.ndarray:
+    return (np.abs(np.random.default_rng(seed).standard_normal(H)) * 0.8).astype(np.float32)
+
+
+def _forward(w, x, t, scale):
+    xm = np.where(np.abs(x) <= t * np.float32(scale), np.float32(0), x)
+    logits = x @ w["router"]  # the router sees x as it is
+    y, _ = moe_reference(xm, logits, w["wg"], w["wu"], w["wd"], top_k=K, normalize=1)
+    return y, (~(np.abs(x) <= t * np.float32(scale))).sum(-1)
+
+
+def test_reference_form_then_fused_match_numpy():
+    t = _thresholds()
+    model, w = _model()
+    assert SparsifyActivations({GROUP: t}, native=True)(model).modified  # experts: the reference form even so
+    reference = ir.from_proto(ir.to_proto(model))
+    assert any(n.op_type == "Where" for n in model.graph)
+    step = FuseExpertActivationMask()
+    assert step(model).modified and step.fused == [MASK_PREFIX + GROUP]
+    (moe,) = [n for n in model.graph if n.op_type == "MoE"]
+    assert len(moe.inputs) == 15 and moe.attributes["gate_up_layout"].value == "input_major"
+    assert moe.inputs[2].shape == ir.Shape([E, H, F]) and moe.inputs[4].shape == ir.Shape([E, H, F])
+    assert not any(n.op_type in ("Where", "LessOrEqual", "ReduceSum") for n in model.graph)
+    paths = {p["path"]: p for p in json.loads(model.metadata_props[DYNAMIC_META_KEY])}
+    assert paths[GROUP]["detail"]["form"] == "native"
+    assert not FuseExpertActivationMask()(model).modified  # idempotent
+    fused, ref = _session(model), _session(reference)
+    rng = np.random.default_rng(4)
+    for tokens in (1, 7):
+        x = rng.standard_normal((tokens, H)).astype(np.float32)
+        for scale in (1.0, 0.4, 0.0):
+            feeds = {"x": x, ACTIVATION_SCALE_INPUT: np.array(scale, np.float32)}
+            got = dict(zip([o.name for o in fused.get_outputs()], fused.run(None, feeds)))
+            want = dict(zip([o.name for o in ref.get_outputs()], ref.run(None, feeds)))
+            y, kept = _forward(w, x, t, scale)
+            np.testing.assert_allclose(got["y"], y, rtol=2e-5, atol=2e-5)
+            np.testing.assert_allclose(got["y"], want["y"], rtol=2e-5, atol=2e-5)
+            np.testing.assert_array_equal(got[MASK_PREFIX + GROUP], kept)
+            np.testing.assert_array_equal(want[MASK_PREFIX + GROUP], kept)
+            np.testing.assert_array_equal(got["experts_mask"], want["experts_mask"])
+            if scale == 0.0:
+                assert (kept == H).all()
+
+
+def test_quantized_experts_and_foreign_masks_are_left_alone():
+    model, _ = _model()
+    SparsifyActivations({GROUP: _thresholds()}, native=False)(model)
+    (moe,) = [n for n in model.graph if n.op_type == "MoE"]
+    moe.attributes["weight_format"] = ir.AttrString("weight_format", "q8")  # as QuantizeWeights marks them
+    assert not FuseExpertActivationMask()(model).modified
+    model, _ = _model()
+    assert not FuseExpertActivationMask()(model).modified  # no mask at all
+
+
+@pytest.mark.parametrize("what", ["router", "unnamed-scope"])
+def test_no_group_without_a_layer_scope_or_for_the_router(what):
+    model, _ = _model()
+    (moe,) = [n for n in model.graph if n.op_type == "MoE"]
+    if what == "unnamed-scope":
+        moe.name = "MoE"
+        assert find_groups(model) == []
+    else:
+        router = next(n for n in model.graph if n.op_type == "MatMul")
+        assert router not in [p for g in find_groups(model) for p in g.projections]
