@@ -352,7 +352,8 @@ def sparsify_activations(
         rows = max((g.rows for g in samples), default=0)
     else:
         samples, rows = _calibrate_on(model, groups, requests)
-    return _sparsify(model, options, samples, rows, target, after_pass, requests)
+    experts = {g.name for g in groups if g.experts}
+    return _sparsify(model, options, samples, rows, target, after_pass, requests, experts)
 
 
 def _calibrate_on(model: ir.Model, groups: list, requests: list[dict]) -> tuple[list, int]:
@@ -375,8 +376,15 @@ def _calibrate_on(model: ir.Model, groups: list, requests: list[dict]) -> tuple[
     return samples, int(max((len(v) for v in activations.values()), default=0))
 
 
+#: The lowest level at which a MoE block's experts are sparsified: below it liblayerzero_ort.so's input-major float
+#: kernel reads the kept rows slower than the dense kernel reads them all (bench/moe_sparse.py, E64 k8 H1024
+#: F512, 1 token, quiet: dense / sparse 0.76 at 0, 0.97 at 0.3, 1.18 at 0.5), so such a group stays dense.
+EXPERT_MIN_LEVEL = 0.4
+
+
 def _sparsify(model: ir.Model, options: CompileOptions, samples: list, rows: int, target: str,
-              after_pass: Callable[[str, ir.Model], None] | None, requests: list[dict]) -> dict:  # fmt: skip
+              after_pass: Callable[[str, ir.Model], None] | None, requests: list[dict],
+              experts: set[str] = frozenset()) -> dict:  # fmt: skip
     """Allocate on the calibrated ``samples`` (greedy to S; with ``activation_impact_tolerance`` T the largest
     sparsity <= S whose deviation, measured on ``requests``, is <= T) and run ``SparsifyActivations``; the
     manifest's record."""
@@ -398,6 +406,15 @@ def _sparsify(model: ir.Model, options: CompileOptions, samples: list, rows: int
         from layerzero.plugins.ort_library import find_ort_library
 
         native = find_ort_library() is not None
+    # Expert groups the allocation put below EXPERT_MIN_LEVEL stay dense (their level 0, the realized sparsity
+    # counted again without them): slower sparse than dense, and less accurate.
+    dense_experts = sorted(n for n in experts if 0 < alloc.levels.get(n, 0.0) < EXPERT_MIN_LEVEL)
+    if dense_experts:
+        thresholds = {n: t for n, t in alloc.thresholds.items() if n not in dense_experts}
+        total = sum(g.params for g in samples) or 1
+        realized = sum(g.params * g.realized(thresholds[g.name], method) for g in samples if g.name in thresholds)
+        alloc = dataclasses.replace(alloc, thresholds=thresholds, sparsity=float(realized / total),
+                                    levels={n: (0.0 if n in dense_experts else v) for n, v in alloc.levels.items()})
     step = SparsifyActivations(alloc.thresholds, native=native)
     if run_pass(step, model).modified and after_pass is not None:
         after_pass("SparsifyActivations", model)
@@ -412,6 +429,7 @@ def _sparsify(model: ir.Model, options: CompileOptions, samples: list, rows: int
         "groups": {name: float(level) for name, level in alloc.levels.items()},
         "curve": [[float(a), float(b)] for a, b in alloc.curve],
         "refused": [r.to_json() for r in step.refused],
+        "experts_kept_dense": dense_experts,
         **({} if tolerance is None else {
             "impact_tolerance": float(tolerance),
             "chosen": float(alloc.chosen),

@@ -143,3 +143,24 @@ def test_no_group_without_a_layer_scope_or_for_the_router(what):
     else:
         router = next(n for n in model.graph if n.op_type == "MatMul")
         assert router not in [p for g in find_groups(model) for p in g.projections]
+
+
+@pytest.mark.parametrize("target, dense", [(0.2, True), (0.6, False)])
+def test_experts_below_the_break_even_level_stay_dense(target, dense):
+    """``pipeline._sparsify``: an expert group the allocation puts below ``EXPERT_MIN_LEVEL`` is not sparsified
+    (the input-major kernel would read its kept rows slower than the dense one reads them all)."""
+    from layerzero.activation_calibration import group_samples
+    from layerzero.options import CompileOptions
+    from layerzero.pipeline import EXPERT_MIN_LEVEL, _sparsify
+
+    model, _ = _model()
+    groups = find_groups(model)
+    x = np.random.default_rng(2).standard_normal((256, H)).astype(np.float32)
+    samples = group_samples(groups, {GROUP: x})
+    options = CompileOptions(activation_sparsity=target, max_deviation=1.0)
+    record = _sparsify(model, options, samples, 256, "onnxruntime", None, [], {GROUP})
+    assert (record["experts_kept_dense"] == [GROUP]) is dense
+    assert (record["groups"][GROUP] == 0.0) is dense and (target < EXPERT_MIN_LEVEL) is dense
+    assert any(n.op_type == "Where" for n in model.graph) is not dense
+    if dense:
+        assert record["realized_on_calibration"] == 0.0
