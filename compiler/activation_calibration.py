@@ -22,6 +22,12 @@
    ``uniform``: every group at ``S``; ``max_error``: the largest ``S`` (on the greedy path) whose measured
    deviation (``evaluate``) stays within a bound.
 
+   ``refine`` (optional, ``--activation-refine N``): at an allocation, each unit's groups (``refine_unit``: the
+   group, its layer, or its projection kind) one ``step`` up and one down, the deviation measured there (the other
+   groups' sparsity included, no additivity assumed); sparsity moved from the units whose step down saves most to
+   those whose step up costs least, the model-wide level held, kept only when the measured deviation falls.
+   ``collect_activations`` and ``output_deviation`` live in ``activation_runs`` (re-exported here).
+
 Each ``Allocation`` carries the thresholds (the pass's ``thresholds`` argument), each group's level and the curve
 (model-wide sparsity → calibration error) for the report.
 

@@ -4,6 +4,7 @@ calibration's allocation in the manifest, the realized sparsity each request rep
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -226,8 +227,9 @@ def test_options_check_the_activation_fields(tmp_path: Path) -> None:
                 {"activation_impact_tolerance": 0.1, "verify": False},
                 {"activation_sparsity": 0.3, "verify": False, "activation_impact_tolerance": -0.1},
                 {"activation_sparsity": 0.3, "verify": False, "activation_impact_tolerance": math.inf},
-                {"activation_refine": 1, "verify": False}, {"activation_sparsity": 0.3, "verify": False,
-                "activation_refine": -1}, {"activation_sparsity": 0.3, "verify": False, "activation_refine": 1.5}):  # fmt: skip
+                {"activation_refine": 1, "verify": False},
+                {"activation_sparsity": 0.3, "verify": False, "activation_refine": -1},
+                {"activation_sparsity": 0.3, "verify": False, "activation_refine": 1.5}):  # fmt: skip
         with pytest.raises(InvalidInputError, match="option activation_"):
             CompileOptions(**bad)
     o = CompileOptions(activation_sparsity=0.3, verify=False, activation_impact_tolerance=0.05)
@@ -386,7 +388,7 @@ def test_refine_moves_levels_at_the_same_sparsity_and_lowers_the_measured_deviat
     plain = _manifest(bundles / "sparse.lz")["activation_sparsity"]
     assert plain["refine"] is None and record["refine"]["rounds"] == 2
     trace = record["refine"]["deviation"]
-    assert 1 <= len(trace) <= 3 and all(b < a for a, b in zip(trace, trace[1:], strict=False))
+    assert 1 <= len(trace) <= 3 and all(b < a for a, b in itertools.pairwise(trace))
     assert record["allocation"] == "greedy+refine"
     assert abs(record["realized_on_calibration"] - TARGET) < 0.02
     params = {"qkv": HIDDEN * 2 * HIDDEN, "o": HIDDEN * HIDDEN, "gate_up": HIDDEN * 2 * FFN, "down": FFN * HIDDEN}

@@ -3,6 +3,8 @@ deviation measured there, the model-wide (parameter-weighted) level held."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -42,7 +44,7 @@ def test_refine_moves_sparsity_to_the_cheap_groups_at_a_constant_level() -> None
     start = uniform(groups, 0.4, "wina")
     got = refine(groups, start, evaluate, "wina", step=0.05, rounds=3, by="group")
     assert got.method == "uniform+refine" and got.trace[0] == pytest.approx(evaluate(start.thresholds))
-    assert all(b < a for a, b in zip(got.trace, got.trace[1:], strict=False)) and len(got.trace) >= 2
+    assert all(b < a for a, b in itertools.pairwise(got.trace)) and len(got.trace) >= 2
     assert got.deviation == got.trace[-1] == pytest.approx(evaluate(got.thresholds))
     assert _weighted(groups, got.levels) == pytest.approx(0.4, abs=1e-9)
     assert abs(got.sparsity - 0.4) <= 0.01  # realized on the samples
