@@ -16,7 +16,11 @@ each group's input an extra output (the calibration samples) and its kept-channe
   calibration window; the greedy follows that measured curve, linear between the probes; the compile
   path's allocation, ``activation_calibration.PROBE_LEVELS``);
 - ``greedy-1probe``: the same with the one probe at 50 % (the allocation before the curve, for comparison; its
-  probes are the 50 % ones above, measured once).
+  probes are the 50 % ones above, measured once);
+- ``refined``: ``greedy`` then ``activation_calibration.refine`` (``--refine-rounds`` rounds, units ``--refine-by``):
+  at the allocation, each unit's groups one step (5 %) up and down, the next-token KL measured on the first
+  ``--refine-tokens`` calibration tokens, sparsity moved from the units that cost most to those that cost least at
+  the same model-wide level (the compile path's ``--activation-refine``).
 
 Printed per variant: perplexity and its change vs dense, next-token KL(dense ‖ sparse) (mean, nats), top-1
 agreement with dense, and the realized model-wide sparsity measured from the masks on the evaluation tokens,
@@ -45,10 +49,12 @@ import onnx_ir as ir
 
 from layerzero.activation_calibration import (
     PROBE_LEVELS,
+    REFINE_UNITS,
     GroupSamples,
     greedy,
     group_samples,
     probe_sensitivity,
+    refine,
     uniform,
 )
 from layerzero.contract import MASK_PREFIX
@@ -58,9 +64,10 @@ from layerzero.passes.sparsify_activations import SparsifyActivations, find_grou
 from layerzero.runtime.text import TextCodec
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-LEVELS = (0.25, 0.3, 0.32, 0.35, 0.4, 0.42, 0.45, 0.5)  # the issue's four, two just above 30 %, two above 40 %
+LEVELS = (0.25, 0.3, 0.32, 0.35, 0.4, 0.41, 0.42, 0.45, 0.5)  # the issue's four, two above 30 %, three from 40 %
 UNIFORM_LEVELS = (0.25, 0.3, 0.4, 0.5)  # the baseline at the issue's four
 ONE_PROBE_LEVELS = (0.4, 0.42)
+REFINE_LEVELS = (0.3, 0.32, 0.4, 0.41, 0.42)
 TARGETS = ((0.30, 0.05, 0.82), (0.40, 0.10, 0.0))  # sparsity, perplexity change, top-1
 
 
@@ -181,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--uniform-levels", type=float, nargs="*", default=list(UNIFORM_LEVELS))
     ap.add_argument("--one-probe-levels", type=float, nargs="*", default=list(ONE_PROBE_LEVELS),
                     help="levels of the one-probe greedy (needs 0.5 among --probe-levels)")  # fmt: skip
+    ap.add_argument("--refine-levels", type=float, nargs="*", default=list(REFINE_LEVELS),
+                    help="levels of the refined greedy (activation_calibration.refine)")  # fmt: skip
+    ap.add_argument("--refine-rounds", type=int, default=2)
+    ap.add_argument("--refine-by", choices=REFINE_UNITS, default="kind", help="the units refine moves")
+    ap.add_argument("--refine-tokens", type=int, default=512, help="calibration tokens of refine's measure")
     ap.add_argument("--cache", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args(argv)
@@ -231,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             variants[f"greedy {s:.2f}"] = greedy(samples, s, "wina", sensitivity)
         for s in args.one_probe_levels:
             variants[f"greedy-1probe {s:.2f}"] = greedy(samples, s, "wina", one_probe)
+        refined = refine_variants(bench, samples, sensitivity, cal_windows, dense_cal, args)
+        variants.update(refined)
         results = evaluate_variants(bench, windows(evaluation, args.window), variants)
     report(results, variants, samples)
     print(f"load {os.getloadavg()[0]:.2f}, {time.perf_counter() - started:.0f} s in all")
@@ -240,6 +254,39 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokens < 1024:
         return 0
     return 0 if check_targets(results) else 1
+
+
+def refine_variants(bench: Bench, samples: list[GroupSamples], sensitivity: dict, cal_windows: list[list[int]],
+                    dense_cal: list[np.ndarray], args: argparse.Namespace) -> dict:  # fmt: skip
+    """``refined`` at each of ``--refine-levels``: the greedy refined on the KL over the first ``--refine-tokens``
+    calibration tokens; prints the evaluations and time it took."""
+    if not args.refine_levels:
+        return {}
+    pieces, left = [], args.refine_tokens
+    for w, ref in zip(cal_windows, dense_cal, strict=True):
+        if left <= 1:
+            break
+        pieces.append((w[:left], ref[:left]))
+        left -= len(pieces[-1][0])
+    runs = 0
+
+    def evaluate(thresholds: dict[str, np.ndarray]) -> float:
+        nonlocal runs
+        runs += 1
+        total = sum(float(kl(ref, bench.run(ids, thresholds)[0]).sum()) for ids, ref in pieces)
+        return total / sum(len(ids) for ids, _ in pieces)
+
+    out = {}
+    t0 = time.perf_counter()
+    for s in args.refine_levels:
+        alloc = refine(samples, greedy(samples, s, "wina", sensitivity), evaluate, "wina", rounds=args.refine_rounds,
+                       by=args.refine_by)  # fmt: skip
+        out[f"refined {s:.2f}"] = alloc
+        trace = " -> ".join(f"{v:.4f}" for v in alloc.trace)
+        print(f"  refined {s:.2f}: calibration KL {trace}", flush=True)
+    print(f"refine ({args.refine_by}, {args.refine_rounds} rounds, {sum(len(i) for i, _ in pieces)} tokens): "
+          f"{runs} evaluations in {time.perf_counter() - t0:.0f} s; load {os.getloadavg()[0]:.2f}")  # fmt: skip
+    return out
 
 
 def evaluate_variants(bench: Bench, eval_windows: list[list[int]], variants: dict) -> dict[str, dict]:
@@ -290,7 +337,7 @@ def report(results: dict[str, dict], variants: dict, samples: list[GroupSamples]
         print(f"{name:<19} {r['sparsity']:>9.1%} {alloc.sparsity:>7.1%} {r['ppl']:>8.3f} {r['ppl_change']:>+8.1%} "
               f"{r['kl']:>8.4f} {r['top1']:>7.1%}")  # fmt: skip
     for name, alloc in variants.items():
-        if name.startswith("greedy"):
+        if name.startswith(("greedy", "refined")):
             kinds: dict[str, list[float]] = {}
             for g, level in alloc.levels.items():
                 kinds.setdefault(g.rsplit(".", 1)[-1], []).append(level)

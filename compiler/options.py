@@ -102,6 +102,10 @@ class CompileOptions:
     # model-output deviation (largest relative L2 change of a user output on the calibration inputs, the unit of
     # solidify's impact_tolerance) stays <= this. None: S exactly.
     activation_impact_tolerance: float | None = None
+    # Rounds of ``activation_calibration.refine`` after the allocation: at the allocation, each group's deviation one
+    # step (0.05) up and one down measured on the calibration requests (2 x groups + at most 3 runs of them a round),
+    # sparsity moved from the groups that cost most to those that cost least, the model-wide level held. 0: none.
+    activation_refine: int = 0
 
     def __post_init__(self) -> None:
         # Cases: 1. flags are bools; 2. counts are ints (not bools) in range; 3. tolerances and thresholds are
@@ -164,6 +168,10 @@ class CompileOptions:
             if not self.activation_sparsity:
                 raise InvalidInputError("option activation_impact_tolerance: needs activation_sparsity > 0")
             self.activation_impact_tolerance = t
+        _check_int("activation_refine", self.activation_refine, 0)
+        self.activation_refine = int(self.activation_refine)
+        if self.activation_refine and not self.activation_sparsity:
+            raise InvalidInputError("option activation_refine: needs activation_sparsity > 0")
         if self.activation_sparsity and self.verify and self.max_deviation is None:
             raise InvalidInputError(
                 f"option activation_sparsity {self.activation_sparsity:g}: changes the model's outputs on purpose; "

@@ -388,7 +388,14 @@ def _sparsify(model: ir.Model, options: CompileOptions, samples: list, rows: int
     """Allocate on the calibrated ``samples`` (greedy to S; with ``activation_impact_tolerance`` T the largest
     sparsity <= S whose deviation, measured on ``requests``, is <= T) and run ``SparsifyActivations``; the
     manifest's record."""
-    from layerzero.activation_calibration import PROBE_LEVELS, greedy, max_error, output_deviation, probe_sensitivity
+    from layerzero.activation_calibration import (
+        PROBE_LEVELS,
+        greedy,
+        max_error,
+        output_deviation,
+        probe_sensitivity,
+        refine,
+    )
     from layerzero.passes.sparsify_activations import SparsifyActivations
 
     tolerance = options.activation_impact_tolerance
@@ -401,6 +408,8 @@ def _sparsify(model: ir.Model, options: CompileOptions, samples: list, rows: int
         alloc = greedy(samples, options.activation_sparsity, method, sensitivity)
     else:
         alloc = max_error(samples, tolerance, evaluate, method, sensitivity, cap=options.activation_sparsity)
+    if options.activation_refine and evaluate is not None:  # only moves that lower the measured deviation
+        alloc = refine(samples, alloc, evaluate, method, rounds=options.activation_refine)
     native = False
     if target == "onnxruntime" and options.device == "cpu":
         from layerzero.plugins.ort_library import find_ort_library
@@ -430,6 +439,7 @@ def _sparsify(model: ir.Model, options: CompileOptions, samples: list, rows: int
         "curve": [[float(a), float(b)] for a, b in alloc.curve],
         "refused": [r.to_json() for r in step.refused],
         "experts_kept_dense": dense_experts,
+        "refine": None if alloc.trace is None else {"rounds": int(options.activation_refine), "deviation": alloc.trace},
         **({} if tolerance is None else {
             "impact_tolerance": float(tolerance),
             "chosen": float(alloc.chosen),

@@ -4,6 +4,7 @@ calibration's allocation in the manifest, the realized sparsity each request rep
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -225,7 +226,10 @@ def test_options_check_the_activation_fields(tmp_path: Path) -> None:
                 {"activation_sparsity": 0.3, "verify": False, "dynamic": False},
                 {"activation_impact_tolerance": 0.1, "verify": False},
                 {"activation_sparsity": 0.3, "verify": False, "activation_impact_tolerance": -0.1},
-                {"activation_sparsity": 0.3, "verify": False, "activation_impact_tolerance": math.inf}):  # fmt: skip
+                {"activation_sparsity": 0.3, "verify": False, "activation_impact_tolerance": math.inf},
+                {"activation_refine": 1, "verify": False},
+                {"activation_sparsity": 0.3, "verify": False, "activation_refine": -1},
+                {"activation_sparsity": 0.3, "verify": False, "activation_refine": 1.5}):  # fmt: skip
         with pytest.raises(InvalidInputError, match="option activation_"):
             CompileOptions(**bad)
     o = CompileOptions(activation_sparsity=0.3, verify=False, activation_impact_tolerance=0.05)
@@ -372,3 +376,25 @@ def test_report_draws_the_sparsity_map_and_the_curve(bundles: Path, tmp_path: Pa
     assert main(["report", str(sparse), "--realized", str(tmp_path / "other.json")]) == 2
     err = capsys.readouterr().err
     assert "names none of the bundle's activation groups" in err and err.count("\n") == 1
+
+
+def test_refine_moves_levels_at_the_same_sparsity_and_lowers_the_measured_deviation(bundles: Path) -> None:
+    from layerzero.cli import main
+
+    args = ["compile", str(bundles / "m.onnx"), "-o", str(bundles / "refined.lz"), "--activation-sparsity",
+            str(TARGET), "--activation-calibration", str(bundles / "calibration.npz"), "--no-verify"]  # fmt: skip
+    assert main([*args, "--activation-refine", "2"]) == 0
+    record = _manifest(bundles / "refined.lz")["activation_sparsity"]
+    plain = _manifest(bundles / "sparse.lz")["activation_sparsity"]
+    assert plain["refine"] is None and record["refine"]["rounds"] == 2
+    trace = record["refine"]["deviation"]
+    assert 1 <= len(trace) <= 3 and all(b < a for a, b in itertools.pairwise(trace))
+    assert record["allocation"] == "greedy+refine"
+    assert abs(record["realized_on_calibration"] - TARGET) < 0.02
+    params = {"qkv": HIDDEN * 2 * HIDDEN, "o": HIDDEN * HIDDEN, "gate_up": HIDDEN * 2 * FFN, "down": FFN * HIDDEN}
+
+    def weighted(levels: dict) -> float:
+        return sum(params[n.rsplit(".", 1)[-1]] * v for n, v in levels.items()) / (LAYERS * sum(params.values()))
+
+    assert weighted(record["groups"]) == pytest.approx(weighted(plain["groups"]), abs=1e-6)
+    assert weighted(plain["groups"]) == pytest.approx(TARGET, abs=1e-6)

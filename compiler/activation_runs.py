@@ -1,0 +1,151 @@
+"""The ONNX Runtime runs of activation calibration (issue 23; ``activation_calibration`` re-exports both):
+``collect_activations``, each projection group's input on calibration requests, and ``output_deviation``, the
+model-output deviation of a set of thresholds from the dense model (the probes', ``max_error``'s and ``refine``'s
+measure)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from layerzero.contract import RUNTIME_PREFIX
+from layerzero.errors import InvalidInputError, UnsupportedModelError
+from layerzero.passes.sparsify_activations import ActivationGroup
+
+__all__ = ["collect_activations", "output_deviation"]
+
+Evaluate = Callable[[Mapping[str, np.ndarray]], float]
+
+
+def collect_activations(
+    model: ir.Model, groups: Sequence[ActivationGroup], requests: Iterable[Mapping[str, np.ndarray]],
+    max_tokens: int = 2048,
+) -> dict[str, np.ndarray]:  # fmt: skip
+    """Every group's input ``x`` on ``requests`` (``[T, K]`` float32, at most ``max_tokens`` rows each).
+
+    The model (with the groups' inputs as extra outputs, removed again before returning) is saved to a temporary
+    folder with its weights in external data and the session is made from that file: a model loaded from a file
+    with external data (every export over 2 GB) has initializers that name their data relative to the source's
+    folder, which a session made from serialised bytes cannot resolve, and a model over 2 GB cannot be one
+    protobuf anyway."""
+    import tempfile
+    from pathlib import Path
+
+    from layerzero.ort_runner import create_session
+
+    graph = model.graph
+    added = []
+    for g in groups:
+        if g.x not in graph.outputs:
+            graph.outputs.append(g.x)
+            added.append(g.x)
+    # ir.save loads the source's external tensors at or under its threshold into memory and releases their memory
+    # map, which a live view of one (an array of the pass's) refuses (BufferError): those few small ones are lent
+    # as in-memory copies instead, and every one is put back afterwards.
+    inline = 1 << 10  # shape constants ONNX Runtime's shape inference reads stay in the file
+    swapped = []
+    for g in model.graphs():
+        for value in g.initializers.values():
+            tensor = value.const_value
+            if isinstance(tensor, ir.ExternalTensor) and tensor.nbytes <= inline:
+                swapped.append((value, tensor))
+                value.const_value = ir.Tensor(np.array(tensor.numpy()), name=tensor.name)
+    try:
+        with tempfile.TemporaryDirectory(prefix="layerzero-calibration-") as tmp:
+            path = Path(tmp) / "calibration.onnx"
+            ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=inline)
+            session = create_session(path, label="the calibration model")
+            try:
+                return _run_requests(session, groups, requests, max_tokens)
+            finally:
+                del session
+    finally:
+        for value in added:
+            graph.outputs.remove(value)
+        for value, tensor in swapped:
+            value.const_value = tensor
+
+
+def _run_requests(
+    session, groups: Sequence[ActivationGroup], requests: Iterable[Mapping[str, np.ndarray]], max_tokens: int
+) -> dict[str, np.ndarray]:
+    names = [g.x.name for g in groups]
+    got: dict[str, list[np.ndarray]] = {g.name: [] for g in groups}
+    rows = 0
+    for feeds in requests:
+        values = session.run(names, dict(feeds))
+        for g, v in zip(groups, values, strict=True):
+            got[g.name].append(np.asarray(v, np.float32).reshape(-1, g.channels))
+        rows += got[groups[0].name][-1].shape[0] if groups else 0
+        if rows >= max_tokens:
+            break
+    return {n: np.concatenate(v)[:max_tokens] for n, v in got.items() if v}
+
+
+def output_deviation(model: ir.Model, requests: Sequence[Mapping[str, np.ndarray]]) -> Evaluate:
+    """The probes' and ``max_error``'s measure on ``model`` (reference form, plain ONNX Runtime): for thresholds,
+    the largest relative L2 change of a user output (``layerzero::`` outputs left out) from the dense model over
+    ``requests``, the unit of the profile's zeroing impact.
+
+    One session serves every evaluation: a copy of the model with every group in ``SparsifyActivations``' reference
+    form and its thresholds made graph inputs (zeros: the dense model, which is the reference), so a probe costs
+    one run of the requests, not a session."""
+    from layerzero.ort_runner import create_session
+    from layerzero.passes.shape_inference import InferShapes
+    from layerzero.passes.sparsify_activations import SparsifyActivations, find_groups
+    from layerzero.runtime.guard import relative_l2
+
+    if not requests:
+        raise InvalidInputError("activation impact tolerance: no calibration request to measure the deviation on")
+    proto = ir.to_proto(model)
+    names = [o.name for o in proto.graph.output if not o.name.startswith(RUNTIME_PREFIX)]
+    # A model loaded from a file with external data (every export over 2 GB) names its data relative to that file's
+    # folder: the session made from bytes resolves them there (no copy of the weights is written).
+    folders = {t.const_value.base_dir for g in model.graphs() for t in g.initializers.values()
+               if isinstance(t.const_value, ir.ExternalTensor)}  # fmt: skip
+    if len(folders) > 1:
+        raise UnsupportedModelError(f"activation impact tolerance: external data in {len(folders)} folders")
+    data_dir = next(iter(folders), None) or None
+    variant = ir.from_proto(proto)
+    if data_dir:  # the copy's external tensors read from where the model's do
+        for g in variant.graphs():
+            for v in g.initializers.values():
+                if isinstance(v.const_value, ir.ExternalTensor):
+                    v.const_value.base_dir = data_dir
+    InferShapes()(variant)
+    groups = find_groups(variant)
+    SparsifyActivations({g.name: np.ones(g.channels, np.float32) for g in groups}, native=False)(variant)
+    inputs: dict[str, tuple[str, np.dtype]] = {}
+    graph_inputs = {v.name for v in variant.graph.inputs}
+    for g in groups:
+        init = variant.graph.initializers.get(f"{g.name}.activation_thresholds")
+        if init is None:  # refused by the pass (its rank unknown): never sparsified
+            continue
+        if init.name not in graph_inputs:
+            variant.graph.inputs.append(init)
+        inputs[g.name] = (init.name, init.const_value.numpy().dtype)
+    session = create_session(ir.to_proto(variant).SerializeToString(), external_data_dir=data_dir,
+                             label="the activation-sparse calibration model")  # fmt: skip
+    channels = {g.name: g.channels for g in groups}
+
+    def run(thresholds: Mapping[str, np.ndarray]) -> list[list[np.ndarray]]:
+        unknown = sorted(set(thresholds) - set(inputs))
+        if unknown:
+            raise InvalidInputError(f"activation thresholds name {unknown[0]!r}, which is no sparsified group")
+        feeds = {name: np.asarray(thresholds[g], dtype) if g in thresholds else np.zeros(channels[g], dtype)
+                 for g, (name, dtype) in inputs.items()}  # fmt: skip
+        return [session.run(names, {**dict(r), **feeds}) for r in requests]
+
+    dense = run({})
+
+    def evaluate(thresholds: Mapping[str, np.ndarray]) -> float:
+        worst = 0.0
+        for got_all, want in zip(run(thresholds), dense, strict=True):
+            for got, base in zip(got_all, want, strict=True):
+                if np.issubdtype(np.asarray(base).dtype, np.floating):
+                    worst = max(worst, float(relative_l2(np.asarray(got), np.asarray(base))))
+        return worst
+
+    return evaluate
