@@ -200,14 +200,14 @@ void qrows(const SparseQRows& call, int64_t c0, int64_t c1) {
           __m512i v[8];
           q4_chunk(cur, xq4, ng, o, blk.sum, v);
           // The next block's rows at these columns (its pass over the tile comes after this one's).
-          for (int k = 0; k < nn; ++k) _mm_prefetch(reinterpret_cast<const char*>(nxt[k] + o), _MM_HINT_T0);
+          for (int k = 0; k < nn; ++k) _mm_prefetch(reinterpret_cast<const char*>(nxt[k] + o), _MM_HINT_T1);
           apply<8>(v, s + c, dx, call.y + c);
         }
         if (c + 64 <= b) {
           const int64_t o = (c - a) / 2;
           __m512i v[4];
           q4_step64(cur, xq4, ng, o, blk.sum, i0, i1, v);
-          for (int k = 0; k < nn; ++k) _mm_prefetch(reinterpret_cast<const char*>(nxt[k] + o), _MM_HINT_T0);
+          for (int k = 0; k < nn; ++k) _mm_prefetch(reinterpret_cast<const char*>(nxt[k] + o), _MM_HINT_T1);
           apply<4>(v, s + c, dx, call.y + c);
           c += 64;
         }
@@ -241,7 +241,7 @@ void qrows(const SparseQRows& call, int64_t c0, int64_t c1) {
             acc[2] = _mm512_dpbusd_epi32(acc[2], _mm512_xor_si512(_mm512_permutex2var_epi8(pa, i0, pb), flip), xv);
             acc[3] = _mm512_dpbusd_epi32(acc[3], _mm512_xor_si512(_mm512_permutex2var_epi8(pa, i1, pb), flip), xv);
           }
-          for (int k = 0; k < nn; ++k) _mm_prefetch(reinterpret_cast<const char*>(nxt[k] + o), _MM_HINT_T0);
+          for (int k = 0; k < nn; ++k) _mm_prefetch(reinterpret_cast<const char*>(nxt[k] + o), _MM_HINT_T1);
           apply<4>(acc, s + c, dx, call.y + c);
         }
         if (c < b) {  // 32 columns

@@ -102,10 +102,10 @@ inline void prefetch32(const void* next, int64_t c) {
   if (next == nullptr) return;
   const char* p = static_cast<const char*>(next);
   if constexpr (F == SparseFormat::f32) {
-    _mm_prefetch(p + c * 4, _MM_HINT_T0);
-    _mm_prefetch(p + c * 4 + 64, _MM_HINT_T0);
+    _mm_prefetch(p + c * 4, _MM_HINT_T1);
+    _mm_prefetch(p + c * 4 + 64, _MM_HINT_T1);
   } else {
-    _mm_prefetch(p + c * 2, _MM_HINT_T0);
+    _mm_prefetch(p + c * 2, _MM_HINT_T1);
   }
 }
 
