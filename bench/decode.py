@@ -512,23 +512,32 @@ def ort_quantized(prepared: dict[str, Any], bits: int, say) -> tuple[Path, str]:
     return out, note
 
 
-def lz_quantized(prepared: dict[str, Any], bits: int, say, verify: bool) -> tuple[Path | None, str]:
-    """LayerZero's own int4 / int8 bundle (``CompileOptions(weights="int4")``, native lowering), or why not."""
+def _lz_folder(bits: int, linear_kernel: str) -> str:
+    return f"lz-native-int{bits}" + ("-qlinear" if linear_kernel == "native" else "")
+
+
+def lz_quantized(
+    prepared: dict[str, Any], bits: int, say, verify: bool, linear_kernel: str = "ort"
+) -> tuple[Path | None, str]:
+    """LayerZero's own int4 / int8 bundle (``CompileOptions(weights="int4")``, native lowering; ``linear_kernel``
+    "native": the dense MatMuls as liblayerzero_ort.so's QLinear), or why not."""
     import dataclasses
 
     if "weights" not in {f.name for f in dataclasses.fields(CompileOptions)}:
         return None, "not available: CompileOptions has no weights option"
-    out = prepared["root"] / f"lz-native-int{bits}"
+    out = prepared["root"] / _lz_folder(bits, linear_kernel)
     manifest_file = out / "manifest.json"
     if not _stamp.fresh(out) or (verify and not json.loads(manifest_file.read_text())["options"].get("verify")):
-        say(f"{prepared['root'].name}: compiling --moe-lowering native --weights int{bits}")
-        options = CompileOptions(moe_lowering="native", verify=verify, weights=f"int{bits}")  # type: ignore[call-arg]
+        say(f"{prepared['root'].name}: compiling --moe-lowering native --weights int{bits} "
+            f"--linear-kernel {linear_kernel}")
+        options = CompileOptions(moe_lowering="native", verify=verify, weights=f"int{bits}",  # type: ignore[call-arg]
+                                 linear_kernel=linear_kernel)  # fmt: skip
         compile_file(prepared["export"], out, options, overwrite=True)
         _stamp.stamp(out)
     return out, "compiled with verification" if verify else "compiled --no-verify"
 
 
-def lz_reference(prepared: dict[str, Any], bits: int, lz_path: Path, say) -> Path:
+def lz_reference(prepared: dict[str, Any], bits: int, lz_path: Path, say, linear_kernel: str = "ort") -> Path:
     """LayerZero int4 / int8's own quantized-dense reference (``layerzero.compile.quantized_dense_reference``: the
     export with the compile's static zeroing and the same weight quantization, nothing skipped: what verification
     compares the bundle with), saved as a plain ``.onnx`` beside the bundle; remade when the bundle is newer."""
@@ -536,12 +545,12 @@ def lz_reference(prepared: dict[str, Any], bits: int, lz_path: Path, say) -> Pat
 
     from layerzero.compile import quantized_dense_reference
 
-    out = prepared["root"] / f"lz-native-int{bits}-reference" / "model.onnx"
+    out = prepared["root"] / f"{_lz_folder(bits, linear_kernel)}-reference" / "model.onnx"
     manifest = lz_path / "manifest.json"
     if out.is_file() and out.stat().st_mtime >= manifest.stat().st_mtime:
         return out
     say(f"{prepared['root'].name}: writing LZ int{bits}'s quantized-dense reference")
-    options = CompileOptions(moe_lowering="native", weights=f"int{bits}")  # type: ignore[call-arg]
+    options = CompileOptions(moe_lowering="native", weights=f"int{bits}", linear_kernel=linear_kernel)  # type: ignore[call-arg]
     model = quantized_dense_reference(ir.load(prepared["export"]), options, static_zeroing=True,
                                       compiled=ir.load(lz_path / "model.onnx"))  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -578,7 +587,7 @@ class _EngineColumn:
 
 class _ReadBound:
     """The least a decode step of a quantized bundle must read, streamed with nothing else done: the weights every
-    token reads (the MatMulNBits codes, scales and zero points: projections and lm_head; the routers' float
+    token reads (the MatMulNBits / QLinear codes, scales and zero points: projections and lm_head; the routers' float
     MatMuls) and, per MoE layer, ``top_k`` experts' codes and scales (a fresh seeded draw of experts each token, so
     the whole model's experts rotate through the caches as decode's routing does). Embeddings, norms, rotary caches
     and the KV cache are left out, so the bytes are a lower bound and the tokens/s an upper one. Streamed by
@@ -614,7 +623,7 @@ class _ReadBound:
         dense: list[np.ndarray] = []
         self.layers: list[tuple[int, list[np.ndarray]]] = []  # (top_k, [codes / scales stacked over experts])
         for node in model.graph:
-            if node.op_type == "MatMulNBits" or (node.op_type in ("MatMul", "Gemm") and node.domain == ""):
+            if node.op_type in ("MatMulNBits", "QLinear") or (node.op_type in ("MatMul", "Gemm") and node.domain == ""):
                 dense += [a for a in map(array, node.inputs[1:]) if a is not None]
             elif node.op_type == "MoE" and node.domain == "ai.layerzero":
                 stacked = [a for i in (2, 3, 4, 10, 11, 12) if i < len(node.inputs)
@@ -702,13 +711,19 @@ def quantized_main(args: argparse.Namespace, rounds: int, verify_mode: str, say)
             paths["LZ fp32 native"], _ = bundle(prepared, "native", say, verify=verify_mode == "all")
         paths[f"ORT int{bits}"], note = ort_quantized(prepared, bits, say)
         notes.append(f"ORT int{bits}: {note}")
-        lz_path, lz_note = lz_quantized(prepared, bits, say, verify=verify_mode != "none") if not native_why else (
-            None, native_why)  # fmt: skip
+        lk = args.linear_kernel
+        lz_path, lz_note = lz_quantized(prepared, bits, say, verify=verify_mode != "none", linear_kernel=lk) if not (
+            native_why) else (None, native_why)  # fmt: skip
+        mnb = f"LZ int{bits} MatMulNBits"  # --linear-kernel native: the same compile with ONNX Runtime's MatMulNBits
         if lz_path is None:
             unavailable[f"LZ int{bits}"] = lz_note
         else:
             paths[f"LZ int{bits}"] = lz_path
-            notes.append(f"LZ int{bits}: {lz_note}")
+            notes.append(f"LZ int{bits}: {lz_note}, dense MatMuls as "
+                         + ("liblayerzero_ort.so's QLinear" if lk == "native" else "MatMulNBits"))  # fmt: skip
+            if lk == "native":
+                paths[mnb], _ = lz_quantized(prepared, bits, say, verify=False, linear_kernel="ort")
+                notes.append(f"{mnb}: the same compile with --linear-kernel ort (--no-verify)")
         ggufs: dict[str, Path] = {}
         if llama_why:
             unavailable[f"llama.cpp {kind}"] = unavailable["llama.cpp F32"] = llama_why
@@ -725,7 +740,7 @@ def quantized_main(args: argparse.Namespace, rounds: int, verify_mode: str, say)
         del export
         deviation: dict[str, tuple[float, float]] = {}
         columns: dict[tuple[str, int], Any] = {}
-        order = ["LZ fp32 native", f"ORT int{bits}", f"llama.cpp {kind}", "llama.cpp F32", f"LZ int{bits}"]
+        order = ["LZ fp32 native", f"ORT int{bits}", f"llama.cpp {kind}", "llama.cpp F32", mnb, f"LZ int{bits}"]
         for name in order:
             if name in paths:
                 for t in threads:
@@ -740,7 +755,7 @@ def quantized_main(args: argparse.Namespace, rounds: int, verify_mode: str, say)
                 deviation[name] = _deviation(logits, reference)
         reference_ids: list[int] | None = None
         if f"LZ int{bits}" in paths:  # its greedy ids against its own quantized-dense reference (not timed)
-            ref = _EngineColumn(lz_reference(prepared, bits, paths[f"LZ int{bits}"], say), threads[-1])
+            ref = _EngineColumn(lz_reference(prepared, bits, paths[f"LZ int{bits}"], say, lk), threads[-1])
             reference_ids = ref.generate(prompt, args.new)["ids"]
             del ref
         if f"LZ int{bits}" in paths:  # what LZ int's bytes allow at all, streamed in the same rounds
@@ -765,6 +780,8 @@ def quantized_main(args: argparse.Namespace, rounds: int, verify_mode: str, say)
         )
         tps: dict[tuple[str, int], float] = {}
         for name in order:
+            if name == mnb and name not in paths:
+                continue
             if name in unavailable:
                 print(f"  {name:<16} {'-':>7} {unavailable[name]}")
                 continue
@@ -831,6 +848,8 @@ def quantized_main(args: argparse.Namespace, rounds: int, verify_mode: str, say)
                 print(f"  target {num} / {den} >= {want} at {t} thread(s): {ratio:.2f} {verdict}")
                 if judged and ratio < want:
                     misses.append(f"{family} {num} / {den} at {t} thread(s): {ratio:.2f} < {want}")
+            if (mnb, t) in tps and (f"LZ int{bits}", t) in tps:
+                print(f"  LZ int{bits} / {mnb} at {t} thread(s): {tps[(f'LZ int{bits}', t)] / tps[(mnb, t)]:.2f}")
             fp32 = tps.get(("LZ fp32 native", t))
             for name in (f"ORT int{bits}", f"llama.cpp {kind}", "llama.cpp F32"):
                 if fp32 and (name, t) in tps:
@@ -969,6 +988,11 @@ def main(argv: list[str] | None = None) -> int:
         "(LayerZero fp32 native, ONNX Runtime's MatMulNBits + QMoE, llama.cpp Q4_0 / Q8_0 and F32, LayerZero "
         "int4 / int8) at 1 and 2 threads (see the module doc)",
     )
+    p.add_argument(
+        "--linear-kernel", choices=("ort", "native"), default="ort",
+        help="--weights: LZ int's dense MatMuls as MatMulNBits (ort) or liblayerzero_ort.so's QLinear (native; then "
+        "the MatMulNBits compile is a column beside it)",
+    )  # fmt: skip
     p.add_argument("--threads", default="1,2", help="thread counts of --weights int4/int8 and --profile (default 1,2)")
     p.add_argument(
         "--no-spin",
@@ -1004,7 +1028,8 @@ def main(argv: list[str] | None = None) -> int:
             spin = False if args.no_spin else None
             path = None
             if args.weights != "fp32":  # LayerZero's quantized bundle (native lowering)
-                path, why = lz_quantized(prepared, 4 if args.weights == "int4" else 8, say, verify=False)
+                bits = 4 if args.weights == "int4" else 8
+                path, why = lz_quantized(prepared, bits, say, verify=False, linear_kernel=args.linear_kernel)
                 if path is None:
                     raise SystemExit(f"--profile --weights {args.weights}: {why}")
                 lowering = f"native {args.weights}"

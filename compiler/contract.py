@@ -38,6 +38,7 @@ __all__ = [
     "MASK_PREFIX",
     "MOE_DOMAIN",
     "MOE_OP",
+    "QLINEAR_OP",
     "REFUSED_META_KEY",
     "RESERVED_META_KEYS",
     "ROUTER_PREFIX",
@@ -78,6 +79,8 @@ MOE_DOMAIN = "ai.layerzero"
 MOE_OP = "MoE"
 #: The activation-sparse linear ``ai.layerzero::SparseLinear`` (``passes/sparsify_activations.py``'s native form).
 SPARSE_LINEAR_OP = "SparseLinear"
+#: The dense quantized linear ``ai.layerzero::QLinear`` (``passes/native_linear.py``, ``--linear-kernel native``).
+QLINEAR_OP = "QLinear"
 #: The layout of SparseLinear's q8 / q4 codes (attribute ``code_layout``): 1 = column tiles of 2048, each q4 row's
 #: whole 64-byte chunks 4x4-transposed (``plugins/quant.py`` ``quantize_k_blocks``). liblayerzero_ort.so refuses
 #: another value (a bundle compiled with an older layout gives a one-line error, never wrong numbers).

@@ -28,6 +28,9 @@ WEIGHTS = ("float", "int4", "int8")
 STABILITY_UNITS = ("requests", "tokens")
 #: ``activation_method``: the per-channel criterion of the activation thresholds (``activation_calibration.CRITERIA``).
 ACTIVATION_METHODS = ("wina", "magnitude")
+#: Who runs the dense quantized MatMuls (passes/native_linear.py): ONNX Runtime's MatMulNBits, or
+#: liblayerzero_ort.so's QLinear (the MoE experts' row kernels on the same codes).
+LINEAR_KERNELS = ("ort", "native")
 #: The largest model-wide activation sparsity a compile may ask for.
 MAX_ACTIVATION_SPARSITY = 0.95
 
@@ -87,6 +90,9 @@ class CompileOptions:
     quant_symmetric: bool = True
     quant_accuracy_level: int = 4
     max_quant_deviation: float | None = None
+    # "native": the dense MatMulNBits become liblayerzero_ort.so's QLinear (passes/native_linear.py; onnxruntime
+    # on the CPU with the library built, symmetric blocks of 32, accuracy level 4; anything else stays MatMulNBits).
+    linear_kernel: str = "ort"  # one of LINEAR_KERNELS
     # Activation sparsity (issue 23; passes/sparsify_activations.py, compiler/activation_calibration.py): thresholds
     # on the input of every projection group, allocated by TEAL's greedy to reach this model-wide (parameter-weighted)
     # sparsity on the calibration inputs (`activation_calibration`: .npz / .json requests; else the sample inputs),
@@ -191,6 +197,9 @@ class CompileOptions:
         if self.quant_accuracy_level > 4:
             raise InvalidInputError(f"option quant_accuracy_level: must be 0-4, got {self.quant_accuracy_level}")
         self.quant_accuracy_level = int(self.quant_accuracy_level)
+        _check_choice("linear_kernel", self.linear_kernel, LINEAR_KERNELS)
+        if self.linear_kernel == "native" and self.weights == "float":
+            raise InvalidInputError("option linear_kernel: 'native' runs quantized weights (weights int4 or int8)")
         if self.weights != "float" and self.target != "onnxruntime":
             raise InvalidInputError(
                 f"option weights: {self.weights!r} is for target 'onnxruntime' (MatMulNBits, QMoE, the native MoE "

@@ -258,6 +258,25 @@ def quantize_weights(
     return step
 
 
+def native_linear(model: ir.Model, options: CompileOptions) -> list[str]:
+    """``--linear-kernel native``: the dense MatMulNBits into liblayerzero_ort.so's ``QLinear`` (``NativeLinear``), for
+    the onnxruntime CPU target when the library is built, after ``quantize_weights`` (the compile's and the
+    quantized-dense reference's alike). Returns the rewritten nodes' names."""
+    if options.quant_bits == 0 or options.linear_kernel != "native":
+        return []
+    if options.target != "onnxruntime" or options.device != "cpu":
+        return []
+    from layerzero.passes.native_linear import NativeLinear
+    from layerzero.plugins.ort_library import find_ort_library
+
+    if find_ort_library() is None:
+        return []
+    step = NativeLinear()
+    if run_pass(step, model).modified:
+        RemoveDeadCode()(model)
+    return list(step.rewritten)
+
+
 def fuse_expert_masks(
     model: ir.Model, options: CompileOptions, after_pass: Callable[[str, ir.Model], None] | None = None
 ) -> list[str]:
@@ -422,8 +441,12 @@ def _sparsify(model: ir.Model, options: CompileOptions, samples: list, rows: int
         thresholds = {n: t for n, t in alloc.thresholds.items() if n not in dense_experts}
         total = sum(g.params for g in samples) or 1
         realized = sum(g.params * g.realized(thresholds[g.name], method) for g in samples if g.name in thresholds)
-        alloc = dataclasses.replace(alloc, thresholds=thresholds, sparsity=float(realized / total),
-                                    levels={n: (0.0 if n in dense_experts else v) for n, v in alloc.levels.items()})
+        alloc = dataclasses.replace(
+            alloc,
+            thresholds=thresholds,
+            sparsity=float(realized / total),
+            levels={n: (0.0 if n in dense_experts else v) for n, v in alloc.levels.items()},
+        )
     step = SparsifyActivations(alloc.thresholds, native=native)
     if run_pass(step, model).modified and after_pass is not None:
         after_pass("SparsifyActivations", model)
@@ -440,9 +463,13 @@ def _sparsify(model: ir.Model, options: CompileOptions, samples: list, rows: int
         "refused": [r.to_json() for r in step.refused],
         "experts_kept_dense": dense_experts,
         "refine": None if alloc.trace is None else {"rounds": int(options.activation_refine), "deviation": alloc.trace},
-        **({} if tolerance is None else {
-            "impact_tolerance": float(tolerance),
-            "chosen": float(alloc.chosen),
-            "impact": float(alloc.deviation),
-        }),
+        **(
+            {}
+            if tolerance is None
+            else {
+                "impact_tolerance": float(tolerance),
+                "chosen": float(alloc.chosen),
+                "impact": float(alloc.deviation),
+            }
+        ),
     }

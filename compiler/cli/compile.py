@@ -122,8 +122,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         solid, "remove paths skipped at least N consecutive requests (or tokens) in the profile (default 100)"
     )
     add_stability_unit(solid, "what --stability-window counts (default requests)")
-    add_impact_tolerance(solid, "... and whose measured impact on the output (relative L2) is below T (default 0.01); "
-                                "with --activation-sparsity S: the largest sparsity <= S whose deviation is <= T")
+    add_impact_tolerance(
+        solid,
+        "... and whose measured impact on the output (relative L2) is below T (default 0.01); "
+        "with --activation-sparsity S: the largest sparsity <= S whose deviation is <= T",
+    )
     # Given or not: --activation-sparsity searches only when it is given (the default is compile's, marked).
     p.set_defaults(impact_tolerance=_Default(CompileOptions.impact_tolerance))
     add_quant_arguments(p)
@@ -179,6 +182,11 @@ def add_quant_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument(
         "--quant-accuracy-level", type=integer(0, 4), default=4, metavar="N",
         help="MatMulNBits' accuracy_level: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 activations (default 4)",
+    )  # fmt: skip
+    q.add_argument(
+        "--linear-kernel", choices=("ort", "native"), default="ort",
+        help="dense quantized MatMuls: ONNX Runtime's MatMulNBits (ort, default) or liblayerzero_ort.so's QLinear "
+        "(native: symmetric blocks of 32, accuracy level 4)",
     )  # fmt: skip
     q.add_argument(
         "--max-quant-deviation", type=number(0), metavar="X",
@@ -259,6 +267,7 @@ def options_from(args: argparse.Namespace) -> CompileOptions:
         quant_symmetric=not getattr(args, "quant_asymmetric", False),
         quant_accuracy_level=getattr(args, "quant_accuracy_level", 4),
         max_quant_deviation=getattr(args, "max_quant_deviation", None),
+        linear_kernel=getattr(args, "linear_kernel", "ort"),
         activation_sparsity=getattr(args, "activation_sparsity", None),
         activation_calibration=getattr(args, "activation_calibration", None),
         activation_method=getattr(args, "activation_method", "wina"),

@@ -39,6 +39,7 @@ from layerzero.passes.quantize_weights import (
 )
 from layerzero.passes.shape_inference import InferShapes
 from layerzero.plugins import quant
+from layerzero.plugins.ort_library import find_ort_library
 
 RNG = np.random.default_rng(7)
 
@@ -409,6 +410,31 @@ def int4_bundle(llama: Path) -> Path:
 
 
 PROJECTIONS = 7  # q, k, v, o, gate, up, down
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_llama_native_linear(llama: Path, tmp_path: Path, weights: str):
+    """``--linear-kernel native``: every projection and the lm_head as liblayerzero_ort.so's QLinear, verified
+    against a quantized-dense reference holding the same QLinear nodes; the quantization's deviation from the float
+    original as MatMulNBits' (the same codes; x rounded to int8 by another rule)."""
+    if find_ort_library() is None:
+        pytest.skip("liblayerzero_ort.so is not built (layerzero plugins build)")
+    out = tmp_path / "native.lz"
+    assert main(["compile", str(llama), "-o", str(out), "--weights", weights, "--linear-kernel", "native"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    ops = _ops(onnx.load(str(out / "model.onnx")))
+    assert ops["ai.layerzero::QLinear"] == PROJECTIONS * LAYERS + 1 and "com.microsoft::MatMulNBits" not in ops
+    assert manifest["verification"]["passed"] and manifest["options"]["linear_kernel"] == "native"
+    d = manifest["quantization"]["deviation"]
+    assert 0 < d["worst_rel_l2"] < (0.5 if weights == "int4" else 0.05)
+    assert main(["generate", str(out), "--prompt-ids", "1,2,3", "--max-new-tokens", "4"]) == 0
+
+
+def test_native_linear_needs_quantized_weights(llama: Path, tmp_path: Path, capsys):
+    assert main(["compile", str(llama), "-o", str(tmp_path / "x.lz"), "--linear-kernel", "native"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("option linear_kernel: 'native' runs quantized weights (weights int4 or int8)")
+    assert not (tmp_path / "x.lz").exists()
 
 
 @pytest.mark.slow

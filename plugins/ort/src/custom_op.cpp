@@ -533,6 +533,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     domain.Add(&op_f32);
     domain.Add(&op_f16);
     domain.Add(lz::sparse_linear_op());  // ai.layerzero::SparseLinear (sparse_linear.cpp)
+    domain.Add(lz::qlinear_op());  // ai.layerzero::QLinear (sparse_linear.cpp)
     Ort::UnownedSessionOptions(options).Add(domain);
     std::lock_guard<std::mutex> guard(lock);
     domains.push_back(std::move(domain));

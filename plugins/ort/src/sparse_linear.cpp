@@ -103,6 +103,19 @@ std::string attr_string(const OrtKernelInfo* info, const char* name, const char*
   return v;
 }
 
+// fn() as an ORT status: nullptr, a Failure's code and line, or another exception's text under `other`.
+template <class Fn>
+OrtStatusPtr guarded(OrtErrorCode other, Fn&& fn) {
+  try {
+    fn();
+    return nullptr;
+  } catch (const Failure& f) {
+    return Ort::GetApi().CreateStatus(f.code, f.message.c_str());
+  } catch (const std::exception& e) {
+    return Ort::GetApi().CreateStatus(other, e.what());
+  }
+}
+
 // A constant input's value (nullptr when the input is absent or not an initializer).
 const OrtValue* constant_input(const OrtKernelInfo* info, size_t i) {
   int is_constant = 0;
@@ -560,27 +573,13 @@ struct SparseLinearKernel {
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
-    try {
-      compute(context);
-      return nullptr;
-    } catch (const Failure& f) {
-      return Ort::GetApi().CreateStatus(f.code, f.message.c_str());
-    } catch (const std::exception& e) {
-      return Ort::GetApi().CreateStatus(ORT_RUNTIME_EXCEPTION, e.what());
-    }
+    return guarded(ORT_RUNTIME_EXCEPTION, [&] { compute(context); });
   }
 };
 
 struct SparseLinearOp : Ort::CustomOpBase<SparseLinearOp, SparseLinearKernel, true> {
-  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-    try {
-      *kernel = new SparseLinearKernel(info);
-      return nullptr;
-    } catch (const Failure& f) {
-      return api.CreateStatus(f.code, f.message.c_str());
-    } catch (const std::exception& e) {
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, e.what());
-    }
+  OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
+    return guarded(ORT_INVALID_ARGUMENT, [&] { *kernel = new SparseLinearKernel(info); });
   }
   const char* GetName() const { return kOpName; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
@@ -596,7 +595,179 @@ struct SparseLinearOp : Ort::CustomOpBase<SparseLinearOp, SparseLinearKernel, tr
   }
 };
 
+// ai.layerzero::QLinear (sparse_linear.h): the dense quantized linear on the MoE experts' row kernels.
+constexpr const char* kQLinearName = "QLinear";
+constexpr size_t kQLinearInputs = 4;  // x, codes, scales, bias?
+constexpr int64_t kQLinearRows = 64;  // the row split's granule
+
+struct QLinearKernel {
+  std::string node;
+  int bits = 4;
+
+  [[noreturn]] void fail(const std::string& what) const {
+    throw Failure{ORT_INVALID_ARGUMENT, "ai.layerzero::QLinear node '" + node + "': " + what};
+  }
+
+  // {N, K} of codes [N, K / 2] uint8 (q4) / [N, K] int8 (q8) ("" when its type fits; -1 = unknown).
+  std::string check_codes(ONNXTensorElementDataType t, const std::vector<int64_t>& s, int64_t* n, int64_t* k) const {
+    const auto want = bits == 4 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+    if (t != want)
+      return std::string("codes have element type ") + type_name(t) + "; weight_format='" + (bits == 4 ? "q4" : "q8") +
+             "' takes " + (bits == 4 ? "uint8 (two 4-bit codes a byte)" : "int8");
+    if (s.size() != 2) return std::string("codes must be rank 2 ([N, K") + (bits == 4 ? "/2" : "") + "]), not " + dims(s);
+    *n = s[0];
+    *k = s[1] < 0 ? -1 : (bits == 4 ? 2 * s[1] : s[1]);
+    return "";
+  }
+  std::string check_scales(ONNXTensorElementDataType t, const std::vector<int64_t>& s, int64_t n, int64_t k) const {
+    if (t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) return std::string("scales must be float16, not ") + type_name(t);
+    const int64_t kb = k < 0 ? -1 : k / kQBlock;
+    if (s.size() != 2 || (s[0] >= 0 && n >= 0 && s[0] != n) || (s[1] >= 0 && kb >= 0 && s[1] != kb))
+      return "scales must be [N, K/32] = [" + std::to_string(n) + ", " + std::to_string(kb) + "], not " + dims(s);
+    return "";
+  }
+  std::string check_bias(ONNXTensorElementDataType t, const std::vector<int64_t>& s, int64_t n) const {
+    if (t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) return std::string("bias must be float32, not ") + type_name(t);
+    if (s.size() != 1 || (s[0] >= 0 && n >= 0 && s[0] != n))
+      return "bias must be [N] = [" + std::to_string(n) + "], not " + dims(s);
+    return "";
+  }
+
+  explicit QLinearKernel(const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    node = ki.GetNodeName();
+    const std::string format_name = attr_string(info, "weight_format", "");
+    if (format_name != "q4" && format_name != "q8")
+      fail("weight_format='" + format_name + "' is not implemented by liblayerzero_ort.so (q4, q8)");
+    bits = format_name == "q4" ? 4 : 8;
+    const int64_t block = attr_int(info, "block_size", 32);
+    if (block != 32) fail("block_size=" + std::to_string(block) + " is not implemented by liblayerzero_ort.so (32)");
+    const size_t inputs = ki.GetInputCount();
+    if (inputs < 3 || inputs > kQLinearInputs)
+      fail("has " + std::to_string(inputs) + " inputs; QLinear takes 3 or 4 (x, codes, scales[, bias])");
+    auto tensor_of = [&](size_t i) {
+      Ort::TypeInfo type = ki.GetInputTypeInfo(i);
+      if (type.GetONNXType() != ONNX_TYPE_TENSOR) fail("input " + std::to_string(i) + " is not a tensor");
+      auto t = type.GetTensorTypeAndShapeInfo();
+      return std::make_pair(t.GetElementType(), t.GetShape());
+    };
+    const auto [xt, xs] = tensor_of(0);  // (an unknown rank reads as []: the rank is checked when it runs)
+    if (xt != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) fail(std::string("x must be float32, not ") + type_name(xt));
+    const auto [ct, cs] = tensor_of(1);
+    int64_t n = -1, k = -1;
+    std::string err = check_codes(ct, cs, &n, &k);
+    if (!err.empty()) fail(err);
+    if (k >= 0 && k % kQBlock != 0)
+      fail("K = " + std::to_string(k) + " is not a multiple of the block length 32 (blocks along K)");
+    if (!xs.empty() && xs.back() >= 0 && k >= 0 && xs.back() != k)
+      fail("x's last dimension " + std::to_string(xs.back()) + " is not the codes' K = " + std::to_string(k));
+    const auto [st, ss] = tensor_of(2);
+    err = check_scales(st, ss, n, k);
+    if (!err.empty()) fail(err);
+    if (inputs > 3) {
+      const auto [bt, bs] = tensor_of(3);
+      err = check_bias(bt, bs, n);
+      if (!err.empty()) fail(err);
+    }
+    if (const OrtValue* v = constant_input(info, 1)) {  // the codes: huge pages in place (moe.h)
+      Ort::ConstValue c(v);
+      advise_huge_pages(c.GetTensorRawData(), c.GetTensorTypeAndShapeInfo().GetElementCount());
+    }
+  }
+
+  void compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    Ort::ConstValue xv = ctx.GetInput(0), cv = ctx.GetInput(1), sv = ctx.GetInput(2);
+    const std::vector<int64_t> xs = xv.GetTensorTypeAndShapeInfo().GetShape();
+    auto ci = cv.GetTensorTypeAndShapeInfo();
+    int64_t N = -1, K = -1;
+    std::string err = check_codes(ci.GetElementType(), ci.GetShape(), &N, &K);
+    if (!err.empty()) fail(err);
+    if (K % kQBlock != 0) fail("K = " + std::to_string(K) + " is not a multiple of the block length 32");
+    if (xs.empty() || xs.back() != K) fail("x's last dimension is not the codes' K = " + std::to_string(K));
+    auto si = sv.GetTensorTypeAndShapeInfo();
+    err = check_scales(si.GetElementType(), si.GetShape(), N, K);
+    if (!err.empty()) fail(err);
+    const float* bias = nullptr;
+    if (ctx.GetInputCount() > 3) {
+      Ort::ConstValue bv = ctx.GetInput(3);
+      if (bv != nullptr) {
+        auto bi = bv.GetTensorTypeAndShapeInfo();
+        err = check_bias(bi.GetElementType(), bi.GetShape(), N);
+        if (!err.empty()) fail(err);
+        bias = bv.GetTensorData<float>();
+      }
+    }
+    int64_t T = 1;
+    for (size_t i = 0; i + 1 < xs.size(); ++i) T *= xs[i];
+    std::vector<int64_t> ys(xs);
+    ys.back() = N;
+    float* y = ctx.GetOutput(0, ys).GetTensorMutableData<float>();
+    if (T == 0 || N == 0) return;
+    if (K == 0) {
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t c = 0; c < N; ++c) y[t * N + c] = bias ? bias[c] : 0.0f;
+      return;
+    }
+    const float* x = xv.GetTensorData<float>();
+    // Each token's x quantized per 32-block to int8 (quantize_token: the MoE experts' rounding), then every row's
+    // dot (qdot_rows.h) against every token; the rows split over the threads, each row's arithmetic the same in
+    // any range (so the result does not depend on the split, nor on T: a token's y is the same alone or batched).
+    const int64_t kp = (K + kQPad - 1) / kQPad * kQPad, nb = kp / kQBlock;
+    std::vector<int8_t> q(static_cast<size_t>(T * kp));
+    std::vector<float> d(static_cast<size_t>(T * nb));
+    std::vector<int32_t> off(static_cast<size_t>(T * nb));
+    const QTokens xq{q.data(), d.data(), off.data(), kp, nb};
+    for (int64_t t = 0; t < T; ++t) quantize_token(x + t * K, K, bits, xq, t);
+    const QDotRowsFn fn = bits == 4 ? qdot_kernels().q4 : qdot_kernels().q8;
+    const uint8_t* codes = static_cast<const uint8_t*>(cv.GetTensorRawData());
+    const uint16_t* scales = static_cast<const uint16_t*>(sv.GetTensorRawData());
+    const int64_t rb = bits == 4 ? K / 2 : K, sb = K / kQBlock;
+    const int64_t units = (N + kQLinearRows - 1) / kQLinearRows;
+    const int64_t items = std::min(units, split_items());
+    const std::function<void(size_t)> work = [&](size_t i) {
+      const int64_t r0 = int64_t(i) * units / items * kQLinearRows;
+      const int64_t r1 = std::min(N, (int64_t(i) + 1) * units / items * kQLinearRows);
+      if (r1 <= r0) return;
+      fn(codes + r0 * rb, scales + r0 * sb, r1 - r0, K, xq, T, y + r0, N);
+      if (bias != nullptr)
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t c = r0; c < r1; ++c) y[t * N + c] += bias[c];
+    };
+    if (items == 1) {
+      work(0);
+      return;
+    }
+    ctx.ParallelFor([](void* data, size_t i) { (*static_cast<const std::function<void(size_t)>*>(data))(i); },
+                    static_cast<size_t>(items), 0, const_cast<void*>(static_cast<const void*>(&work)));
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* context) {
+    return guarded(ORT_RUNTIME_EXCEPTION, [&] { compute(context); });
+  }
+};
+
+struct QLinearOp : Ort::CustomOpBase<QLinearOp, QLinearKernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
+    return guarded(ORT_INVALID_ARGUMENT, [&] { *kernel = new QLinearKernel(info); });
+  }
+  const char* GetName() const { return kQLinearName; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return kQLinearInputs; }
+  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i >= 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
 }  // namespace
+
+const OrtCustomOp* qlinear_op() {
+  static QLinearOp op;
+  return &op;
+}
 
 const OrtCustomOp* sparse_linear_op() {
   static SparseLinearOp op;

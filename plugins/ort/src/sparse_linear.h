@@ -136,4 +136,13 @@ const SparseKernels& sparse_kernels();
 // The op, for RegisterCustomOps (custom_op.cpp): float32 x / y.
 const OrtCustomOp* sparse_linear_op();
 
+// ai.layerzero::QLinear, for RegisterCustomOps: the dense product of block-quantized weights (the MoE experts'
+// format and row kernels, qdot_rows.h), what --weights int4 / int8 compiles a MatMul to with --linear-kernel native:
+//   y [..., N] float32 = QLinear(x [..., K] float32, codes, scales [N, K/32] float16, bias? [N] float32)
+//   codes: weight_format "q4": [N, K/2] uint8 (MatMulNBits' B bytes: element 2j of a block in byte j's low nibble,
+//   code + 8), "q8": [N, K] int8; blocks of 32 along K; row n = output n. Per token x is quantized per 32-block to
+//   int8 (plugins/quant.py quantize_activations), y[n] = sum over blocks of float(isum) * (d_w * d_x) + bias[n]
+//   (plugins/quant.py qdot_rows; the MoE's float order). The same y for a token alone or batched, at any threads.
+const OrtCustomOp* qlinear_op();
+
 }  // namespace lz

@@ -1,0 +1,122 @@
+"""``NativeLinear``: the dense quantized MatMuls ``QuantizeWeights`` wrote (``com.microsoft::MatMulNBits``) into
+liblayerzero_ort.so's ``ai.layerzero::QLinear`` (``layerzero compile --weights int4|int8 --linear-kernel native``).
+
+Why: at batch-1 decode a quantized projection costs the bytes of its weight, and ONNX Runtime's MatMulNBits reads
+them below one core's stream on the hosts measured here (bench/README ``decode.py``: the lm_head of the Qwen3-MoE
+shape, [1024, 32000] int4, ~1.4x slower than QLinear at 1 thread on the Zen 4 host); QLinear runs the MoE experts'
+row kernels (``plugins/ort/src/qdot_rows.cpp``, llama.cpp's order: per output row, int8 x against 4-bit / 8-bit
+codes in blocks of 32 along K) on the same codes.
+
+What it rewrites, in every graph: a MatMulNBits with ``bits`` 4 or 8, ``block_size`` 32, ``accuracy_level`` 4 (x
+rounded to int8 per block: what QLinear does, with llama.cpp's rounding, not MLAS'), a constant ``B``, constant
+float32 ``scales`` that float16 holds exactly (``QuantizeWeights``' symmetric scales are float16 values), no zero
+points (the default ``2^(bits-1)``, the symmetric format), no ``g_idx``, a float32 ``A``, an optional constant
+float32 bias. ``B``'s bytes are QLinear's q4 codes as they are (``[N, K/2]``: element ``2j`` of a block in the low
+nibble of byte ``j``, code + 8); q8 codes are ``B - 128`` as int8. Anything else is left as it is (``kept`` says
+why), so an already rewritten or foreign graph comes through unchanged and a second run changes nothing.
+
+The verification's quantized-dense reference gets the same pass after its quantization (``compiler/compile.py``
+``quantized_dense_reference``): the zeroing is judged on the same kernel and codes, the int8 rounding of x being
+QLinear's in both.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from layerzero.contract import MOE_DOMAIN, QLINEAR_OP
+from layerzero.passes._graph import NameFactory, const_array
+from layerzero.passes._quantized import MS_DOMAIN
+
+__all__ = ["NativeLinear"]
+
+
+def _attr(node: ir.Node, name: str, default: int) -> int:
+    a = node.attributes.get(name)
+    return default if a is None else int(a.value)
+
+
+def _input(node: ir.Node, i: int) -> ir.Value | None:
+    return node.inputs[i] if len(node.inputs) > i else None
+
+
+class NativeLinear(ir.passes.InPlacePass):
+    """MatMulNBits → ``ai.layerzero::QLinear`` (module docstring). ``rewritten``: the nodes' names;
+    ``kept``: ``(name, why)`` of the MatMulNBits left."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rewritten: list[str] = []
+        self.kept: list[tuple[str, str]] = []
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.rewritten, self.kept = [], []
+        names = NameFactory(model.graph)
+        for graph in model.graphs():
+            for node in list(graph):
+                if node.domain == MS_DOMAIN and node.op_type == "MatMulNBits":
+                    why = self._rewrite(graph, names, node)
+                    if why:
+                        self.kept.append((node.name or "", why))
+        if self.rewritten:
+            model.opset_imports.setdefault(MOE_DOMAIN, 1)
+        return ir.passes.PassResult(model, modified=bool(self.rewritten))
+
+    def _rewrite(self, graph: ir.Graph, names: NameFactory, node: ir.Node) -> str:
+        bits, block = _attr(node, "bits", 4), _attr(node, "block_size", 0)
+        K, N = _attr(node, "K", 0), _attr(node, "N", 0)
+        if bits not in (4, 8) or block != 32:
+            return f"bits={bits} block_size={block} (QLinear: 4 or 8 bits, blocks of 32)"
+        if _attr(node, "accuracy_level", 0) != 4:
+            return "accuracy_level is not 4 (QLinear rounds x to int8)"
+        a, b, s = node.inputs[0], _input(node, 1), _input(node, 2)
+        if any(_input(node, i) is not None for i in (3, 4)):
+            return "zero points or g_idx (QLinear: the symmetric format)"
+        if a is None or a.dtype != ir.DataType.FLOAT:
+            return "A is not float32"
+        codes, scales = const_array(b), const_array(s)
+        if codes is None or scales is None or K <= 0 or N <= 0 or K % 32:
+            return "B or scales not constant, or K not a multiple of 32"
+        if codes.dtype != np.uint8 or codes.size != N * K * bits // 8 or scales.size != N * K // 32:
+            return "B / scales not of MatMulNBits' shapes"
+        scales = np.asarray(scales)
+        if scales.dtype != np.float32:
+            return "scales are not float32"
+        half = scales.astype(np.float16)
+        if not np.all(np.isfinite(half)) or not np.array_equal(half.astype(np.float32), scales):
+            return "scales are not float16 values"
+        bias = _input(node, 5)
+        bias_array = const_array(bias) if bias is not None else None
+        if bias is not None and (bias_array is None or bias_array.dtype != np.float32 or bias_array.size != N):
+            return "the bias is not a constant float32 [N]"
+        path = node.name or "matmul"
+        if bits == 4:
+            code_array = np.ascontiguousarray(codes.reshape(N, K // 2))
+        else:
+            code_array = (codes.reshape(N, K).astype(np.int16) - 128).astype(np.int8)
+        inputs = [a]
+        for suffix, array in (("codes", code_array), ("scales", half.reshape(N, K // 32))):
+            dtype = ir.DataType.from_numpy(array.dtype)
+            value = ir.Value(name=names(f"{path}.{suffix}"), const_value=ir.tensor(array),
+                             type=ir.TensorType(dtype), shape=ir.Shape(array.shape))  # fmt: skip
+            graph.register_initializer(value)
+            inputs.append(value)
+        if bias is not None:
+            inputs.append(bias)
+        attrs = [ir.AttrString("weight_format", f"q{bits}"), ir.AttrInt64("block_size", 32)]
+        new = ir.Node(MOE_DOMAIN, QLINEAR_OP, inputs, attrs, name=node.name, num_outputs=1)
+        new.metadata_props.update(node.metadata_props)
+        graph.insert_before(node, new)
+        old, out = node.outputs[0], new.outputs[0]
+        name = old.name
+        out.dtype, out.shape, out.type = old.dtype, old.shape, old.type
+        old.replace_all_uses_with(out, replace_graph_outputs=True)
+        old.name = None
+        out.name = name
+        graph.remove(node, safe=True)
+        for value in (b, s):  # the MatMulNBits' own initializers, now read by nothing
+            if value is not None and not value.uses() and value.name in graph.initializers:
+                del graph.initializers[value.name]
+        self.rewritten.append(node.name or name or "")
+        return ""
