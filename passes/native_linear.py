@@ -26,6 +26,7 @@ import numpy as np
 import onnx_ir as ir
 
 from layerzero.contract import MOE_DOMAIN, QLINEAR_OP
+from layerzero.passes._builder import Builder, model_opset
 from layerzero.passes._graph import NameFactory, const_array
 from layerzero.passes._quantized import MS_DOMAIN
 
@@ -53,6 +54,7 @@ class NativeLinear(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.rewritten, self.kept = [], []
         names = NameFactory(model.graph)
+        self._root, self._opset = model.graph, model_opset(model)
         for graph in model.graphs():
             for node in list(graph):
                 if node.domain == MS_DOMAIN and node.op_type == "MatMulNBits":
@@ -95,19 +97,17 @@ class NativeLinear(ir.passes.InPlacePass):
             code_array = np.ascontiguousarray(codes.reshape(N, K // 2))
         else:
             code_array = (codes.reshape(N, K).astype(np.int16) - 128).astype(np.int8)
-        inputs = [a]
-        for suffix, array in (("codes", code_array), ("scales", half.reshape(N, K // 32))):
-            dtype = ir.DataType.from_numpy(array.dtype)
-            value = ir.Value(name=names(f"{path}.{suffix}"), const_value=ir.tensor(array),
-                             type=ir.TensorType(dtype), shape=ir.Shape(array.shape))  # fmt: skip
-            graph.register_initializer(value)
-            inputs.append(value)
+        builder = Builder(self._root, names, self._opset, metadata=node.metadata_props)
+        inputs: list[ir.Value | None] = [
+            a,
+            builder.initializer(f"{path}.codes", code_array),
+            builder.initializer(f"{path}.scales", half.reshape(N, K // 32)),
+        ]
         if bias is not None:
             inputs.append(bias)
-        attrs = [ir.AttrString("weight_format", f"q{bits}"), ir.AttrInt64("block_size", 32)]
-        new = ir.Node(MOE_DOMAIN, QLINEAR_OP, inputs, attrs, name=node.name, num_outputs=1)
-        new.metadata_props.update(node.metadata_props)
-        graph.insert_before(node, new)
+        attrs = {"weight_format": f"q{bits}", "block_size": 32}
+        new = builder.node(QLINEAR_OP, inputs, attrs, domain=MOE_DOMAIN, name=f"{path}__qlinear")
+        graph.insert_before(node, builder.take())
         old, out = node.outputs[0], new.outputs[0]
         name = old.name
         out.dtype, out.shape, out.type = old.dtype, old.shape, old.type
@@ -115,6 +115,8 @@ class NativeLinear(ir.passes.InPlacePass):
         old.name = None
         out.name = name
         graph.remove(node, safe=True)
+        if node.name:  # the MatMul keeps its name (profiles and reports address nodes by it)
+            new.name = node.name
         for value in (b, s):  # the MatMulNBits' own initializers, now read by nothing
             if value is not None and not value.uses() and value.name in graph.initializers:
                 del graph.initializers[value.name]
