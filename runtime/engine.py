@@ -153,6 +153,11 @@ class Engine:
         """Paths with a dynamic skip mask output, in graph order."""
         return list(self._mask_paths)
 
+    @property
+    def dynamic_index(self) -> dict[str, dict]:
+        """The manifest's ``dynamic`` entries by mask output name (``report.index_dynamic``, computed once)."""
+        return self._dynamic_index
+
     def report_template(self) -> Report:
         """A fresh report holding the static fields (from the manifest); per-request fields empty."""
         return self._template.copy()

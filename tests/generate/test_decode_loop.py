@@ -5,6 +5,8 @@
   must give the same skipped paths and parameters as the per-column rule it replaces, on every mask shape.
 - the IO-bound steps' run options carry ``gpu_graph_id`` so ONNX Runtime's per-run lookup of it does not raise and
   catch a C++ exception (~140 µs a step measured here).
+- ``StepSkips``: the bound steps' skipped paths in one reduction over all of a MoE's masks (~14 µs against
+  ``result_from``'s ~94 µs for 8 layers x 32 experts, measured here); the same paths as ``add_dynamic``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import onnxruntime as ort
 import pytest
 
 from layerzero.runtime.generate import _step_run_options
-from layerzero.runtime.report import Report
+from layerzero.runtime.report import Report, StepSkips, index_dynamic
 
 PREFIX = "layerzero::mask::"
 
@@ -68,3 +70,39 @@ def test_decode_steps_run_options_name_the_graph_id() -> None:
     assert options.log_severity_level == 4
     with pytest.raises(RuntimeError):  # what ONNX Runtime hits on every run with the backend's own options
         base.get_run_config_entry("gpu_graph_id")
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 4), (2, 5), (0,), (3,)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_step_skips_matches_add_dynamic(shape: tuple[int, ...], seed: int) -> None:
+    # The decode loop's one-reduction form (StepSkips) gives add_dynamic's paths, in its order, and the masks.
+    rng = np.random.default_rng(seed)
+    dynamic = _dynamic(32)[:-1]  # a MoE's layers: every mask routes 32 subpaths
+    names = ["logits", *(e["mask_output"] for e in dynamic), "layerzero::router::l0"]
+    outputs = {e["mask_output"]: rng.random((*shape, 32)) > 0.85 for e in dynamic}
+    outputs[f"{PREFIX}l2"][..., 7] = False
+    skips = StepSkips(names, index_dynamic(dynamic), PREFIX)
+    assert skips.applies
+    report = Report()
+    report.add_dynamic(outputs, dynamic, mask_prefix=PREFIX, router_prefix="layerzero::router::", keep_masks=True)
+    found = skips(outputs)
+    assert found is not None
+    assert found[0] == report.skipped_paths
+    assert ("l2.e7" in found[0]) == bool(np.prod(shape))
+    assert found[1].keys() == report.masks.keys()
+    assert all(found[1][k] is report.masks[k] for k in found[1])
+
+
+def test_step_skips_declines_what_it_cannot_vectorize() -> None:
+    index = index_dynamic(_dynamic(4))  # the last entry has one subpath: the whole report decides
+    names = list(index)
+    assert not StepSkips(names, index, PREFIX).applies
+    assert StepSkips(names, index, PREFIX)({n: np.zeros((1, 4), bool) for n in names}) is None
+    assert not StepSkips([f"{PREFIX}unknown"], index, PREFIX).applies  # a mask without a manifest entry
+    assert not StepSkips(["logits"], index, PREFIX).applies  # no masks at all
+    moe = names[:-1]
+    skips = StepSkips(moe, index, PREFIX)
+    assert skips.applies
+    ragged = {moe[0]: np.ones((1, 4), bool), moe[1]: np.ones((2, 4), bool), moe[2]: np.ones((1, 4), bool)}
+    assert skips(ragged) is None  # masks of different shapes: not one reduction
+    assert skips({n: np.ones((1, 5), bool) for n in moe}) is None  # a width other than the manifest's

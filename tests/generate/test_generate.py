@@ -96,6 +96,27 @@ def test_compiled_generate_matches_transformers_greedy(llama_dir: Path, exported
     assert report.total_layers == LAYERS
 
 
+def test_bound_steps_direct_and_public_bindings_agree(bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The decode loop drives onnxruntime's C binding directly when it has one (this onnxruntime does); the
+    # public IOBinding path it falls back to must compute the same ids, logits and reports.
+    from layerzero.runtime import generate as gen
+
+    engine = Engine.load(bundle)
+    found: list[object] = []
+    real = gen._direct_binding
+    monkeypatch.setattr(
+        gen, "_direct_binding", lambda session, binding: found.append(real(session, binding)) or found[-1]
+    )
+    direct = engine.generate(PROMPT, max_new_tokens=NEW, stop_tokens=(), masks=True)
+    assert len(found) == 1 and found[0] is not None, "the direct binding was not used"
+    monkeypatch.setattr(gen, "_direct_binding", lambda session, binding: None)
+    public = engine.generate(PROMPT, max_new_tokens=NEW, stop_tokens=(), masks=True)
+    assert direct.ids == public.ids and len(direct.ids) == NEW
+    assert [s.tokens for s in direct.report.steps] == [s.tokens for s in public.report.steps]
+    assert [s.skipped_paths for s in direct.report.steps] == [s.skipped_paths for s in public.report.steps]
+    assert [s.masks for s in direct.report.steps] == [s.masks for s in public.report.steps]
+
+
 def test_generate_cli_json_ids_and_text(llama_dir: Path, bundle: Path, capsys: pytest.CaptureFixture) -> None:
     expected = _hf_greedy(llama_dir, PROMPT)
     capsys.readouterr()
