@@ -114,6 +114,8 @@ def cache_layout(engine: Engine) -> CacheLayout | None:
 
 # One step's logits, the paths it skipped and its masks by path.
 _Step = tuple[np.ndarray, list[str], dict[str, np.ndarray]]
+# (session, binding, bind a numpy input, the outputs' device) as ``_BoundSteps._run`` calls them.
+_BindingEnds = tuple[Any, Any, Any, Any]
 
 
 class _Steps(Protocol):
@@ -169,7 +171,12 @@ class _BoundSteps:
         self._presents = [(past, index[present]) for past, present in layout.names]
         presents = {i for _, i in self._presents}
         self._arrays = [(name, i) for i, name in enumerate(self._outputs) if i not in presents]
-        self._direct = _direct_binding(self._session, self._binding)
+        direct = _direct_binding(self._session, self._binding)
+        self._ends: _BindingEnds = (
+            (direct[0], direct[1], direct[1].bind_input, direct[2])
+            if direct is not None
+            else (self._session, self._binding, self._binding.bind_cpu_input, "cpu")
+        )
         self._bound: dict[str, np.ndarray] = {}  # the numpy inputs bound by address, alive until rebound
         self._skips = StepSkips(self._outputs, engine.dynamic_index, MASK_PREFIX)
 
@@ -180,7 +187,7 @@ class _BoundSteps:
         else:
             arrays = {name: np.ascontiguousarray(value) for name, value in feeds.items()}
         try:
-            values = self._run_direct(arrays) if self._direct is not None else self._run_public(arrays)
+            values = self._run(arrays)
         except Exception as e:
             from layerzero.ort_runner import first_line
 
@@ -192,30 +199,16 @@ class _BoundSteps:
         report = self._engine.result_from(values, masks=True).report
         return values["logits"], report.skipped_paths, report.masks
 
-    def _run_public(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """One step through onnxruntime's public ``IOBinding``."""
-        binding = self._binding
-        for name, value in arrays.items():
-            binding.bind_cpu_input(name, value)
-        # The session allocates fresh outputs each run: the presents bound as this step's past stay valid.
-        binding.clear_binding_outputs()
-        for name in self._outputs:
-            binding.bind_output(name, "cpu")
-        self._session.run_with_iobinding(binding, self._run_options)
-        values = binding.get_outputs()
-        for past, i in self._presents:
-            binding.bind_ortvalue_input(past, values[i])
-        return {name: values[i].numpy() for name, i in self._arrays}
-
-    def _run_direct(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The same step on the binding's C object (``_direct_binding``): what the public wrapper does for a
-        CPU session, without its per-call Python checks (WebGPU capture, OrtValue wrappers, session checks):
-        ~0.2 ms of a ~5 ms int4 decode step, measured here."""
-        session, binding, device = self._direct  # type: ignore[misc]
+    def _run(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One step on the binding's ends (``_BindingEnds``): the C objects where ``_direct_binding`` finds them
+        (the public wrapper's per-call Python checks skipped: ~0.2 ms of a ~5 ms int4 decode step, measured
+        here), the public ``IOBinding`` otherwise."""
+        session, binding, bind_input, device = self._ends
         bound = self._bound
         for name, value in arrays.items():
-            binding.bind_input(name, value)
+            bind_input(name, value)
             bound[name] = value  # ONNX Runtime reads the array's buffer: keep it alive while it is bound
+        # The session allocates fresh outputs each run: the presents bound as this step's past stay valid.
         binding.clear_binding_outputs()
         for name in self._outputs:
             binding.bind_output(name, device)
