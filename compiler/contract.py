@@ -32,6 +32,7 @@ from typing import Any
 
 __all__ = [
     "ACTIVATION_SCALE_INPUT",
+    "ATTENTION_OP",
     "BLOCK_PREFIX",
     "DYNAMIC_META_KEY",
     "FORCE_OFF_PREFIX",
@@ -81,6 +82,8 @@ MOE_OP = "MoE"
 SPARSE_LINEAR_OP = "SparseLinear"
 #: The dense quantized linear ``ai.layerzero::QLinear`` (``passes/native_linear.py``, ``--linear-kernel native``).
 QLINEAR_OP = "QLinear"
+#: The attention core ``ai.layerzero::Attention`` (``passes/native_attention.py``, ``--linear-kernel native``).
+ATTENTION_OP = "Attention"
 #: The layout of SparseLinear's q8 / q4 codes (attribute ``code_layout``): 1 = column tiles of 2048, each q4 row's
 #: whole 64-byte chunks 4x4-transposed (``plugins/quant.py`` ``quantize_k_blocks``). liblayerzero_ort.so refuses
 #: another value (a bundle compiled with an older layout gives a one-line error, never wrong numbers).

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from layerzero.contract import MOE_DOMAIN, MOE_OP, QLINEAR_OP, SPARSE_LINEAR_OP
+from layerzero.contract import ATTENTION_OP, MOE_DOMAIN, MOE_OP, QLINEAR_OP, SPARSE_LINEAR_OP
 from layerzero.plugins.loader import PluginError, default_build_dir
 
 __all__ = [
@@ -53,6 +53,7 @@ CUSTOM_OP_LIBRARIES: dict[tuple[str, str], str] = {
     (MOE_DOMAIN, MOE_OP): ORT_LIBRARY,
     (MOE_DOMAIN, SPARSE_LINEAR_OP): ORT_LIBRARY,
     (MOE_DOMAIN, QLINEAR_OP): ORT_LIBRARY,
+    (MOE_DOMAIN, ATTENTION_OP): ORT_LIBRARY,
 }
 
 _HEADER = "onnxruntime_cxx_api.h"

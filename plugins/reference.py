@@ -34,6 +34,10 @@ weights the semantics above hold up to the activations' 8-bit rounding.
 ``swiglu_oai`` (GPT-OSS) ``g' = min(g, limit)``, ``u' = clip(u, -limit, limit)``,
 ``(u' + 1) ⊙ g' ⊙ sigmoid(alpha · g')`` with ``alpha = activation_alpha`` (default 1.702) and
 ``limit = activation_limit`` (default 7.0; ``inf``: no clamp).
+
+``ai.layerzero::Attention`` (``attention_reference``; the op: ``plugins/ort/src/attention.h``), the attention core of
+a decoder layer: ``softmax((q * q_scale) @ k^T * k_scale + mask)`` with NaN probabilities as 0, times ``v``, query
+head ``h`` reading kv head ``h // (H / Hk)``.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ __all__ = [
     "SCORINGS",
     "SWIGLU_ALPHA",
     "SWIGLU_LIMIT",
+    "attention_reference",
     "glu",
     "moe_reference",
     "moe_routing",
@@ -278,3 +283,36 @@ def moe_reference(
         h = glu(gate, up, activation, activation_alpha, activation_limit)
         y[tokens] += dense[tokens, e, None] * (h @ w_down[e].astype(np.float64).T + b_d[e])
     return y.astype(hidden.dtype), mask
+
+
+def attention_reference(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    mask: np.ndarray | None = None,
+    q_scale: float = 1.0,
+    k_scale: float = 1.0,
+    output_layout: str = "bhtd",
+) -> np.ndarray:
+    """``ai.layerzero::Attention`` in float64 from float32 inputs: q ``[B, H, T, D]``, k ``[B|1, Hk, L, D]``, v
+    ``[B|1, Hk, L, Dv]``, mask broadcast to ``[B, H, T, L]``; returns float32 ``[B, H, T, Dv]`` (``"bthd"``:
+    ``[B, T, H, Dv]``). ``q * q_scale`` is rounded to float32 first (the graph's Mul); ``k_scale`` scales the dot."""
+    if k.shape[2] == 0:  # no keys: o = 0
+        shape = q.shape[:3] + v.shape[3:]
+        o = np.zeros(shape, np.float32)
+        return np.ascontiguousarray(o.transpose(0, 2, 1, 3)) if output_layout == "bthd" else o
+    qs = (q.astype(np.float32) * np.float32(q_scale)).astype(np.float64)
+    ks = k.astype(np.float64)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    repeat = heads // kv_heads
+    ks = np.repeat(ks, repeat, axis=1)  # query head h reads kv head h // repeat
+    vs = np.repeat(v.astype(np.float64), repeat, axis=1)
+    s = (qs @ np.swapaxes(ks, -1, -2)) * float(np.float32(k_scale))
+    if mask is not None:
+        s = s + mask.astype(np.float32).astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        e = np.exp(s - s.max(axis=-1, keepdims=True))
+        p = e / e.sum(axis=-1, keepdims=True)
+    p = np.where(np.isnan(p), 0.0, p)
+    o = (p @ vs).astype(np.float32)
+    return np.ascontiguousarray(o.transpose(0, 2, 1, 3)) if output_layout == "bthd" else o

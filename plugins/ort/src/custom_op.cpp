@@ -45,6 +45,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention.h"
 #include "moe.h"
 #include "sparse_linear.h"
 
@@ -534,6 +535,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     domain.Add(&op_f16);
     domain.Add(lz::sparse_linear_op());  // ai.layerzero::SparseLinear (sparse_linear.cpp)
     domain.Add(lz::qlinear_op());  // ai.layerzero::QLinear (sparse_linear.cpp)
+    domain.Add(lz::attention_op());  // ai.layerzero::Attention (attention.cpp)
     Ort::UnownedSessionOptions(options).Add(domain);
     std::lock_guard<std::mutex> guard(lock);
     domains.push_back(std::move(domain));

@@ -1,0 +1,30 @@
+// ai.layerzero::Attention: the attention core of a decoder layer as one node (passes/native_attention.py writes it
+// with --linear-kernel native, in place of the ~14 nodes the exporters' scaled_dot_product_attention decomposes to).
+//
+//   o = Attention(q [B, H, T, D] float32, k [Bk, Hk, L, D] float32, v [Bk, Hk, L, Dv] float32,
+//                 mask? float32 of rank <= 4, broadcast to [B, H, T, L])
+//   attributes: q_scale, k_scale (float, default 1), output_layout ("bhtd" (default) | "bthd")
+//
+//   s[b, h, t, l] = (sum_d (q[b, h, t, d] * q_scale) * k[b', g, l, d]) * k_scale + mask[b, h, t, l]
+//   p[b, h, t, :] = softmax(s[b, h, t, :]), a row holding a NaN or an infinity (every key masked with -inf) as 0
+//                   (NaN probabilities, which the exporters' Where(IsNaN(p), 0, p) makes 0)
+//   o[b, h, t, :] = sum_l p[b, h, t, l] * v[b', g, l, :]     (output_layout "bthd": stored at o[b, t, h, :])
+//
+// with g = h / (H / Hk) (grouped-query attention: H a multiple of Hk, query heads g*r .. g*r + r - 1 read kv head
+// g; Hk = 1 is a broadcast k / v) and b' = b, or 0 when Bk = 1 (a broadcast batch). The graph scales k before its
+// MatMul and this kernel after the dot (the same product to float32 rounding, without a scaled copy of the cache a
+// step); the dots, the softmax (exp to ~2 ulp, exactly 0 below e^-87.3) and the weighted sum are float32 in this
+// kernel's order: results agree with ONNX Runtime's to float32 rounding, not bitwise. L = 0: o = 0. Work is split
+// over (b, kv head) pairs on ONNX Runtime's intra-op thread pool; a row's arithmetic does not depend on the split,
+// so the result does not depend on the thread count. AVX-512, AVX2 and baseline builds of the row loop (GCC's
+// target_clones, chosen at load).
+// Semantics: layerzero/plugins/reference.py attention_reference.
+#pragma once
+
+struct OrtCustomOp;
+
+namespace lz {
+
+const OrtCustomOp* attention_op();
+
+}  // namespace lz
