@@ -15,6 +15,19 @@ float32 bias. ``B``'s bytes are QLinear's q4 codes as they are (``[N, K/2]``: el
 nibble of byte ``j``, code + 8); q8 codes are ``B - 128`` as int8. Anything else is left as it is (``kept`` says
 why), so an already rewritten or foreign graph comes through unchanged and a second run changes nothing.
 
+Then, in every graph, the QLinear nodes that read the same x (a decoder layer's q / k / v projections, a dense MLP's
+gate and up) are merged into one with several outputs (the ``splits`` attribute: output i gets columns
+[sum(n_<i), sum(n_<=i)) of the product, its rows written straight into it). Why: each node quantized the same x
+to int8 and paid its own ONNX Runtime dispatch (~3 us a node) and thread-pool split, a small projection's few rows
+split alone; merged, x is quantized once and one split runs the rows of all of them. The nodes merged: the
+same ``weight_format`` and ``block_size``, codes / scales (and biases) constant initializers, all with a bias or
+all without, no ``splits`` yet, two or more of them. Their codes, scales and biases are concatenated along N;
+each output keeps its projection's value (name, type, shape: consumers and graph outputs see no change); the node
+keeps the first one's name and place (x is defined before all of them, each consumer comes after its own
+projection: the order stays topological); ``merged`` records ``(name, [the names merged])``. The result is the
+same bitwise: a row's arithmetic does not depend on the node it runs in. A merged node (it has ``splits``) is not
+merged again, so a second run changes nothing here either.
+
 The verification's quantized-dense reference gets the same pass after its quantization (``compiler/compile.py``
 ``quantized_dense_reference``): the zeroing is judged on the same kernel and codes, the int8 rounding of x being
 QLinear's in both.
@@ -32,6 +45,8 @@ from layerzero.passes._quantized import MS_DOMAIN
 
 __all__ = ["NativeLinear"]
 
+_MERGE_MIN = 2  # QLinear nodes reading one x, merged into one
+
 
 def _attr(node: ir.Node, name: str, default: int) -> int:
     a = node.attributes.get(name)
@@ -42,20 +57,39 @@ def _input(node: ir.Node, i: int) -> ir.Value | None:
     return node.inputs[i] if len(node.inputs) > i else None
 
 
+def _initializer(value: ir.Value | None) -> np.ndarray | None:
+    """A constant initializer's array (None for anything else: a graph input, a computed value, a Constant node)."""
+    if value is None or not value.is_initializer():
+        return None
+    return const_array(value)
+
+
+def _take_over(old: ir.Value, new: ir.Value) -> None:
+    """``new`` replaces ``old``: its type, its readers (a graph output too) and its name."""
+    name = old.name
+    new.dtype, new.shape, new.type = old.dtype, old.shape, old.type
+    old.replace_all_uses_with(new, replace_graph_outputs=True)
+    old.name = None
+    new.name = name
+
+
 class NativeLinear(ir.passes.InPlacePass):
-    """MatMulNBits → ``ai.layerzero::QLinear`` (module docstring). ``rewritten``: the nodes' names;
-    ``kept``: ``(name, why)`` of the MatMulNBits left."""
+    """MatMulNBits → ``ai.layerzero::QLinear``, then the QLinear nodes of one x merged (module docstring).
+    ``rewritten``: the nodes' names; ``kept``: ``(name, why)`` of the MatMulNBits left; ``merged``: ``(name of the
+    merged node, [the names of the nodes it replaced])``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.rewritten: list[str] = []
         self.kept: list[tuple[str, str]] = []
+        self.merged: list[tuple[str, list[str]]] = []
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.rewritten, self.kept = [], []
+        self.rewritten, self.kept, self.merged = [], [], []
         names = NameFactory(model.graph)
         self._root, self._opset = model.graph, model_opset(model)
-        for graph in model.graphs():
+        graphs = list(model.graphs())
+        for graph in graphs:
             for node in list(graph):
                 if node.domain == MS_DOMAIN and node.op_type == "MatMulNBits":
                     why = self._rewrite(graph, names, node)
@@ -63,7 +97,69 @@ class NativeLinear(ir.passes.InPlacePass):
                         self.kept.append((node.name or "", why))
         if self.rewritten:
             model.opset_imports.setdefault(MOE_DOMAIN, 1)
-        return ir.passes.PassResult(model, modified=bool(self.rewritten))
+        for graph in graphs:
+            self._merge_all(graph, names)
+        return ir.passes.PassResult(model, modified=bool(self.rewritten or self.merged))
+
+    # ------------------------------------------------------------------------------ merging one x's QLinear nodes
+
+    @staticmethod
+    def _merge_key(node: ir.Node) -> tuple | None:
+        """What QLinear nodes must share to be merged (x, format, K, a bias or not); None: not mergeable."""
+        if node.domain != MOE_DOMAIN or node.op_type != QLINEAR_OP or "splits" in node.attributes:
+            return None
+        if len(node.outputs) != 1 or not 3 <= len(node.inputs) <= 4 or node.inputs[0] is None:
+            return None
+        fmt = node.attributes.get("weight_format")
+        codes, scales = _initializer(_input(node, 1)), _initializer(_input(node, 2))
+        if fmt is None or codes is None or scales is None or codes.ndim != 2 or scales.ndim != 2:
+            return None
+        if codes.shape[0] != scales.shape[0]:
+            return None
+        bias = _input(node, 3)
+        if bias is not None:
+            b = _initializer(bias)
+            if b is None or b.dtype != np.float32 or b.shape != (codes.shape[0],):
+                return None
+        x = node.inputs[0]
+        block = _attr(node, "block_size", 32)
+        return (id(x), str(fmt.value), block, codes.dtype.str, codes.shape[1], scales.shape[1], bias is not None)
+
+    def _merge_all(self, graph: ir.Graph, names: NameFactory) -> None:
+        groups: dict[tuple, list[ir.Node]] = {}
+        for node in graph:  # in graph order: a group's first node is the first of its nodes
+            key = self._merge_key(node)
+            if key is not None:
+                groups.setdefault(key, []).append(node)
+        for group in groups.values():
+            if len(group) >= _MERGE_MIN:
+                self._merge(graph, names, group)
+
+    def _merge(self, graph: ir.Graph, names: NameFactory, group: list[ir.Node]) -> None:
+        first = group[0]
+        inputs = [list(node.inputs) for node in group]
+        arrays = [[_initializer(v) for v in ins[1:]] for ins in inputs]
+        splits = [int(a[0].shape[0]) for a in arrays]
+        name = first.name or (first.outputs[0].name or "qlinear")
+        builder = Builder(self._root, names, self._opset, metadata=first.metadata_props)
+        merged_inputs: list[ir.Value | None] = [first.inputs[0]]
+        for i, part in enumerate(("codes", "scales", "bias")[: len(arrays[0])]):
+            merged_inputs.append(builder.initializer(f"{name}.merged_{part}", np.concatenate([a[i] for a in arrays])))
+        attrs = {k: v for k, v in first.attributes.items()}
+        attrs["splits"] = splits
+        new = builder.node(QLINEAR_OP, merged_inputs, attrs, domain=MOE_DOMAIN, outputs=len(group), name=name)
+        graph.insert_before(first, builder.take())
+        for node, out in zip(group, new.outputs, strict=True):
+            _take_over(node.outputs[0], out)
+        graph.remove(group, safe=True)
+        if first.name:  # the first node's own name (profiles and reports address nodes by it)
+            new.name = first.name
+        for ins in inputs:  # the nodes' codes, scales and biases, now read by nothing
+            for value in ins[1:]:
+                owner = value.graph if value is not None else None
+                if value is not None and not value.uses() and owner is not None and value.name in owner.initializers:
+                    del owner.initializers[value.name]
+        self.merged.append((new.name or "", [node.name or "" for node in group]))
 
     def _rewrite(self, graph: ir.Graph, names: NameFactory, node: ir.Node) -> str:
         bits, block = _attr(node, "bits", 4), _attr(node, "block_size", 0)
@@ -108,12 +204,8 @@ class NativeLinear(ir.passes.InPlacePass):
         attrs = {"weight_format": f"q{bits}", "block_size": 32}
         new = builder.node(QLINEAR_OP, inputs, attrs, domain=MOE_DOMAIN, name=f"{path}__qlinear")
         graph.insert_before(node, builder.take())
-        old, out = node.outputs[0], new.outputs[0]
-        name = old.name
-        out.dtype, out.shape, out.type = old.dtype, old.shape, old.type
-        old.replace_all_uses_with(out, replace_graph_outputs=True)
-        old.name = None
-        out.name = name
+        _take_over(node.outputs[0], new.outputs[0])
+        name = new.outputs[0].name
         graph.remove(node, safe=True)
         if node.name:  # the MatMul keeps its name (profiles and reports address nodes by it)
             new.name = node.name

@@ -6,6 +6,10 @@ quantizer make.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -131,6 +135,144 @@ def test_wrong_x_at_run_time_is_one_line(ort_lib):
         sess.run(None, {"x": np.zeros((1, 32), np.float32)})
 
 
+# ------------------------------------------------------------------------------------ several outputs (splits)
+
+
+def _graph_model(nodes, inits, outputs, k, x_shape=("T", None)) -> onnx.ModelProto:
+    shape = [k if d is None else d for d in x_shape]
+    graph = helper.make_graph(
+        nodes, "ql", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs], inits,
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=OPSETS, ir_version=10)
+
+
+def _qlinear_splits(codes, scales, splits, bias=None, fmt="q4", outputs=None) -> onnx.ModelProto:
+    """One QLinear with ``splits``, outputs y0, y1, ... (``outputs`` of them: len(splits) unless given)."""
+    inits = [numpy_helper.from_array(codes, "codes"), numpy_helper.from_array(scales, "scales")]
+    names = ["x", "codes", "scales"]
+    if bias is not None:
+        inits.append(numpy_helper.from_array(bias, "bias"))
+        names.append("bias")
+    count = 1 if splits is None or isinstance(splits, int) else len(splits)
+    outs = [f"y{i}" for i in range(count if outputs is None else outputs)]
+    attrs = {} if splits is None else {"splits": splits if isinstance(splits, int) else list(splits)}
+    node = helper.make_node("QLinear", names, outs, domain="ai.layerzero", name=NODE, weight_format=fmt, **attrs)
+    return _graph_model([node], inits, outs, scales.shape[1] * 32)
+
+
+def _qlinear_separate(codes, scales, splits, bias=None, fmt="q4") -> onnx.ModelProto:
+    """One QLinear per split, on the split's rows of codes / scales / bias: outputs y0, y1, ..."""
+    nodes, inits, start = [], [], 0
+    for i, n in enumerate(splits):
+        part = slice(start, start + n)
+        start += n
+        inits += [
+            numpy_helper.from_array(codes[part], f"codes{i}"),
+            numpy_helper.from_array(scales[part], f"scales{i}"),
+        ]
+        names = ["x", f"codes{i}", f"scales{i}"]
+        if bias is not None:
+            inits.append(numpy_helper.from_array(bias[part], f"bias{i}"))
+            names.append(f"bias{i}")
+        nodes.append(helper.make_node("QLinear", names, [f"y{i}"], domain="ai.layerzero", name=f"{NODE}{i}",
+                                      weight_format=fmt))  # fmt: skip
+    return _graph_model(nodes, inits, [f"y{i}" for i in range(len(splits))], scales.shape[1] * 32)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("tokens", [0, 1, 5])
+@pytest.mark.parametrize("splits", [(1024, 256, 256), (32, 96, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_splits_match_qdot_rows_and_separate_nodes(ort_lib, bits, tokens, splits, with_bias):
+    rng = np.random.default_rng(bits * 100 + tokens * 10 + len(splits) + with_bias)
+    K, N = 320, sum(splits)
+    _, codes, scales = _weights(rng, K, N, bits)
+    bias = rng.standard_normal(N).astype(np.float32) if with_bias else None
+    x = rng.standard_normal((tokens, K)).astype(np.float32)
+    runs = []
+    for threads in (1, 2):
+        outs = session(ort_lib, _qlinear_splits(codes, scales, splits, bias, f"q{bits}"), threads).run(None, {"x": x})
+        assert [o.shape for o in outs] == [(tokens, n) for n in splits]
+        assert all(o.dtype == np.float32 for o in outs)
+        runs.append(outs)
+    assert all(np.array_equal(a, b) for a, b in zip(*runs, strict=True))  # at any thread count
+    separate = session(ort_lib, _qlinear_separate(codes, scales, splits, bias, f"q{bits}")).run(None, {"x": x})
+    assert all(np.array_equal(a, b) for a, b in zip(runs[0], separate, strict=True))  # as three nodes
+    (whole,) = session(ort_lib, _qlinear(codes, scales, bias, f"q{bits}")).run(None, {"x": x})
+    assert np.array_equal(np.concatenate(runs[0], axis=-1), whole)  # as one node of N columns
+    if tokens:
+        b = np.zeros(N, np.float32) if bias is None else bias
+        ref = qdot_rows(codes, scales, bits, x) + b
+        scale = qdot_rows(codes, scales, bits, x, absolute=True) + np.abs(b)
+        y = np.concatenate(runs[0], axis=-1)
+        assert np.all(np.abs(y - ref) <= 1e-6 * scale + 1e-7)
+
+
+_SPLIT_RUN = (
+    "import sys, numpy as np, onnxruntime as ort\n"
+    "o = ort.SessionOptions(); o.intra_op_num_threads = 2; o.register_custom_ops_library(sys.argv[1])\n"
+    "s = ort.InferenceSession(sys.argv[2], o, providers=['CPUExecutionProvider'])\n"
+    "np.savez(sys.argv[4], *s.run(None, dict(np.load(sys.argv[3]))))\n"
+)
+
+
+def test_splits_do_not_depend_on_the_work_items(ort_lib, tmp_path):
+    # LAYERZERO_ORT_SPARSE_SPLIT forces the number of work items (1, 3, 7; read once a process): items cut at the
+    # outputs' boundaries, the same bits every time.
+    rng = np.random.default_rng(11)
+    splits = (32, 96, 200, 64)
+    _, codes, scales = _weights(rng, 256, sum(splits), 4)
+    onnx.save(_qlinear_splits(codes, scales, splits), tmp_path / "m.onnx")
+    np.savez(tmp_path / "in.npz", x=rng.standard_normal((3, 256)).astype(np.float32))
+    runs = []
+    for items in (1, 3, 7):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), LAYERZERO_ORT_SPARSE_SPLIT=str(items))
+        out = tmp_path / f"y{items}.npz"
+        args = [str(ort_lib), str(tmp_path / "m.onnx"), str(tmp_path / "in.npz"), str(out)]
+        subprocess.run([sys.executable, "-c", _SPLIT_RUN, *args], check=True, env=env, timeout=300)
+        with np.load(out) as f:
+            runs.append([f[f"arr_{i}"] for i in range(len(splits))])
+    assert all(np.array_equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("splits", "outputs", "expected"),
+    [
+        ((32, 96, 63), None, "splits [32, 96, 63] sum to 191, not the codes' N = 192"),
+        ((32, 96, 65), None, "splits [32, 96, 65] sum to 193, not the codes' N = 192"),
+        ((32, 0, 160), None, "splits must be positive, not [32, 0, 160]"),
+        ((-32, 64, 160), None, "splits must be positive, not [-32, 64, 160]"),
+        ((32, 96, 64), 2, "has 2 outputs; splits [32, 96, 64] gives 3"),
+        (None, 2, "has 2 outputs; QLinear without splits has one (y)"),
+        (192, None, "splits must be a list of ints (the outputs' columns), not one int"),
+    ],
+)
+def test_splits_refused_when_the_session_is_made(ort_lib, splits, outputs, expected):
+    rng = np.random.default_rng(12)
+    _, codes, scales = _weights(rng, 64, 192, 4)
+    with pytest.raises(Exception) as info:
+        session(ort_lib, _qlinear_splits(codes, scales, splits, outputs=outputs))
+    message = str(info.value).strip()
+    assert expected in message and NODE in message and "\n" not in message
+
+
+def test_splits_checked_at_run_time_when_n_is_unknown(ort_lib):
+    rng = np.random.default_rng(13)
+    _, codes, scales = _weights(rng, 64, 192, 4)
+    model = _qlinear_splits(codes, scales, (32, 96, 63))
+    graph = model.graph
+    del graph.initializer[:]  # codes and scales as inputs of unknown N: the sum is checked when it runs
+    graph.input.extend([helper.make_tensor_value_info("codes", TensorProto.UINT8, ["N", 32]),
+                        helper.make_tensor_value_info("scales", TensorProto.FLOAT16, ["N", 2])])  # fmt: skip
+    sess = session(ort_lib, model)
+    x = np.zeros((1, 64), np.float32)
+    with pytest.raises(Exception) as info:
+        sess.run(None, {"x": x, "codes": codes, "scales": scales})
+    message = str(info.value).strip()
+    assert "splits [32, 96, 63] sum to 191, not the codes' N = 192" in message and "\n" not in message
+
+
 # ------------------------------------------------------------------------------------------------- the pass
 
 
@@ -216,3 +358,117 @@ def test_pass_keeps_onnxruntime_quantizer_scales():
     step = NativeLinear()
     assert not step(model).modified
     assert step.kept and "float16" in step.kept[0][1]
+
+
+def _shared_x_model(rng, with_bias: bool) -> tuple[ir.Model, list[np.ndarray]]:
+    """q, k, v = x @ wq, x @ wk, x @ wv (Gemms with biases when ``with_bias``) and o = z @ wo; a consumer of k
+    (Relu) before v's node, s = Relu(k) + v; graph outputs q, s, v, o."""
+    K = 64
+    shapes = {"q": 96, "k": 32, "v": 32, "o": 64}
+    ws = {n: (rng.standard_normal((K, c)) / 8).astype(np.float32) for n, c in shapes.items()}
+    inits = [numpy_helper.from_array(w, f"w{n}") for n, w in ws.items()]
+
+    def proj(n: str, src: str) -> onnx.NodeProto:
+        if with_bias:
+            inits.append(numpy_helper.from_array(rng.standard_normal(shapes[n]).astype(np.float32), f"b{n}"))
+            return helper.make_node("Gemm", [src, f"w{n}", f"b{n}"], [n], name=f"layers.0/{n}_proj/Gemm")
+        return helper.make_node("MatMul", [src, f"w{n}"], [n], name=f"layers.0/{n}_proj/MatMul")
+
+    nodes = [
+        proj("q", "x"),
+        proj("k", "x"),
+        helper.make_node("Relu", ["k"], ["r"], name="relu"),
+        proj("o", "z"),
+        proj("v", "x"),
+        helper.make_node("Add", ["r", "v"], ["s"], name="add"),
+    ]
+    graph = helper.make_graph(
+        nodes, "qkv", [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["T", K]) for n in ("x", "z")],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["T", shapes.get(n, 32)]) for n in ("q", "s", "v", "o")],
+        inits,
+    )  # fmt: skip
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10))
+    InferShapes()(model)
+    return model, list(ws.values())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_pass_merges_the_projections_of_one_x(ort_lib, monkeypatch, bits, with_bias):
+    rng = np.random.default_rng(20 + bits + with_bias)
+    model, _ = _shared_x_model(rng, with_bias)
+    QuantizeWeights(bits, 32, True, 4)(model)
+    assert _ops(model)["com.microsoft::MatMulNBits"] == 4
+    unmerged = ir.from_proto(ir.to_proto(model))
+    with monkeypatch.context() as m:  # the rewrite alone: one QLinear a projection
+        m.setattr(NativeLinear, "_merge_all", lambda self, graph, names: None)
+        NativeLinear()(unmerged)
+    assert _ops(unmerged)["ai.layerzero::QLinear"] == 4
+
+    step = NativeLinear()
+    assert step(model).modified and step.kept == []
+    assert _ops(model) == {"ai.layerzero::QLinear": 2, "Relu": 1, "Add": 1}
+    qlinear = [n for n in model.graph if n.op_type == "QLinear"]
+    merged = [n for n in qlinear if "splits" in n.attributes]
+    assert len(merged) == 1 and list(merged[0].attributes["splits"].value) == [96, 32, 32]
+    suffix = "Gemm_MatMulNBits" if with_bias else "MatMul_MatMulNBits"
+    names = [f"layers.0/{p}_proj/{suffix}" for p in "qkv"]
+    assert step.merged == [(names[0], names)] and merged[0].name == names[0]
+    before_names = {n.name: n.outputs[0].name for n in unmerged.graph}
+    assert [v.name for v in merged[0].outputs] == [before_names[n] for n in names]  # the values kept their names
+    assert [v.name for v in merged[0].outputs][::2] == ["q", "v"]  # (k is QuantizeWeights' value, not an output)
+    assert len(merged[0].inputs) == (4 if with_bias else 3)
+    assert [v.name for v in model.graph.outputs] == ["q", "s", "v", "o"]
+    order = [n.name for n in model.graph]
+    assert order.index(names[0]) < order.index("relu")  # where q's node was: before k's consumer
+    # the merged projections' own codes / scales / biases are gone: o's, and the merged node's
+    assert len(model.graph.initializers) == (6 if with_bias else 4)
+
+    again = NativeLinear()
+    assert not again(model).modified and again.merged == [] and again.rewritten == []  # idempotent
+    proto = ir.to_proto(model)
+    onnx.checker.check_model(proto)  # topologically sorted
+    rng2 = np.random.default_rng(1)
+    feeds = {n: rng2.standard_normal((5, 64)).astype(np.float32) for n in ("x", "z")}
+    for threads in (1, 2):
+        got = session(ort_lib, proto, threads).run(None, feeds)
+        before = session(ort_lib, ir.to_proto(unmerged), threads).run(None, feeds)
+        assert all(np.array_equal(a, b) for a, b in zip(got, before, strict=True))
+
+
+def test_pass_merges_only_alike_projections(ort_lib):
+    # A bias on v's projection only: q and k merge, v stays alone (all with a bias or none).
+    rng = np.random.default_rng(30)
+    model, _ = _shared_x_model(rng, False)
+    QuantizeWeights(4, 32, True, 4)(model)
+    v_node = next(n for n in model.graph if n.name.startswith("layers.0/v_proj"))
+    bias = ir.Value(name="bv", const_value=ir.tensor(np.ones(32, np.float32)))
+    bias.dtype, bias.shape = ir.DataType.FLOAT, ir.Shape([32])
+    model.graph.register_initializer(bias)
+    v_node.resize_inputs(6)
+    v_node.replace_input_with(5, bias)
+    step = NativeLinear()
+    step(model)
+    assert step.merged == [
+        ("layers.0/q_proj/MatMul_MatMulNBits", [f"layers.0/{p}_proj/MatMul_MatMulNBits" for p in "qk"])
+    ]
+    assert _ops(model)["ai.layerzero::QLinear"] == 3
+
+    # QLinear nodes already there (three of one x): the two with constant codes merge, the one whose codes are a
+    # graph input stays; the outputs are the same bits.
+    _, codes, scales = _weights(rng, 64, 192, 4)
+    proto = _qlinear_separate(codes, scales, (32, 96, 64))
+    feeds = {"x": rng.standard_normal((3, 64)).astype(np.float32), "codes1": codes[32:128]}
+    init = next(t for t in proto.graph.initializer if t.name == "codes1")
+    proto.graph.initializer.remove(init)
+    proto.graph.input.append(helper.make_tensor_value_info("codes1", TensorProto.UINT8, [96, 32]))
+    before = session(ort_lib, proto).run(None, feeds)
+    model = ir.from_proto(proto)
+    step = NativeLinear()
+    assert step(model).modified and step.merged == [(f"{NODE}0", [f"{NODE}0", f"{NODE}2"])]
+    merged = next(n for n in model.graph if "splits" in n.attributes)
+    assert list(merged.attributes["splits"].value) == [32, 64] and [v.name for v in merged.outputs] == ["y0", "y2"]
+    assert sorted(model.graph.initializers) == [f"{NODE}0.merged_codes", f"{NODE}0.merged_scales", "scales1"]
+    after = session(ort_lib, ir.to_proto(model)).run(None, feeds)
+    assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
+    assert not NativeLinear()(model).modified

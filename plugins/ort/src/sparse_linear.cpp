@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "moe.h"
+#include "pool.h"
 
 namespace lz {
 
@@ -101,6 +102,25 @@ std::string attr_string(const OrtKernelInfo* info, const char* name, const char*
   }
   v.resize(size > 0 ? size - 1 : 0);
   return v;
+}
+
+// An ints attribute into *out: false when the node has no ints attribute of that name.
+bool attr_ints(const OrtKernelInfo* info, const char* name, std::vector<int64_t>* out) {
+  size_t size = 0;
+  OrtStatus* s = Ort::GetApi().KernelInfoGetAttributeArray_int64(info, name, nullptr, &size);
+  if (s != nullptr) {
+    Ort::GetApi().ReleaseStatus(s);
+    return false;
+  }
+  out->assign(size, 0);
+  if (size == 0) return true;
+  s = Ort::GetApi().KernelInfoGetAttributeArray_int64(info, name, out->data(), &size);
+  if (s != nullptr) {
+    Ort::GetApi().ReleaseStatus(s);
+    return false;
+  }
+  out->resize(size);
+  return true;
 }
 
 // fn() as an ORT status: nullptr, a Failure's code and line, or another exception's text under `other`.
@@ -191,8 +211,7 @@ struct SparseLinearKernel {
       if (std::this_thread::get_id() != caller) other.store(true, std::memory_order_relaxed);
       work(k);
     };
-    ctx.ParallelFor([](void* data, size_t i) { (*static_cast<const std::function<void(size_t)>*>(data))(i); },
-                    static_cast<size_t>(items), 0, const_cast<void*>(static_cast<const void*>(&item)));
+    parallel_items(ctx, static_cast<size_t>(items), item);
     if (other.load(std::memory_order_relaxed))
       pool_parallel.store(1, std::memory_order_relaxed);
     else if (pool_parallel.load(std::memory_order_relaxed) == -1 &&
@@ -603,6 +622,7 @@ constexpr int64_t kQLinearRows = 64;  // the row split's granule
 struct QLinearKernel {
   std::string node;
   int bits = 4;
+  std::vector<int64_t> splits;  // the outputs' columns (the splits attribute); empty: one output of N columns
 
   [[noreturn]] void fail(const std::string& what) const {
     throw Failure{ORT_INVALID_ARGUMENT, "ai.layerzero::QLinear node '" + node + "': " + what};
@@ -633,6 +653,14 @@ struct QLinearKernel {
     return "";
   }
 
+  // "" when splits (if given) sum to N.
+  std::string check_splits(int64_t n) const {
+    int64_t sum = 0;
+    for (const int64_t v : splits) sum += v;
+    if (splits.empty() || sum == n) return "";
+    return "splits " + dims(splits) + " sum to " + std::to_string(sum) + ", not the codes' N = " + std::to_string(n);
+  }
+
   explicit QLinearKernel(const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
     node = ki.GetNodeName();
@@ -645,6 +673,19 @@ struct QLinearKernel {
     const size_t inputs = ki.GetInputCount();
     if (inputs < 3 || inputs > kQLinearInputs)
       fail("has " + std::to_string(inputs) + " inputs; QLinear takes 3 or 4 (x, codes, scales[, bias])");
+    const size_t outputs = ki.GetOutputCount();
+    if (attr_int(info, "splits", -1) != -1 || attr_int(info, "splits", -2) != -2)  // a scalar int attribute
+      fail("splits must be a list of ints (the outputs' columns), not one int");
+    if (attr_ints(info, "splits", &splits)) {
+      if (splits.empty()) fail("splits is empty (one entry per output)");
+      for (const int64_t v : splits)
+        if (v <= 0) fail("splits must be positive, not " + dims(splits));
+      if (outputs != splits.size())
+        fail("has " + std::to_string(outputs) + " outputs; splits " + dims(splits) + " gives " +
+             std::to_string(splits.size()));
+    } else if (outputs != 1) {
+      fail("has " + std::to_string(outputs) + " outputs; QLinear without splits has one (y)");
+    }
     auto tensor_of = [&](size_t i) {
       Ort::TypeInfo type = ki.GetInputTypeInfo(i);
       if (type.GetONNXType() != ONNX_TYPE_TENSOR) fail("input " + std::to_string(i) + " is not a tensor");
@@ -667,6 +708,10 @@ struct QLinearKernel {
     if (inputs > 3) {
       const auto [bt, bs] = tensor_of(3);
       err = check_bias(bt, bs, n);
+      if (!err.empty()) fail(err);
+    }
+    if (n >= 0) {
+      err = check_splits(n);
       if (!err.empty()) fail(err);
     }
     if (const OrtValue* v = constant_input(info, 1)) {  // the codes: huge pages in place (moe.h)
@@ -698,21 +743,34 @@ struct QLinearKernel {
         bias = bv.GetTensorData<float>();
       }
     }
+    err = check_splits(N);
+    if (!err.empty()) fail(err);
     int64_t T = 1;
     for (size_t i = 0; i + 1 < xs.size(); ++i) T *= xs[i];
-    std::vector<int64_t> ys(xs);
-    ys.back() = N;
-    float* y = ctx.GetOutput(0, ys).GetTensorMutableData<float>();
+    // Output p: columns [start[p], start[p + 1]) of the product, x's leading dims and n_p = start[p + 1] - start[p].
+    const std::vector<int64_t> parts = splits.empty() ? std::vector<int64_t>{N} : splits;
+    const size_t P = parts.size();
+    std::vector<int64_t> start(P + 1, 0), ustart(P + 1, 0);  // first column, first row unit of each output
+    std::vector<float*> ys(P);
+    for (size_t p = 0; p < P; ++p) {
+      std::vector<int64_t> shape(xs);
+      shape.back() = parts[p];
+      ys[p] = ctx.GetOutput(p, shape).GetTensorMutableData<float>();
+      start[p + 1] = start[p] + parts[p];
+      ustart[p + 1] = ustart[p] + (parts[p] + kQLinearRows - 1) / kQLinearRows;
+    }
     if (T == 0 || N == 0) return;
     if (K == 0) {
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t c = 0; c < N; ++c) y[t * N + c] = bias ? bias[c] : 0.0f;
+      for (size_t p = 0; p < P; ++p)
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t c = 0; c < parts[p]; ++c) ys[p][t * parts[p] + c] = bias ? bias[start[p] + c] : 0.0f;
       return;
     }
     const float* x = xv.GetTensorData<float>();
-    // Each token's x quantized per 32-block to int8 (quantize_token: the MoE experts' rounding), then every row's
-    // dot (qdot_rows.h) against every token; the rows split over the threads, each row's arithmetic the same in
-    // any range (so the result does not depend on the split, nor on T: a token's y is the same alone or batched).
+    // Each token's x quantized per 32-block to int8 once (quantize_token: the MoE experts' rounding), then every
+    // row's dot (qdot_rows.h) against every token; the rows split over the threads, each row's arithmetic the same
+    // in any range (so the result does not depend on the split, nor on T: a token's y is the same alone or batched,
+    // nor on splits: a row's y is the same in one node's output or another's).
     const int64_t kp = (K + kQPad - 1) / kQPad * kQPad, nb = kp / kQBlock;
     std::vector<int8_t> q(static_cast<size_t>(T * kp));
     std::vector<float> d(static_cast<size_t>(T * nb));
@@ -723,23 +781,28 @@ struct QLinearKernel {
     const uint8_t* codes = static_cast<const uint8_t*>(cv.GetTensorRawData());
     const uint16_t* scales = static_cast<const uint16_t*>(sv.GetTensorRawData());
     const int64_t rb = bits == 4 ? K / 2 : K, sb = K / kQBlock;
-    const int64_t units = (N + kQLinearRows - 1) / kQLinearRows;
+    // The work: each output's rows in units of kQLinearRows (its last unit short), the units of all outputs in a
+    // row; item i takes units [i U / items, (i + 1) U / items), a unit never straddling two outputs, and runs each
+    // output's part of them as one call writing straight into that output (ldy = its columns). One output (no
+    // splits): the units and ranges of the single-output op.
+    const int64_t units = ustart[P];
     const int64_t items = std::min(units, split_items());
     const std::function<void(size_t)> work = [&](size_t i) {
-      const int64_t r0 = int64_t(i) * units / items * kQLinearRows;
-      const int64_t r1 = std::min(N, (int64_t(i) + 1) * units / items * kQLinearRows);
-      if (r1 <= r0) return;
-      fn(codes + r0 * rb, scales + r0 * sb, r1 - r0, K, xq, T, y + r0, N);
-      if (bias != nullptr)
-        for (int64_t t = 0; t < T; ++t)
-          for (int64_t c = r0; c < r1; ++c) y[t * N + c] += bias[c];
+      const int64_t u0 = int64_t(i) * units / items, u1 = (int64_t(i) + 1) * units / items;
+      for (size_t p = 0; p < P; ++p) {
+        const int64_t a = std::max(u0, ustart[p]), b = std::min(u1, ustart[p + 1]);
+        if (b <= a) continue;
+        const int64_t n = parts[p];
+        const int64_t r0 = (a - ustart[p]) * kQLinearRows, r1 = std::min(n, (b - ustart[p]) * kQLinearRows);
+        const int64_t g0 = start[p] + r0;  // the rows' first column of the whole product
+        float* y = ys[p];
+        fn(codes + g0 * rb, scales + g0 * sb, r1 - r0, K, xq, T, y + r0, n);
+        if (bias != nullptr)
+          for (int64_t t = 0; t < T; ++t)
+            for (int64_t c = r0; c < r1; ++c) y[t * n + c] += bias[start[p] + c];
+      }
     };
-    if (items == 1) {
-      work(0);
-      return;
-    }
-    ctx.ParallelFor([](void* data, size_t i) { (*static_cast<const std::function<void(size_t)>*>(data))(i); },
-                    static_cast<size_t>(items), 0, const_cast<void*>(static_cast<const void*>(&work)));
+    parallel_items(ctx, static_cast<size_t>(items), work);
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
@@ -758,8 +821,12 @@ struct QLinearOp : Ort::CustomOpBase<QLinearOp, QLinearKernel, true> {
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
     return i >= 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
+  // One output, or one per entry of splits: a variadic float32 output (at least one; every one float32).
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t) const { return INPUT_OUTPUT_VARIADIC; }
+  int GetVariadicOutputMinArity() const { return 1; }
+  bool GetVariadicOutputHomogeneity() const { return true; }
 };
 
 }  // namespace

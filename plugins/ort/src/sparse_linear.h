@@ -143,6 +143,9 @@ const OrtCustomOp* sparse_linear_op();
 //   code + 8), "q8": [N, K] int8; blocks of 32 along K; row n = output n. Per token x is quantized per 32-block to
 //   int8 (plugins/quant.py quantize_activations), y[n] = sum over blocks of float(isum) * (d_w * d_x) + bias[n]
 //   (plugins/quant.py qdot_rows; the MoE's float order). The same y for a token alone or batched, at any threads.
+//   splits? (ints, positive, summing to N): one output per entry instead of y (a variadic output), output i [..., n_i]
+//   holding columns [sum(n_<i), sum(n_<=i)) of y, written in place (no copy): the projections that read one x
+//   (q / k / v, gate / up) as one node, x quantized once (passes/native_linear.py); bitwise the separate nodes'.
 const OrtCustomOp* qlinear_op();
 
 }  // namespace lz
