@@ -26,6 +26,7 @@ from layerzero.pipeline import (
     fuse_decoder,
     fuse_expert_masks,
     lower_for_target,
+    native_attention,
     native_linear,
     needs_dynamic_reference,
     quantize_weights,
@@ -167,6 +168,7 @@ def compile_model(
         say(f"quantizing weights ({options.weights})")
     quantizer = quantize_weights(model, options)  # last: what the passes removed is never quantized
     native_linear(model, options)  # --linear-kernel native: MatMulNBits -> QLinear
+    native_attention(model, options)  # --linear-kernel native: the attention cores -> Attention
     fuse_expert_masks(model, options)  # activation-sparse experts that stayed float: into the native kernel
     after = summarize(model, options.flag_pattern)
     kinds = {b.scope: "declared-flag" for b in pipeline.bypassed}
@@ -346,6 +348,7 @@ def quantized_dense_reference(
     fuse_decoder(model, options)  # as the compile fuses it: the same float graph under the same codes
     quantize_weights(model, options)
     native_linear(model, options)  # as the compile: the same kernel on the same codes
+    native_attention(model, options)  # and the same attention kernel
     return model
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "fuse_decoder",
     "fuse_expert_masks",
     "lower_for_target",
+    "native_attention",
     "needs_dynamic_reference",
     "quantize_weights",
     "run_dynamic_passes",
@@ -275,6 +276,25 @@ def native_linear(model: ir.Model, options: CompileOptions) -> list[str]:
     if run_pass(step, model).modified:
         RemoveDeadCode()(model)
     return list(step.rewritten)
+
+
+def native_attention(model: ir.Model, options: CompileOptions) -> list[str]:
+    """``--linear-kernel native``: each decoder layer's attention core into liblayerzero_ort.so's ``Attention``
+    (``NativeAttention``), under the same conditions as ``native_linear`` and ``options.fuse`` (the compile's and the
+    quantized-dense reference's alike). Returns the new nodes' names."""
+    if options.quant_bits == 0 or options.linear_kernel != "native" or not options.fuse:
+        return []
+    if options.target != "onnxruntime" or options.device != "cpu":
+        return []
+    from layerzero.passes.native_attention import NativeAttention
+    from layerzero.plugins.ort_library import find_ort_library
+
+    if find_ort_library() is None:
+        return []
+    InferShapes()(model)  # the matcher reads ranks and static head counts
+    step = NativeAttention()
+    run_pass(step, model)
+    return list(step.fused)
 
 
 def fuse_expert_masks(

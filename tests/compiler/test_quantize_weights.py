@@ -410,6 +410,7 @@ def int4_bundle(llama: Path) -> Path:
 
 
 PROJECTIONS = 7  # q, k, v, o, gate, up, down
+QLINEARS = 4  # with --linear-kernel native: q/k/v one node (they read the same x), o, gate/up one node, down
 
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])
@@ -423,7 +424,8 @@ def test_llama_native_linear(llama: Path, tmp_path: Path, weights: str):
     assert main(["compile", str(llama), "-o", str(out), "--weights", weights, "--linear-kernel", "native"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     ops = _ops(onnx.load(str(out / "model.onnx")))
-    assert ops["ai.layerzero::QLinear"] == PROJECTIONS * LAYERS + 1 and "com.microsoft::MatMulNBits" not in ops
+    assert ops["ai.layerzero::QLinear"] == QLINEARS * LAYERS + 1 and "com.microsoft::MatMulNBits" not in ops
+    assert ops["ai.layerzero::Attention"] == LAYERS and "Softmax" not in ops  # passes/native_attention.py
     assert manifest["verification"]["passed"] and manifest["options"]["linear_kernel"] == "native"
     d = manifest["quantization"]["deviation"]
     assert 0 < d["worst_rel_l2"] < (0.5 if weights == "int4" else 0.05)

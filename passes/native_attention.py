@@ -1,0 +1,254 @@
+"""``NativeAttention``: the attention core of each decoder layer into one ``ai.layerzero::Attention`` node
+(liblayerzero_ort.so; ``layerzero compile --weights int4|int8 --linear-kernel native``).
+
+Why: at batch-1 decode the exporters' ``scaled_dot_product_attention`` is ~14 small nodes a layer (the scaled query,
+the key's transpose and scale, the grouped views of ``FuseDecoder``'s repeat_kv rewrite, two MatMuls, the mask's Add,
+Softmax, the ``Where(IsNaN(p), 0, p)`` of fully masked rows, the head transpose), each paying ONNX Runtime's
+per-node time (~3 µs here) and a kernel of a few µs on a few KB: a profile of the Qwen3-MoE shape of
+bench/decode.py (8 layers) put ~1 ms of a ~3.4 ms int4 step there. One node reads the key cache as it is (no
+transposed copy of it a step) and writes the heads in the layout the output projection reads.
+
+The pattern, after ``FuseDecoder`` (``passes/fuse_decoder.py``), from the Softmax::
+
+    s = MatMul(V1(Mul(q, sq)), Mul(Transpose(k, [0, 1, 3, 2]), sk))    # the two Muls optional (scale 1)
+    p = Softmax(Add(V2(s), mask), axis=-1)                              # the Add optional (no mask)
+    p = Where(IsNaN(p), 0, p)                                           # optional
+    o = V2(MatMul(V1(p), v))                                            # then optionally Transpose(o, [0, 2, 1, 3])
+
+with ``V1`` / ``V2`` both absent (as many query as kv heads) or both ``Reshape``s to ``[0, Hk, -1, 0]`` /
+``[0, H, -1, 0]`` (grouped-query attention: ``FuseDecoder``'s repeat_kv form, query head ``h`` reading kv head
+``h // (H / Hk)``), q ``[B, H, T, D]``, k and v ``[B, Hk, L, D]`` of static head counts, float32 throughout, every
+intermediate read only by the pattern. -> ``Attention(q, k, v, mask, q_scale=sq, k_scale=sk,
+output_layout="bhtd" | "bthd")`` (the op's semantics: ``plugins/ort/src/attention.h``; reference
+``plugins/reference.py`` ``attention_reference``). The same products and softmax in float32; not bitwise ONNX
+Runtime's (its MLAS sums in another order): the verification compares the compiled model with the
+quantized-dense reference, which gets this pass too (``compiler/compile.py``), at the usual tolerances.
+
+A candidate that does not match is left as it is with a ``Refusal`` (kind ``attention``) in ``refused``; a second run
+changes nothing (no Softmax of the pattern is left).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx_ir as ir
+
+from layerzero.contract import ATTENTION_OP, MOE_DOMAIN
+from layerzero.passes._builder import Builder, model_opset
+from layerzero.passes._fuse_match import int_attr, only_reader, other_input, rank_of, scalar_of
+from layerzero.passes._graph import NameFactory, const_array, replace_value, scope_of
+from layerzero.passes._match import NoMatch, Refusal, need
+from layerzero.passes.dead_code import RemoveDeadCode
+
+__all__ = ["NativeAttention"]
+
+_FLOAT = ir.DataType.FLOAT
+
+
+@dataclass
+class _Attention:
+    q: ir.Value
+    k: ir.Value
+    v: ir.Value
+    mask: ir.Value | None
+    q_scale: float
+    k_scale: float
+    bthd: bool
+    out: ir.Value  # the pattern's last value (replaced by the op's output)
+    end: ir.Node  # its producer
+
+
+def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
+    node = value.producer() if value is not None else None
+    return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
+
+
+def _view(value: ir.Value | None) -> tuple[int, ...] | None:
+    """The constant target shape of the Reshape producing ``value`` as ``(0, heads, -1, 0)``, else None."""
+    node = _producer(value, "Reshape")
+    shape = const_array(node.inputs[1]) if node is not None and len(node.inputs) > 1 else None
+    if shape is None or shape.size != 4 or int_attr(node, "allowzero", 0):
+        return None
+    dims = tuple(int(d) for d in shape.reshape(-1))
+    return dims if dims[0] == 0 and dims[2] == -1 and dims[3] == 0 and dims[1] > 0 else None
+
+
+def _scaled(value: ir.Value, reader: ir.Node, seen: list[ir.Node]) -> tuple[ir.Value, float, ir.Node]:
+    """``(x, s, mul)`` of ``value = Mul(x, s)`` with a scalar constant s, ``value`` read only by ``reader``;
+    ``(value, 1, reader)`` when ``value`` is no such Mul. The third item is what reads ``x`` in the pattern."""
+    mul = _producer(value, "Mul")
+    if mul is not None:
+        for i in (0, 1):
+            s, x = scalar_of(mul.inputs[i]), mul.inputs[1 - i]
+            if s is not None and x is not None and const_array(x) is None:
+                only_reader(value, reader, *seen)
+                seen.append(mul)
+                return x, s, mul
+    return value, 1.0, reader
+
+
+def _is_product(value: ir.Value | None) -> bool:
+    """A MatMul's output, or a Reshape of one (the attention scores, grouped or not)."""
+    view = _producer(value, "Reshape")
+    return _producer(view.inputs[0] if view is not None else value, "MatMul") is not None
+
+
+def _heads(value: ir.Value) -> int | None:
+    shape = value.shape
+    if shape is None or len(shape) != 4 or not isinstance(shape[1], int):
+        return None
+    return int(shape[1])
+
+
+def match_attention(softmax: ir.Node) -> _Attention:
+    seen: list[ir.Node] = [softmax]
+    need(int_attr(softmax, "axis", -1) in (-1, 3) and rank_of(softmax.inputs[0]) == 4,
+         "the Softmax is not over the last axis of a rank-4 tensor", *seen)  # fmt: skip
+    scores, mask = softmax.inputs[0], None
+    add = _producer(scores, "Add")
+    if add is not None:
+        only_reader(scores, softmax, *seen)
+        seen.append(add)
+        a, b = add.inputs[0], add.inputs[1]
+        need(_is_product(a) or _is_product(b), "the Add reads no attention product", *seen)
+        scores = a if _is_product(a) else b
+        mask = other_input(add, scores)
+        need(mask is not None and mask.dtype == _FLOAT and (rank_of(mask) or 0) <= 4,
+             "the mask is not a float32 tensor of rank <= 4", *seen)  # fmt: skip
+    reader = add if add is not None else softmax
+    out_view = _view(scores)
+    if out_view is not None:  # grouped: the product viewed back to [B, H, T, L]
+        only_reader(scores, reader, *seen)
+        view = scores.producer()
+        assert view is not None
+        seen.append(view)
+        reader, scores = view, view.inputs[0]
+    qk = _producer(scores, "MatMul")
+    need(qk is not None, "the scores are not a MatMul", *seen)
+    assert qk is not None and scores is not None
+    only_reader(scores, reader, *seen)
+    seen.append(qk)
+    q_side, k_side = qk.inputs[0], qk.inputs[1]
+    assert q_side is not None and k_side is not None
+    in_view = _view(q_side) if out_view is not None else None
+    need((out_view is None) or (in_view is not None), "the query is not viewed per kv head", *seen)
+    q_reader = qk
+    if in_view is not None:
+        only_reader(q_side, qk, *seen)
+        node = q_side.producer()
+        assert node is not None
+        seen.append(node)
+        q_reader, q_side = node, node.inputs[0]
+        assert q_side is not None
+    q, q_scale, _ = _scaled(q_side, q_reader, seen)
+    kt, k_scale, kt_reader = _scaled(k_side, qk, seen)
+    transpose = _producer(kt, "Transpose")
+    perm = transpose.attributes.get("perm") if transpose is not None else None
+    need(perm is not None and list(perm.as_ints()) == [0, 1, 3, 2], "the key is not transposed [0, 1, 3, 2]", *seen)
+    assert transpose is not None
+    only_reader(kt, kt_reader, *seen)
+    seen.append(transpose)
+    k = transpose.inputs[0]
+    assert k is not None
+    # After the softmax: the NaN guard, the view per kv head, the MatMul with v, the view back.
+    p = softmax.outputs[0]
+    need(not p.is_graph_output(), "the probabilities are a graph output", *seen)
+    readers = {use.node.op_type: use.node for use in p.uses()}
+    if set(readers) == {"IsNaN", "Where"} and len(list(p.uses())) == 2:
+        isnan, where = readers["IsNaN"], readers["Where"]
+        zero = scalar_of(where.inputs[1])
+        need(where.inputs[0] is isnan.outputs[0] and where.inputs[2] is p and zero == 0.0,
+             "the Softmax's reader is not Where(IsNaN(p), 0, p)", *seen)  # fmt: skip
+        only_reader(isnan.outputs[0], where, *seen)
+        seen += [isnan, where]
+        p = where.outputs[0]
+    uses = list(p.uses())
+    need(len(uses) == 1 and not p.is_graph_output(), "the probabilities are read outside the pattern", *seen)
+    nxt = uses[0].node
+    if out_view is not None:
+        need(nxt.op_type == "Reshape" and _view(nxt.outputs[0]) == in_view,
+             "the probabilities are not viewed per kv head", *seen)  # fmt: skip
+        seen.append(nxt)
+        p = nxt.outputs[0]
+        uses = list(p.uses())
+        need(len(uses) == 1 and not p.is_graph_output(), "the grouped probabilities are read elsewhere", *seen)
+        nxt = uses[0].node
+    need(nxt.op_type == "MatMul" and nxt.domain in ("", "ai.onnx") and nxt.inputs[0] is p,
+         "the probabilities do not multiply v", *seen)  # fmt: skip
+    seen.append(nxt)
+    v, out = nxt.inputs[1], nxt.outputs[0]
+    assert v is not None
+    if out_view is not None:
+        uses = list(out.uses())
+        need(len(uses) == 1 and not out.is_graph_output() and _view(uses[0].node.outputs[0]) == out_view,
+             "the output is not viewed back to the query heads", *seen)  # fmt: skip
+        seen.append(uses[0].node)
+        out = uses[0].node.outputs[0]
+    bthd = False
+    uses = list(out.uses())
+    if len(uses) == 1 and not out.is_graph_output() and uses[0].node.op_type == "Transpose":
+        tperm = uses[0].node.attributes.get("perm")
+        if tperm is not None and list(tperm.as_ints()) == [0, 2, 1, 3]:
+            seen.append(uses[0].node)
+            out, bthd = uses[0].node.outputs[0], True
+    # Static head counts, float32 rank-4 operands.
+    for value, what in ((q, "q"), (k, "k"), (v, "v")):
+        need(value.dtype == _FLOAT and rank_of(value) == 4, f"{what} is not a float32 rank-4 tensor", *seen)
+    heads, kv_heads = _heads(q), _heads(k)
+    need(heads is not None and kv_heads is not None and _heads(v) == kv_heads,
+         "the head counts of q, k and v are not static and consistent", *seen)  # fmt: skip
+    assert heads is not None and kv_heads is not None
+    if out_view is not None:
+        assert in_view is not None
+        need(
+            in_view[1] == kv_heads and out_view[1] == heads and heads % kv_heads == 0,
+            f"the views ({in_view[1]}, {out_view[1]} heads) are not k's and q's ({kv_heads}, {heads})",
+            *seen,
+        )
+    else:
+        need(kv_heads in (heads, 1), f"q's {heads} heads against k's {kv_heads} are no MatMul broadcast", *seen)
+    end = out.producer()
+    assert end is not None
+    return _Attention(q, k, v, mask, q_scale, k_scale, bthd, out, end)
+
+
+class NativeAttention(ir.passes.InPlacePass):
+    """The attention cores of a decoder into ``ai.layerzero::Attention`` (module docstring). ``fused``: the new nodes'
+    names; ``refused``: the Softmax nodes that looked like attention and were left."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused: list[str] = []
+        self.refused: list[Refusal] = []
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.fused, self.refused = [], []
+        names = NameFactory(model.graph)
+        opset = model_opset(model)
+        for graph in model.graphs():
+            for node in list(graph):
+                if node.op_type != "Softmax" or node.domain not in ("", "ai.onnx") or node.graph is not graph:
+                    continue
+                try:
+                    found = match_attention(node)
+                except NoMatch as failure:
+                    if failure.progress > 2:  # a Softmax that began like attention (a router's is not)
+                        self.refused.append(Refusal.of(scope_of(node), failure, "attention"))
+                    continue
+                self._fuse(graph, Builder(model.graph, names, opset, metadata=found.end.metadata_props), found)
+        if self.fused:
+            model.opset_imports.setdefault(MOE_DOMAIN, 1)
+            RemoveDeadCode()(model)
+        return ir.passes.PassResult(model, modified=bool(self.fused))
+
+    def _fuse(self, graph: ir.Graph, b: Builder, found: _Attention) -> None:
+        attrs = {"q_scale": float(found.q_scale), "k_scale": float(found.k_scale),
+                 "output_layout": "bthd" if found.bthd else "bhtd"}  # fmt: skip
+        inputs = [found.q, found.k, found.v] + ([found.mask] if found.mask is not None else [])
+        name = f"{found.end.name or '/lz_fuse/'}_attention"
+        new = b.node(ATTENTION_OP, inputs, attrs, domain=MOE_DOMAIN, name=name).outputs[0]
+        new.dtype, new.shape, new.type = found.out.dtype, found.out.shape, found.out.type
+        graph.insert_before(found.end, b.take())
+        replace_value(found.out, new, b.names)
+        self.fused.append(new.producer().name or "")  # type: ignore[union-attr]
