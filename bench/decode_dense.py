@@ -13,6 +13,9 @@ Batch 1, a 32-token prompt, 128 new tokens (greedy), at each ``--threads`` count
 - ORT int4: the export through ONNX Runtime's own ``onnxruntime.quantization.matmul_nbits_quantizer`` (MatMulNBits,
   block 32, symmetric, accuracy_level 4: ONNX Runtime's best int4 form; every constant-weight MatMul, lm_head too);
 - LZ int4: ``compile --weights int4`` (LayerZero's MatMulNBits, the same block / symmetry / accuracy level);
+- LZ int4 native: the same with ``--linear-kernel native`` (liblayerzero_ort.so's QLinear on the same codes, q/k/v and
+  gate/up one node each, and its Attention: one node per layer's attention core), ``--no-verify`` (LZ int4's
+  compile is the verified one; its greedy ids are printed against ORT fp32's like every column's);
 - LZ fp32 sparse s, LZ int4 sparse s for s in ``--sparsity`` (default 0.3,0.5): ``compile --activation-sparsity s``
   (+ ``--weights int4``), the thresholds calibrated on 8 seeded prompts of their own (``calibration.json``, not the
   bench prompt). The realized sparsity of each is printed from its run's report (the parameter-weighted share of
@@ -33,7 +36,7 @@ the prompt (top-1 agreement of the greedy id at every position, relative L2 of t
 and how many of its 128 greedy ids equal ORT fp32's from the start, then the targets; exit 1 on a miss (not judged
 at ``--quick``):
 
-- issue 22: LZ int4 >= 0.95 x ORT int4, at 1 and 2 threads;
+- issue 22: LZ int4 >= 0.95 x ORT int4, at 1 and 2 threads (and LZ int4 native);
 - issue 23: at s = 0.5, LZ fp32 sparse >= 1.4 x LZ fp32, LZ int4 sparse >= 1.3 x LZ int4 and >= 1.3 x ORT int4; at
   s = 0.3, LZ fp32 sparse and LZ int4 sparse >= 1.2 x their dense LZ.
 
@@ -72,7 +75,7 @@ from layerzero.options import CompileOptions  # noqa: E402
 from layerzero.runtime import Engine  # noqa: E402
 
 #: (numerator, denominator, at least, issue) on median decode tokens/s, per thread count; ``{s}`` is a sparsity.
-TARGETS_INT4 = (("LZ int4", "ORT int4", 0.95, 22),)
+TARGETS_INT4 = (("LZ int4", "ORT int4", 0.95, 22), ("LZ int4 native", "ORT int4", 0.95, 22))
 TARGETS_SPARSE = {
     0.5: (("LZ fp32 sparse {s}", "LZ fp32", 1.4, 23), ("LZ int4 sparse {s}", "LZ int4", 1.3, 23),
           ("LZ int4 sparse {s}", "ORT int4", 1.3, 23)),
@@ -310,6 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     if want("LZ int4"):
         paths["LZ int4"], note = lz_bundle(src, root, "lz-int4", args.verify != "none", args.max_deviation, **q)
         notes.append(f"LZ int4: {note}")
+    if want("LZ int4 native") and native_why is None:
+        paths["LZ int4 native"], note = lz_bundle(src, root, "lz-int4-native", False, args.max_deviation,
+                                                  linear_kernel="native", **q)  # fmt: skip
+        notes.append(f"LZ int4 native: {note} (QLinear + Attention of liblayerzero_ort.so)")
+    elif want("LZ int4 native"):
+        notes.append(f"LZ int4 native: not run (liblayerzero_ort.so {native_why})")
     for s in sparsities:
         for prec, extra in (("fp32", {}), ("int4", q)):
             name = f"LZ {prec} sparse {s:g}"

@@ -36,7 +36,7 @@ from layerzero.plugins import ort_library
 from layerzero.plugins.quant import dequantize_blocks, moe_quant_reference, quantize_moe_weights
 from layerzero.plugins.reference import moe_reference
 
-SHAPES = {64: (64, 8, 1024, 512), 128: (128, 8, 512, 256)}
+SHAPES = {32: (32, 4, 1024, 384), 64: (64, 8, 1024, 512), 128: (128, 8, 512, 256)}  # 32: bench/decode.py qwen3_moe
 
 
 def _graph(node: onnx.NodeProto, hidden: int, experts: int, inits: list, domain: str) -> onnx.ModelProto:

@@ -19,7 +19,9 @@ with ``V1`` / ``V2`` both absent (as many query as kv heads) or both ``Reshape``
 ``[0, H, -1, 0]`` (grouped-query attention: ``FuseDecoder``'s repeat_kv form, query head ``h`` reading kv head
 ``h // (H / Hk)``), q ``[B, H, T, D]``, k and v ``[B, Hk, L, D]`` of static head counts, float32 throughout, every
 intermediate read only by the pattern. -> ``Attention(q, k, v, mask, q_scale=sq, k_scale=sk,
-output_layout="bhtd" | "bthd")`` (the op's semantics: ``plugins/ort/src/attention.h``; reference
+output_layout="bhtd" | "bthd")``; where k and v are ``Concat(past, new, axis=2)`` read only by the pattern and as
+graph outputs (the presents the exporters write), the op's past form takes ``past`` and ``new`` (inputs 4, 5 and 1, 2)
+and writes the presents as its outputs 1 and 2 (the semantics: ``plugins/ort/src/attention.h``; reference
 ``plugins/reference.py`` ``attention_reference``). The same products and softmax in float32; not bitwise ONNX
 Runtime's (its MLAS sums in another order): the verification compares the compiled model with the
 quantized-dense reference, which gets this pass too (``compiler/compile.py``), at the usual tolerances.
@@ -32,13 +34,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import onnx_ir as ir
 
 from layerzero.contract import ATTENTION_OP, MOE_DOMAIN
 from layerzero.passes._builder import Builder, model_opset
-from layerzero.passes._fuse_match import int_attr, only_reader, other_input, rank_of, scalar_of
+from layerzero.passes._fuse_match import int_attr, last_dim, only_reader, other_input, rank_of, scalar_of
 from layerzero.passes._graph import NameFactory, const_array, replace_value, scope_of
 from layerzero.passes._match import NoMatch, Refusal, need
+from layerzero.passes._shapes import SymbolicShapes
 from layerzero.passes.dead_code import RemoveDeadCode
 
 __all__ = ["NativeAttention"]
@@ -57,6 +61,8 @@ class _Attention:
     bthd: bool
     out: ir.Value  # the pattern's last value (replaced by the op's output)
     end: ir.Node  # its producer
+    pasts: tuple[ir.Value, ir.Value] | None = None  # the caches' Concat inputs (k, v are then the new rows)
+    presents: tuple[ir.Value, ir.Value] | None = None  # the Concats' outputs (the op's outputs 1 and 2)
 
 
 def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
@@ -210,7 +216,128 @@ def match_attention(softmax: ir.Node) -> _Attention:
         need(kv_heads in (heads, 1), f"q's {heads} heads against k's {kv_heads} are no MatMul broadcast", *seen)
     end = out.producer()
     assert end is not None
-    return _Attention(q, k, v, mask, q_scale, k_scale, bthd, out, end)
+    found = _Attention(q, k, v, mask, q_scale, k_scale, bthd, out, end)
+    _take_cache_concats(found, transpose, nxt)
+    return found
+
+
+def _cache_concat(value: ir.Value, reader: ir.Node) -> tuple[ir.Value, ir.Value] | None:
+    """``(past, new)`` of ``value = Concat(past, new, axis=2)`` (rank 4) read only by ``reader`` and as a graph
+    output (the present the exporters write), else None."""
+    concat = _producer(value, "Concat")
+    if concat is None or len(concat.inputs) != 2 or rank_of(value) != 4:
+        return None
+    if int_attr(concat, "axis", 0) not in (2, -2) or any(u.node is not reader for u in value.uses()):
+        return None
+    past, new = concat.inputs
+    if past is None or new is None or past.dtype != _FLOAT or new.dtype != _FLOAT:
+        return None
+    return past, new
+
+
+def _take_cache_concats(found: _Attention, k_reader: ir.Node, v_reader: ir.Node) -> None:
+    """The cache's two Concats into the op (its past form): k and v become the new rows, the presents its outputs."""
+    ks, vs = _cache_concat(found.k, k_reader), _cache_concat(found.v, v_reader)
+    if ks is None or vs is None or _heads(ks[1]) != _heads(found.k) or _heads(vs[1]) != _heads(found.v):
+        return
+    found.pasts, found.presents = (ks[0], vs[0]), (found.k, found.v)
+    found.k, found.v = ks[1], vs[1]
+
+
+@dataclass
+class _Heads:
+    """input_layout "bsh": what the op reads instead of the prepared heads (the projections' outputs), and how."""
+
+    q: ir.Value
+    k: ir.Value
+    v: ir.Value
+    heads: int
+    kv_heads: int
+    q_norm: ir.Value | None
+    k_norm: ir.Value | None
+    epsilon: float
+    rotary: tuple[ir.Value, ir.Value, ir.Value] | None  # cos_cache, sin_cache, position ids
+    out: ir.Value  # the [B, T, H * D] view of the output (replaced by the op's output 0)
+
+
+def _single(value: ir.Value | None, op_type: str, domain: str = "") -> ir.Node | None:
+    """The producer of ``value`` of that kind when ``value`` has one reader and is no graph output."""
+    node = value.producer() if value is not None else None
+    if node is None or node.op_type != op_type or node.domain not in ((domain,) if domain else ("", "ai.onnx")):
+        return None
+    assert value is not None
+    return node if len(list(value.uses())) == 1 and not value.is_graph_output() else None
+
+
+def _split_heads(value: ir.Value, shapes: SymbolicShapes) -> tuple[ir.Value, int] | None:
+    """``(x, heads)`` of ``value = Reshape(x)`` that splits x's last axis [B, T, heads * D] into [B, T, heads, D]."""
+    view = _single(value, "Reshape")
+    x = view.inputs[0] if view is not None else None
+    if view is None or x is None or x.dtype != _FLOAT:
+        return None
+    inner, outer = shapes.dims(x), shapes.dims(value)
+    if inner is None or outer is None or len(inner) != 3 or len(outer) != 4 or inner[:2] != outer[:2]:
+        return None
+    if not all(isinstance(d, int) for d in (inner[2], outer[2], outer[3])) or inner[2] != outer[2] * outer[3]:
+        return None
+    return x, int(outer[2])
+
+
+def _prepared(value: ir.Value, shapes: SymbolicShapes):
+    """``(x, heads, norm weight, epsilon, rotary inputs)`` of ``value = [Rotary(]Transpose(SLN?(split(x))))[)]``
+    (com.microsoft.RotaryEmbedding non-interleaved over the whole head, SimplifiedLayerNormalization over its last
+    axis with a constant weight), else None."""
+    rotary = None
+    rot = _single(value, "RotaryEmbedding", "com.microsoft")
+    if rot is not None:
+        ok = int_attr(rot, "interleaved", 0) == 0 and int_attr(rot, "rotary_embedding_dim", 0) == 0
+        ok = ok and int_attr(rot, "num_heads", 0) == 0 and rot.attributes.get("scale") is None
+        if not ok or len(rot.inputs) != 4 or any(i is None for i in rot.inputs):
+            return None
+        rotary = (rot.inputs[2], rot.inputs[3], rot.inputs[1])
+        value = rot.inputs[0]  # type: ignore[assignment]
+    transpose = _single(value, "Transpose")
+    perm = transpose.attributes.get("perm") if transpose is not None else None
+    if transpose is None or perm is None or list(perm.as_ints()) != [0, 2, 1, 3] or transpose.inputs[0] is None:
+        return None
+    value, norm, epsilon = transpose.inputs[0], None, 0.0
+    sln = _single(value, "SimplifiedLayerNormalization")
+    if sln is not None:
+        weight = const_array(sln.inputs[1]) if len(sln.inputs) > 1 else None
+        if int_attr(sln, "axis", -1) not in (-1, 3) or weight is None or weight.dtype != np.float32:
+            return None
+        eps = sln.attributes.get("epsilon")
+        norm, epsilon, value = sln.inputs[1], float(eps.value) if eps is not None else 1e-5, sln.inputs[0]
+    split = _split_heads(value, shapes)
+    if split is None:
+        return None
+    if norm is not None and const_array(norm).shape != (last_dim(value),):  # type: ignore[union-attr]
+        return None
+    return split[0], split[1], norm, epsilon, rotary
+
+
+def _bsh(found: _Attention, shapes: SymbolicShapes) -> _Heads | None:
+    """The heads' preparation (split, RMS norm, transpose, rotary) and the output's merge into the op, when the
+    pattern has its past form and q, k and v are the projections' outputs so prepared; else None."""
+    if found.pasts is None or not found.bthd:
+        return None
+    q, k = _prepared(found.q, shapes), _prepared(found.k, shapes)
+    transpose = _single(found.v, "Transpose")
+    perm = transpose.attributes.get("perm") if transpose is not None else None
+    if q is None or k is None or transpose is None or perm is None or list(perm.as_ints()) != [0, 2, 1, 3]:
+        return None
+    v = _split_heads(transpose.inputs[0], shapes)  # type: ignore[arg-type]
+    if v is None or k[1] != v[1] or q[1] % k[1] or q[4] != k[4] or (q[2] and k[2] and q[3] != k[3]):
+        return None
+    uses = list(found.out.uses())
+    view = uses[0].node if len(uses) == 1 and not found.out.is_graph_output() else None
+    merged = view.outputs[0] if view is not None and view.op_type == "Reshape" else None
+    outer, inner = shapes.dims(merged), shapes.dims(found.out)
+    if merged is None or outer is None or inner is None or len(outer) != 3 or outer[:2] != inner[:2]:
+        return None
+    if not all(isinstance(d, int) for d in (outer[2], inner[2], inner[3])) or outer[2] != inner[2] * inner[3]:
+        return None
+    return _Heads(q[0], k[0], v[0], q[1], k[1], q[2], k[2], q[3] if q[2] is not None else k[3], q[4], merged)
 
 
 class NativeAttention(ir.passes.InPlacePass):
@@ -227,6 +354,7 @@ class NativeAttention(ir.passes.InPlacePass):
         names = NameFactory(model.graph)
         opset = model_opset(model)
         for graph in model.graphs():
+            shapes: SymbolicShapes | None = None
             for node in list(graph):
                 if node.op_type != "Softmax" or node.domain not in ("", "ai.onnx") or node.graph is not graph:
                     continue
@@ -236,19 +364,35 @@ class NativeAttention(ir.passes.InPlacePass):
                     if failure.progress > 2:  # a Softmax that began like attention (a router's is not)
                         self.refused.append(Refusal.of(scope_of(node), failure, "attention"))
                     continue
-                self._fuse(graph, Builder(model.graph, names, opset, metadata=found.end.metadata_props), found)
+                shapes = SymbolicShapes(graph) if shapes is None else shapes
+                self._fuse(graph, Builder(model.graph, names, opset, metadata=found.end.metadata_props), found,
+                           _bsh(found, shapes))  # fmt: skip
         if self.fused:
             model.opset_imports.setdefault(MOE_DOMAIN, 1)
             RemoveDeadCode()(model)
         return ir.passes.PassResult(model, modified=bool(self.fused))
 
-    def _fuse(self, graph: ir.Graph, b: Builder, found: _Attention) -> None:
-        attrs = {"q_scale": float(found.q_scale), "k_scale": float(found.k_scale),
-                 "output_layout": "bthd" if found.bthd else "bhtd"}  # fmt: skip
-        inputs = [found.q, found.k, found.v] + ([found.mask] if found.mask is not None else [])
+    def _fuse(self, graph: ir.Graph, b: Builder, found: _Attention, heads: _Heads | None) -> None:
+        attrs: dict[str, object] = {"q_scale": float(found.q_scale), "k_scale": float(found.k_scale),
+                                    "output_layout": "bthd" if found.bthd else "bhtd"}  # fmt: skip
+        inputs: list[ir.Value | None] = [found.q, found.k, found.v, found.mask]
+        if found.pasts is not None:
+            inputs += list(found.pasts)
+        out = found.out
+        if heads is not None:  # input_layout "bsh": the projections' outputs, prepared in the op
+            inputs[:3] = [heads.q, heads.k, heads.v]
+            inputs += [heads.q_norm, heads.k_norm, *(heads.rotary or ())]
+            attrs.update(input_layout="bsh", output_layout="bsh", num_heads=heads.heads, kv_num_heads=heads.kv_heads,
+                         norm_epsilon=float(heads.epsilon))  # fmt: skip
+            out = heads.out
+        while inputs[-1] is None:
+            inputs.pop()
         name = f"{found.end.name or '/lz_fuse/'}_attention"
-        new = b.node(ATTENTION_OP, inputs, attrs, domain=MOE_DOMAIN, name=name).outputs[0]
-        new.dtype, new.shape, new.type = found.out.dtype, found.out.shape, found.out.type
+        olds = [out, *(found.presents or ())]
+        node = b.node(ATTENTION_OP, inputs, attrs, domain=MOE_DOMAIN, name=name, outputs=len(olds))
+        for old, new in zip(olds, node.outputs):
+            new.dtype, new.shape, new.type = old.dtype, old.shape, old.type
         graph.insert_before(found.end, b.take())
-        replace_value(found.out, new, b.names)
-        self.fused.append(new.producer().name or "")  # type: ignore[union-attr]
+        for old, new in zip(olds, node.outputs):
+            replace_value(old, new, b.names)
+        self.fused.append(node.name or "")

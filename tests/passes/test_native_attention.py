@@ -1,9 +1,10 @@
 """``NativeAttention`` (passes/native_attention.py) on real exports: a tiny Llama with grouped-query attention (4 query
 heads, 2 kv heads: FuseDecoder's repeat_kv form) and with as many kv as query heads, exported by ``layerzero export``
-(torch.onnx dynamo) and fused as the compile does (``FuseDecoder`` first). Each layer's attention core becomes one
-``ai.layerzero::Attention``; the logits and the presents equal the unfused graph's on ONNX Runtime (prefill, decode
-with a past, a left-padded batch) to float32 rounding; a second run changes nothing; the TorchScript export's form
-is left as it is; ``compile --weights int4 --linear-kernel native`` writes it and verifies."""
+(torch.onnx dynamo) and fused as the compile does (``FuseDecoder`` first). Each layer's attention core and its
+cache's two Concats become one ``ai.layerzero::Attention``; the logits and the presents equal the unfused graph's on
+ONNX Runtime (prefill, decode with a past, a left-padded batch) to float32 rounding; a second run changes nothing;
+the TorchScript export's form is left as it is; ``compile --weights int4 --linear-kernel native`` writes it and
+verifies."""
 
 from __future__ import annotations
 
@@ -26,17 +27,20 @@ from tests.plugins.native_build import build_ort_test_library
 LAYERS, HEADS, HEAD_DIM, VOCAB = 2, 4, 16, 100
 
 
-def _export(tmp: Path, kv_heads: int, exporter: str) -> Path:
+def _export(tmp: Path, kv_heads: int, exporter: str, family: str = "llama") -> Path:
     torch = pytest.importorskip("torch", reason="the Llama exports need torch")
     transformers = pytest.importorskip("transformers", reason="the Llama exports need transformers")
     pytest.importorskip("onnxscript", reason="torch.onnx.export(dynamo=True) needs onnxscript")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
+    classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}  # fmt: skip
+    config_class, model_class = classes[family]
+    config = config_class(
         hidden_size=HEADS * HEAD_DIM, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
         num_key_value_heads=kv_heads, vocab_size=VOCAB, max_position_embeddings=256, initializer_range=0.2,
-        eos_token_id=None, bos_token_id=None,
+        eos_token_id=None, bos_token_id=None, head_dim=HEAD_DIM,
     )  # fmt: skip
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(tmp / "hf")
+    model_class(config).eval().save_pretrained(tmp / "hf")
     out = tmp / "export" / "model.onnx"
     argv = ["export", str(tmp / "hf"), "-o", str(out)] + (["--exporter", "torchscript"] if exporter == "ts" else [])
     assert main(argv) == 0
@@ -48,9 +52,11 @@ def lib() -> Path:
     return build_ort_test_library()
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["gqa", "mha"])
+@pytest.fixture(scope="module", params=[("llama", 2), ("llama", 4), ("qwen3", 2)], ids=["gqa", "mha", "qwen3-qk-norm"])
 def export(request, tmp_path_factory) -> tuple[Path, int]:
-    return _export(tmp_path_factory.mktemp(f"attn{request.param}"), request.param, "dynamo"), request.param
+    family, kv_heads = request.param
+    path = _export(tmp_path_factory.mktemp(f"attn-{family}{kv_heads}"), kv_heads, "dynamo", family)
+    return path, kv_heads
 
 
 def _fused(path: Path) -> tuple[ir.Model, ir.Model, NativeAttention]:
@@ -93,9 +99,16 @@ def test_each_layer_becomes_one_node_with_the_same_outputs(lib, export):
     assert ops["Attention"] == LAYERS and "Softmax" not in ops and "IsNaN" not in ops and not step.refused
     assert len(step.fused) == LAYERS
     nodes = [n for n in fused.graph if n.op_type == "Attention"]
-    assert all(n.domain == "ai.layerzero" and n.attributes["output_layout"].value == "bthd" for n in nodes)
+    # The heads' split, RMS norm (Qwen3's q / k norm), transpose and rotary went into the op (input_layout "bsh"),
+    # and the caches' Concats (its past form): it reads the projections and writes the presents, the graph outputs.
+    assert all(n.domain == "ai.layerzero" and n.attributes["input_layout"].value == "bsh" for n in nodes)
+    assert all(len(n.inputs) == 11 and len(n.outputs) == 3 for n in nodes)
+    assert not {"RotaryEmbedding", "Transpose"} & set(ops)
+    assert Counter(n.op_type for n in base.graph)["Concat"] - ops["Concat"] >= 2 * LAYERS  # (+ dead shape Concats)
+    presents = {o.name for n in nodes for o in n.outputs[1:]}
+    assert presents == {f"present.{i}.{kv}" for i in range(LAYERS) for kv in ("key", "value")}
     removed = sum(len(g) for g in base.graphs()) - sum(len(g) for g in fused.graphs())
-    assert removed >= 8 * LAYERS  # 9 nodes a layer (MHA) to 13 (GQA: the views)
+    assert removed >= 18 * LAYERS  # MHA 20 a layer (the core 9, the caches' Concats, the heads' 9 views)
     s0, s1 = _session(lib, base), _session(lib, fused)
     rng = np.random.default_rng(kv_heads)
     for batch, tokens, past in [(1, 1, 7), (2, 3, 5), (1, 6, 0), (2, 1, 40)]:

@@ -24,11 +24,14 @@ NEG = np.float32(np.finfo(np.float32).min)
 SHAPES = [(1, 16, 4, 1, 37), (2, 8, 8, 5, 5), (1, 4, 1, 3, 70), (3, 6, 2, 0, 4), (2, 4, 2, 67, 80), (1, 4, 2, 2, 0)]
 
 
-def _model(with_mask: bool = True, **attrs) -> onnx.ModelProto:
-    names = ["q", "k", "v"] + (["mask"] if with_mask else [])
-    node = helper.make_node("Attention", names, ["o"], domain="ai.layerzero", name=NODE, **attrs)
-    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names]
-    graph = helper.make_graph([node], "attn", inputs, [helper.make_tensor_value_info("o", TensorProto.FLOAT, None)])
+def _model(with_mask: bool = True, past: bool = False, outputs: int | None = None, **attrs) -> onnx.ModelProto:
+    names = ["q", "k", "v"] + (["mask"] if with_mask else [""] if past else []) + (["pk", "pv"] if past else [])
+    outs = ["o", "present_k", "present_v"][: outputs or (3 if past else 1)]
+    node = helper.make_node("Attention", names, outs, domain="ai.layerzero", name=NODE, **attrs)
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names if n]
+    graph = helper.make_graph(
+        [node], "attn", inputs, [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs]
+    )
     return helper.make_model(graph, opset_imports=OPSETS, ir_version=10)
 
 
@@ -64,6 +67,138 @@ def _check(lib, threads, B, H, Hk, T, L, layout):
     ref = attention_reference(q, k, v, mask, scale, scale, layout)
     assert o.shape == ref.shape and o.dtype == np.float32
     np.testing.assert_allclose(o, ref, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("B", "H", "Hk", "T", "P"), [(1, 16, 4, 1, 36), (2, 8, 2, 3, 5), (1, 4, 4, 6, 0)])
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_past_form_writes_the_presents_and_attends_over_them(ort_lib, threads, B, H, Hk, T, P, with_mask):
+    """With past_key / past_value the op is the cache's Concat and the attention in one: outputs 1 and 2 are
+    concat(past, new) along the sequence (bitwise), output 0 the attention over them."""
+    rng = np.random.default_rng(B * 100 + T * 10 + P)
+    D = 32
+    q = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    k, v = (rng.standard_normal((B, Hk, T, D)).astype(np.float32) for _ in range(2))
+    pk, pv = (rng.standard_normal((B, Hk, P, D)).astype(np.float32) for _ in range(2))
+    mask = _causal(rng, B, T, P + T, pad=min(2, P)) if with_mask else None
+    sess = session(ort_lib, _model(with_mask, past=True, q_scale=0.5, k_scale=0.25), threads)
+    feeds = {"q": q, "k": k, "v": v, "pk": pk, "pv": pv} | ({"mask": mask} if with_mask else {})
+    o, present_k, present_v = sess.run(None, feeds)
+    assert np.array_equal(present_k, np.concatenate([pk, k], axis=2))
+    assert np.array_equal(present_v, np.concatenate([pv, v], axis=2))
+    ref = attention_reference(q, present_k, present_v, mask, 0.5, 0.25)
+    np.testing.assert_allclose(o, ref, rtol=2e-5, atol=2e-6)
+    # ... and equal to the op without a past, fed the presents (the same rows, the same order of arithmetic).
+    plain = session(ort_lib, _model(with_mask, q_scale=0.5, k_scale=0.25), threads)
+    rest = {"q": q, "k": present_k, "v": present_v} | ({"mask": mask} if with_mask else {})
+    assert np.array_equal(o, plain.run(None, rest)[0])
+
+
+@pytest.mark.parametrize(
+    ("shapes", "expected"),
+    [
+        ({"pk": (1, 2, 3, 8), "pv": (1, 2, 4, 8)}, "do not fit the new keys"),
+        ({"pk": (1, 3, 3, 8), "pv": (1, 3, 3, 8)}, "do not fit the new keys"),
+    ],
+)
+def test_past_of_another_shape_is_one_line(ort_lib, shapes, expected):
+    sess = session(ort_lib, _model(False, past=True), 1)
+    sizes = {"q": (1, 4, 1, 8), "k": (1, 2, 1, 8), "v": (1, 2, 1, 8)} | shapes
+    feeds = {n: np.zeros(s, np.float32) for n, s in sizes.items()}
+    with pytest.raises(Exception) as info:
+        sess.run(None, feeds)
+    assert expected in str(info.value) and NODE in str(info.value)
+
+
+def test_outputs_must_fit_the_inputs(ort_lib):
+    with pytest.raises(Exception, match="with a past it writes o, present_key, present_value"):
+        session(ort_lib, _model(False, past=True, outputs=1), 1)
+
+
+def _bsh_model(norms: bool, rope: bool, with_mask: bool, heads: int, kv_heads: int, eps: float) -> onnx.ModelProto:
+    names = ["q", "k", "v", "mask" if with_mask else "", "pk", "pv"]
+    names += (["qn", "kn"] if norms else ["", ""]) + (["cos", "sin", "ids"] if rope else [])
+    while not names[-1]:
+        names.pop()
+    node = helper.make_node("Attention", names, ["o", "present_k", "present_v"], domain="ai.layerzero", name=NODE,
+                            input_layout="bsh", num_heads=heads, kv_num_heads=kv_heads, norm_epsilon=eps,
+                            q_scale=0.3, k_scale=0.4)  # fmt: skip
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64 if n == "ids" else TensorProto.FLOAT, None)
+              for n in names if n]  # fmt: skip
+    outs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("o", "present_k", "present_v")]
+    graph = helper.make_graph([node], "attn", inputs, outs)
+    return helper.make_model(graph, opset_imports=OPSETS, ir_version=10)
+
+
+def _heads(x: np.ndarray, heads: int, norm: np.ndarray | None, eps: float, cos=None, sin=None, ids=None):
+    """numpy of the bsh preparation: [B, T, heads * D] -> [B, heads, T, D], RMS norm, rotate_half rotary."""
+    B, T, _ = x.shape
+    h = x.reshape(B, T, heads, -1).astype(np.float64)
+    if norm is not None:
+        h = h / np.sqrt((h * h).mean(-1, keepdims=True) + eps) * norm
+    h = h.transpose(0, 2, 1, 3)
+    if cos is not None:
+        c, s = cos[ids][:, None].astype(np.float64), sin[ids][:, None].astype(np.float64)  # [B, 1, T, D/2]
+        half = h.shape[-1] // 2
+        x1, x2 = h[..., :half], h[..., half:]
+        h = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return h.astype(np.float32)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("norms", "rope"), [(True, True), (False, True), (False, False), (True, False)])
+@pytest.mark.parametrize(("B", "H", "Hk", "T", "P"), [(1, 8, 2, 1, 20), (2, 4, 4, 5, 3), (1, 4, 2, 3, 0)])
+def test_bsh_layout_prepares_the_heads(ort_lib, threads, norms, rope, B, H, Hk, T, P):
+    """input_layout "bsh": q / k / v as the projections write them, each head through the RMS norm and the rotary
+    embedding of its position (the graph's SimplifiedLayerNormalization / RotaryEmbedding), then the past form;
+    the output [B, T, H * D]."""
+    rng = np.random.default_rng(B * 100 + T * 10 + P + H)
+    D, eps, rows = 16, 1e-6, 64
+    q = rng.standard_normal((B, T, H * D)).astype(np.float32)
+    k, v = (rng.standard_normal((B, T, Hk * D)).astype(np.float32) for _ in range(2))
+    pk, pv = (rng.standard_normal((B, Hk, P, D)).astype(np.float32) for _ in range(2))
+    qn, kn = (rng.uniform(0.5, 1.5, D).astype(np.float32) for _ in range(2))
+    angles = np.arange(rows)[:, None] * rng.uniform(0.01, 1.0, D // 2)[None]
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    ids = (P + np.arange(T))[None].repeat(B, 0).astype(np.int64)
+    mask = _causal(rng, B, T, P + T, pad=min(2, P))
+    feeds = {"q": q, "k": k, "v": v, "mask": mask, "pk": pk, "pv": pv}
+    feeds |= ({"qn": qn, "kn": kn} if norms else {}) | ({"cos": cos, "sin": sin, "ids": ids} if rope else {})
+    o, present_k, present_v = session(ort_lib, _bsh_model(norms, rope, True, H, Hk, eps), threads).run(None, feeds)
+    r = (cos, sin, ids) if rope else ()
+    qh = _heads(q, H, qn if norms else None, eps, *r)
+    kh = _heads(k, Hk, kn if norms else None, eps, *r)
+    np.testing.assert_allclose(present_k, np.concatenate([pk, kh], axis=2), rtol=1e-5, atol=1e-5)
+    assert np.array_equal(present_v, np.concatenate([pv, _heads(v, Hk, None, eps)], axis=2))
+    ref = attention_reference(qh, present_k, present_v, mask, 0.3, 0.4, "bthd").reshape(B, T, H * D)
+    assert o.shape == (B, T, H * D)
+    np.testing.assert_allclose(o, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ({"ids": np.array([[70]], np.int64)}, "position id 70 is outside the rotary caches' 64 rows"),
+        ({"qn": np.ones(8, np.float32)}, "the norm weight (input 6) is [8], not [16]"),
+        ({"k": np.zeros((1, 2, 32), np.float32)}, "must be [B, T, heads * D] of one B and T"),
+    ],
+)
+def test_bsh_bad_inputs_are_one_line(ort_lib, case, expected):
+    D = 16
+    feeds = {"q": np.zeros((1, 1, 4 * D), np.float32), "k": np.zeros((1, 1, 2 * D), np.float32),
+             "v": np.zeros((1, 1, 2 * D), np.float32), "mask": np.zeros((1, 1, 1, 1), np.float32),
+             "pk": np.zeros((1, 2, 0, D), np.float32), "pv": np.zeros((1, 2, 0, D), np.float32),
+             "qn": np.ones(D, np.float32), "kn": np.ones(D, np.float32), "cos": np.ones((64, D // 2), np.float32),
+             "sin": np.zeros((64, D // 2), np.float32), "ids": np.zeros((1, 1), np.int64)} | case  # fmt: skip
+    sess = session(ort_lib, _bsh_model(True, True, True, 4, 2, 1e-6), 1)
+    with pytest.raises(Exception) as info:
+        sess.run(None, feeds)
+    assert expected in str(info.value) and NODE in str(info.value)
+
+
+def test_bsh_needs_head_counts(ort_lib):
+    with pytest.raises(Exception, match="needs num_heads and kv_num_heads > 0"):
+        session(ort_lib, _bsh_model(False, False, True, 6, 4, 1e-6), 1)
 
 
 def test_bitwise_equal_across_threads_and_batched_alone(ort_lib):

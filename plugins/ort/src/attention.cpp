@@ -20,6 +20,7 @@ namespace {
 
 constexpr const char* kName = "Attention";
 constexpr int64_t kRowBlock = 64;  // query rows whose scores are held at once (a [64, L] float buffer)
+constexpr size_t kQNorm = 6, kCos = 8, kPositions = 10, kBshInputs = 11;  // input_layout "bsh"'s inputs
 
 struct Refusal {
   OrtErrorCode code;
@@ -134,6 +135,11 @@ struct AttentionKernel {
   std::string node;
   float q_scale = 1.0f, k_scale = 1.0f;
   bool bthd = false;
+  bool cached = false;  // past_key / past_value given: k, v are the new rows, presents are outputs 1 and 2
+  bool bsh = false;     // input_layout "bsh": q / k / v as the projections write them ([B, T, heads * D])
+  bool rotary = false;  // bsh with cos_cache, sin_cache, position_ids
+  int64_t heads = 0, kv_heads = 0;
+  float norm_epsilon = 0.0f;
 
   [[noreturn]] void fail(OrtErrorCode code, const std::string& what) const {
     throw Refusal{code, "ai.layerzero::Attention node '" + node + "': " + what};
@@ -142,43 +148,225 @@ struct AttentionKernel {
   explicit AttentionKernel(const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
     node = ki.GetNodeName();
-    auto float_attr = [&](const char* name) {
-      try {
-        return ki.GetAttribute<float>(name);
-      } catch (const Ort::Exception&) {
-        return 1.0f;
+    // Attributes and input types through the C API (an absent attribute is a status, not an exception: the
+    // AddressSanitizer build runs under LD_PRELOAD, where a C++ throw from the ORT headers aborts).
+    const OrtApi& api = Ort::GetApi();
+    auto float_attr = [&](const char* name, float fallback) {
+      float v = fallback;
+      if (OrtStatus* st = api.KernelInfoGetAttribute_float(info, name, &v)) {
+        api.ReleaseStatus(st);
+        v = fallback;
       }
+      return v;
     };
-    q_scale = float_attr("q_scale");
-    k_scale = float_attr("k_scale");
-    std::string layout = "bhtd";
-    try {
-      layout = ki.GetAttribute<std::string>("output_layout");
-    } catch (const Ort::Exception&) {
+    auto int_attr = [&](const char* name) {
+      int64_t v = 0;
+      if (OrtStatus* st = api.KernelInfoGetAttribute_int64(info, name, &v)) {
+        api.ReleaseStatus(st);
+        v = 0;
+      }
+      return v;
+    };
+    auto string_attr = [&](const char* name, const char* fallback) {
+      size_t size = 0;
+      if (OrtStatus* st = api.KernelInfoGetAttribute_string(info, name, nullptr, &size)) {
+        api.ReleaseStatus(st);
+        if (size == 0) return std::string(fallback);
+      }
+      std::string v(size, '\0');
+      if (OrtStatus* st = api.KernelInfoGetAttribute_string(info, name, v.data(), &size)) {
+        api.ReleaseStatus(st);
+        return std::string(fallback);
+      }
+      v.resize(size > 0 ? size - 1 : 0);
+      return v;
+    };
+    q_scale = float_attr("q_scale", 1.0f);
+    k_scale = float_attr("k_scale", 1.0f);
+    const std::string in_layout = string_attr("input_layout", "bhtd");
+    if (in_layout != "bhtd" && in_layout != "bsh")
+      fail(ORT_INVALID_ARGUMENT, "input_layout='" + in_layout + "' is not implemented (bhtd, bsh)");
+    bsh = in_layout == "bsh";
+    const std::string layout = string_attr("output_layout", bsh ? "bsh" : "bhtd");
+    if (bsh ? layout != "bsh" : (layout != "bhtd" && layout != "bthd"))
+      fail(ORT_INVALID_ARGUMENT, "output_layout='" + layout + "' is not implemented with input_layout='" + in_layout +
+                                     "' (" + (bsh ? "bsh" : "bhtd, bthd") + ")");
+    bthd = layout != "bhtd";  // bsh: the same memory as bthd, viewed [B, T, H * Dv]
+    const size_t inputs = ki.GetInputCount(), outputs = ki.GetOutputCount();
+    if (bsh) {
+      heads = int_attr("num_heads");
+      kv_heads = int_attr("kv_num_heads");
+      if (heads <= 0 || kv_heads <= 0 || heads % kv_heads != 0)
+        fail(ORT_INVALID_ARGUMENT, "input_layout='bsh' needs num_heads and kv_num_heads > 0, num_heads a multiple of "
+                                   "kv_num_heads (" + std::to_string(heads) + ", " + std::to_string(kv_heads) + ")");
+      norm_epsilon = float_attr("norm_epsilon", 0.0f);
+      if (inputs > kBshInputs || (inputs > 3 && inputs < 6))
+        fail(ORT_INVALID_ARGUMENT, "input_layout='bsh' takes 3 or 6 to 11 inputs (q, k, v[, mask, past_key, "
+                                   "past_value[, q_norm, k_norm, cos_cache, sin_cache, position_ids]]), not " +
+                                       std::to_string(inputs));
+      rotary = inputs > kCos;
+      if (rotary && inputs != kBshInputs)
+        fail(ORT_INVALID_ARGUMENT, "the rotary embedding needs cos_cache, sin_cache and position_ids (inputs 8-10)");
+    } else if (inputs < 3 || inputs > 6 || inputs == 5) {
+      fail(ORT_INVALID_ARGUMENT, "takes 3, 4 or 6 inputs (q, k, v[, mask[, past_key, past_value]]), not " +
+                                     std::to_string(inputs));
     }
-    if (layout != "bhtd" && layout != "bthd")
-      fail(ORT_INVALID_ARGUMENT, "output_layout='" + layout + "' is not implemented (bhtd, bthd)");
-    bthd = layout == "bthd";
-    const size_t inputs = ki.GetInputCount();
-    if (inputs < 3 || inputs > 4) fail(ORT_INVALID_ARGUMENT, "takes 3 or 4 inputs (q, k, v[, mask]), not " +
-                                                                 std::to_string(inputs));
+    cached = inputs >= 6;
+    if (outputs != (cached ? 3u : 1u))
+      fail(ORT_INVALID_ARGUMENT, std::string("has ") + std::to_string(outputs) + " outputs; " +
+                                     (cached ? "with a past it writes o, present_key, present_value (3)" : "o (1)"));
     for (size_t i = 0; i < inputs; ++i) {
-      Ort::TypeInfo type = ki.GetInputTypeInfo(i);
-      if (type.GetONNXType() != ONNX_TYPE_TENSOR ||
-          type.GetTensorTypeAndShapeInfo().GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
-        fail(ORT_INVALID_ARGUMENT, "input " + std::to_string(i) + " must be a float32 tensor");
+      OrtTypeInfo* raw = nullptr;
+      if (OrtStatus* st = api.KernelInfo_GetInputTypeInfo(info, i, &raw)) {
+        api.ReleaseStatus(st);
+        continue;  // an absent optional input ("")
+      }
+      Ort::TypeInfo type(raw);
+      const ONNXType kind = type.GetONNXType();
+      if (kind == ONNX_TYPE_UNKNOWN) continue;
+      const ONNXTensorElementDataType element = kind == ONNX_TYPE_TENSOR
+                                                    ? type.GetTensorTypeAndShapeInfo().GetElementType()
+                                                    : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+      const auto want = i == kPositions ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+      if (kind != ONNX_TYPE_TENSOR || element != want)
+        fail(ORT_INVALID_ARGUMENT, "input " + std::to_string(i) + " must be a " +
+                                       (i == kPositions ? "int64" : "float32") + " tensor");
     }
+  }
+
+  // input_layout "bsh": q [B, T, H*D], k / v [B, T, Hk*D(v)] to [B, heads, T, D] buffers, each head's row through
+  // the optional RMS norm (x / sqrt(mean(x^2) + eps) * w: SimplifiedLayerNormalization) and the rotary embedding
+  // (rotate_half, non-interleaved: com.microsoft.RotaryEmbedding's, cache row = position_ids[b, t]).
+  void heads_of(Ort::KernelContext& ctx, const Ort::ConstValue& x, int64_t nh, int64_t B, int64_t T,
+                const float* norm, bool rope, std::vector<float>* out, int64_t* width) const {
+    const std::vector<int64_t> xs = x.GetTensorTypeAndShapeInfo().GetShape();
+    if (xs.size() != 3 || xs[0] != B || xs[1] != T || xs[2] % nh != 0)
+      fail(ORT_INVALID_ARGUMENT, "input_layout='bsh': q, k and v must be [B, T, heads * D] of one B and T, not " +
+                                     shape_text(xs));
+    const int64_t D = xs[2] / nh, half = D / 2;
+    *width = D;
+    out->resize(static_cast<size_t>(B * nh * T * D));
+    const float* src = x.GetTensorData<float>();
+    const float *cos = nullptr, *sin = nullptr;
+    const int64_t* ids = nullptr;
+    int64_t rows = 0;
+    if (rope) {
+      Ort::ConstValue cv = ctx.GetInput(kCos), sv = ctx.GetInput(kCos + 1), pv = ctx.GetInput(kPositions);
+      const std::vector<int64_t> cs = cv.GetTensorTypeAndShapeInfo().GetShape();
+      const std::vector<int64_t> ss = sv.GetTensorTypeAndShapeInfo().GetShape();
+      const std::vector<int64_t> ps = pv.GetTensorTypeAndShapeInfo().GetShape();
+      if (D % 2 != 0 || cs.size() != 2 || cs[1] != half || ss != cs || ps != std::vector<int64_t>{B, T})
+        fail(ORT_INVALID_ARGUMENT, "cos_cache " + shape_text(cs) + " / sin_cache " + shape_text(ss) +
+                                       " / position_ids " + shape_text(ps) + " do not fit [rows, " +
+                                       std::to_string(half) + "] and [B, T] = " + shape_text({B, T}));
+      cos = cv.GetTensorData<float>();
+      sin = sv.GetTensorData<float>();
+      ids = pv.GetTensorData<int64_t>();
+      rows = cs[0];
+    }
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t) {
+        const float *c = nullptr, *sn = nullptr;
+        if (rope) {
+          const int64_t pos = ids[b * T + t];
+          if (pos < 0 || pos >= rows)
+            fail(ORT_INVALID_ARGUMENT, "position id " + std::to_string(pos) + " is outside the rotary caches' " +
+                                           std::to_string(rows) + " rows");
+          c = cos + pos * half;
+          sn = sin + pos * half;
+        }
+        for (int64_t h = 0; h < nh; ++h) {
+          const float* in = src + ((b * T + t) * nh + h) * D;
+          float* o = out->data() + ((b * nh + h) * T + t) * D;
+          if (norm != nullptr) {
+            float ss = 0.0f;
+            for (int64_t d = 0; d < D; ++d) ss += in[d] * in[d];
+            const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + norm_epsilon);
+            for (int64_t d = 0; d < D; ++d) o[d] = in[d] * inv * norm[d];
+          } else {
+            std::copy(in, in + D, o);
+          }
+          if (rope)
+            for (int64_t i = 0; i < half; ++i) {
+              const float x1 = o[i], x2 = o[i + half];
+              o[i] = x1 * c[i] - x2 * sn[i];
+              o[i + half] = x2 * c[i] + x1 * sn[i];
+            }
+        }
+      }
+  }
+
+  // A norm weight input ([D] float32) or nullptr when absent.
+  const float* norm_weight(Ort::KernelContext& ctx, size_t i, int64_t D) const {
+    if (ctx.GetInputCount() <= i) return nullptr;
+    Ort::ConstValue w = ctx.GetInput(i);
+    if (w == nullptr) return nullptr;
+    const std::vector<int64_t> ws = w.GetTensorTypeAndShapeInfo().GetShape();
+    if (ws != std::vector<int64_t>{D})
+      fail(ORT_INVALID_ARGUMENT, "the norm weight (input " + std::to_string(i) + ") is " + shape_text(ws) +
+                                     ", not [" + std::to_string(D) + "]");
+    return w.GetTensorData<float>();
+  }
+
+  // With a past: present = concat(past, new) along the sequence, written as outputs 1 and 2; returns their
+  // shapes' L (and the new keys' batch, heads and D checked against the past's).
+  void presents(Ort::KernelContext& ctx, const std::vector<int64_t>& ks, const std::vector<int64_t>& vs,
+                const float** k, const float** v, std::vector<int64_t>* pks, std::vector<int64_t>* pvs) const {
+    Ort::ConstValue pk = ctx.GetInput(4), pv = ctx.GetInput(5);
+    if (pk == nullptr || pv == nullptr) fail(ORT_INVALID_ARGUMENT, "past_key and past_value must both be given");
+    const std::vector<int64_t> a = pk.GetTensorTypeAndShapeInfo().GetShape();
+    const std::vector<int64_t> b = pv.GetTensorTypeAndShapeInfo().GetShape();
+    if (a.size() != 4 || b.size() != 4 || a[0] != ks[0] || a[1] != ks[1] || a[3] != ks[3] || b[0] != vs[0] ||
+        b[1] != vs[1] || b[2] != a[2] || b[3] != vs[3])
+      fail(ORT_INVALID_ARGUMENT, "past_key " + shape_text(a) + " / past_value " + shape_text(b) +
+                                     " do not fit the new keys " + shape_text(ks) + " / values " + shape_text(vs));
+    *pks = {ks[0], ks[1], a[2] + ks[2], ks[3]};
+    *pvs = {vs[0], vs[1], b[2] + vs[2], vs[3]};
+    float* ok = ctx.GetOutput(1, *pks).GetTensorMutableData<float>();
+    float* ov = ctx.GetOutput(2, *pvs).GetTensorMutableData<float>();
+    // Per (batch, head): the past's rows, then the new ones (contiguous blocks in both).
+    const float* srcs[4] = {pk.GetTensorData<float>(), *k, pv.GetTensorData<float>(), *v};
+    const int64_t heads = ks[0] * ks[1];
+    const int64_t rows[4] = {a[2] * a[3], ks[2] * ks[3], b[2] * b[3], vs[2] * vs[3]};
+    for (int64_t h = 0; h < heads; ++h) {
+      std::copy(srcs[0] + h * rows[0], srcs[0] + (h + 1) * rows[0], ok + h * (rows[0] + rows[1]));
+      std::copy(srcs[1] + h * rows[1], srcs[1] + (h + 1) * rows[1], ok + h * (rows[0] + rows[1]) + rows[0]);
+      std::copy(srcs[2] + h * rows[2], srcs[2] + (h + 1) * rows[2], ov + h * (rows[2] + rows[3]));
+      std::copy(srcs[3] + h * rows[3], srcs[3] + (h + 1) * rows[3], ov + h * (rows[2] + rows[3]) + rows[2]);
+    }
+    *k = ok;
+    *v = ov;
   }
 
   void compute(OrtKernelContext* context) {
     Ort::KernelContext ctx(context);
     Ort::ConstValue qv = ctx.GetInput(0), kv = ctx.GetInput(1), vv = ctx.GetInput(2);
-    const std::vector<int64_t> qs = qv.GetTensorTypeAndShapeInfo().GetShape();
-    const std::vector<int64_t> ks = kv.GetTensorTypeAndShapeInfo().GetShape();
-    const std::vector<int64_t> vs = vv.GetTensorTypeAndShapeInfo().GetShape();
+    std::vector<int64_t> qs = qv.GetTensorTypeAndShapeInfo().GetShape();
+    std::vector<int64_t> ks = kv.GetTensorTypeAndShapeInfo().GetShape();
+    std::vector<int64_t> vs = vv.GetTensorTypeAndShapeInfo().GetShape();
+    const float* q = qv.GetTensorData<float>();
+    const float* k = kv.GetTensorData<float>();
+    const float* v = vv.GetTensorData<float>();
+    std::vector<float> qb, kb, vb;  // input_layout "bsh": the heads as [B, heads, T, D]
+    if (bsh) {
+      if (qs.size() != 3 || qs[2] % heads != 0)
+        fail(ORT_INVALID_ARGUMENT, "input_layout='bsh': q must be [B, T, num_heads * D], not " + shape_text(qs));
+      const int64_t B = qs[0], T = qs[1], D = qs[2] / heads;
+      int64_t dq = 0, dk = 0, dv = 0;
+      heads_of(ctx, qv, heads, B, T, norm_weight(ctx, kQNorm, D), rotary, &qb, &dq);
+      heads_of(ctx, kv, kv_heads, B, T, norm_weight(ctx, kQNorm + 1, D), rotary, &kb, &dk);
+      heads_of(ctx, vv, kv_heads, B, T, nullptr, false, &vb, &dv);
+      qs = {B, heads, T, dq};
+      ks = {B, kv_heads, T, dk};
+      vs = {B, kv_heads, T, dv};
+      q = qb.data();
+      k = kb.data();
+      v = vb.data();
+    }
     if (qs.size() != 4 || ks.size() != 4 || vs.size() != 4)
       fail(ORT_INVALID_ARGUMENT, "q, k and v must be rank 4, not " + shape_text(qs) + ", " + shape_text(ks) + ", " +
                                      shape_text(vs));
+    if (cached) presents(ctx, std::vector<int64_t>(ks), std::vector<int64_t>(vs), &k, &v, &ks, &vs);
     const int64_t B = qs[0], H = qs[1], T = qs[2], D = qs[3];
     const int64_t Bk = ks[0], Hk = ks[1], L = ks[2], Dv = vs[3];
     if (ks[3] != D || vs[0] != Bk || vs[1] != Hk || vs[2] != L)
@@ -208,16 +396,15 @@ struct AttentionKernel {
         mask = mv.GetTensorData<float>();
       }
     }
-    std::vector<int64_t> os = bthd ? std::vector<int64_t>{B, T, H, Dv} : std::vector<int64_t>{B, H, T, Dv};
+    std::vector<int64_t> os = bsh    ? std::vector<int64_t>{B, T, H * Dv}
+                              : bthd ? std::vector<int64_t>{B, T, H, Dv}
+                                     : std::vector<int64_t>{B, H, T, Dv};
     float* o = ctx.GetOutput(0, os).GetTensorMutableData<float>();
     if (B == 0 || H == 0 || T == 0 || Dv == 0) return;
     if (L == 0) {
       std::fill(o, o + B * H * T * Dv, 0.0f);
       return;
     }
-    const float* q = qv.GetTensorData<float>();
-    const float* k = kv.GetTensorData<float>();
-    const float* v = vv.GetTensorData<float>();
     const int64_t r = H / Hk;
     const int64_t items = B * Hk;
     // One (batch, kv head) pair: its r * T query rows (contiguous in q), in blocks of kRowBlock rows.
@@ -264,12 +451,15 @@ struct AttentionOp : Ort::CustomOpBase<AttentionOp, AttentionKernel, true> {
   }
   const char* GetName() const { return kName; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 4; }
+  size_t GetInputTypeCount() const { return kBshInputs; }
   ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
     return i >= 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
-  size_t GetOutputTypeCount() const { return 1; }
+  size_t GetOutputTypeCount() const { return 3; }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
+    return i >= 1 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 };
 

@@ -3,6 +3,9 @@
 //
 //   o = Attention(q [B, H, T, D] float32, k [Bk, Hk, L, D] float32, v [Bk, Hk, L, Dv] float32,
 //                 mask? float32 of rank <= 4, broadcast to [B, H, T, L])
+//   o, present_key, present_value = Attention(q, k_new [B, Hk, Tn, D], v_new [B, Hk, Tn, Dv], mask? ("" if none),
+//                 past_key [B, Hk, P, D], past_value [B, Hk, P, Dv])      (the past form: the cache's Concat too)
+//     present_* = concat(past_*, *_new) along the sequence (bitwise: copied), k / v below = the presents (L = P + Tn)
 //   attributes: q_scale, k_scale (float, default 1), output_layout ("bhtd" (default) | "bthd")
 //
 //   s[b, h, t, l] = (sum_d (q[b, h, t, d] * q_scale) * k[b', g, l, d]) * k_scale + mask[b, h, t, l]
