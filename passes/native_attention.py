@@ -26,6 +26,13 @@ and writes the presents as its outputs 1 and 2 (the semantics: ``plugins/ort/src
 Runtime's (its MLAS sums in another order): the verification compares the compiled model with the
 quantized-dense reference, which gets this pass too (``compiler/compile.py``), at the usual tolerances.
 
+With the past form, when q, k and v are the projections' outputs split into heads by a Reshape (``[B, T, heads * D]``
+-> ``[B, T, heads, D]``, proved by ``SymbolicShapes``), each through an optional ``SimplifiedLayerNormalization`` over
+the head (Qwen3's q / k norm, constant weight), the ``[0, 2, 1, 3]`` Transpose and (q and k alike) a non-interleaved
+``com.microsoft.RotaryEmbedding`` over the whole head, and the output is viewed back to ``[B, T, H * D]``, all of
+that goes into the op too (``input_layout="bsh"``: the projections' outputs in, ``[B, T, H * D]`` out): a decoder
+layer's attention is then one node between its q/k/v and o projections.
+
 A candidate that does not match is left as it is with a ``Refusal`` (kind ``attention``) in ``refused``; a second run
 changes nothing (no Softmax of the pattern is left).
 """

@@ -147,3 +147,25 @@ def test_compile_int4_native_writes_and_verifies_it(lib, export, tmp_path, monke
     plain = tmp_path / "plain.lz"
     assert main(["compile", str(path), "-o", str(plain), "--weights", "int4"]) == 0
     assert "Attention" not in Counter(n.op_type for n in ir.load(plain / "model.onnx").graph)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "mixtral"])
+def test_corpus_families_fuse_to_one_node_a_layer_with_the_same_outputs(lib, family, tmp_path):
+    """The corpus' generate exports of four families (tests/corpus): every layer's attention, its cache Concats and
+    its heads' preparation become one bsh node; logits and presents equal the unfused graph's (FuseDecoder's only)
+    on a left-padded prefill and decode."""
+    from tests.passes.test_fuse_decoder import LAYERS as CORPUS_LAYERS
+    from tests.passes.test_fuse_decoder import _export as corpus_export
+    from tests.passes.test_fuse_decoder import _feeds as corpus_feeds
+
+    base, fused, step = _fused(corpus_export(family))
+    nodes = [n for n in fused.graph if n.op_type == "Attention"]
+    assert len(step.fused) == CORPUS_LAYERS and not step.refused
+    assert all(n.attributes["input_layout"].value == "bsh" for n in nodes)
+    assert not {"RotaryEmbedding", "Transpose"} & {n.op_type for n in fused.graph}  # (a router keeps its Softmax)
+    s0, s1 = _session(lib, base), _session(lib, fused)
+    for label, (batch, seq, past) in {"prefill": (2, 6, 0), "decode": (2, 1, 5)}.items():
+        feeds = corpus_feeds(base, batch, seq, past, seed=len(label))
+        for name, a, b in zip([o.name for o in s0.get_outputs()], s0.run(None, feeds), s1.run(None, feeds)):
+            scale = max(float(np.abs(a).max()), 1e-30)
+            assert float(np.abs(b - a).max()) <= 1e-5 * scale, (label, name)

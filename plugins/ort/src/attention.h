@@ -6,6 +6,14 @@
 //   o, present_key, present_value = Attention(q, k_new [B, Hk, Tn, D], v_new [B, Hk, Tn, Dv], mask? ("" if none),
 //                 past_key [B, Hk, P, D], past_value [B, Hk, P, Dv])      (the past form: the cache's Concat too)
 //     present_* = concat(past_*, *_new) along the sequence (bitwise: copied), k / v below = the presents (L = P + Tn)
+//   o [B, T, H*Dv], present_key, present_value = Attention(q [B, T, H*D], k_new [B, T, Hk*D], v_new [B, T, Hk*Dv],
+//                 mask?, past_key, past_value, q_norm? [D], k_norm? [D], cos_cache? [M, D/2], sin_cache? [M, D/2],
+//                 position_ids? [B, T] int64)      (input_layout "bsh": the projections' outputs as they are)
+//     each token's head h of q (k) is split off, RMS-normalised when its norm weight is given (x / sqrt(mean(x^2) +
+//     norm_epsilon) * w: SimplifiedLayerNormalization), then rotated when the caches are given (non-interleaved
+//     rotate_half over the whole head with cache row position_ids[b, t]: com.microsoft.RotaryEmbedding); v's heads
+//     are split off; then the past form above; o is written [B, T, H*Dv]. Attributes num_heads, kv_num_heads,
+//     norm_epsilon; output_layout "bsh".
 //   attributes: q_scale, k_scale (float, default 1), output_layout ("bhtd" (default) | "bthd")
 //
 //   s[b, h, t, l] = (sum_d (q[b, h, t, d] * q_scale) * k[b', g, l, d]) * k_scale + mask[b, h, t, l]
