@@ -29,7 +29,8 @@ STABILITY_UNITS = ("requests", "tokens")
 #: ``activation_method``: the per-channel criterion of the activation thresholds (``activation_calibration.CRITERIA``).
 ACTIVATION_METHODS = ("wina", "magnitude")
 #: Who runs the dense quantized MatMuls (passes/native_linear.py): ONNX Runtime's MatMulNBits, or
-#: liblayerzero_ort.so's QLinear (the MoE experts' row kernels on the same codes).
+#: liblayerzero_ort.so's QLinear (the MoE experts' row kernels on the same codes); "native" also puts each layer's
+#: attention into liblayerzero_ort.so's Attention (passes/native_attention.py).
 LINEAR_KERNELS = ("ort", "native")
 #: The largest model-wide activation sparsity a compile may ask for.
 MAX_ACTIVATION_SPARSITY = 0.95
@@ -91,7 +92,8 @@ class CompileOptions:
     quant_accuracy_level: int = 4
     max_quant_deviation: float | None = None
     # "native": the dense MatMulNBits become liblayerzero_ort.so's QLinear (passes/native_linear.py; onnxruntime
-    # on the CPU with the library built, symmetric blocks of 32, accuracy level 4; anything else stays MatMulNBits).
+    # on the CPU with the library built, symmetric blocks of 32, accuracy level 4; anything else stays MatMulNBits),
+    # the QLinear nodes of one x merged, and each layer's attention one ai.layerzero::Attention (native_attention.py).
     linear_kernel: str = "ort"  # one of LINEAR_KERNELS
     # Activation sparsity (issue 23; passes/sparsify_activations.py, compiler/activation_calibration.py): thresholds
     # on the input of every projection group, allocated by TEAL's greedy to reach this model-wide (parameter-weighted)

@@ -186,7 +186,8 @@ def add_quant_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument(
         "--linear-kernel", choices=("ort", "native"), default="ort",
         help="dense quantized MatMuls: ONNX Runtime's MatMulNBits (ort, default) or liblayerzero_ort.so's QLinear "
-        "(native: symmetric blocks of 32, accuracy level 4)",
+        "(native: symmetric blocks of 32, accuracy level 4; the projections reading one x merged, and each layer's "
+        "attention as its Attention op)",
     )  # fmt: skip
     q.add_argument(
         "--max-quant-deviation", type=number(0), metavar="X",
