@@ -15,6 +15,7 @@
 
 #include "fast_exp.h"
 #include "pool.h"
+#include "status.h"
 
 namespace lz {
 namespace {
@@ -22,11 +23,6 @@ namespace {
 constexpr const char* kName = "Attention";
 constexpr int64_t kRowBlock = 64;  // query rows whose scores are held at once (a [64, L] float buffer)
 constexpr size_t kQNorm = 6, kCos = 8, kPositions = 10, kBshInputs = 11;  // input_layout "bsh"'s inputs
-
-struct Refusal {
-  OrtErrorCode code;
-  std::string message;
-};
 
 std::string shape_text(const std::vector<int64_t>& s) {
   std::string out;
@@ -120,7 +116,7 @@ struct AttentionKernel {
   float norm_epsilon = 0.0f;
 
   [[noreturn]] void fail(OrtErrorCode code, const std::string& what) const {
-    throw Refusal{code, "ai.layerzero::Attention node '" + node + "': " + what};
+    throw Failure{code, "ai.layerzero::Attention node '" + node + "': " + what};
   }
 
   explicit AttentionKernel(const OrtKernelInfo* info) {
@@ -405,27 +401,13 @@ struct AttentionKernel {
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
-    try {
-      compute(context);
-      return nullptr;
-    } catch (const Refusal& f) {
-      return Ort::GetApi().CreateStatus(f.code, f.message.c_str());
-    } catch (const std::exception& e) {
-      return Ort::GetApi().CreateStatus(ORT_RUNTIME_EXCEPTION, e.what());
-    }
+    return guarded(ORT_RUNTIME_EXCEPTION, [&] { compute(context); });
   }
 };
 
 struct AttentionOp : Ort::CustomOpBase<AttentionOp, AttentionKernel, true> {
   OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
-    try {
-      *kernel = new AttentionKernel(info);
-      return nullptr;
-    } catch (const Refusal& f) {
-      return Ort::GetApi().CreateStatus(f.code, f.message.c_str());
-    } catch (const std::exception& e) {
-      return Ort::GetApi().CreateStatus(ORT_INVALID_ARGUMENT, e.what());
-    }
+    return guarded(ORT_INVALID_ARGUMENT, [&] { *kernel = new AttentionKernel(info); });
   }
   const char* GetName() const { return kName; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }

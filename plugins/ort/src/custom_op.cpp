@@ -48,6 +48,7 @@
 #include "attention.h"
 #include "moe.h"
 #include "sparse_linear.h"
+#include "status.h"
 
 namespace {
 
@@ -64,10 +65,8 @@ constexpr size_t kScoreBias = 8;
 constexpr size_t kThreshold = 9;
 constexpr const char* kThresholdName = "layerzero::threshold";
 
-struct Failure {
-  OrtErrorCode code;
-  std::string message;
-};
+using lz::Failure;
+using lz::guarded;
 
 bool weight_type(ONNXTensorElementDataType t, lz::WeightType* out) {
   switch (t) {
@@ -467,30 +466,14 @@ struct MoEKernel {
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
-    try {
-      compute(context);
-      return nullptr;
-    } catch (const Failure& f) {
-      return Ort::GetApi().CreateStatus(f.code, f.message.c_str());
-    } catch (const Ort::Exception& e) {
-      return Ort::GetApi().CreateStatus(ORT_RUNTIME_EXCEPTION, e.what());
-    } catch (const std::exception& e) {
-      return Ort::GetApi().CreateStatus(ORT_RUNTIME_EXCEPTION, e.what());
-    }
+    return guarded(ORT_RUNTIME_EXCEPTION, [&] { compute(context); });  // (Ort::Exception is a std::exception)
   }
 };
 
 template <class V>
 struct MoEOp : Ort::CustomOpBase<MoEOp<V>, MoEKernel<V>, true> {
-  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-    try {
-      *kernel = new MoEKernel<V>(info);
-      return nullptr;
-    } catch (const Failure& f) {
-      return api.CreateStatus(f.code, f.message.c_str());
-    } catch (const std::exception& e) {
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, e.what());
-    }
+  OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
+    return guarded(ORT_INVALID_ARGUMENT, [&] { *kernel = new MoEKernel<V>(info); });
   }
   const char* GetName() const { return kOpName; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }

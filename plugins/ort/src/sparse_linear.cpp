@@ -18,6 +18,7 @@
 
 #include "moe.h"
 #include "pool.h"
+#include "status.h"
 
 namespace lz {
 
@@ -75,11 +76,6 @@ int64_t split_items() {
   return items;
 }
 
-struct Failure {
-  OrtErrorCode code;
-  std::string message;
-};
-
 int64_t attr_int(const OrtKernelInfo* info, const char* name, int64_t fallback) {
   int64_t v = fallback;
   OrtStatus* s = Ort::GetApi().KernelInfoGetAttribute_int64(info, name, &v);
@@ -121,19 +117,6 @@ bool attr_ints(const OrtKernelInfo* info, const char* name, std::vector<int64_t>
   }
   out->resize(size);
   return true;
-}
-
-// fn() as an ORT status: nullptr, a Failure's code and line, or another exception's text under `other`.
-template <class Fn>
-OrtStatusPtr guarded(OrtErrorCode other, Fn&& fn) {
-  try {
-    fn();
-    return nullptr;
-  } catch (const Failure& f) {
-    return Ort::GetApi().CreateStatus(f.code, f.message.c_str());
-  } catch (const std::exception& e) {
-    return Ort::GetApi().CreateStatus(other, e.what());
-  }
 }
 
 // A constant input's value (nullptr when the input is absent or not an initializer).
