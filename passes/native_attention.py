@@ -72,9 +72,11 @@ class _Attention:
     presents: tuple[ir.Value, ir.Value] | None = None  # the Concats' outputs (the op's outputs 1 and 2)
 
 
-def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
+def _producer(value: ir.Value | None, op_type: str, domain: str = "") -> ir.Node | None:
+    """The node of that kind (default: the onnx domain) producing ``value``, else None."""
     node = value.producer() if value is not None else None
-    return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
+    domains = (domain,) if domain else ("", "ai.onnx")
+    return node if node is not None and node.op_type == op_type and node.domain in domains else None
 
 
 def _view(value: ir.Value | None) -> tuple[int, ...] | None:
@@ -269,11 +271,10 @@ class _Heads:
 
 def _single(value: ir.Value | None, op_type: str, domain: str = "") -> ir.Node | None:
     """The producer of ``value`` of that kind when ``value`` has one reader and is no graph output."""
-    node = value.producer() if value is not None else None
-    if node is None or node.op_type != op_type or node.domain not in ((domain,) if domain else ("", "ai.onnx")):
+    node = _producer(value, op_type, domain)
+    if node is None or value is None or value.is_graph_output() or len(list(value.uses())) != 1:
         return None
-    assert value is not None
-    return node if len(list(value.uses())) == 1 and not value.is_graph_output() else None
+    return node
 
 
 def _split_heads(value: ir.Value, shapes: SymbolicShapes) -> tuple[ir.Value, int] | None:
