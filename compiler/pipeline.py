@@ -259,6 +259,16 @@ def quantize_weights(
     return step
 
 
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """A warning a compile would otherwise give twice (the compile's pass and its quantized-dense reference's)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning(message)
+
+
 def native_linear(model: ir.Model, options: CompileOptions) -> list[str]:
     """``--linear-kernel native``: the dense MatMulNBits into liblayerzero_ort.so's ``QLinear`` (``NativeLinear``), for
     the onnxruntime CPU target when the library is built, after ``quantize_weights`` (the compile's and the
@@ -271,6 +281,8 @@ def native_linear(model: ir.Model, options: CompileOptions) -> list[str]:
     from layerzero.plugins.ort_library import find_ort_library
 
     if find_ort_library() is None:
+        _warn_once("--linear-kernel native: liblayerzero_ort.so is not built (`layerzero plugins build`, or "
+                   "LAYERZERO_PLUGIN_DIR): the dense MatMuls stay ONNX Runtime's MatMulNBits")  # fmt: skip
         return []
     step = NativeLinear()
     if run_pass(step, model).modified:

@@ -169,3 +169,20 @@ def test_corpus_families_fuse_to_one_node_a_layer_with_the_same_outputs(lib, fam
         for name, a, b in zip([o.name for o in s0.get_outputs()], s0.run(None, feeds), s1.run(None, feeds)):
             scale = max(float(np.abs(a).max()), 1e-30)
             assert float(np.abs(b - a).max()) <= 1e-5 * scale, (label, name)
+
+
+def test_native_without_the_library_warns_and_keeps_matmulnbits(export, tmp_path, monkeypatch, caplog):
+    """``--linear-kernel native`` where liblayerzero_ort.so is not built: a warning saying so (once), and the bundle
+    holds ONNX Runtime's own ops (MatMulNBits, its attention nodes), not an op it could not load."""
+    import layerzero.pipeline as pipeline
+
+    monkeypatch.setattr("layerzero.plugins.ort_library.find_ort_library", lambda *a, **k: None)
+    monkeypatch.setattr(pipeline, "_WARNED", set())
+    out = tmp_path / "int4.lz"
+    with caplog.at_level("WARNING", logger="layerzero.pipeline"):
+        assert main(["compile", str(export[0]), "-o", str(out), "--weights", "int4", "--linear-kernel", "native",
+                     "--no-verify"]) == 0  # fmt: skip
+    warned = [r.getMessage() for r in caplog.records if "liblayerzero_ort.so is not built" in r.getMessage()]
+    assert len(warned) == 1 and "stay ONNX Runtime's MatMulNBits" in warned[0]
+    ops = Counter(n.op_type for n in ir.load(out / "model.onnx").graph)
+    assert ops["MatMulNBits"] > 0 and not {"QLinear", "Attention"} & set(ops)
