@@ -49,10 +49,15 @@ struct Rows {
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) void attend_rows(
     const Rows& a, int64_t r0, int64_t r1, float* qs, float* s) {
   const int64_t n = r1 - r0, D = a.D, L = a.L, Dv = a.Dv;
+  // Each row's output and mask rows, found once (not per key: a division per (key, row) cost more than the dots).
+  float* outs[kRowBlock];
+  const float* masks[kRowBlock];
   for (int64_t i = 0; i < n; ++i) {
     const int64_t row = r0 + i, h = a.g * a.r + row / a.T, t = row % a.T;
     const float* qr = a.q + ((a.b * a.H + h) * a.T + t) * D;
     for (int64_t d = 0; d < D; ++d) qs[i * D + d] = qr[d] * a.q_scale;
+    outs[i] = a.bthd ? a.o + ((a.b * a.T + t) * a.H + h) * Dv : a.o + ((a.b * a.H + h) * a.T + t) * Dv;
+    masks[i] = a.mask != nullptr ? a.mask + h * a.mh + t * a.mt : nullptr;
   }
   for (int64_t l = 0; l < L; ++l) {
     const float* kl = a.kg + l * D;
@@ -68,11 +73,12 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) vo
     }
   }
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t row = r0 + i, h = a.g * a.r + row / a.T, t = row % a.T;
     float* sr = s + i * L;
-    if (a.mask != nullptr) {
-      const float* mr = a.mask + h * a.mh + t * a.mt;
-      for (int64_t l = 0; l < L; ++l) sr[l] += mr[l * a.ml];
+    if (const float* mr = masks[i]; mr != nullptr) {
+      if (a.ml == 1)
+        for (int64_t l = 0; l < L; ++l) sr[l] += mr[l];
+      else
+        for (int64_t l = 0; l < L; ++l) sr[l] += mr[l * a.ml];
     }
     float m = sr[0];
     bool nan = false;
@@ -80,7 +86,7 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) vo
       m = sr[l] > m ? sr[l] : m;
       nan |= sr[l] != sr[l];
     }
-    float* out = a.bthd ? a.o + ((a.b * a.T + t) * a.H + h) * Dv : a.o + ((a.b * a.H + h) * a.T + t) * Dv;
+    float* out = outs[i];
     for (int64_t d = 0; d < Dv; ++d) out[d] = 0.0f;
     if (nan || !(m > -INFINITY) || !(m < INFINITY)) {  // softmax NaN everywhere: the row is 0
       for (int64_t l = 0; l < L; ++l) sr[l] = 0.0f;
@@ -97,8 +103,7 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) vo
   for (int64_t l = 0; l < L; ++l) {
     const float* vl = a.vg + l * Dv;
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t row = r0 + i, h = a.g * a.r + row / a.T, t = row % a.T;
-      float* out = a.bthd ? a.o + ((a.b * a.T + t) * a.H + h) * Dv : a.o + ((a.b * a.H + h) * a.T + t) * Dv;
+      float* __restrict out = outs[i];
       const float p = s[i * L + l];
       for (int64_t d = 0; d < Dv; ++d) out[d] += p * vl[d];
     }
