@@ -28,6 +28,7 @@ from layerzero.pipeline import (
     lower_for_target,
     native_attention,
     native_linear,
+    native_router,
     needs_dynamic_reference,
     quantize_weights,
     run_dynamic_passes,
@@ -170,6 +171,7 @@ def compile_model(
     native_linear(model, options)  # --linear-kernel native: MatMulNBits -> QLinear
     native_attention(model, options)  # --linear-kernel native: the attention cores -> Attention
     fuse_expert_masks(model, options)  # activation-sparse experts that stayed float: into the native kernel
+    native_router(model, options)  # --linear-kernel native: the routers into their MoE nodes
     after = summarize(model, options.flag_pattern)
     kinds = {b.scope: "declared-flag" for b in pipeline.bypassed}
     kinds.update({s: "consumed-flag" for s in consumed if s not in kinds})
@@ -349,6 +351,7 @@ def quantized_dense_reference(
     quantize_weights(model, options)
     native_linear(model, options)  # as the compile: the same kernel on the same codes
     native_attention(model, options)  # and the same attention kernel
+    native_router(model, options)  # and the routers in the same MoE nodes
     return model
 
 
@@ -418,7 +421,12 @@ def verify_compiled(
         else:
             header = original_proto
         runners = verification_runners(
-            compiled, options.chunked_verify_bytes, Path(tmp), runner_source, runner_proto, load_original,
+            compiled,
+            options.chunked_verify_bytes,
+            Path(tmp),
+            runner_source,
+            runner_proto,
+            load_original,
             on_chunk=lambda i, n: tell((i, n)),
         )
         if options.sample_inputs is not None:

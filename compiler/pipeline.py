@@ -42,6 +42,7 @@ __all__ = [
     "fuse_expert_masks",
     "lower_for_target",
     "native_attention",
+    "native_router",
     "needs_dynamic_reference",
     "quantize_weights",
     "run_dynamic_passes",
@@ -290,21 +291,42 @@ def native_linear(model: ir.Model, options: CompileOptions) -> list[str]:
     return list(step.rewritten)
 
 
+def _native_fusions(options: CompileOptions) -> bool:
+    """Whether ``--linear-kernel native``'s fusions beyond the linears run: quantized weights, ``fuse`` on, the
+    onnxruntime CPU target, liblayerzero_ort.so built."""
+    if options.quant_bits == 0 or options.linear_kernel != "native" or not options.fuse:
+        return False
+    if options.target != "onnxruntime" or options.device != "cpu":
+        return False
+    from layerzero.plugins.ort_library import find_ort_library
+
+    return find_ort_library() is not None
+
+
 def native_attention(model: ir.Model, options: CompileOptions) -> list[str]:
     """``--linear-kernel native``: each decoder layer's attention core into liblayerzero_ort.so's ``Attention``
     (``NativeAttention``), under the same conditions as ``native_linear`` and ``options.fuse`` (the compile's and the
     quantized-dense reference's alike). Returns the new nodes' names."""
-    if options.quant_bits == 0 or options.linear_kernel != "native" or not options.fuse:
-        return []
-    if options.target != "onnxruntime" or options.device != "cpu":
+    if not _native_fusions(options):
         return []
     from layerzero.passes.native_attention import NativeAttention
-    from layerzero.plugins.ort_library import find_ort_library
 
-    if find_ort_library() is None:
-        return []
     InferShapes()(model)  # the matcher reads ranks and static head counts
     step = NativeAttention()
+    run_pass(step, model)
+    return list(step.fused)
+
+
+def native_router(model: ir.Model, options: CompileOptions) -> list[str]:
+    """``--linear-kernel native``: each native MoE node computes its own router logits and confidence
+    (``NativeRouter``), under the same conditions as ``native_attention`` (the compile's and the quantized-dense
+    reference's alike). Returns the paths of the blocks rewritten."""
+    if not _native_fusions(options):
+        return []
+    from layerzero.passes.native_router import NativeRouter
+
+    InferShapes()(model)  # the output view's shape is proved against the block's input
+    step = NativeRouter()
     run_pass(step, model)
     return list(step.fused)
 

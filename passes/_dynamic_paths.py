@@ -33,12 +33,19 @@ def moe_node(graph: ir.Graph, path: str) -> ir.Node | None:
 def moe_logits(graph: ir.Graph, entry: DynamicPath) -> ir.Value | None:
     """The ``[T, E]`` router logits a MoE path's routing reads, or None when they cannot be found.
 
-    Skipping form: the node's input 1. Lowered (``lower_moe.py``, both lowerings): the mask is
+    Skipping form: the node's input 1 (a node that computes its router, ``native_router.py``, gets its logits back
+    in the graph first: ``unfold_router``). Lowered (``lower_moe.py``, both lowerings): the mask is
     ``Cast(ScatterElements(zeros, TopK(Softmax | Sigmoid(logits)).indices, ...))``, walked back to the logits.
     """
     node = moe_node(graph, entry.path)
     if node is not None:
-        return MoENode.of(node).logits
+        view = MoENode.of(node)
+        if view.logits is None and view.router_weight is not None:  # the router in the op: put it back in the graph
+            from layerzero.passes._graph import NameFactory
+            from layerzero.passes.native_router import unfold_router
+
+            return unfold_router(graph, node, NameFactory(graph))
+        return view.logits
     value = graph_output(graph, entry.mask_output)
     for _ in range(8):
         producer = value.producer() if value is not None else None

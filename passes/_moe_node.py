@@ -14,8 +14,15 @@ empty slots are dropped, so a v1 block is a 5-input node)::
         10 s_gate [E, F, H/32], 11 s_up [E, F, H/32], 12 s_down [E, H, F/32] float16,
                                                                          the quantized experts' scales (only with
                                                                          weight_format q8 / q4: 13 inputs)
-        13 x_thresholds [H] float32, 14 activation_scale [] float32)    activation-sparse experts (only with
+        13 x_thresholds [H] float32, 14 activation_scale [] float32,    activation-sparse experts (only with
                                                                          gate_up_layout "input_major": 15 inputs)
+        15 router_weight [E, H] float32, 16 router_bias [E] float32)    the router in the op (``native_router.py``:
+                                                                         logits = hidden @ router_weight^T + bias,
+                                                                         input 1 then absent; liblayerzero_ort.so)
+
+With the router in the op the node may have a fourth output, ``confidence [T]`` float32 (each token's top-1
+routing probability, the ``layerzero::router::<path>`` output), and its hidden state and y may keep the block's
+shape ``[..., H]`` (T = the product of the leading dims).
 
 Activation-sparse experts (issue 23; ``gate_up_layout`` "input_major", float experts, the native kernel only:
 written by ``sparsify_experts.FuseExpertActivationMask`` after the lowering): w_gate and w_up stored ``[E, H, F]``
@@ -51,6 +58,7 @@ from layerzero.passes._dynamic import MOE_DOMAIN, MOE_OP
 __all__ = [
     "INPUTS",
     "QUANT_BLOCK",
+    "ROUTER_SLOTS",
     "SCALE_SLOTS",
     "THRESHOLD_SLOT",
     "V2_SLOTS",
@@ -76,12 +84,16 @@ INPUTS = (
     "s_down",
     "x_thresholds",
     "activation_scale",
+    "router_weight",
+    "router_bias",
 )
 #: The expert biases' and the selection bias' positions (the v2 inputs), and the threshold's.
 V2_SLOTS = (5, 6, 7, 8)
 THRESHOLD_SLOT = 9
 #: The quantized experts' scales (weight_format q8 / q4), per expert like the weights 2-4.
 SCALE_SLOTS = (10, 11, 12)
+#: The router's weight and bias (the logits computed in the op: ``native_router.py``).
+ROUTER_SLOTS = (15, 16)
 #: weight_format -> code bits ("f": the float weights).
 WEIGHT_FORMATS = {"f": 0, "q8": 8, "q4": 4}
 QUANT_BLOCK = 32
@@ -99,7 +111,7 @@ class MoENode:
     """The skipping form's inputs (``ir.Value``; None = absent) and attributes, as the module docstring lays out."""
 
     hidden: ir.Value
-    logits: ir.Value
+    logits: ir.Value | None  # None only when router_weight is given
     w_gate: ir.Value
     w_up: ir.Value
     w_down: ir.Value
@@ -113,6 +125,8 @@ class MoENode:
     s_down: ir.Value | None = None
     x_thresholds: ir.Value | None = None
     activation_scale: ir.Value | None = None
+    router_weight: ir.Value | None = None
+    router_bias: ir.Value | None = None
     top_k: int = 1
     normalize: bool = False
     scoring: str = "softmax"
@@ -142,7 +156,8 @@ class MoENode:
         if not is_moe_node(node):
             raise ValueError(f"{node.domain}::{node.op_type} node {node.name!r} is not {MOE_DOMAIN}::{MOE_OP}")
         inputs = list(node.inputs)
-        if len(inputs) < 5 or any(v is None for v in inputs[:5]):
+        routed_in_op = len(inputs) > ROUTER_SLOTS[0] and inputs[ROUTER_SLOTS[0]] is not None
+        if len(inputs) < 5 or any(v is None for i, v in enumerate(inputs[:5]) if not (i == 1 and routed_in_op)):
             raise ValueError(f"{MOE_DOMAIN}::{MOE_OP} node {node.name!r} lacks one of its inputs 0-4")
         if len(inputs) == 6 and _rank(inputs[5]) == 0:
             inputs = [*inputs[:5], None, None, None, None, inputs[5]]  # the earlier layout: threshold at 5
@@ -188,9 +203,7 @@ class MoENode:
         """The per-expert inputs that are present, by position: weights 2-4, biases 5-7, score_bias 8, the quantized
         experts' scales 10-12."""
         return {
-            i: v
-            for i, v in enumerate(self.inputs)
-            if (2 <= i < THRESHOLD_SLOT or i in SCALE_SLOTS) and v is not None
+            i: v for i, v in enumerate(self.inputs) if (2 <= i < THRESHOLD_SLOT or i in SCALE_SLOTS) and v is not None
         }
 
     @property
@@ -242,19 +255,22 @@ class MoENode:
         attrs += [a for k, a in self.extra.items() if k not in written]
         return attrs
 
-    def to_node(self, name: str | None = None, metadata_props: dict[str, str] | None = None) -> ir.Node:
-        """A new ``ai.layerzero::MoE`` node (outputs ``y``, ``mask``, unnamed) of this view."""
+    def to_node(
+        self, name: str | None = None, metadata_props: dict[str, str] | None = None, outputs: int = 2
+    ) -> ir.Node:
+        """A new ``ai.layerzero::MoE`` node (outputs ``y``, ``mask`` and, when ``outputs`` asks for them, ``kept``
+        and ``confidence``; unnamed) of this view."""
         tape = ir.tape.Tape()
-        outputs = tape.op_multi_out(
+        values = tape.op_multi_out(
             MOE_OP,
             self.inputs,
             {a.name: a for a in self.attributes()},
-            num_outputs=2,
+            num_outputs=outputs,
             domain=MOE_DOMAIN,
             name=name,
             metadata_props=metadata_props,
         )
-        node = outputs[0].producer()
+        node = values[0].producer()
         assert node is not None
         return node
 

@@ -25,6 +25,10 @@ projection's output. Every v2 attribute and input is optional and its default re
 6. ``y[t] = Σ_kept w_e · (w_down[e] @ glu(w_gate[e] @ x_t + b_gate[e], w_up[e] @ x_t + b_up[e]) + b_down[e])``;
    ``mask[t, e]`` is True exactly for the kept experts (the ones that run).
 
+The router in the op (liblayerzero_ort.so only; ``passes/native_router.py``): inputs 15-16 ``router_weight [E, H]``
+and ``router_bias [E]`` give ``logits = hidden @ router_weight^T + router_bias`` (input 1 then absent), and an
+optional fourth output ``confidence [T] = max_e scoring(logits)[e]``; hidden may be ``[..., H]`` (y has its shape).
+
 Quantized experts (``weight_format="q8"`` / ``"q4"``: block codes at inputs 2-4, float16 scales at 10-12): the
 format and the reference of the native kernels' arithmetic (activations quantized per block, integer dots) are
 ``plugins/quant.py`` (``quantize_blocks``, ``dequantize_blocks``, ``moe_quant_reference``); on the dequantized

@@ -61,6 +61,8 @@ def _feeds(model: ir.Model, batch: int, seq: int, past: int, seed: int) -> dict[
             feeds[name] = mask
         elif name == "position_ids":
             feeds[name] = np.broadcast_to(np.arange(past, past + seq), (batch, seq)).astype(np.int64).copy()
+        elif name == "layerzero::threshold":  # a compiled bundle's run-time threshold: 0, every routed expert
+            feeds[name] = np.array(0.0, np.float32)
         else:  # past_key_values.<i>.key / value: [batch, kv heads, past, head dim]
             shape = value.shape
             assert shape is not None

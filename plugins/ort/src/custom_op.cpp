@@ -15,6 +15,10 @@
 //     float experts only; gate / up stored input-major (row i = input channel i); x channel i dropped for every
 //     expert's gate and up when |x_i| <= x_thresholds[i] * activation_scale (NaN kept); kept: each token's kept
 //     channels (moe.h MoEWeights::input_major)
+//   y, mask, kept?, confidence? [T] float = MoE(hidden [..., H], "", ...any layout above padded with "" to 15...,
+//                 router_weight [E, H] float32, router_bias? [E] float32)      (the router in the op: 16-17 inputs)
+//     logits = hidden @ router_weight^T + router_bias (float row kernels), routed as ever; confidence: each token's
+//     top-1 routing probability (max of softmax / sigmoid of its logits); y keeps hidden's shape
 //   attributes: top_k (int), normalize (0/1), scoring ("softmax" | "sigmoid"), activation ("silu" | "gelu" |
 //               "relu" | "swiglu_oai"), zeroing_threshold (float), path (string, informative); v2
 //               (moe_op_v2, defaults = v1): n_group, topk_group (int), routed_scaling_factor, activation_alpha,
@@ -54,13 +58,17 @@ namespace {
 
 constexpr const char* kDomain = "ai.layerzero";
 constexpr const char* kOpName = "MoE";
-constexpr size_t kInputs = 15;  // 5 required; 5-8 the v2 optional inputs, 9 the threshold, 10-12 the scales,
-                                // 13-14 the activation thresholds and scale (gate_up_layout "input_major")
+constexpr size_t kInputs = 17;  // 5 required; 5-8 the v2 optional inputs, 9 the threshold, 10-12 the scales,
+                                // 13-14 the activation thresholds and scale (gate_up_layout "input_major"),
+                                // 15-16 the router's weight and bias (the logits computed in the op)
 constexpr size_t kQuantInputs = 13;  // q8 / q4: exactly the scales' layout
 constexpr size_t kFloatInputs = 10;  // weight_format "f": at most the threshold (15 with activation thresholds)
 constexpr size_t kScales = 10;       // s_gate, s_up, s_down of the quantized formats
 constexpr size_t kXThresholds = 13;  // x_thresholds [H] float32 (input_major)
 constexpr size_t kXScale = 14;       // activation_scale [] float32 (input_major)
+constexpr size_t kRouterWeight = 15;  // router_weight [E, H] float32: logits = hidden @ router_weight^T + bias
+constexpr size_t kRouterBias = 16;    // router_bias [E] float32 (optional)
+constexpr size_t kConfidence = 3;     // output 3 (optional): each token's top-1 routing probability [T]
 constexpr size_t kScoreBias = 8;
 constexpr size_t kThreshold = 9;
 constexpr const char* kThresholdName = "layerzero::threshold";
@@ -109,6 +117,7 @@ struct MoEKernel {
   bool v1_layout = true;
   lz::WeightFormat format = lz::WeightFormat::f;
   bool input_major = false;  // gate_up_layout "input_major": w_gate, w_up [E, H, F]; inputs 13-14 the thresholds
+  bool router = false;       // inputs 15-16: the router's weight and bias (router_logits, input 1, then absent)
 
   static bool code_type(lz::WeightFormat f, ONNXTensorElementDataType t) {
     return (f == lz::WeightFormat::q8 && t == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8) ||
@@ -154,22 +163,26 @@ struct MoEKernel {
     if (block_size != lz::kQBlock)
       fail("block_size=" + std::to_string(block_size) + " is not implemented by liblayerzero_ort.so (32)");
     if (inputs < 5 || inputs > kInputs)
-      fail("has " + std::to_string(inputs) + " inputs; this liblayerzero_ort.so implements 5 to 13 (hidden, "
+      fail("has " + std::to_string(inputs) + " inputs; this liblayerzero_ort.so implements 5 to 17 (hidden, "
            "router_logits, w_gate, w_up, w_down[, b_gate, b_up, b_down, score_bias, threshold, s_gate, s_up, "
-           "s_down]): rebuild it (layerzero plugins build)");
+           "s_down, x_thresholds, activation_scale, router_weight, router_bias]): rebuild it (layerzero plugins "
+           "build)");
+    // 16 or 17 inputs: the router's weight (and bias) at 15-16, the slots before them as the rest of the node
+    // has them ("" where absent).
+    router = inputs > kRouterWeight;
     const std::string layout = attr_string(info, "gate_up_layout", "output_major");
     if (layout != "output_major" && layout != "input_major")
       fail("gate_up_layout='" + layout + "' is not implemented by liblayerzero_ort.so (output_major, input_major)");
     input_major = layout == "input_major";
     if (input_major && format != lz::WeightFormat::f)
       fail("gate_up_layout='input_major' takes float experts (weight_format='f'), not '" + format_name + "'");
-    if (input_major && inputs != kInputs)
+    if (input_major && inputs < kRouterWeight)
       fail("gate_up_layout='input_major' needs 15 inputs (x_thresholds and activation_scale at 13-14; \"\" for "
            "absent ones before them), not " + std::to_string(inputs));
-    if (format == lz::WeightFormat::f && !input_major && inputs > kFloatInputs)
+    if (format == lz::WeightFormat::f && !input_major && inputs > kFloatInputs && !router)
       fail("input size " + std::to_string(inputs) + ": weight_format='f' takes 5 to 10 inputs (the scales at "
            "10-12 are for q8 / q4, 13-14 for gate_up_layout='input_major')");
-    if (format != lz::WeightFormat::f && inputs != kQuantInputs)
+    if (format != lz::WeightFormat::f && inputs != kQuantInputs && !router)
       fail("weight_format='" + format_name + "' needs 13 inputs (the scales s_gate, s_up, s_down at 10-12; \"\" for "
            "absent ones before them), not " + std::to_string(inputs));
     if (inputs == 6) {
@@ -326,8 +339,11 @@ struct MoEKernel {
     auto fail = [&](const std::string& what) { throw Failure{ORT_INVALID_ARGUMENT, "ai.layerzero::MoE node '" + node + "': " + what}; };
     Ort::ConstValue hidden = ctx.GetInput(0), logits = ctx.GetInput(1);
     Ort::ConstValue wg = ctx.GetInput(2), wu = ctx.GetInput(3), wd = ctx.GetInput(4);
+    Ort::ConstValue rw = router ? ctx.GetInput(kRouterWeight) : Ort::ConstValue(nullptr);
+    if ((logits == nullptr) == (rw == nullptr))
+      fail(logits == nullptr ? "needs router_logits (input 1) or router_weight (input 15)"
+                             : "takes router_logits (input 1) or router_weight (input 15), not both");
     const std::vector<int64_t> hs = hidden.GetTensorTypeAndShapeInfo().GetShape();
-    const std::vector<int64_t> ls = logits.GetTensorTypeAndShapeInfo().GetShape();
     const std::vector<int64_t> gs = wg.GetTensorTypeAndShapeInfo().GetShape();
     const std::vector<int64_t> us = wu.GetTensorTypeAndShapeInfo().GetShape();
     const std::vector<int64_t> ds = wd.GetTensorTypeAndShapeInfo().GetShape();
@@ -344,8 +360,29 @@ struct MoEKernel {
     if (hs.size() < 1 || hs.back() != H) fail("hidden's last dimension is not " + std::to_string(H));
     int64_t T = 1;
     for (size_t i = 0; i + 1 < hs.size(); ++i) T *= hs[i];
-    if (ls.size() < 1 || ls.back() != E || logits.GetTensorTypeAndShapeInfo().GetElementCount() != size_t(T * E))
-      fail("router_logits must be [" + std::to_string(T) + ", " + std::to_string(E) + "]");
+    if (logits != nullptr) {
+      const std::vector<int64_t> ls = logits.GetTensorTypeAndShapeInfo().GetShape();
+      if (ls.size() < 1 || ls.back() != E || logits.GetTensorTypeAndShapeInfo().GetElementCount() != size_t(T * E))
+        fail("router_logits must be [" + std::to_string(T) + ", " + std::to_string(E) + "]");
+    }
+    // The router in the op: logits[t, e] = sum_h hidden[t, h] * router_weight[e, h] (+ router_bias[e]), float32.
+    const float* router_w = nullptr;
+    const float* router_b = nullptr;
+    if (rw != nullptr) {
+      auto info = rw.GetTensorTypeAndShapeInfo();
+      if (info.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || info.GetShape() != std::vector<int64_t>{E, H})
+        fail("router_weight (input 15) must be float32 [" + std::to_string(E) + ", " + std::to_string(H) + "]");
+      router_w = rw.GetTensorData<float>();
+      if (ctx.GetInputCount() > kRouterBias) {
+        Ort::ConstValue rb = ctx.GetInput(kRouterBias);
+        if (rb != nullptr) {
+          auto bi = rb.GetTensorTypeAndShapeInfo();
+          if (bi.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || bi.GetShape() != std::vector<int64_t>{E})
+            fail("router_bias (input 16) must be float32 [" + std::to_string(E) + "]");
+          router_b = rb.GetTensorData<float>();
+        }
+      }
+    }
     if (cfg.top_k > E) fail("top_k=" + std::to_string(cfg.top_k) + " > " + std::to_string(E) + " experts");
     if (!lz::group_error(cfg, E).empty()) fail(lz::group_error(cfg, E));
     float threshold = zeroing_threshold;
@@ -383,8 +420,15 @@ struct MoEKernel {
     Ort::UnownedValue y = ctx.GetOutput(0, hs);
     Ort::UnownedValue mask = ctx.GetOutput(1, std::vector<int64_t>{T, E});
     int64_t* kept = nullptr;
-    if (ctx.GetOutputCount() > 2)
-      kept = ctx.GetOutput(2, std::vector<int64_t>(hs.begin(), hs.end() - 1)).GetTensorMutableData<int64_t>();
+    if (ctx.GetOutputCount() > 2) {
+      Ort::UnownedValue kv = ctx.GetOutput(2, std::vector<int64_t>(hs.begin(), hs.end() - 1));
+      if (kv != nullptr) kept = kv.GetTensorMutableData<int64_t>();
+    }
+    float* confidence = nullptr;
+    if (ctx.GetOutputCount() > kConfidence) {
+      Ort::UnownedValue cv = ctx.GetOutput(kConfidence, std::vector<int64_t>{T});
+      if (cv != nullptr) confidence = cv.GetTensorMutableData<float>();
+    }
     lz::MoEWeights w;
     w.format = format;
     w.input_major = input_major;
@@ -426,25 +470,36 @@ struct MoEKernel {
     }
 
     const V* x = hidden.GetTensorData<V>();
-    const V* l = logits.GetTensorData<V>();
     std::vector<float> lf, xf, yf;
-    const float* logits_f;
+    const float* logits_f = nullptr;
     const float* x_f;
     float* y_f;
     if constexpr (std::is_same_v<V, float>) {
-      logits_f = l;
+      if (logits != nullptr) logits_f = logits.GetTensorData<float>();
       x_f = x;
       y_f = y.GetTensorMutableData<float>();
     } else {
-      lf.resize(size_t(T * E));
       xf.resize(size_t(T * H));
       yf.resize(size_t(T * H));
-      for (size_t i = 0; i < lf.size(); ++i) lf[i] = Hidden<V>::to_float(l[i]);
+      if (logits != nullptr) {
+        const V* l = logits.GetTensorData<V>();
+        lf.resize(size_t(T * E));
+        for (size_t i = 0; i < lf.size(); ++i) lf[i] = Hidden<V>::to_float(l[i]);
+        logits_f = lf.data();
+      }
       for (size_t i = 0; i < xf.size(); ++i) xf[i] = Hidden<V>::to_float(x[i]);
-      logits_f = lf.data();
       x_f = xf.data();
       y_f = yf.data();
     }
+    if (router_w != nullptr) {  // the router's row dots (float kernels of the experts), then its bias
+      lf.resize(size_t(T * E));
+      lz::dot_kernels().by_type[static_cast<int>(lz::WeightType::f32)](router_w, E, H, x_f, T, H, lf.data(), E);
+      if (router_b != nullptr)
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t e = 0; e < E; ++e) lf[size_t(t * E + e)] += router_b[e];
+      logits_f = lf.data();
+    }
+    if (confidence != nullptr) lz::routing_confidence(logits_f, T, E, cfg.scoring, confidence);
     std::vector<float> weights;
     uint8_t* m = reinterpret_cast<uint8_t*>(mask.GetTensorMutableData<bool>());
     lz::route(logits_f, T, E, cfg, threshold, sb != nullptr ? score_bias.data() : nullptr, &weights, m);
@@ -480,7 +535,8 @@ struct MoEOp : Ort::CustomOpBase<MoEOp<V>, MoEKernel<V>, true> {
   size_t GetInputTypeCount() const { return kInputs; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
     if (i <= 1) return Hidden<V>::type;
-    if (i == kThreshold || i == kXThresholds || i == kXScale) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    if (i == kThreshold || i == kXThresholds || i == kXScale || i == kRouterWeight || i == kRouterBias)
+      return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
     // the scales (10-12): float16, checked when the kernel is created (a float format node with 11-13 inputs is
     // refused there too, with its count)
     // expert weights, biases, score_bias: float32, float16 or bfloat16 (checked when the kernel is created);
@@ -488,13 +544,17 @@ struct MoEOp : Ort::CustomOpBase<MoEOp<V>, MoEKernel<V>, true> {
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
-    return i >= 5 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+    return i >= 5 || i == 1 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;  // 1: or router_weight (15)
   }
-  size_t GetOutputTypeCount() const { return 3; }
+  size_t GetOutputTypeCount() const { return 4; }
   ONNXTensorElementDataType GetOutputType(size_t i) const {
-    return i == 0 ? Hidden<V>::type : (i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+    return i == 0   ? Hidden<V>::type
+           : i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL
+           : i == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64
+                    : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
-  // kept [T...] int64 (2): the x channels each token keeps (H without activation thresholds).
+  // kept [T...] int64 (2): the x channels each token keeps (H without activation thresholds); confidence [T]
+  // float32 (3): each token's top-1 routing probability (ReduceMax of the scores).
   OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
     return i >= 2 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }

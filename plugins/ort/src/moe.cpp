@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <thread>
 
@@ -196,6 +197,31 @@ uint16_t float_to_bf16(float f) {
   if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40);  // quiet NaN
   x += 0x7fffu + ((x >> 16) & 1);
   return static_cast<uint16_t>(x >> 16);
+}
+
+void routing_confidence(const float* logits, int64_t tokens, int64_t experts, Scoring scoring, float* out) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* l = logits + t * experts;
+    if (experts == 0) {
+      out[t] = 0.0f;
+      continue;
+    }
+    float m = l[0];
+    bool nan = false;
+    for (int64_t e = 0; e < experts; ++e) {
+      nan |= std::isnan(l[e]);
+      m = l[e] > m ? l[e] : m;
+    }
+    if (nan) {
+      out[t] = std::numeric_limits<float>::quiet_NaN();
+    } else if (scoring == Scoring::softmax) {
+      float sum = 0.0f;
+      for (int64_t e = 0; e < experts; ++e) sum += std::exp(l[e] - m);
+      out[t] = 1.0f / sum;
+    } else {
+      out[t] = 1.0f / (1.0f + std::exp(-m));
+    }
+  }
 }
 
 void route(const float* logits, int64_t tokens, int64_t experts, const MoEConfig& cfg, float threshold,

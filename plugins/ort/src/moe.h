@@ -86,6 +86,11 @@ using ParallelFor = std::function<void(size_t total, const std::function<void(si
 void route(const float* logits, int64_t tokens, int64_t experts, const MoEConfig& cfg, float threshold,
            const float* score_bias, std::vector<float>* weights, uint8_t* mask);
 
+// Each token's top-1 routing probability (the router confidence the runtime reports): max over e of
+// softmax(logits[t])[e] = 1 / sum_e exp(l_e - max l), or sigmoid(max l); float32, as ONNX Runtime's Softmax /
+// Sigmoid then ReduceMax compute it up to rounding. NaN logits give NaN.
+void routing_confidence(const float* logits, int64_t tokens, int64_t experts, Scoring scoring, float* out);
+
 // The format's name ("f", "q8", "q4"); false for one this kernel does not implement.
 bool parse_weight_format(const std::string& s, WeightFormat* out);
 
