@@ -25,6 +25,7 @@ from layerzero.pipeline import (
     bypass_declared_layers,
     fuse_decoder,
     fuse_expert_masks,
+    fuse_skip_norms,
     lower_for_target,
     native_attention,
     native_linear,
@@ -172,6 +173,7 @@ def compile_model(
     native_attention(model, options)  # --linear-kernel native: the attention cores -> Attention
     fuse_expert_masks(model, options)  # activation-sparse experts that stayed float: into the native kernel
     native_router(model, options)  # --linear-kernel native: the routers into their MoE nodes
+    fuse_skip_norms(model, options)  # and the residual Add + RMS norm pairs into one ONNX Runtime kernel
     after = summarize(model, options.flag_pattern)
     kinds = {b.scope: "declared-flag" for b in pipeline.bypassed}
     kinds.update({s: "consumed-flag" for s in consumed if s not in kinds})
@@ -352,6 +354,7 @@ def quantized_dense_reference(
     native_linear(model, options)  # as the compile: the same kernel on the same codes
     native_attention(model, options)  # and the same attention kernel
     native_router(model, options)  # and the routers in the same MoE nodes
+    fuse_skip_norms(model, options)  # and the same norm kernels
     return model
 
 

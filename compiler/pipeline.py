@@ -40,6 +40,7 @@ __all__ = [
     "bypass_declared_layers",
     "fuse_decoder",
     "fuse_expert_masks",
+    "fuse_skip_norms",
     "lower_for_target",
     "native_attention",
     "native_router",
@@ -327,6 +328,20 @@ def native_router(model: ir.Model, options: CompileOptions) -> list[str]:
 
     InferShapes()(model)  # the output view's shape is proved against the block's input
     step = NativeRouter()
+    run_pass(step, model)
+    return list(step.fused)
+
+
+def fuse_skip_norms(model: ir.Model, options: CompileOptions) -> list[str]:
+    """``--linear-kernel native``: each residual Add and the RMS norm after it into ONNX Runtime's
+    SkipSimplifiedLayerNormalization (``FuseSkipNorm``), under the same conditions as ``native_attention`` (the
+    compile's and the quantized-dense reference's alike). Returns the new nodes' names."""
+    if not _native_fusions(options):
+        return []
+    from layerzero.passes.skip_norm import FuseSkipNorm
+
+    InferShapes()(model)  # the Add's two inputs are proved of one shape
+    step = FuseSkipNorm()
     run_pass(step, model)
     return list(step.fused)
 
