@@ -34,6 +34,7 @@ __all__ = [
     "ACTIVATION_SCALE_INPUT",
     "ATTENTION_OP",
     "BLOCK_PREFIX",
+    "CACHE_BUFFER_META_KEY",
     "DYNAMIC_META_KEY",
     "FORCE_OFF_PREFIX",
     "MASK_PREFIX",
@@ -71,6 +72,10 @@ BLOCK_PREFIX = RUNTIME_PREFIX + "block::"
 DYNAMIC_META_KEY = "layerzero.dynamic"
 #: Model metadata key of the gated branches found but not made dynamic (JSON list of path, kind, reason).
 REFUSED_META_KEY = "layerzero.dynamic.refused"
+#: Model metadata key, "1" when every past input may be a cache buffer longer than the rows in use (the attention
+#: op writes the new rows where the mask ends; ``passes/native_attention.py``): the generate loop then binds one
+#: buffer as each layer's past and present, and nothing copies the cache a step.
+CACHE_BUFFER_META_KEY = "layerzero.kv_cache_buffer"
 #: Model metadata key of the paths solidification removed (JSON list of subpath, path, kind, params).
 SOLIDIFIED_META_KEY = "layerzero.solidified"
 #: The metadata keys the passes keep their records in: a model that already has one is refused (issue 20).

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from layerzero.contract import ATTENTION_OP, MOE_DOMAIN
+from layerzero.contract import ATTENTION_OP, CACHE_BUFFER_META_KEY, MOE_DOMAIN
 from layerzero.passes._builder import Builder, model_opset
 from layerzero.passes._fuse_match import int_attr, last_dim, only_reader, other_input, rank_of, scalar_of
 from layerzero.passes._graph import NameFactory, const_array, replace_value, scope_of
@@ -348,6 +348,55 @@ def _bsh(found: _Attention, shapes: SymbolicShapes) -> _Heads | None:
     return _Heads(q[0], k[0], v[0], q[1], k[1], q[2], k[2], q[3] if q[2] is not None else k[3], q[4], merged)
 
 
+def _shape_dims(node: ir.Node, rank: int) -> range:
+    """The dims a ``Shape`` node reads of a rank-``rank`` input (its start / end, negative ones counted back)."""
+    start, end = int_attr(node, "start", 0), int_attr(node, "end", rank)
+    start, end = (start + rank if start < 0 else start), (end + rank if end < 0 else end)
+    return range(max(start, 0), min(end, rank))
+
+
+def _cache_buffer(model: ir.Model, names: NameFactory) -> bool:
+    """Let the caches be buffers (``CACHE_BUFFER_META_KEY``): True when every past input is read only as the past of
+    an Attention node with a mask and by ``Shape`` nodes; those that read its length (axis 2) then read
+    ``attention_mask``'s length minus ``input_ids``' instead (the same number for an export's inputs: the mask covers
+    the past and the new tokens), so a past of more rows than are in use changes nothing but where the op writes.
+    False (nothing changed) otherwise."""
+    graph = model.graph
+    inputs = {v.name: v for v in graph.inputs}
+    mask, ids = inputs.get("attention_mask"), inputs.get("input_ids")
+    pasts = [v for v in graph.inputs if (v.name or "").startswith("past_key_values.")]
+    if mask is None or ids is None or not pasts:
+        return False
+    length_reads: list[ir.Node] = []
+    for past in pasts:
+        if past.is_graph_output() or past.shape is None or len(past.shape) != 4:
+            return False
+        for use in past.uses():
+            node = use.node
+            if node.op_type == ATTENTION_OP and node.domain == MOE_DOMAIN:
+                if use.idx not in (4, 5) or len(node.inputs) < 4 or node.inputs[3] is None:
+                    return False
+            elif node.op_type == "Shape" and node.domain in ("", "ai.onnx"):
+                dims = _shape_dims(node, 4)
+                if 2 in dims:
+                    if list(dims) != [2]:
+                        return False
+                    length_reads.append(node)
+            else:
+                return False
+    b = Builder(graph, names, model_opset(model), node_prefix="/lz_cache/", value_prefix="lz_cache.")
+    total = b.op1("Shape", [mask], start=1, end=2)
+    new = b.op1("Shape", [ids], start=1, end=2)
+    length = b.op1("Sub", [total, new])
+    for v in (total, new, length):
+        v.dtype, v.shape = ir.DataType.INT64, ir.Shape([1])
+    graph.insert_before(next(iter(graph)), b.take())
+    for node in length_reads:
+        replace_value(node.outputs[0], length, names)
+    RemoveDeadCode()(model)
+    return True
+
+
 class NativeAttention(ir.passes.InPlacePass):
     """The attention cores of a decoder into ``ai.layerzero::Attention`` (module docstring). ``fused``: the new nodes'
     names; ``refused``: the Softmax nodes that looked like attention and were left."""
@@ -356,9 +405,10 @@ class NativeAttention(ir.passes.InPlacePass):
         super().__init__()
         self.fused: list[str] = []
         self.refused: list[Refusal] = []
+        self.cache_buffer = False
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.fused, self.refused = [], []
+        self.fused, self.refused, self.cache_buffer = [], [], False
         names = NameFactory(model.graph)
         opset = model_opset(model)
         for graph in model.graphs():
@@ -378,6 +428,9 @@ class NativeAttention(ir.passes.InPlacePass):
         if self.fused:
             model.opset_imports.setdefault(MOE_DOMAIN, 1)
             RemoveDeadCode()(model)
+            self.cache_buffer = _cache_buffer(model, names)
+            if self.cache_buffer:
+                model.metadata_props[CACHE_BUFFER_META_KEY] = "1"
         return ir.passes.PassResult(model, modified=bool(self.fused))
 
     def _fuse(self, graph: ir.Graph, b: Builder, found: _Attention, heads: _Heads | None) -> None:

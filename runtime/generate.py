@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -150,12 +151,15 @@ class _BoundSteps:
     The first step's feeds are validated as ``Engine.run`` does (a wrong dtype or dim is an ``InvalidInputError``);
     then each step binds its three small inputs and the previous step's presents, which stay ONNX Runtime values
     (no numpy array of the cache is made, no copy of it is fed back). The outputs are bound to the CPU and
-    allocated by the session: the exported graph writes each present with a ``Concat(past, new)`` of its own,
-    so a preallocated cache buffer could not be written in place; only the logits (one row per position) and the
-    masks become numpy arrays.
+    allocated by the session: an exported graph writes each present with a ``Concat(past, new)`` of its own. A
+    bundle whose attention is liblayerzero_ort.so's op and whose graph reads the past's length from the mask
+    (``CACHE_BUFFER_META_KEY``, ``--linear-kernel native``) gets one buffer of ``capacity`` rows per past / present
+    pair instead, bound as both: each step writes only its new rows into it (no copy of the cache a step;
+    ``LAYERZERO_KV_BUFFER=0`` turns it off). Only the logits (one row per position) and the masks become numpy
+    arrays.
     """
 
-    def __init__(self, engine: Engine, layout: CacheLayout, batch: int) -> None:
+    def __init__(self, engine: Engine, layout: CacheLayout, batch: int, capacity: int | None = None) -> None:
         backend = engine.backend
         self._engine = engine
         self._session = backend.session  # type: ignore[attr-defined]
@@ -179,11 +183,26 @@ class _BoundSteps:
         )
         self._bound: dict[str, np.ndarray] = {}  # the numpy inputs bound by address, alive until rebound
         self._skips = StepSkips(self._outputs, engine.dynamic_index, MASK_PREFIX)
+        # The cache buffers (numpy arrays, and the ONNX Runtime values over their memory bound as past and present)
+        self._buffers: dict[str, np.ndarray] = {}
+        self._buffer_values: dict[str, Any] = {}
+        if capacity is not None and _cache_buffers_allowed(self._session):
+            import onnxruntime as ort
+
+            for past, _ in layout.names:
+                array = np.zeros((batch, heads, capacity, head_dim), dtype=layout.dtype)
+                value = ort.OrtValue.ortvalue_from_numpy(array)
+                self._buffers[past] = array
+                self._buffer_values[past] = value._ortvalue if direct is not None else value
 
     def __call__(self, feeds: dict[str, np.ndarray]) -> _Step:
         if self._first:
             arrays = self._engine.validate_feeds({**feeds, **self._empty_past})
             self._first = False
+            if self._buffers:  # the buffers are the pasts from the start (0 rows in use: the mask says so)
+                arrays = {k: v for k, v in arrays.items() if k not in self._buffers}
+                for past, value in self._buffer_values.items():
+                    self._ends[1].bind_ortvalue_input(past, value)
         else:
             arrays = {name: np.ascontiguousarray(value) for name, value in feeds.items()}
         try:
@@ -208,15 +227,21 @@ class _BoundSteps:
         for name, value in arrays.items():
             bind_input(name, value)
             bound[name] = value  # ONNX Runtime reads the array's buffer: keep it alive while it is bound
-        # The session allocates fresh outputs each run: the presents bound as this step's past stay valid.
+        # The session allocates fresh outputs each run: the presents bound as this step's past stay valid. With cache
+        # buffers each present is its past's buffer, bound once as both.
         binding.clear_binding_outputs()
+        buffers = {present: self._buffer_values[past] for past, present in self._layout.names if self._buffers}
         for name in self._outputs:
-            binding.bind_output(name, device)
+            if name in buffers:
+                binding.bind_ortvalue_output(name, buffers[name])
+            else:
+                binding.bind_output(name, device)
         session.run_with_iobinding(binding, self._run_options)
         values = binding.get_outputs()
-        for past, i in self._presents:
-            binding.bind_ortvalue_input(past, values[i])
-            bound.pop(past, None)
+        if not self._buffers:
+            for past, i in self._presents:
+                binding.bind_ortvalue_input(past, values[i])
+                bound.pop(past, None)
         return {name: values[i].numpy() for name, i in self._arrays}
 
 
@@ -231,11 +256,25 @@ def _direct_binding(session: Any, binding: Any) -> tuple[Any, Any, Any] | None:
         device = OrtDevice.make("cpu", 0)._get_c_device()
         needed = [(c_session, "run_with_iobinding")] + [
             (c_binding, m)
-            for m in ("bind_input", "bind_output", "bind_ortvalue_input", "clear_binding_outputs", "get_outputs")
-        ]
+            for m in ("bind_input", "bind_output", "bind_ortvalue_input", "bind_ortvalue_output",
+                      "clear_binding_outputs", "get_outputs")
+        ]  # fmt: skip
         return (c_session, c_binding, device) if all(callable(getattr(o, m, None)) for o, m in needed) else None
     except (AttributeError, ImportError, TypeError):
         return None
+
+
+def _cache_buffers_allowed(session: Any) -> bool:
+    """Whether the bundle lets each past be a cache buffer (``CACHE_BUFFER_META_KEY``) and ``LAYERZERO_KV_BUFFER``
+    is not 0."""
+    from layerzero.contract import CACHE_BUFFER_META_KEY
+
+    if os.environ.get("LAYERZERO_KV_BUFFER", "1").strip() == "0":
+        return False
+    try:
+        return session.get_modelmeta().custom_metadata_map.get(CACHE_BUFFER_META_KEY) == "1"
+    except Exception:  # an onnxruntime without the model's metadata: the plain steps
+        return False
 
 
 def _step_run_options(base: Any) -> Any:
@@ -392,7 +431,7 @@ def generate(
     all_positions[:, :width] = prompt_positions
     all_positions[:, width:] = lengths[:, None] + np.arange(max_new_tokens, dtype=np.int64)[None, :]
     stepper: _Steps = (
-        _BoundSteps(base, layout, batch)
+        _BoundSteps(base, layout, batch, capacity=width + max_new_tokens)
         if guard is None and layout is not None and _bindable(base)
         else _PlainSteps(run, layout, batch)
     )

@@ -289,3 +289,70 @@ if __name__ == "__main__":
         for layout in ("bhtd", "bthd"):
             _check(Path(sys.argv[1]), 2, *shape, layout)
     print("ok")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_cache_buffer_writes_the_new_rows_where_the_mask_ends(ort_lib, threads, in_place):
+    """A past longer than the mask says (a cache buffer of capacity M, ``Lm - Tn`` rows in use): the presents have
+    the buffer's shape, the new rows land at ``[Lm - Tn, Lm)``, o equals the ordinary form's over the rows in use.
+    Bound as one buffer for past and present (``in_place``), only the new rows are written (the rest untouched)."""
+    import onnxruntime as ort
+
+    B, H, Hk, D, M, eps = 2, 8, 2, 16, 24, 1e-6
+    rng = np.random.default_rng(11)
+    sess = session(ort_lib, _bsh_model(False, False, True, H, Hk, eps), threads)
+    cache = [np.zeros((B, Hk, M, D), np.float32) for _ in range(2)]
+    sentinel = np.float32(7.0)
+    for c in cache:
+        c[:, :, :, :] = sentinel
+    steps = [(5, 0), (1, 5), (1, 6), (3, 7)]  # (new tokens, past rows in use)
+    ordinary = [np.zeros((B, Hk, 0, D), np.float32) for _ in range(2)]
+    for tn, used in steps:
+        q = rng.standard_normal((B, tn, H * D)).astype(np.float32)
+        k, v = (rng.standard_normal((B, tn, Hk * D)).astype(np.float32) for _ in range(2))
+        mask = _causal(rng, B, tn, used + tn, pad=min(1, used))
+        feeds = {"q": q, "k": k, "v": v, "mask": mask}
+        want = sess.run(None, {**feeds, "pk": ordinary[0], "pv": ordinary[1]})
+        ordinary = want[1:]
+        if in_place:
+            binding = sess.io_binding()
+            for name, value in feeds.items():
+                binding.bind_cpu_input(name, value)
+            values = [ort.OrtValue.ortvalue_from_numpy(c) for c in cache]  # the arrays' own memory
+            binding.bind_ortvalue_input("pk", values[0])
+            binding.bind_ortvalue_input("pv", values[1])
+            binding.bind_output("o", "cpu")
+            binding.bind_ortvalue_output("present_k", values[0])
+            binding.bind_ortvalue_output("present_v", values[1])
+            sess.run_with_iobinding(binding)
+            o = binding.get_outputs()[0].numpy()
+            presents = cache
+        else:
+            o, *presents = sess.run(None, {**feeds, "pk": cache[0], "pv": cache[1]})
+            assert all(p.shape == (B, Hk, M, D) for p in presents)
+            assert not presents[0][:, :, used + tn :].any()  # a copied buffer: the rows after those in use are 0
+            cache = [p.copy() for p in presents]
+            cache[0][:, :, used + tn :] = sentinel
+            cache[1][:, :, used + tn :] = sentinel
+        np.testing.assert_allclose(o, want[0], rtol=1e-5, atol=1e-6)
+        for got, full in zip(presents, want[1:]):
+            assert np.array_equal(got[:, :, : used + tn], full)
+        if in_place:
+            assert (cache[0][:, :, used + tn :] == sentinel).all()  # only the new rows were written
+
+
+@pytest.mark.parametrize(("tn", "keys", "expected"), [(2, 5, "more than the cache buffer's 4 rows"),
+                                                       (3, 2, "fewer than the new keys")])  # fmt: skip
+def test_cache_buffer_misfits_are_one_line(ort_lib, tn, keys, expected):
+    """A mask of fewer keys than past + new makes the past a cache buffer: more keys than its rows, or fewer than the
+    new ones, is a one-line error naming the node."""
+    B, H, Hk, D = 1, 4, 2, 16
+    sess = session(ort_lib, _bsh_model(False, False, True, H, Hk, 1e-6))
+    feeds = {"q": np.zeros((B, tn, H * D), np.float32), "k": np.zeros((B, tn, Hk * D), np.float32),
+             "v": np.zeros((B, tn, Hk * D), np.float32), "mask": np.zeros((B, 1, tn, keys), np.float32),
+             "pk": np.zeros((B, Hk, 4, D), np.float32), "pv": np.zeros((B, Hk, 4, D), np.float32)}  # fmt: skip
+    with pytest.raises(Exception) as failure:
+        sess.run(None, feeds)
+    text = str(failure.value)
+    assert expected in text and NODE in text and "\n" not in text.strip(), text

@@ -287,10 +287,14 @@ struct AttentionKernel {
     return w.GetTensorData<float>();
   }
 
-  // With a past: present = concat(past, new) along the sequence, written as outputs 1 and 2; returns their
-  // shapes' L (and the new keys' batch, heads and D checked against the past's).
-  void presents(Ort::KernelContext& ctx, const std::vector<int64_t>& ks, const std::vector<int64_t>& vs,
-                const float** k, const float** v, std::vector<int64_t>* pks, std::vector<int64_t>* pvs) const {
+  // With a past: present = concat(past, new) along the sequence, written as outputs 1 and 2; points k, v at them
+  // and returns the keys' row capacity per (batch, head) of the presents (their L). `valid` (>= 0: the mask's key
+  // length, the past rows in use + the new ones) below the past's rows + the new ones: the past is a cache buffer
+  // (attention.h), the presents are the buffer's shape and the new rows go to [valid - Tn, valid); when the
+  // presents are the past's own memory (bound so by the caller) only those rows are written.
+  int64_t presents(Ort::KernelContext& ctx, const std::vector<int64_t>& ks, const std::vector<int64_t>& vs,
+                   int64_t valid, const float** k, const float** v, std::vector<int64_t>* pks,
+                   std::vector<int64_t>* pvs) const {
     Ort::ConstValue pk = ctx.GetInput(4), pv = ctx.GetInput(5);
     if (pk == nullptr || pv == nullptr) fail(ORT_INVALID_ARGUMENT, "past_key and past_value must both be given");
     const std::vector<int64_t> a = pk.GetTensorTypeAndShapeInfo().GetShape();
@@ -299,22 +303,37 @@ struct AttentionKernel {
         b[1] != vs[1] || b[2] != a[2] || b[3] != vs[3])
       fail(ORT_INVALID_ARGUMENT, "past_key " + shape_text(a) + " / past_value " + shape_text(b) +
                                      " do not fit the new keys " + shape_text(ks) + " / values " + shape_text(vs));
-    *pks = {ks[0], ks[1], a[2] + ks[2], ks[3]};
-    *pvs = {vs[0], vs[1], b[2] + vs[2], vs[3]};
+    const int64_t cap = a[2], tn = ks[2];
+    const bool buffer = valid >= 0 && valid < cap + tn;
+    if (buffer && (valid < tn || valid > cap))
+      fail(ORT_INVALID_ARGUMENT, "the mask covers " + std::to_string(valid) + " keys: with " + std::to_string(tn) +
+                                     " new ones that is " + (valid < tn ? "fewer than the new keys"
+                                                                       : "more than the cache buffer's " +
+                                                                             std::to_string(cap) + " rows"));
+    const int64_t used = buffer ? valid - tn : cap;  // past rows in use; the new rows go after them
+    const int64_t rows = buffer ? cap : cap + tn;    // the presents' rows
+    *pks = {ks[0], ks[1], rows, ks[3]};
+    *pvs = {vs[0], vs[1], rows, vs[3]};
     float* ok = ctx.GetOutput(1, *pks).GetTensorMutableData<float>();
     float* ov = ctx.GetOutput(2, *pvs).GetTensorMutableData<float>();
-    // Per (batch, head): the past's rows, then the new ones (contiguous blocks in both).
-    const float* srcs[4] = {pk.GetTensorData<float>(), *k, pv.GetTensorData<float>(), *v};
+    const float* past[2] = {pk.GetTensorData<float>(), pv.GetTensorData<float>()};
+    const float* fresh[2] = {*k, *v};
+    float* out[2] = {ok, ov};
+    const int64_t width[2] = {a[3], b[3]};
     const int64_t heads = ks[0] * ks[1];
-    const int64_t rows[4] = {a[2] * a[3], ks[2] * ks[3], b[2] * b[3], vs[2] * vs[3]};
-    for (int64_t h = 0; h < heads; ++h) {
-      std::copy(srcs[0] + h * rows[0], srcs[0] + (h + 1) * rows[0], ok + h * (rows[0] + rows[1]));
-      std::copy(srcs[1] + h * rows[1], srcs[1] + (h + 1) * rows[1], ok + h * (rows[0] + rows[1]) + rows[0]);
-      std::copy(srcs[2] + h * rows[2], srcs[2] + (h + 1) * rows[2], ov + h * (rows[2] + rows[3]));
-      std::copy(srcs[3] + h * rows[3], srcs[3] + (h + 1) * rows[3], ov + h * (rows[2] + rows[3]) + rows[2]);
+    for (int m = 0; m < 2; ++m) {
+      const bool in_place = buffer && out[m] == past[m];
+      const int64_t w = width[m];
+      for (int64_t h = 0; h < heads; ++h) {  // per (batch, head): the past's rows in use, the new ones, the rest
+        float* dst = out[m] + h * rows * w;
+        if (!in_place) std::copy(past[m] + h * cap * w, past[m] + (h * cap + used) * w, dst);
+        std::copy(fresh[m] + h * tn * w, fresh[m] + (h + 1) * tn * w, dst + used * w);
+        if (buffer && !in_place) std::fill(dst + (used + tn) * w, dst + rows * w, 0.0f);
+      }
     }
     *k = ok;
     *v = ov;
+    return rows;
   }
 
   void compute(OrtKernelContext* context) {
@@ -345,9 +364,23 @@ struct AttentionKernel {
     if (qs.size() != 4 || ks.size() != 4 || vs.size() != 4)
       fail(ORT_INVALID_ARGUMENT, "q, k and v must be rank 4, not " + shape_text(qs) + ", " + shape_text(ks) + ", " +
                                      shape_text(vs));
-    if (cached) presents(ctx, std::vector<int64_t>(ks), std::vector<int64_t>(vs), &k, &v, &ks, &vs);
+    // The mask's key length: with a past shorter than that length says, the past is a cache buffer (presents()).
+    int64_t mask_keys = -1;
+    if (ctx.GetInputCount() > 3) {
+      Ort::ConstValue mv = ctx.GetInput(3);
+      if (mv != nullptr) {
+        const std::vector<int64_t> ms = mv.GetTensorTypeAndShapeInfo().GetShape();
+        if (!ms.empty() && ms.back() != 1) mask_keys = ms.back();
+      }
+    }
+    int64_t stride_rows = -1;  // the keys' rows per (batch, kv head) in memory (L, or a cache buffer's capacity)
+    if (cached) {
+      stride_rows = presents(ctx, std::vector<int64_t>(ks), std::vector<int64_t>(vs), mask_keys, &k, &v, &ks, &vs);
+      if (mask_keys >= 0 && mask_keys < ks[2]) ks[2] = vs[2] = mask_keys;  // attend over the rows in use
+    }
     const int64_t B = qs[0], H = qs[1], T = qs[2], D = qs[3];
     const int64_t Bk = ks[0], Hk = ks[1], L = ks[2], Dv = vs[3];
+    const int64_t cap = stride_rows >= 0 ? stride_rows : L;
     if (ks[3] != D || vs[0] != Bk || vs[1] != Hk || vs[2] != L)
       fail(ORT_INVALID_ARGUMENT, "shapes q " + shape_text(qs) + ", k " + shape_text(ks) + ", v " + shape_text(vs) +
                                      " do not fit ([B, H, T, D], [B, Hk, L, D], [B, Hk, L, Dv])");
@@ -389,7 +422,7 @@ struct AttentionKernel {
     // One (batch, kv head) pair: its r * T query rows (contiguous in q), in blocks of kRowBlock rows.
     const std::function<void(size_t)> work = [&](size_t item) {
       const int64_t b = int64_t(item) / Hk, g = int64_t(item) % Hk, bk = Bk == 1 ? 0 : b;
-      Rows a{q, k + (bk * Hk + g) * L * D, v + (bk * Hk + g) * L * Dv, nullptr, 0, 0, 0, b, g, r, H, T, D, L, Dv,
+      Rows a{q, k + (bk * Hk + g) * cap * D, v + (bk * Hk + g) * cap * Dv, nullptr, 0, 0, 0, b, g, r, H, T, D, L, Dv,
              q_scale, k_scale, bthd, o};
       if (mask != nullptr) {
         a.mask = mask + b * mstride[0];

@@ -6,6 +6,12 @@
 //   o, present_key, present_value = Attention(q, k_new [B, Hk, Tn, D], v_new [B, Hk, Tn, Dv], mask? ("" if none),
 //                 past_key [B, Hk, P, D], past_value [B, Hk, P, Dv])      (the past form: the cache's Concat too)
 //     present_* = concat(past_*, *_new) along the sequence (bitwise: copied), k / v below = the presents (L = P + Tn)
+//     Cache buffer: when the mask's last dimension Lm is below P + Tn, the past is a buffer of capacity P whose
+//     first Lm - Tn rows are in use: the presents have the past's shape, the new rows are written at rows
+//     [Lm - Tn, Lm) and the attention reads rows [0, Lm) (L = Lm; Lm > P is refused). When present_* is the
+//     past's own memory (the caller binds one buffer as both, as ONNX Runtime GenAI does for its
+//     GroupQueryAttention) only the new rows are written: no copy of the cache a step. Otherwise the rows in use are
+//     copied and the rest of the presents is 0.
 //   o [B, T, H*Dv], present_key, present_value = Attention(q [B, T, H*D], k_new [B, T, Hk*D], v_new [B, T, Hk*Dv],
 //                 mask?, past_key, past_value, q_norm? [D], k_norm? [D], cos_cache? [M, D/2], sin_cache? [M, D/2],
 //                 position_ids? [B, T] int64)      (input_layout "bsh": the projections' outputs as they are)
