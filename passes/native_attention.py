@@ -269,6 +269,65 @@ class _Heads:
     out: ir.Value  # the [B, T, H * D] view of the output (replaced by the op's output 0)
 
 
+def _const_ints(value: ir.Value | None) -> list[int] | None:
+    array = const_array(value)
+    return None if array is None or array.dtype.kind not in "iu" else [int(v) for v in array.reshape(-1)]
+
+
+def _half_table(cache: ir.Value, trig: str) -> ir.Node | None:
+    """The ``Cos`` / ``Sin`` node of ``cache = Reshape(Slice(trig(e), [0], [D/2], [-1]), [-1, D/2])``, else None."""
+    view = _producer(cache, "Reshape")
+    cut = _producer(view.inputs[0], "Slice") if view is not None else None
+    table = _producer(cut.inputs[0], trig) if cut is not None else None
+    if view is None or cut is None or table is None or len(cut.inputs) < 4:
+        return None
+    half = last_dim(cache)
+    steps = _const_ints(cut.inputs[4]) if len(cut.inputs) > 4 and cut.inputs[4] is not None else [1]
+    ok = isinstance(half, int) and _const_ints(view.inputs[1]) == [-1, half] and steps == [1]
+    ok = ok and _const_ints(cut.inputs[1]) == [0] and _const_ints(cut.inputs[2]) == [half]
+    ok = ok and _const_ints(cut.inputs[3]) in ([-1], [(rank_of(table.outputs[0]) or 0) - 1])
+    return table if ok else None
+
+
+def _frequencies(rotary: tuple[ir.Value, ir.Value, ir.Value]) -> tuple[ir.Value | np.ndarray, ir.Value] | None:
+    """``(inv_freq [D/2], position_ids [B, T])`` when the rotary caches are the per-token tables ``FuseDecoder``
+    builds from the export's ``Cos`` / ``Sin`` of ``Concat(m, m)``, ``m = float(Unsqueeze(position_ids, -1)) *
+    inv_freq`` (row ``b * T + t`` for token (b, t): the op's positions a ``Range(0, n, 1)`` viewed [B, T]); the op
+    can then compute ``cos / sin(float(position_ids[b, t]) * inv_freq)`` itself (``rotary_form="inv_freq"``).
+    inv_freq is the constant itself when it is 1-D, else its values."""
+    cos_cache, sin_cache, rows = rotary
+    cos, sin = _half_table(cos_cache, "Cos"), _half_table(sin_cache, "Sin")
+    if cos is None or sin is None or cos.inputs[0] is not sin.inputs[0]:
+        return None
+    cat = _producer(cos.inputs[0], "Concat")
+    if cat is None or len(cat.inputs) != 2 or cat.inputs[0] is not cat.inputs[1]:
+        return None
+    if int_attr(cat, "axis", 0) not in (-1, (rank_of(cat.outputs[0]) or 0) - 1):
+        return None
+    mul = _producer(cat.inputs[0], "Mul")
+    if mul is None:
+        return None
+    for i in (0, 1):
+        freq, cast = const_array(mul.inputs[i]), _producer(mul.inputs[1 - i], "Cast")
+        if freq is None or cast is None or freq.dtype != np.float32:
+            continue
+        unsq = _producer(cast.inputs[0], "Unsqueeze")
+        axes = _const_ints(unsq.inputs[1]) if unsq is not None and len(unsq.inputs) > 1 else None
+        positions = unsq.inputs[0] if unsq is not None else None
+        if positions is None or positions.dtype != ir.DataType.INT64 or axes not in ([-1], [rank_of(positions)]):
+            continue
+        if int_attr(cast, "to", 0) != ir.DataType.FLOAT.value or freq.size != last_dim(cos_cache):
+            continue
+        if any(d != 1 for d in freq.shape[:-1]) or rank_of(positions) != 2:
+            continue
+        row_ids = _producer(rows, "Reshape")
+        enum = _producer(row_ids.inputs[0], "Range") if row_ids is not None else None
+        if enum is None or _const_ints(enum.inputs[0]) != [0] or _const_ints(enum.inputs[2]) != [1]:
+            return None
+        return (mul.inputs[i] if freq.ndim == 1 else np.ascontiguousarray(freq.reshape(-1))), positions
+    return None
+
+
 def _single(value: ir.Value | None, op_type: str, domain: str = "") -> ir.Node | None:
     """The producer of ``value`` of that kind when ``value`` has one reader and is no graph output."""
     node = _producer(value, op_type, domain)
@@ -442,7 +501,14 @@ class NativeAttention(ir.passes.InPlacePass):
         out = found.out
         if heads is not None:  # input_layout "bsh": the projections' outputs, prepared in the op
             inputs[:3] = [heads.q, heads.k, heads.v]
-            inputs += [heads.q_norm, heads.k_norm, *(heads.rotary or ())]
+            rotary: list[ir.Value | None] = list(heads.rotary or ())
+            found_freq = _frequencies(heads.rotary) if heads.rotary is not None else None
+            if found_freq is not None:  # the angles computed in the op: the tables' nodes go
+                freq = found_freq[0]
+                freq = b.initializer("rotary.inv_freq", freq) if isinstance(freq, np.ndarray) else freq
+                rotary = [freq, None, found_freq[1]]
+                attrs["rotary_form"] = "inv_freq"
+            inputs += [heads.q_norm, heads.k_norm, *rotary]
             attrs.update(input_layout="bsh", output_layout="bsh", num_heads=heads.heads, kv_num_heads=heads.kv_heads,
                          norm_epsilon=float(heads.epsilon))  # fmt: skip
             out = heads.out

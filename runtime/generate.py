@@ -194,6 +194,15 @@ class _BoundSteps:
                 value = ort.OrtValue.ortvalue_from_numpy(array)
                 self._buffers[past] = array
                 self._buffer_values[past] = value._ortvalue if direct is not None else value
+        # Each output's binding: its cache buffer, or None (allocated by the session on the CPU).
+        buffers = {present: self._buffer_values.get(past) for past, present in layout.names}
+        self._plan = [(name, buffers.get(name)) for name in self._outputs]
+        # With buffers the outputs keep their shapes from one decode step to the next: bound once, the session writes
+        # the same values again (each step's numpy arrays are copies); rebound when the step's token count changes.
+        self._bound_tokens = -1
+        # What a step converts to numpy: the logits and the masks when StepSkips reads them, else every output.
+        lean = {"logits", *self._skips.masks} if self._skips.applies else None
+        self._lean_arrays = [(n, i) for n, i in self._arrays if lean is None or n in lean]
 
     def __call__(self, feeds: dict[str, np.ndarray]) -> _Step:
         if self._first:
@@ -215,6 +224,9 @@ class _BoundSteps:
         lean = self._skips(values)
         if lean is not None:
             return values["logits"], lean[0], lean[1]
+        if len(values) < len(self._arrays):  # the outputs the lean path left in ONNX Runtime
+            outputs = self._ends[1].get_outputs()
+            values = {name: outputs[i].numpy() for name, i in self._arrays}
         report = self._engine.result_from(values, masks=True).report
         return values["logits"], report.skipped_paths, report.masks
 
@@ -228,21 +240,24 @@ class _BoundSteps:
             bind_input(name, value)
             bound[name] = value  # ONNX Runtime reads the array's buffer: keep it alive while it is bound
         # The session allocates fresh outputs each run: the presents bound as this step's past stay valid. With cache
-        # buffers each present is its past's buffer, bound once as both.
-        binding.clear_binding_outputs()
-        buffers = {present: self._buffer_values[past] for past, present in self._layout.names if self._buffers}
-        for name in self._outputs:
-            if name in buffers:
-                binding.bind_ortvalue_output(name, buffers[name])
-            else:
-                binding.bind_output(name, device)
+        # buffers each present is its past's buffer, bound once as both, and the other outputs stay bound while the
+        # step's token count (their shapes) does not change.
+        tokens = arrays["input_ids"].shape[-1] if "input_ids" in arrays else -2
+        if not self._buffers or tokens != self._bound_tokens:
+            binding.clear_binding_outputs()
+            for name, buffer in self._plan:
+                if buffer is not None and self._buffers:
+                    binding.bind_ortvalue_output(name, buffer)
+                else:
+                    binding.bind_output(name, device)
+            self._bound_tokens = tokens if self._buffers else -1
         session.run_with_iobinding(binding, self._run_options)
         values = binding.get_outputs()
         if not self._buffers:
             for past, i in self._presents:
                 binding.bind_ortvalue_input(past, values[i])
                 bound.pop(past, None)
-        return {name: values[i].numpy() for name, i in self._arrays}
+        return {name: values[i].numpy() for name, i in self._lean_arrays}
 
 
 def _direct_binding(session: Any, binding: Any) -> tuple[Any, Any, Any] | None:

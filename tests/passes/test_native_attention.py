@@ -104,6 +104,9 @@ def test_each_layer_becomes_one_node_with_the_same_outputs(lib, export):
     assert all(n.domain == "ai.layerzero" and n.attributes["input_layout"].value == "bsh" for n in nodes)
     assert all(len(n.inputs) == 11 and len(n.outputs) == 3 for n in nodes)
     assert not {"RotaryEmbedding", "Transpose"} & set(ops)
+    # The rotary tables' nodes went too: the op computes cos / sin of position * inv_freq (rotary_form inv_freq).
+    assert all(n.attributes["rotary_form"].value == "inv_freq" and n.inputs[9] is None for n in nodes)
+    assert not {"Cos", "Sin"} & set(ops)
     assert Counter(n.op_type for n in base.graph)["Concat"] - ops["Concat"] >= 2 * LAYERS  # (+ dead shape Concats)
     presents = {o.name for n in nodes for o in n.outputs[1:]}
     assert presents == {f"present.{i}.{kv}" for i in range(LAYERS) for kv in ("key", "value")}
@@ -162,7 +165,8 @@ def test_corpus_families_fuse_to_one_node_a_layer_with_the_same_outputs(lib, fam
     nodes = [n for n in fused.graph if n.op_type == "Attention"]
     assert len(step.fused) == CORPUS_LAYERS and not step.refused
     assert all(n.attributes["input_layout"].value == "bsh" for n in nodes)
-    assert not {"RotaryEmbedding", "Transpose"} & {n.op_type for n in fused.graph}  # (a router keeps its Softmax)
+    gone = {"RotaryEmbedding", "Transpose", "Cos", "Sin"}
+    assert not gone & {n.op_type for n in fused.graph}  # (a router keeps its Softmax)
     s0, s1 = _session(lib, base), _session(lib, fused)
     for label, (batch, seq, past) in {"prefill": (2, 6, 0), "decode": (2, 1, 5)}.items():
         feeds = corpus_feeds(base, batch, seq, past, seed=len(label))

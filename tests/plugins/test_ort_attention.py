@@ -356,3 +356,33 @@ def test_cache_buffer_misfits_are_one_line(ort_lib, tn, keys, expected):
         sess.run(None, feeds)
     text = str(failure.value)
     assert expected in text and NODE in text and "\n" not in text.strip(), text
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rotary_from_frequencies_equals_the_cache_form(ort_lib, threads):
+    """``rotary_form="inv_freq"``: input 8 the frequencies [D/2], 9 empty; the op's cos / sin of float(position) *
+    inv_freq equal the cache form's rows of the same float32 angles (what the graph's Cos / Sin computed)."""
+    B, H, Hk, T, P, D = 2, 4, 2, 3, 6, 16
+    rng = np.random.default_rng(21)
+    inv = (1.0 / (10000.0 ** (np.arange(0, D, 2) / D))).astype(np.float32)
+    ids = (P + np.arange(T))[None].repeat(B, 0).astype(np.int64)
+    ids[1] -= 2  # another row's own positions
+    angles = ids.reshape(-1).astype(np.float32)[:, None] * inv[None]  # float32, as Cast + Mul
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    rows = np.arange(B * T, dtype=np.int64).reshape(B, T)  # FuseDecoder's per-token tables: row b * T + t
+    q = rng.standard_normal((B, T, H * D)).astype(np.float32)
+    k, v = (rng.standard_normal((B, T, Hk * D)).astype(np.float32) for _ in range(2))
+    pk, pv = (rng.standard_normal((B, Hk, P, D)).astype(np.float32) for _ in range(2))
+    base = {"q": q, "k": k, "v": v, "mask": _causal(rng, B, T, P + T), "pk": pk, "pv": pv}
+    cache = session(ort_lib, _bsh_model(False, True, True, H, Hk, 1e-6), threads)
+    want = cache.run(None, {**base, "cos": cos, "sin": sin, "ids": rows})
+    model = _bsh_model(False, True, True, H, Hk, 1e-6)
+    node = model.graph.node[0]
+    node.input[9] = ""
+    node.attribute.append(helper.make_attribute("rotary_form", "inv_freq"))
+    model.graph.input.remove(next(i for i in model.graph.input if i.name == "sin"))
+    got = session(ort_lib, model, threads).run(None, {**base, "cos": inv, "ids": ids})
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    with pytest.raises(Exception, match="inv_freq \\[4\\] / position_ids"):
+        session(ort_lib, model, threads).run(None, {**base, "cos": inv[:4].copy(), "ids": ids})

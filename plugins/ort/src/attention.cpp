@@ -117,6 +117,7 @@ struct AttentionKernel {
   bool cached = false;  // past_key / past_value given: k, v are the new rows, presents are outputs 1 and 2
   bool bsh = false;     // input_layout "bsh": q / k / v as the projections write them ([B, T, heads * D])
   bool rotary = false;  // bsh with cos_cache, sin_cache, position_ids
+  bool inv_freq = false;  // rotary_form "inv_freq": input 8 the frequencies [D/2], 9 absent, the angles computed
   int64_t heads = 0, kv_heads = 0;
   float norm_epsilon = 0.0f;
 
@@ -186,6 +187,10 @@ struct AttentionKernel {
       rotary = inputs > kCos;
       if (rotary && inputs != kBshInputs)
         fail(ORT_INVALID_ARGUMENT, "the rotary embedding needs cos_cache, sin_cache and position_ids (inputs 8-10)");
+      const std::string form = string_attr("rotary_form", "cache");
+      if (form != "cache" && form != "inv_freq")
+        fail(ORT_INVALID_ARGUMENT, "rotary_form='" + form + "' is not implemented (cache, inv_freq)");
+      inv_freq = form == "inv_freq";
     } else if (inputs < 3 || inputs > 6 || inputs == 5) {
       fail(ORT_INVALID_ARGUMENT, "takes 3, 4 or 6 inputs (q, k, v[, mask[, past_key, past_value]]), not " +
                                      std::to_string(inputs));
@@ -229,24 +234,44 @@ struct AttentionKernel {
     const float *cos = nullptr, *sin = nullptr;
     const int64_t* ids = nullptr;
     int64_t rows = 0;
+    std::vector<float> angles;  // rotary_form "inv_freq": one token's cos and sin rows
+    const float* freq = nullptr;
     if (rope) {
-      Ort::ConstValue cv = ctx.GetInput(kCos), sv = ctx.GetInput(kCos + 1), pv = ctx.GetInput(kPositions);
+      Ort::ConstValue cv = ctx.GetInput(kCos), pv = ctx.GetInput(kPositions);
+      Ort::ConstValue sv = inv_freq ? Ort::ConstValue(nullptr) : ctx.GetInput(kCos + 1);
       const std::vector<int64_t> cs = cv.GetTensorTypeAndShapeInfo().GetShape();
-      const std::vector<int64_t> ss = sv.GetTensorTypeAndShapeInfo().GetShape();
       const std::vector<int64_t> ps = pv.GetTensorTypeAndShapeInfo().GetShape();
-      if (D % 2 != 0 || cs.size() != 2 || cs[1] != half || ss != cs || ps != std::vector<int64_t>{B, T})
-        fail(ORT_INVALID_ARGUMENT, "cos_cache " + shape_text(cs) + " / sin_cache " + shape_text(ss) +
-                                       " / position_ids " + shape_text(ps) + " do not fit [rows, " +
-                                       std::to_string(half) + "] and [B, T] = " + shape_text({B, T}));
-      cos = cv.GetTensorData<float>();
-      sin = sv.GetTensorData<float>();
+      if (inv_freq) {
+        if (D % 2 != 0 || cs != std::vector<int64_t>{half} || ps != std::vector<int64_t>{B, T})
+          fail(ORT_INVALID_ARGUMENT, "inv_freq " + shape_text(cs) + " / position_ids " + shape_text(ps) +
+                                         " do not fit [" + std::to_string(half) + "] and [B, T] = " + shape_text({B, T}));
+        freq = cv.GetTensorData<float>();
+        angles.resize(static_cast<size_t>(2 * half));
+      } else {
+        const std::vector<int64_t> ss = sv.GetTensorTypeAndShapeInfo().GetShape();
+        if (D % 2 != 0 || cs.size() != 2 || cs[1] != half || ss != cs || ps != std::vector<int64_t>{B, T})
+          fail(ORT_INVALID_ARGUMENT, "cos_cache " + shape_text(cs) + " / sin_cache " + shape_text(ss) +
+                                         " / position_ids " + shape_text(ps) + " do not fit [rows, " +
+                                         std::to_string(half) + "] and [B, T] = " + shape_text({B, T}));
+        cos = cv.GetTensorData<float>();
+        sin = sv.GetTensorData<float>();
+        rows = cs[0];
+      }
       ids = pv.GetTensorData<int64_t>();
-      rows = cs[0];
     }
     for (int64_t b = 0; b < B; ++b)
       for (int64_t t = 0; t < T; ++t) {
         const float *c = nullptr, *sn = nullptr;
-        if (rope) {
+        if (rope && freq != nullptr) {  // the graph's Cos / Sin of float(position) * inv_freq, in float32
+          const float pos = static_cast<float>(ids[b * T + t]);
+          for (int64_t i = 0; i < half; ++i) {
+            const float a = pos * freq[i];
+            angles[static_cast<size_t>(i)] = std::cos(a);
+            angles[static_cast<size_t>(half + i)] = std::sin(a);
+          }
+          c = angles.data();
+          sn = angles.data() + half;
+        } else if (rope) {
           const int64_t pos = ids[b * T + t];
           if (pos < 0 || pos >= rows)
             fail(ORT_INVALID_ARGUMENT, "position id " + std::to_string(pos) + " is outside the rotary caches' " +

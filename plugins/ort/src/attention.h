@@ -19,7 +19,8 @@
 //     norm_epsilon) * w: SimplifiedLayerNormalization), then rotated when the caches are given (non-interleaved
 //     rotate_half over the whole head with cache row position_ids[b, t]: com.microsoft.RotaryEmbedding); v's heads
 //     are split off; then the past form above; o is written [B, T, H*Dv]. Attributes num_heads, kv_num_heads,
-//     norm_epsilon; output_layout "bsh".
+//     norm_epsilon; output_layout "bsh"; rotary_form "cache" (default) | "inv_freq": input 8 the frequencies
+//     [D/2], input 9 absent, the rows cos / sin(float(position_ids[b, t]) * inv_freq) computed in float32.
 //   attributes: q_scale, k_scale (float, default 1), output_layout ("bhtd" (default) | "bthd")
 //
 //   s[b, h, t, l] = (sum_d (q[b, h, t, d] * q_scale) * k[b', g, l, d]) * k_scale + mask[b, h, t, l]
