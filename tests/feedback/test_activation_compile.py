@@ -398,3 +398,32 @@ def test_refine_moves_levels_at_the_same_sparsity_and_lowers_the_measured_deviat
 
     assert weighted(record["groups"]) == pytest.approx(weighted(plain["groups"]), abs=1e-6)
     assert weighted(plain["groups"]) == pytest.approx(TARGET, abs=1e-6)
+
+
+def test_composes_with_int4_and_the_native_kernels(bundles: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--activation-sparsity with --weights int4 --linear-kernel native: the compile verifies, its attention is the
+    native op (cache buffers marked), the projections stay activation-sparse, and generate gives the same ids with
+    and without the cache buffers."""
+    from layerzero.cli import main
+    from layerzero.contract import CACHE_BUFFER_META_KEY
+    from tests.plugins.native_build import build_ort_test_library
+
+    monkeypatch.setenv("LAYERZERO_PLUGIN_DIR", str(build_ort_test_library().parent))
+    out = bundles / "sparse-int4-native.lz"
+    args = ["compile", str(bundles / "m.onnx"), "-o", str(out), "--activation-sparsity", str(TARGET),
+            "--activation-calibration", str(bundles / "calibration.npz"), "--max-deviation", "100",
+            "--weights", "int4", "--linear-kernel", "native"]  # fmt: skip
+    assert main(args) == 0
+    manifest = _manifest(out)
+    assert manifest["verification"]["passed"]
+    model = onnx.load(out / "model.onnx", load_external_data=False)
+    ops = {n.op_type for n in model.graph.node}
+    assert "Attention" in ops and ops & {"SparseLinear", "QLinear"}
+    assert {p.key: p.value for p in model.metadata_props}.get(CACHE_BUFFER_META_KEY) == "1"
+    engine = Engine.load(out)
+    prompt = [5, 9, 17, 3, 44, 12]
+    monkeypatch.setenv("LAYERZERO_KV_BUFFER", "1")
+    with_buffers = engine.generate(prompt, max_new_tokens=12, stop_tokens=())
+    monkeypatch.setenv("LAYERZERO_KV_BUFFER", "0")
+    copying = engine.generate(prompt, max_new_tokens=12, stop_tokens=())
+    assert with_buffers.ids == copying.ids and len(copying.ids) == 12
