@@ -81,6 +81,8 @@ def test_buffers_give_the_copying_loops_ids(bundles, monkeypatch, threads):
     # The session wrote into the numpy buffers themselves: the first 7 + 23 rows in use, the last row never fed.
     k0 = steps._buffers["past_key_values.0.key"]
     assert np.abs(k0[:, :, : len(PROMPT) + 23]).min(axis=-1).max() > 0 and not k0[:, :, -1].any()
+    one, _ = _generate(engine, PROMPT[:1], monkeypatch, True, new=6)  # a 1-token prompt: a mask of 1 key first
+    assert one.ids == _generate(engine, PROMPT[:1], monkeypatch, False, new=6)[0].ids
     batch = [PROMPT[:3], PROMPT, PROMPT[2:6]]  # left-padded rows of three lengths
     a, _ = _generate(engine, batch, monkeypatch, True, new=10)
     b, _ = _generate(engine, batch, monkeypatch, False, new=10)

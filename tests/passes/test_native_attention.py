@@ -33,9 +33,12 @@ def _export(tmp: Path, kv_heads: int, exporter: str, family: str = "llama") -> P
     pytest.importorskip("onnxscript", reason="torch.onnx.export(dynamo=True) needs onnxscript")
     torch.manual_seed(0)
     classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}  # fmt: skip
+               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+               "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}  # fmt: skip
     config_class, model_class = classes[family]
+    extra = {"sliding_window": 4} if family == "mistral" else {}
     config = config_class(
+        **extra,
         hidden_size=HEADS * HEAD_DIM, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
         num_key_value_heads=kv_heads, vocab_size=VOCAB, max_position_embeddings=256, initializer_range=0.2,
         eos_token_id=None, bos_token_id=None, head_dim=HEAD_DIM,
@@ -106,6 +109,9 @@ def test_each_layer_becomes_one_node_with_the_same_outputs(lib, export):
     assert not {"RotaryEmbedding", "Transpose"} & set(ops)
     # The rotary tables' nodes went too: the op computes cos / sin of position * inv_freq (rotary_form inv_freq).
     assert all(n.attributes["rotary_form"].value == "inv_freq" and n.inputs[9] is None for n in nodes)
+    # And the exporter's mask: the op reads attention_mask itself (mask_form padding_causal, probed equal).
+    assert step.mask_folded and all(n.attributes["mask_form"].value == "padding_causal" for n in nodes)
+    assert all(n.inputs[3].name == "attention_mask" for n in nodes) and not {"GatherND", "Where"} & set(ops)
     assert not {"Cos", "Sin"} & set(ops)
     assert Counter(n.op_type for n in base.graph)["Concat"] - ops["Concat"] >= 2 * LAYERS  # (+ dead shape Concats)
     presents = {o.name for n in nodes for o in n.outputs[1:]}
@@ -165,6 +171,7 @@ def test_corpus_families_fuse_to_one_node_a_layer_with_the_same_outputs(lib, fam
     nodes = [n for n in fused.graph if n.op_type == "Attention"]
     assert len(step.fused) == CORPUS_LAYERS and not step.refused
     assert all(n.attributes["input_layout"].value == "bsh" for n in nodes)
+    assert all(n.attributes["mask_form"].value == "padding_causal" for n in nodes)
     gone = {"RotaryEmbedding", "Transpose", "Cos", "Sin"}
     assert not gone & {n.op_type for n in fused.graph}  # (a router keeps its Softmax)
     s0, s1 = _session(lib, base), _session(lib, fused)
@@ -190,3 +197,16 @@ def test_native_without_the_library_warns_and_keeps_matmulnbits(export, tmp_path
     assert len(warned) == 1 and "stay ONNX Runtime's MatMulNBits" in warned[0]
     ops = Counter(n.op_type for n in ir.load(out / "model.onnx").graph)
     assert ops["MatMulNBits"] > 0 and not {"QLinear", "Attention"} & set(ops)
+
+
+def test_a_sliding_window_mask_is_not_folded(lib, tmp_path):
+    """Mistral with a 4-token window: its mask is not the padding-causal one (the probes longer than the window
+    tell), so the op keeps the graph's mask (and no cache buffers); the outputs equal the unfused graph's."""
+    base, fused, step = _fused(_export(tmp_path, 2, "dynamo", "mistral"))
+    nodes = [n for n in fused.graph if n.op_type == "Attention"]
+    assert len(nodes) == LAYERS and not step.mask_folded and not step.cache_buffer
+    assert all("mask_form" not in n.attributes and n.inputs[3].name != "attention_mask" for n in nodes)
+    s0, s1 = _session(lib, base), _session(lib, fused)
+    feeds = _feeds(s0, np.random.default_rng(5), 2, 2, 3, 9)
+    for name, a, b in zip([o.name for o in s0.get_outputs()], s0.run(None, feeds), s1.run(None, feeds)):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=2e-5, err_msg=name)

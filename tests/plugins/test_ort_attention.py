@@ -386,3 +386,33 @@ def test_rotary_from_frequencies_equals_the_cache_form(ort_lib, threads):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
     with pytest.raises(Exception, match="inv_freq \\[4\\] / position_ids"):
         session(ort_lib, model, threads).run(None, {**base, "cos": inv[:4].copy(), "ids": ids})
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("B", "T", "P"), [(1, 1, 0), (2, 1, 9), (2, 4, 5), (3, 6, 0)])
+def test_padding_causal_mask_equals_the_exporters_additive_mask(ort_lib, threads, B, T, P):
+    """``mask_form="padding_causal"``: input 3 the attention mask [B, P + T] (int64); the op's mask is the exporters'
+    ``Where(attention_mask[b, l] != 0 and l <= P + t, 0, float32 min)``: the same outputs as that additive mask,
+    left-padded rows and a padded key amid the others included."""
+    H, Hk, D = 4, 2, 16
+    rng = np.random.default_rng(B * 100 + T * 10 + P)
+    am = np.ones((B, P + T), np.int64)
+    if B > 1:
+        am[1, :2] = 0
+        am[-1, (P + T) // 2] = 0
+    keys, queries = np.arange(P + T)[None, None, None, :], (P + np.arange(T))[None, None, :, None]
+    visible = (am[:, None, None, :] != 0) & (keys <= queries)
+    additive = np.where(visible, 0.0, NEG).astype(np.float32)
+    q = rng.standard_normal((B, T, H * D)).astype(np.float32)
+    k, v = (rng.standard_normal((B, T, Hk * D)).astype(np.float32) for _ in range(2))
+    pk, pv = (rng.standard_normal((B, Hk, P, D)).astype(np.float32) for _ in range(2))
+    feeds = {"q": q, "k": k, "v": v, "pk": pk, "pv": pv}
+    want = session(ort_lib, _bsh_model(False, False, True, H, Hk, 1e-6), threads).run(None, {**feeds, "mask": additive})
+    model = _bsh_model(False, False, True, H, Hk, 1e-6)
+    model.graph.node[0].attribute.append(helper.make_attribute("mask_form", "padding_causal"))
+    model.graph.input[3].type.tensor_type.elem_type = TensorProto.INT64
+    got = session(ort_lib, model, threads).run(None, {**feeds, "mask": am})
+    for a, b in zip(got, want):
+        assert np.array_equal(a, b)
+    with pytest.raises(Exception, match="is not \\[B, L\\]"):
+        session(ort_lib, model, threads).run(None, {**feeds, "mask": np.ones((B, P + T + 1), np.int64)})

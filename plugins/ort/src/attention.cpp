@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -22,7 +23,7 @@ namespace {
 
 constexpr const char* kName = "Attention";
 constexpr int64_t kRowBlock = 64;  // query rows whose scores are held at once (a [64, L] float buffer)
-constexpr size_t kQNorm = 6, kCos = 8, kPositions = 10, kBshInputs = 11;  // input_layout "bsh"'s inputs
+constexpr size_t kMask = 3, kQNorm = 6, kCos = 8, kPositions = 10, kBshInputs = 11;  // input_layout "bsh"'s inputs
 
 std::string shape_text(const std::vector<int64_t>& s) {
   std::string out;
@@ -118,6 +119,7 @@ struct AttentionKernel {
   bool bsh = false;     // input_layout "bsh": q / k / v as the projections write them ([B, T, heads * D])
   bool rotary = false;  // bsh with cos_cache, sin_cache, position_ids
   bool inv_freq = false;  // rotary_form "inv_freq": input 8 the frequencies [D/2], 9 absent, the angles computed
+  bool padding_mask = false;  // mask_form "padding_causal": input 3 the attention_mask [B, Lm] (int64)
   int64_t heads = 0, kv_heads = 0;
   float norm_epsilon = 0.0f;
 
@@ -161,6 +163,10 @@ struct AttentionKernel {
       v.resize(size > 0 ? size - 1 : 0);
       return v;
     };
+    const std::string mask_form = string_attr("mask_form", "additive");
+    if (mask_form != "additive" && mask_form != "padding_causal")
+      fail(ORT_INVALID_ARGUMENT, "mask_form='" + mask_form + "' is not implemented (additive, padding_causal)");
+    padding_mask = mask_form == "padding_causal";
     q_scale = float_attr("q_scale", 1.0f);
     k_scale = float_attr("k_scale", 1.0f);
     const std::string in_layout = string_attr("input_layout", "bhtd");
@@ -211,10 +217,11 @@ struct AttentionKernel {
       const ONNXTensorElementDataType element = kind == ONNX_TYPE_TENSOR
                                                     ? type.GetTensorTypeAndShapeInfo().GetElementType()
                                                     : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-      const auto want = i == kPositions ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+      const bool ints = i == kPositions || (i == kMask && padding_mask);
+      const auto want = ints ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
       if (kind != ONNX_TYPE_TENSOR || element != want)
-        fail(ORT_INVALID_ARGUMENT, "input " + std::to_string(i) + " must be a " +
-                                       (i == kPositions ? "int64" : "float32") + " tensor");
+        fail(ORT_INVALID_ARGUMENT, "input " + std::to_string(i) + " must be a " + (ints ? "int64" : "float32") +
+                                       " tensor");
     }
   }
 
@@ -395,7 +402,8 @@ struct AttentionKernel {
       Ort::ConstValue mv = ctx.GetInput(3);
       if (mv != nullptr) {
         const std::vector<int64_t> ms = mv.GetTensorTypeAndShapeInfo().GetShape();
-        if (!ms.empty() && ms.back() != 1) mask_keys = ms.back();
+        // (an additive mask's last dim of 1 may be a broadcast; an attention mask [B, Lm] is always the keys)
+        if (!ms.empty() && (padding_mask || ms.back() != 1)) mask_keys = ms.back();
       }
     }
     int64_t stride_rows = -1;  // the keys' rows per (batch, kv head) in memory (L, or a cache buffer's capacity)
@@ -415,7 +423,25 @@ struct AttentionKernel {
     // The mask's strides over [B, H, T, L] (0 where it broadcasts).
     const float* mask = nullptr;
     int64_t mstride[4] = {0, 0, 0, 0};
-    if (ctx.GetInputCount() > 3) {
+    std::vector<float> built;  // mask_form "padding_causal": the additive mask [B, T, L] the exporters build
+    if (padding_mask && ctx.GetInputCount() > kMask && ctx.GetInput(kMask) != nullptr) {
+      Ort::ConstValue mv = ctx.GetInput(kMask);
+      const std::vector<int64_t> ms = mv.GetTensorTypeAndShapeInfo().GetShape();
+      if (ms.size() != 2 || ms[0] != B || ms[1] != L)
+        fail(ORT_INVALID_ARGUMENT, "mask_form='padding_causal': the attention mask " + shape_text(ms) +
+                                       " is not [B, L] = " + shape_text({B, L}));
+      const int64_t* am = mv.GetTensorData<int64_t>();
+      const float hidden_key = std::numeric_limits<float>::lowest();  // the exporters' Where(visible, 0, min)
+      built.resize(static_cast<size_t>(B * T * L));
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t l = 0; l < L; ++l)  // key l visible to query t: not padding, and not after it (causal)
+            built[static_cast<size_t>((b * T + t) * L + l)] = am[b * L + l] != 0 && l <= L - T + t ? 0.0f : hidden_key;
+      mask = built.data();
+      mstride[0] = T * L;
+      mstride[2] = L;
+      mstride[3] = 1;
+    } else if (ctx.GetInputCount() > 3) {
       Ort::ConstValue mv = ctx.GetInput(3);
       if (mv != nullptr) {
         const std::vector<int64_t> ms = mv.GetTensorTypeAndShapeInfo().GetShape();

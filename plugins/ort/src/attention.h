@@ -21,7 +21,9 @@
 //     are split off; then the past form above; o is written [B, T, H*Dv]. Attributes num_heads, kv_num_heads,
 //     norm_epsilon; output_layout "bsh"; rotary_form "cache" (default) | "inv_freq": input 8 the frequencies
 //     [D/2], input 9 absent, the rows cos / sin(float(position_ids[b, t]) * inv_freq) computed in float32.
-//   attributes: q_scale, k_scale (float, default 1), output_layout ("bhtd" (default) | "bthd")
+//   attributes: q_scale, k_scale (float, default 1), output_layout ("bhtd" (default) | "bthd"), mask_form
+//     ("additive" (default) | "padding_causal": input 3 is the attention mask [B, L] int64 and the mask added is
+//     the exporters' 0 where attention_mask[b, l] != 0 and l <= L - T + t, float32 min elsewhere)
 //
 //   s[b, h, t, l] = (sum_d (q[b, h, t, d] * q_scale) * k[b', g, l, d]) * k_scale + mask[b, h, t, l]
 //   p[b, h, t, :] = softmax(s[b, h, t, :]), a row holding a NaN or an infinity (every key masked with -inf) as 0
