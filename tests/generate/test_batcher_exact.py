@@ -65,11 +65,22 @@ def llama_dir(tmp: Path) -> Path:
 
 
 def _bundle(exported: Path, weights: str) -> Path:
+    """``weights`` float, int4, int8, or int4-native (``--linear-kernel native``: liblayerzero_ort.so's QLinear and
+    Attention, the mask folded into the op; LAYERZERO_PLUGIN_DIR must name the library when it is loaded)."""
     out = exported.parent / f"m-{weights}.lz"
     if not out.exists():
-        extra = [] if weights == "float" else ["--weights", weights]
+        bits = weights.removesuffix("-native")
+        extra = [] if weights == "float" else ["--weights", bits]
+        extra += ["--linear-kernel", "native"] if weights.endswith("-native") else []
         assert main(["compile", str(exported), "-o", str(out), *extra]) == 0
     return out
+
+
+@pytest.fixture
+def native_lib(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.plugins.native_build import build_ort_test_library
+
+    monkeypatch.setenv("LAYERZERO_PLUGIN_DIR", str(build_ort_test_library().parent))
 
 
 def _solo_logits(
@@ -128,8 +139,8 @@ class _Recorder:
         return result
 
 
-@pytest.mark.parametrize("weights", ["float", "int4", "int8"])
-def test_batched_steps_equal_solo_steps_bit_for_bit(exported: Path, weights: str) -> None:
+@pytest.mark.parametrize("weights", ["float", "int4", "int8", "int4-native"])
+def test_batched_steps_equal_solo_steps_bit_for_bit(exported: Path, weights: str, native_lib: None) -> None:
     engine = Engine.load(_bundle(exported, weights))
     solo = [_solo_logits(engine, p, n) for p, n in zip(PROMPTS, NEW)]
     # The solo reference is the engine's own generate, ids for ids.
