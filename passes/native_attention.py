@@ -50,6 +50,7 @@ from layerzero.passes._fuse_match import int_attr, last_dim, only_reader, other_
 from layerzero.passes._graph import NameFactory, const_array, replace_value, scope_of
 from layerzero.passes._match import NoMatch, Refusal, need
 from layerzero.passes._shapes import SymbolicShapes
+from layerzero.passes.attention_mask import fold_mask
 from layerzero.passes.dead_code import RemoveDeadCode
 
 __all__ = ["NativeAttention"]
@@ -414,130 +415,6 @@ def _shape_dims(node: ir.Node, rank: int) -> range:
     return range(max(start, 0), min(end, rank))
 
 
-_HIDDEN_KEY = np.float32(np.finfo(np.float32).min)
-# (batch, new tokens, past tokens, the left padding of each row after the first) of the mask probes.
-_MASK_PROBES = ((1, 1, 0, 0), (1, 4, 0, 0), (2, 1, 6, 2), (2, 3, 9, 4), (3, 5, 19, 7), (1, 1, 30, 0))
-
-
-def _mask_subgraph(graph: ir.Graph, mask: ir.Value) -> tuple[list[ir.Node], set[str]] | None:
-    """The nodes computing ``mask`` and the graph inputs they read, when those are only ``attention_mask``
-    (values) and ``input_ids`` / the pasts (their shapes) and every constant is a small one (an index, an axis, 0,
-    the float32 minimum: no window length); else None."""
-    nodes: list[ir.Node] = []
-    inputs: set[str] = set()
-    seen: set[int] = set()
-    stack = [mask]
-    while stack:
-        value = stack.pop()
-        if id(value) in seen:
-            continue
-        seen.add(id(value))
-        array = const_array(value)
-        if array is not None:
-            small = array.size <= 4 and (array.dtype.kind != "f" or all(v in (0.0, _HIDDEN_KEY) for v in array.flat))
-            if not small or (array.dtype.kind in "iu" and np.abs(array).max(initial=0) > 8):
-                return None
-            continue
-        node = value.producer()
-        if node is None:
-            if value.name not in ("attention_mask", "input_ids") and not (value.name or "").startswith(
-                "past_key_values."
-            ):
-                return None
-            inputs.add(value.name)
-            continue
-        if (
-            node.graph is not graph
-            or node.domain not in ("", "ai.onnx")
-            or any(a.type == ir.AttributeType.GRAPH for a in node.attributes.values())
-        ):
-            return None  # fmt: skip
-        for i in node.inputs:
-            if i is None:
-                continue
-            shaped = i.name == "input_ids" or (i.name or "").startswith("past_key_values.")
-            if shaped and i.producer() is None and node.op_type != "Shape":
-                return None  # a past's or the ids' values read: not a mask of the positions alone
-            stack.append(i)
-        nodes.append(node)
-    return nodes, inputs
-
-
-def _fold_mask(model: ir.Model) -> bool:
-    """``mask_form="padding_causal"`` (attention.h): the Attention nodes read ``attention_mask`` itself when the mask
-    they share is, on every probe (batch, new and past tokens, left padding, a padded key amid the others), exactly
-    the exporters' ``Where(attention_mask[b, l] != 0 and l <= past + t, 0, float32 min)`` ``[B, 1, T, past + T]``;
-    its nodes (~20 a step) then go. The probes run that subgraph alone on ONNX Runtime; a window, a position-based
-    or otherwise different mask differs on one of them (or has a constant no probe length covers: refused before)."""
-    import onnxruntime as ort
-
-    graph = model.graph
-    nodes = [n for n in graph if n.op_type == ATTENTION_OP and n.domain == MOE_DOMAIN]
-    masks = {id(n.inputs[3]): n.inputs[3] for n in nodes if len(n.inputs) > 3 and n.inputs[3] is not None}
-    attention_mask = next((v for v in graph.inputs if v.name == "attention_mask"), None)
-    if len(masks) != 1 or len(nodes) != sum(1 for n in nodes if len(n.inputs) > 3 and n.inputs[3] is not None):
-        return False
-    (mask,) = masks.values()
-    if attention_mask is None or attention_mask.dtype != ir.DataType.INT64 or mask.dtype != _FLOAT:
-        return False
-    if mask.is_graph_output() or any(u.node not in nodes for u in mask.uses()):
-        return False
-    found = _mask_subgraph(graph, mask)
-    if found is None or "attention_mask" not in found[1]:
-        return False
-    sub_nodes, read = found
-    order = {id(n): i for i, n in enumerate(graph)}
-    sub_nodes.sort(key=lambda n: order[id(n)])
-    specs = {v.name: v for v in graph.inputs if v.name in read}
-    proto = ir.serde.serialize_model(model)
-    keep = {n.name for n in sub_nodes}
-    import onnx
-
-    sub = onnx.helper.make_graph(
-        [n for n in proto.graph.node if n.name in keep],
-        "mask_probe",
-        [i for i in proto.graph.input if i.name in read],
-        [onnx.helper.make_tensor_value_info(mask.name, onnx.TensorProto.FLOAT, None)],
-        [t for t in proto.graph.initializer if len(t.dims) <= 1 and np.prod(t.dims, dtype=np.int64) <= 4],
-    )
-    opsets = [onnx.helper.make_opsetid(d, v) for d, v in model.opset_imports.items() if d in ("", "ai.onnx")]
-    try:
-        options = ort.SessionOptions()
-        options.log_severity_level = 4
-        session = ort.InferenceSession(onnx.helper.make_model(sub, opset_imports=opsets, ir_version=proto.ir_version)
-                                       .SerializeToString(), options, providers=["CPUExecutionProvider"])  # fmt: skip
-        rng = np.random.default_rng(0)
-        for batch, new, past, pad in _MASK_PROBES:
-            total = past + new
-            am = np.ones((batch, total), np.int64)
-            for b in range(1, batch):
-                am[b, :pad] = 0
-                if total > pad + 2:
-                    am[b, pad + int(rng.integers(0, total - pad - 1))] = 0  # a padded key amid the others
-            feeds = {"attention_mask": am}
-            for name, v in specs.items():
-                if name == "input_ids":
-                    feeds[name] = np.zeros((batch, new), np.int64)
-                elif name.startswith("past_key_values."):
-                    dims = [batch, v.shape[1], past, v.shape[3]]
-                    if not all(isinstance(d, int) for d in dims):
-                        return False
-                    feeds[name] = np.zeros(dims, v.dtype.numpy())
-            (got,) = session.run(None, feeds)
-            visible = (am[:, None, None, :] != 0) & (np.arange(total)[None, None, None, :]
-                                                     <= (past + np.arange(new))[None, None, :, None])  # fmt: skip
-            want = np.where(visible, np.float32(0), _HIDDEN_KEY).astype(np.float32)
-            if got.shape != want.shape or not np.array_equal(got, want):
-                return False
-    except Exception:  # the subgraph does not run alone: left as it is
-        return False
-    for node in nodes:
-        node.replace_input_with(3, attention_mask)
-        node.attributes["mask_form"] = ir.AttrString("mask_form", "padding_causal")
-    RemoveDeadCode()(model)
-    return True
-
-
 def _cache_buffer(model: ir.Model, names: NameFactory) -> bool:
     """Let the caches be buffers (``CACHE_BUFFER_META_KEY``): True when every past input is read only as the past of
     an Attention node with a mask and by ``Shape`` nodes; those that read its length (axis 2) then read
@@ -612,7 +489,7 @@ class NativeAttention(ir.passes.InPlacePass):
         if self.fused:
             model.opset_imports.setdefault(MOE_DOMAIN, 1)
             RemoveDeadCode()(model)
-            self.mask_folded = _fold_mask(model)
+            self.mask_folded = fold_mask(model)
             self.cache_buffer = self.mask_folded and _cache_buffer(model, names)
             if self.cache_buffer:
                 model.metadata_props[CACHE_BUFFER_META_KEY] = "1"
