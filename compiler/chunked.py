@@ -161,9 +161,7 @@ def _gather_bfloat16(node: ir.Node, source: ir.ExternalTensor, env: dict[str, np
 
 
 def run_in_chunks(
-    model: ir.Model,
-    feeds: Mapping[str, np.ndarray],
-    budget_bytes: int,
+    model: ir.Model, feeds: Mapping[str, np.ndarray], budget_bytes: int,
     on_chunk: Callable[[int, int], None] | None = None,
 ) -> tuple[list[str], list[np.ndarray]]:
     """Outputs of ``model`` on ``feeds``, computed chunk by chunk (see the module docstring); ``on_chunk(k, n)``

@@ -424,12 +424,7 @@ def verify_compiled(
         else:
             header = original_proto
         runners = verification_runners(
-            compiled,
-            options.chunked_verify_bytes,
-            Path(tmp),
-            runner_source,
-            runner_proto,
-            load_original,
+            compiled, options.chunked_verify_bytes, Path(tmp), runner_source, runner_proto, load_original,
             on_chunk=lambda i, n: tell((i, n)),
         )
         if options.sample_inputs is not None:

@@ -73,7 +73,7 @@ def check_paths(doc: dict) -> None:
     """
     paths = doc.get("paths")
     if not isinstance(paths, list):
-        raise InvalidInputError('the profile has no list of path records ("paths")')
+        raise InvalidInputError("the profile has no list of path records (\"paths\")")
     for index, record in enumerate(paths):
         if not isinstance(record, dict):
             raise InvalidInputError(f"profile path record {index} is not an object")
@@ -470,10 +470,8 @@ def realized_sparsity(doc: object, where: str) -> dict[str, float]:
     a bare report, or its ``activation_sparsity`` alone, will do)."""
     report = doc.get("report", doc) if isinstance(doc, dict) else None
     values = report.get("activation_sparsity", report) if isinstance(report, dict) else None
-    if (
-        not isinstance(values, dict)
-        or not values
-        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values.values())
+    if not isinstance(values, dict) or not values or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in values.values()
     ):
         raise InvalidInputError(
             f"{where}: no per-group activation sparsity in it (give the JSON `layerzero run BUNDLE --json` printed)"

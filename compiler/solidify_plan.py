@@ -288,7 +288,6 @@ def _force_off_gates(model: ir.Model, names: NameFactory, wanted: set[str]) -> s
     from layerzero.passes._dynamic import read_dynamic_paths
     from layerzero.passes._dynamic_paths import driven_ifs, graph_output
     from layerzero.passes.gated_branches import SkipGatedBranches
-
     InferShapes()(model)
     before = {p.path for p in read_dynamic_paths(model)}
     SkipGatedBranches(threshold=0.0)(model)

@@ -223,7 +223,9 @@ def find_moe(model: ir.Model) -> list[MoEFinding]:
     ]
     # The router of a rewritten block is still there (it feeds the skipping form): no candidate of its own.
     found += [
-        MoEFinding(r.path, False, r.reason, r.node) for r in rejections if not any(_related(r.path, c) for c in covered)
+        MoEFinding(r.path, False, r.reason, r.node)
+        for r in rejections
+        if not any(_related(r.path, c) for c in covered)
     ]
     return sorted(found, key=lambda f: natural_key(f.scope))
 

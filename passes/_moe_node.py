@@ -203,7 +203,9 @@ class MoENode:
         """The per-expert inputs that are present, by position: weights 2-4, biases 5-7, score_bias 8, the quantized
         experts' scales 10-12."""
         return {
-            i: v for i, v in enumerate(self.inputs) if (2 <= i < THRESHOLD_SLOT or i in SCALE_SLOTS) and v is not None
+            i: v
+            for i, v in enumerate(self.inputs)
+            if (2 <= i < THRESHOLD_SLOT or i in SCALE_SLOTS) and v is not None
         }
 
     @property

@@ -29,12 +29,13 @@ _HIDDEN_KEY = np.float32(np.finfo(np.float32).min)
 _MASK_PROBES = ((1, 1, 0, 0), (1, 4, 0, 0), (2, 1, 6, 2), (2, 3, 9, 4), (3, 5, 19, 7), (1, 1, 30, 0))
 
 
-def _mask_subgraph(graph: ir.Graph, mask: ir.Value) -> tuple[list[ir.Node], set[str]] | None:
-    """The nodes computing ``mask`` and the graph inputs they read, when those are only ``attention_mask``
-    (values) and ``input_ids`` / the pasts (their shapes) and every constant is a small one (an index, an axis, 0,
-    the float32 minimum: no window length); else None."""
+def _mask_subgraph(graph: ir.Graph, mask: ir.Value) -> tuple[list[ir.Node], set[str], dict[str, np.ndarray]] | None:
+    """The nodes computing ``mask``, the graph inputs and the constants (by name) they read, when those are only
+    ``attention_mask`` (values) and ``input_ids`` / the pasts (their shapes) and every constant is a small one (an
+    index, an axis, 0, the float32 minimum: no window length); else None."""
     nodes: list[ir.Node] = []
     inputs: set[str] = set()
+    consts: dict[str, np.ndarray] = {}
     seen: set[int] = set()
     stack = [mask]
     while stack:
@@ -47,6 +48,7 @@ def _mask_subgraph(graph: ir.Graph, mask: ir.Value) -> tuple[list[ir.Node], set[
             small = array.size <= 4 and (array.dtype.kind != "f" or all(v in (0.0, _HIDDEN_KEY) for v in array.flat))
             if not small or (array.dtype.kind in "iu" and np.abs(array).max(initial=0) > 8):
                 return None
+            consts[value.name or ""] = array
             continue
         node = value.producer()
         if node is None:
@@ -70,7 +72,7 @@ def _mask_subgraph(graph: ir.Graph, mask: ir.Value) -> tuple[list[ir.Node], set[
                 return None  # a past's or the ids' values read: not a mask of the positions alone
             stack.append(i)
         nodes.append(node)
-    return nodes, inputs
+    return nodes, inputs, consts
 
 
 def fold_mask(model: ir.Model) -> bool:
@@ -93,24 +95,24 @@ def fold_mask(model: ir.Model) -> bool:
     found = _mask_subgraph(graph, mask)
     if found is None or "attention_mask" not in found[1]:
         return False
-    sub_nodes, read = found
+    sub_nodes, read, consts = found
     order = {id(n): i for i, n in enumerate(graph)}
     sub_nodes.sort(key=lambda n: order[id(n)])
     specs = {v.name: v for v in graph.inputs if v.name in read}
-    proto = ir.serde.serialize_model(model)
-    keep = {n.name for n in sub_nodes}
     import onnx
 
+    # The probe model from the subgraph alone (its nodes, the inputs it reads, its constants as initializers): the
+    # whole model is never serialised (a real-size one's weights would be copied for ~20 small nodes).
     sub = onnx.helper.make_graph(
-        [n for n in proto.graph.node if n.name in keep],
+        [ir.serde.serialize_node(n) for n in sub_nodes],
         "mask_probe",
-        [i for i in proto.graph.input if i.name in read],
+        [ir.serde.serialize_value(v) for v in specs.values()],
         [onnx.helper.make_tensor_value_info(mask.name, onnx.TensorProto.FLOAT, None)],
-        [t for t in proto.graph.initializer if len(t.dims) <= 1 and np.prod(t.dims, dtype=np.int64) <= 4],
+        [onnx.numpy_helper.from_array(np.asarray(a), name) for name, a in consts.items()],
     )
     opsets = [onnx.helper.make_opsetid(d, v) for d, v in model.opset_imports.items() if d in ("", "ai.onnx")]
     try:
-        probe = onnx.helper.make_model(sub, opset_imports=opsets, ir_version=proto.ir_version)
+        probe = onnx.helper.make_model(sub, opset_imports=opsets, ir_version=model.ir_version)
         session = create_session(probe.SerializeToString(), libraries=(), log_severity_level=4, label="mask probe")
         rng = np.random.default_rng(0)
         for batch, new, past, pad in _MASK_PROBES:

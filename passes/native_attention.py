@@ -444,6 +444,8 @@ def _cache_buffer(model: ir.Model, names: NameFactory) -> bool:
                     length_reads.append(node)
             else:
                 return False
+    if not length_reads:  # (with the mask folded, nothing else reads the past's length)
+        return True
     b = Builder(graph, names, model_opset(model), node_prefix="/lz_cache/", value_prefix="lz_cache.")
     total = b.op1("Shape", [mask], start=1, end=2)
     new = b.op1("Shape", [ids], start=1, end=2)

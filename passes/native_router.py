@@ -80,34 +80,34 @@ def _router_weights(logits: ir.Value, x: ir.Value) -> tuple[np.ndarray, np.ndarr
     return np.ascontiguousarray(weight), bias, node
 
 
-def _confidence(logits: ir.Value, moe: ir.Node, scoring: str, gemm: ir.Node) -> tuple[ir.Value, list[ir.Node]] | None:
-    """``(c, nodes)`` of the confidence output read from ``logits`` (``(None, [])`` when there is none); None when
+def _confidence(logits: ir.Value, moe: ir.Node, scoring: str) -> tuple[bool, ir.Value | None]:
+    """``(True, c)``: the confidence output read from ``logits`` (None when there is none); ``(False, None)`` when
     the logits have another reader."""
     want = "Softmax" if scoring == "softmax" else "Sigmoid"
-    found: tuple[ir.Value, list[ir.Node]] | None = None
+    found: ir.Value | None = None
     for use in logits.uses():
         reader = use.node
         if reader is moe:
             continue
         if found is not None or reader.op_type != want or reader.domain not in _STD or logits.is_graph_output():
-            return None
+            return False, None
         if want == "Softmax" and int_attr(reader, "axis", -1) not in (-1, 1):
-            return None
+            return False, None
         scores = reader.outputs[0]
         readers = list(scores.uses())
         if scores.is_graph_output() or len(readers) != 1 or readers[0].node.op_type != "ReduceMax":
-            return None
+            return False, None
         reduce = readers[0].node
         axes = const_array(reduce.inputs[1]) if len(reduce.inputs) > 1 else None
         attr = reduce.attributes.get("axes")
         axes = axes if axes is not None else (np.array(attr.as_ints()) if attr is not None else None)
         if axes is None or [int(a) for a in axes.reshape(-1)] not in ([-1], [1]) or int_attr(reduce, "keepdims", 1):
-            return None
+            return False, None
         out = reduce.outputs[0]
         if not out.is_graph_output() or not (out.name or "").startswith(ROUTER_PREFIX) or list(out.uses()):
-            return None
-        found = (out, [reader, reduce])
-    return found if found is not None else (None, [])  # type: ignore[return-value]
+            return False, None
+        found = out
+    return True, found
 
 
 def _same_view(moe: ir.Node, view: MoENode, gemm: ir.Node, shapes: SymbolicShapes) -> tuple[ir.Value, ir.Value] | None:
@@ -152,8 +152,8 @@ class NativeRouter(ir.passes.InPlacePass):
             if found is None:
                 continue
             weight, bias, gemm = found
-            confidence = _confidence(view.logits, moe, view.scoring, gemm)
-            if confidence is None:
+            ok, confidence = _confidence(view.logits, moe, view.scoring)
+            if not ok:
                 continue
             shapes = SymbolicShapes(graph) if shapes is None else shapes
             same = _same_view(moe, view, gemm, shapes)
@@ -162,7 +162,7 @@ class NativeRouter(ir.passes.InPlacePass):
             view.router_bias = b.initializer(f"{view.path}.router.bias", bias) if bias is not None else None
             if same is not None:
                 view.hidden = same[0]
-            self._rewrite(graph, b, moe, view, confidence[0], same[1] if same is not None else None)
+            self._rewrite(graph, b, moe, view, confidence, same[1] if same is not None else None)
             self.fused.append(view.path)
         if self.fused:
             RemoveDeadCode()(model)
@@ -175,14 +175,12 @@ class NativeRouter(ir.passes.InPlacePass):
         olds = list(moe.outputs) + [None] * (4 - len(moe.outputs))
         olds[0] = y3 if y3 is not None else olds[0]
         olds[CONFIDENCE_OUTPUT] = confidence
-        for i, (old, new) in enumerate(zip(olds, node.outputs)):
+        for old, new in zip(olds, node.outputs):
             if old is None:
                 new.name = ""  # an absent optional output
                 continue
             new.name = b.names(f"{old.name}.native") if old.name else None
             new.dtype, new.shape, new.type = old.dtype, old.shape, old.type
-            if i == 0 and y3 is not None:
-                new.shape = y3.shape
         graph.insert_before(moe, node)
         for old, new in zip(olds, node.outputs):
             if old is not None:

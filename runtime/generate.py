@@ -246,7 +246,7 @@ class _BoundSteps:
         if not self._buffers or tokens != self._bound_tokens:
             binding.clear_binding_outputs()
             for name, buffer in self._plan:
-                if buffer is not None and self._buffers:
+                if buffer is not None:
                     binding.bind_ortvalue_output(name, buffer)
                 else:
                     binding.bind_output(name, device)

@@ -21,18 +21,8 @@ from layerzero.errors import LayerZeroError
 __all__ = ["VERBS", "build_parser", "main"]
 
 VERBS = (
-    "inspect",
-    "compile",
-    "run",
-    "profile",
-    "report",
-    "demo",
-    "serve",
-    "triton-export",
-    "plugins",
-    "export",
-    "flag",
-    "generate",
+    "inspect", "compile", "run", "profile", "report", "demo", "serve", "triton-export", "plugins",
+    "export", "flag", "generate",
 )
 
 

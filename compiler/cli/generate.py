@@ -218,7 +218,6 @@ def _generate_options(args: argparse.Namespace, stops: list[int] | None) -> dict
         "max_tokens": args.max_tokens,
     }
 
-
 def _run_batch(
     args: argparse.Namespace, engine: Any, prompts: list[list[int]], stops: list[int] | None, tokenizer: Any
 ) -> int:

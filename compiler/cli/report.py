@@ -52,9 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a bundle: the JSON `layerzero run BUNDLE --json` printed; the map shows each group's realized sparsity",
     )  # fmt: skip
     add_impact_tolerance(p, "mark paths whose impact is below T (default 0.01, as compile --profile)")
-    add_stability_window(
-        p, "HTML: the table says what compile --profile with this window does (default 100, as compile)"
-    )
+    add_stability_window(p, "HTML: the table says what compile --profile with this window does (default 100, as "
+                            "compile)")
     add_force(p, "replace OUTPUT even if it is not a LayerZero report")
     add_stability_unit(p, "of --stability-window")
 

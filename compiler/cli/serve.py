@@ -71,13 +71,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundle", type=Path, help="a bundle written by `layerzero compile`")
     p.add_argument("--port-http", type=port, default=8000, help="KServe v2 HTTP port (default 8000)")
     p.add_argument("--port-grpc", type=port, default=8001, help="KServe v2 gRPC port (default 8001)")
-    p.add_argument(
-        "--port-metrics", type=integer(0, 65535), default=8002, help="control + /metrics port (default 8002)"
-    )
+    p.add_argument("--port-metrics", type=integer(0, 65535), default=8002,
+                   help="control + /metrics port (default 8002)")
     p.add_argument("--model-name", default="layerzero", help="the Triton model name (default layerzero)")
-    p.add_argument(
-        "--instances", type=integer(1, 64), default=2, help="model instances, i.e. concurrent requests (default 2)"
-    )
+    p.add_argument("--instances", type=integer(1, 64), default=2,
+                   help="model instances, i.e. concurrent requests (default 2)")
     p.add_argument("--max-request-bytes", type=integer(1024, 2**34), default=64 * 1024 * 1024, metavar="N",
                    help="largest inference request, HTTP body or gRPC message (default 64 MiB; bigger: 413 / "
                         "RESOURCE_EXHAUSTED)")  # fmt: skip

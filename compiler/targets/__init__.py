@@ -42,6 +42,8 @@ def get_target(name: str) -> Target:
     module_name, _, class_name = TARGET_CLASSES[name].partition(":")
     target = getattr(importlib.import_module(module_name), class_name)()
     if target.name != name:
-        raise LayerZeroError(f"{TARGET_CLASSES[name]} is registered as {name!r} but names itself {target.name!r}")
+        raise LayerZeroError(
+            f"{TARGET_CLASSES[name]} is registered as {name!r} but names itself {target.name!r}"
+        )
     _INSTANCES[name] = target
     return target

@@ -45,6 +45,10 @@ struct Rows {
   float q_scale, k_scale;
   bool bthd;
   float* o;
+  // mask_form "padding_causal": batch b's attention mask [L] (nullptr: none); key l is visible to query t when
+  // am[l] != 0 and l <= causal + t (causal = L - T), else float32 lowest is added (the exporters' mask, per row)
+  const int64_t* am = nullptr;
+  int64_t causal = 0;
 };
 
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) void attend_rows(
@@ -53,12 +57,14 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) vo
   // Each row's output and mask rows, found once (not per key: a division per (key, row) cost more than the dots).
   float* outs[kRowBlock];
   const float* masks[kRowBlock];
+  int64_t limits[kRowBlock];  // padding_causal: each row's last visible key
   for (int64_t i = 0; i < n; ++i) {
     const int64_t row = r0 + i, h = a.g * a.r + row / a.T, t = row % a.T;
     const float* qr = a.q + ((a.b * a.H + h) * a.T + t) * D;
     for (int64_t d = 0; d < D; ++d) qs[i * D + d] = qr[d] * a.q_scale;
     outs[i] = a.bthd ? a.o + ((a.b * a.T + t) * a.H + h) * Dv : a.o + ((a.b * a.H + h) * a.T + t) * Dv;
     masks[i] = a.mask != nullptr ? a.mask + h * a.mh + t * a.mt : nullptr;
+    limits[i] = a.causal + t;
   }
   for (int64_t l = 0; l < L; ++l) {
     const float* kl = a.kg + l * D;
@@ -80,6 +86,9 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) vo
         for (int64_t l = 0; l < L; ++l) sr[l] += mr[l];
       else
         for (int64_t l = 0; l < L; ++l) sr[l] += mr[l * a.ml];
+    } else if (a.am != nullptr) {
+      const float hidden = std::numeric_limits<float>::lowest();
+      for (int64_t l = 0; l < L; ++l) sr[l] += a.am[l] != 0 && l <= limits[i] ? 0.0f : hidden;
     }
     float m = sr[0];
     bool nan = false;
@@ -423,24 +432,14 @@ struct AttentionKernel {
     // The mask's strides over [B, H, T, L] (0 where it broadcasts).
     const float* mask = nullptr;
     int64_t mstride[4] = {0, 0, 0, 0};
-    std::vector<float> built;  // mask_form "padding_causal": the additive mask [B, T, L] the exporters build
+    const int64_t* padding = nullptr;  // mask_form "padding_causal": the attention mask [B, L] (attend_rows)
     if (padding_mask && ctx.GetInputCount() > kMask && ctx.GetInput(kMask) != nullptr) {
       Ort::ConstValue mv = ctx.GetInput(kMask);
       const std::vector<int64_t> ms = mv.GetTensorTypeAndShapeInfo().GetShape();
       if (ms.size() != 2 || ms[0] != B || ms[1] != L)
         fail(ORT_INVALID_ARGUMENT, "mask_form='padding_causal': the attention mask " + shape_text(ms) +
                                        " is not [B, L] = " + shape_text({B, L}));
-      const int64_t* am = mv.GetTensorData<int64_t>();
-      const float hidden_key = std::numeric_limits<float>::lowest();  // the exporters' Where(visible, 0, min)
-      built.resize(static_cast<size_t>(B * T * L));
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t t = 0; t < T; ++t)
-          for (int64_t l = 0; l < L; ++l)  // key l visible to query t: not padding, and not after it (causal)
-            built[static_cast<size_t>((b * T + t) * L + l)] = am[b * L + l] != 0 && l <= L - T + t ? 0.0f : hidden_key;
-      mask = built.data();
-      mstride[0] = T * L;
-      mstride[2] = L;
-      mstride[3] = 1;
+      padding = mv.GetTensorData<int64_t>();
     } else if (ctx.GetInputCount() > 3) {
       Ort::ConstValue mv = ctx.GetInput(3);
       if (mv != nullptr) {
@@ -480,6 +479,9 @@ struct AttentionKernel {
         a.mh = mstride[1];
         a.mt = mstride[2];
         a.ml = mstride[3];
+      } else if (padding != nullptr) {
+        a.am = padding + b * L;
+        a.causal = L - T;
       }
       const int64_t rows = r * T, block = std::min(rows, kRowBlock);
       std::vector<float> qs(static_cast<size_t>(block * D)), s(static_cast<size_t>(block * L));
