@@ -157,6 +157,65 @@ def check_rows(lib: Path) -> list[str]:
     return failures
 
 
+def _quantize_fn(lib: Path):
+    fn = ctypes.CDLL(str(lib)).LayerZeroOrtQuantizeToken
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    fn.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    return fn
+
+
+def _special_token(rng: np.random.Generator) -> np.ndarray:
+    """x [32 * 12]: ordinary blocks and the quantizer's edge cases, one per block."""
+    blocks = [rng.standard_normal(32).astype(np.float32) for _ in range(4)]
+    blocks.append(np.zeros(32, np.float32))  # max 0: every code 0
+    blocks.append(np.concatenate([[127.0], np.arange(-62, 62, 4) + 0.5]).astype(np.float32)[:32])  # ties: inv = 1
+    blocks.append(np.arange(-16, 16, dtype=np.float32) + 0.5)
+    nan = rng.standard_normal(32).astype(np.float32)
+    nan[5] = np.nan
+    blocks.append(nan)
+    inf = rng.standard_normal(32).astype(np.float32)
+    inf[9] = -np.inf
+    blocks.append(inf)
+    blocks.append((rng.standard_normal(32) * 1e38).astype(np.float32))  # near float's maximum
+    tiny = (rng.standard_normal(32) * 1e-40).astype(np.float32)  # subnormals: 127 / max overflows to inf
+    tiny[3] = 0.0  # 0 * inf
+    blocks.append(tiny)
+    blocks.append(np.full(32, -3.0, np.float32))
+    return np.concatenate(blocks)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_token_quantizer_vector_equals_portable_and_numpy(ort_lib, bits):
+    """The vector quantizer (AVX-512 where the CPU has it) writes bitwise the portable one's codes, scales and
+    offsets, ties rounded half to even, zero / NaN / infinite blocks all-zero codes; finite blocks as numpy."""
+    fn, rng = _quantize_fn(ort_lib), np.random.default_rng(11)
+    for _ in range(4):
+        x = _special_token(rng)
+        k, nb = x.size, x.size // 32
+        got = []
+        for portable in (0, 1):
+            q, d, off = np.zeros(k, np.int8), np.zeros(nb, np.float32), np.zeros(nb, np.int32)
+            assert fn(x.ctypes.data, k, bits, portable, q.ctypes.data, d.ctypes.data, off.ctypes.data) == 0
+            got.append((q, d, off))
+        (q, d, off), (qp, dp, offp) = got
+        assert np.array_equal(q, qp) and np.array_equal(off, offp)
+        assert np.array_equal(d.view(np.int32), dp.view(np.int32))  # NaN scales bitwise too
+        xb = x.reshape(nb, 32)
+        amax = np.abs(xb).max(axis=1)
+        finite = np.isfinite(xb).all(axis=1) & ((amax == 0) | (amax > 1e-36))  # numpy's int8 cast of NaN: undefined
+        with np.errstate(invalid="ignore", over="ignore"):
+            ref_q, ref_d = quantize_activations(x)
+        rq = ref_q.reshape(nb, 32)
+        assert np.array_equal(q.reshape(nb, 32)[finite], rq[finite])
+        assert np.array_equal(d[finite], ref_d[finite])
+        assert not q.reshape(nb, 32)[~np.isfinite(xb).all(axis=1)].any()
+        assert q.reshape(nb, 32)[10, 3] == 0 and np.abs(q.reshape(nb, 32)[10]).max() == 127  # the tiny block
+        offset = 8 if bits == 4 else 128
+        assert np.array_equal(off, -offset * q.reshape(nb, 32).astype(np.int32).sum(axis=1))
+    assert np.array_equal(q.reshape(nb, 32)[5], np.rint(x[160:192]).astype(np.int8))  # ties to even
+
+
 def test_row_kernel_matches_its_numpy_arithmetic(ort_lib):
     failures = check_rows(ort_lib)
     assert not failures, "\n".join(failures[:20])

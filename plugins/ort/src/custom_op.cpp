@@ -605,6 +605,27 @@ extern "C" __attribute__((visibility("default"))) size_t LayerZeroOrtAdviseHugeP
   return lz::advise_huge_pages(data, bytes);
 }
 
+// Tests (tests/plugins/test_ort_quant.py): one token's x [k] quantized per 32-block as the kernels quantize it,
+// by the best kernels the CPU runs (portable 0) or the portable ones (1); q [k] int8 in element order (not the
+// kernels' q4 order), d and off [k / 32]. Returns 0, or -1 for bits not 8 / 4 or k not a multiple of 32.
+extern "C" __attribute__((visibility("default"))) int LayerZeroOrtQuantizeToken(const float* x, int64_t k, int bits,
+                                                                               int portable, int8_t* q, float* d,
+                                                                               int32_t* off) {
+  if ((bits != 8 && bits != 4) || k % lz::kQBlock != 0 || k < 0) return -1;
+  const int64_t kp = (k + lz::kQPad - 1) / lz::kQPad * lz::kQPad, nb = k / lz::kQBlock;
+  std::vector<int8_t> qs(static_cast<size_t>(kp));
+  std::vector<float> ds(static_cast<size_t>(kp / lz::kQBlock));
+  std::vector<int32_t> os(ds.size());
+  const lz::QTokens xq{qs.data(), ds.data(), os.data(), kp, kp / lz::kQBlock};
+  (portable ? lz::generic::kQKernels : lz::qdot_kernels()).quantize(x, 0, nb, bits, xq, 0);
+  for (int64_t b = 0; b < nb; ++b) {
+    d[b] = ds[static_cast<size_t>(b)];
+    off[b] = os[static_cast<size_t>(b)];
+    for (int64_t j = 0; j < lz::kQBlock; ++j) q[b * lz::kQBlock + j] = qs[static_cast<size_t>(lz::q_position(bits, b, j))];
+  }
+  return 0;
+}
+
 // Tests (tests/plugins/test_ort_quant.py): the quantized row kernel alone. x [tokens, k] float is quantized per
 // 32-block as the op quantizes it; out[t * rows + r] = the row dot of codes row r (q8 [rows, k] int8, q4
 // [rows, k / 2] uint8) with scales [rows, k / 32] (float16 bits). Returns 0, or -1 for bits not 8 / 4 or k not a

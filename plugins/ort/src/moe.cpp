@@ -109,33 +109,7 @@ void quantize_token(const float* x, int64_t k, int bits, const QTokens& xq, int6
 }
 
 void quantize_token_blocks(const float* x, int64_t b0, int64_t b1, int bits, const QTokens& xq, int64_t t) {
-  int8_t* q = xq.q + t * xq.kp;
-  float* d = xq.d + t * xq.nb;
-  int32_t* off = xq.off + t * xq.nb;
-  const int32_t offset = bits == 4 ? 8 : 128;
-  for (int64_t b = b0; b < b1; ++b) {
-    const float* xb = x + b * kQBlock;
-    float amax = 0.0f;
-    for (int64_t j = 0; j < kQBlock; ++j) {
-      const float a = std::fabs(xb[j]);
-      amax = (a > amax || a != a) ? a : amax;  // NaN wins, as numpy's max
-    }
-    d[b] = amax / 127.0f;
-    const float inv = (amax > 0.0f && amax <= 3.4028234663852886e38f) ? 127.0f / amax : 0.0f;
-    int32_t sum = 0;
-    for (int64_t j = 0; j < kQBlock; ++j) {
-      float v = std::nearbyint(xb[j] * inv);  // round half to even, as np.rint
-      v = v != v ? 0.0f : (v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
-      const int8_t c = static_cast<int8_t>(v);
-      sum += c;
-      if (bits == 8) {
-        q[b * kQBlock + j] = c;
-      } else {  // groups of 4 blocks: the even elements of each block, then the odd ones
-        q[(b / 4) * 128 + (j % 2) * 64 + (b % 4) * 16 + j / 2] = c;
-      }
-    }
-    off[b] = -offset * sum;
-  }
+  qdot_kernels().quantize(x, b0, b1, bits, xq, t);
 }
 
 const DotKernels& dot_kernels() {

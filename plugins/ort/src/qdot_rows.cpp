@@ -1,5 +1,6 @@
 // Quantized row-dot micro-kernels (see qdot_rows.h). Compiled once per instruction set; LZ_ISA_NS names the
 // namespace (avx512vnni, avx2, generic).
+#include <cmath>
 #include <cstring>
 
 #include "dot_rows.h"
@@ -235,6 +236,76 @@ inline void micro(const uint8_t* w, int64_t rs, const uint16_t* s, int64_t ss, i
 }
 #endif
 
+// One block's codes from x (scalar: any ISA, and the blocks whose maximum is zero, infinite or NaN in the vector
+// build): d = max|x| / 127 (a NaN wins, as numpy's max), q = round half to even of x * (127 / max|x|), clipped to
+// +-127, every code 0 when that maximum is not a positive finite number.
+inline void quantize_block_scalar(const float* xb, int bits, int8_t* q, float* d, int32_t* off, int64_t b) {
+  float amax = 0.0f;
+  for (int64_t j = 0; j < kQBlock; ++j) {
+    const float a = std::fabs(xb[j]);
+    amax = (a > amax || a != a) ? a : amax;
+  }
+  d[b] = amax / 127.0f;
+  const float inv = (amax > 0.0f && amax <= 3.4028234663852886e38f) ? 127.0f / amax : 0.0f;
+  int32_t sum = 0;
+  for (int64_t j = 0; j < kQBlock; ++j) {
+    float v = std::nearbyint(xb[j] * inv);  // round half to even, as np.rint
+    v = v != v ? 0.0f : (v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
+    const int8_t c = static_cast<int8_t>(v);
+    sum += c;
+    q[q_position(bits, b, j)] = c;
+  }
+  off[b] = -(bits == 4 ? 8 : 128) * sum;
+}
+
+void quantize_blocks_t(const float* x, int64_t b0, int64_t b1, int bits, const QTokens& xq, int64_t t) {
+  int8_t* q = xq.q + t * xq.kp;
+  float* d = xq.d + t * xq.nb;
+  int32_t* off = xq.off + t * xq.nb;
+#if LZ_Q_VNNI
+  // 32 elements as two 16-lane vectors: the maximum of |x| (exact), the same float product and round half to even
+  // (roundscale, the default rounding mode: nearbyint's), then int32 codes narrowed to bytes; q4 takes the even
+  // and the odd elements apart first (QTokens' order).
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512 lim = _mm512_set1_ps(127.0f), nlim = _mm512_set1_ps(-127.0f);
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* xb = x + b * kQBlock;
+    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const bool nan = (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0;
+    if (nan || !(amax > 0.0f && amax <= 3.4028234663852886e38f)) {  // zero, infinite or NaN (max_ps drops NaNs)
+      quantize_block_scalar(xb, bits, q, d, off, b);
+      continue;
+    }
+    const float inv1 = 127.0f / amax;
+    if (!(inv1 <= 3.4028234663852886e38f)) {  // max below ~3.7e-37: x * inf, and 0 * inf = NaN becomes code 0
+      quantize_block_scalar(xb, bits, q, d, off, b);
+      continue;
+    }
+    d[b] = amax / 127.0f;
+    const __m512 inv = _mm512_set1_ps(inv1);
+    const auto code = [&](__m512 v) {
+      const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      return _mm512_cvttps_epi32(_mm512_max_ps(_mm512_min_ps(r, lim), nlim));
+    };
+    const __m512i c0 = code(v0), c1 = code(v1);
+    off[b] = -(bits == 4 ? 8 : 128) * _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+    if (bits == 8) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kQBlock), _mm512_cvtepi32_epi8(c0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kQBlock + 16), _mm512_cvtepi32_epi8(c1));
+    } else {
+      int8_t* e = q + q_position(4, b, 0);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(e), _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(c0, even, c1)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(e + 64),
+                       _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(c0, odd, c1)));
+    }
+  }
+#else
+  for (int64_t b = b0; b < b1; ++b) quantize_block_scalar(x + b * kQBlock, bits, q, d, off, b);
+#endif
+}
+
 // As the float kernels (dot_rows.cpp): the rows taken kSegments at a time from kSegments equal segments of the
 // block (rows i, i + seg, ...: sequential streams pages apart); every token of the call against those rows
 // (then in L1) before the next rows stream in, so each weight byte comes from memory once per call.
@@ -268,6 +339,7 @@ const QDotKernels kQKernels = {
 #endif
     &qdot_rows_t<8>,
     &qdot_rows_t<4>,
+    &quantize_blocks_t,
 };
 
 bool q_available() {

@@ -36,13 +36,23 @@ void quantize_token(const float* x, int64_t k, int bits, const QTokens& xq, int6
 // Blocks [b0, b1) of it only (x is the whole row; the other blocks and the padding are left as they are).
 void quantize_token_blocks(const float* x, int64_t b0, int64_t b1, int bits, const QTokens& xq, int64_t t);
 
+// Where element j (0..31) of block b of a token's x goes in its quantized row: q8 in order; q4 in groups of 4
+// blocks, the even elements of each block then the odd ones (see QTokens).
+inline int64_t q_position(int bits, int64_t b, int64_t j) {
+  return bits == 8 ? b * kQBlock + j : (b / 4) * 128 + (j % 2) * 64 + (b % 4) * 16 + j / 2;
+}
+
 // codes [rows, k] int8 (q8) or [rows, k / 2] uint8 (q4), scales [rows, k / 32] float16 bits; tokens of xq.
 using QDotRowsFn = void (*)(const void* codes, const uint16_t* scales, int64_t rows, int64_t k, const QTokens& x,
                             int64_t tokens, float* out, int64_t ldo);
 
+// quantize_token_blocks of one instruction set (bitwise the same codes, scales and offsets in every one).
+using QuantizeBlocksFn = void (*)(const float* x, int64_t b0, int64_t b1, int bits, const QTokens& xq, int64_t t);
+
 struct QDotKernels {
   const char* isa;
   QDotRowsFn q8, q4;
+  QuantizeBlocksFn quantize;
 };
 
 namespace avx512vnni {
