@@ -33,7 +33,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from layerzero.plugins import ort_library
-from layerzero.plugins.quant import dequantize_blocks, moe_quant_reference, quantize_moe_weights
+from layerzero.plugins.quant import chunk_q4_rows, dequantize_blocks, moe_quant_reference, quantize_moe_weights
 from layerzero.plugins.reference import moe_reference
 
 SHAPES = {32: (32, 4, 1024, 384), 64: (64, 8, 1024, 512), 128: (128, 8, 512, 256)}  # 32: bench/decode.py qwen3_moe
@@ -88,13 +88,16 @@ def build(experts: int, top_k: int, hidden: int, ffn: int, seed: int = 0):
         codes, scales = quantize_moe_weights(*w, bits)
         quant[bits] = (codes, scales)
         names = ["cg", "cu", "cd", "sg", "su", "sd"]
-        inits = [r] + [numpy_helper.from_array(a, n) for a, n in zip(codes + scales, names)]
+        # q4 in code_layout chunk16: what layerzero compile writes (the reference and QMoE read the plain rows).
+        stored = [chunk_q4_rows(c) for c in codes] if bits == 4 else codes
+        inits = [r] + [numpy_helper.from_array(a, n) for a, n in zip(stored + scales, names)]
         node = helper.make_node(
             "MoE",
             ["hidden", "logits", "cg", "cu", "cd", "", "", "", "", "", "sg", "su", "sd"],
             ["y", "mask"],
             domain="ai.layerzero",
             weight_format=f"q{bits}",
+            **({"code_layout": "chunk16"} if bits == 4 else {}),
             **attrs,
         )
         models[f"native q{bits}"] = _graph(node, hidden, experts, inits, "ai.layerzero")

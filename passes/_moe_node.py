@@ -33,7 +33,9 @@ channels.
 Quantized experts (``weight_format`` "q8" / "q4", ``block_size`` 32; default "f", float weights): inputs 2-4 hold
 the codes (q8 int8 ``[E, out, in]``, q4 uint8 ``[E, out, in/2]``, two codes a byte) and 10-12 their float16
 scales, blocks of 32 along each row's ``in`` axis (``plugins/quant.py`` ``quantize_blocks(axis=-1)``;
-``passes/quantize_weights.py`` writes them).
+``passes/quantize_weights.py`` writes them). ``code_layout`` "chunk16" (q4 only; what ``QuantizeWeights`` writes):
+each row's code bytes permuted into 16-block chunks for the row kernels (``plugins/quant.py`` ``chunk_q4_rows``);
+"rows" (the default) the plain order.
 
 Attributes: ``top_k`` (1), ``normalize`` (0), ``scoring`` ("softmax"), ``activation`` ("silu"),
 ``zeroing_threshold`` (0.0, the compiled threshold), ``path`` (the node's name); ``activation_alpha`` (1.702) and
@@ -143,6 +145,8 @@ class MoENode:
     #: "f" (float experts) | "q8" | "q4" (codes at 2-4, scales at 10-12), in blocks of ``block_size``.
     weight_format: str = "f"
     block_size: int = QUANT_BLOCK
+    #: "rows" | "chunk16" (q4 codes in 16-block chunks: ``plugins/quant.py`` ``chunk_q4_rows``).
+    code_layout: str = "rows"
     #: "output_major" (w_gate, w_up [E, F, H]) | "input_major" ([E, H, F], with x_thresholds: module docstring).
     gate_up_layout: str = "output_major"
     #: Attributes of the node this view was read from that the layout does not know (kept by ``to_node``).
@@ -186,6 +190,7 @@ class MoENode:
             jitter_eps=float(attr("jitter_eps", 0.01)),
             weight_format=str(attr("weight_format", "f")),
             block_size=int(attr("block_size", QUANT_BLOCK)),
+            code_layout=str(attr("code_layout", "rows")),
             gate_up_layout=str(attr("gate_up_layout", "output_major")),
             extra={k: a for k, a in node.attributes.items() if k not in known},
         )
@@ -214,13 +219,16 @@ class MoENode:
         return self.weight_format != "f"
 
     def format_attributes(self) -> dict[str, ir.Attr]:
-        """The quantized layout's attributes (none for float experts)."""
+        """The quantized layout's attributes (none for float experts; ``code_layout`` where not "rows")."""
         if not self.quantized:
             return {}
-        return {
+        attrs = {
             "weight_format": ir.AttrString("weight_format", self.weight_format),
             "block_size": ir.AttrInt64("block_size", self.block_size),
         }
+        if self.code_layout != "rows":
+            attrs["code_layout"] = ir.AttrString("code_layout", self.code_layout)
+        return attrs
 
     @property
     def v2_inputs(self) -> dict[int, ir.Value]:

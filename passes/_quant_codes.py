@@ -11,20 +11,53 @@ from layerzero.errors import InvalidInputError
 from layerzero.passes._moe.lazy import ExpertStack
 
 __all__ = [
+    "CHUNK",
     "EXPERT_BLOCK",
     "SPARSE_TILE",
     "check_format",
+    "chunk_q4_rows",
     "dequantize_matrix",
     "native_expert_codes",
     "pack_codes",
     "quantize_matrix",
     "quantize_rows",
     "sparse_linear_codes",
+    "unchunk_q4_rows",
 ]
 
 #: The native op's block length (liblayerzero_ort.so implements 32 only).
 EXPERT_BLOCK = 32
 _QMAX = {4: 7, 8: 127}
+
+#: Blocks of a q4 row chunk in ``code_layout="chunk16"``.
+CHUNK = 16
+
+
+def _chunk_order(row_bytes: int) -> np.ndarray:
+    """The byte permutation of ``chunk_q4_rows`` for rows of ``row_bytes`` bytes: ``stored = plain[order]``."""
+    if row_bytes % (EXPERT_BLOCK // 2):
+        raise ValueError(f"a q4 row of {row_bytes} bytes is not whole 32-blocks (16 bytes each)")
+    order = np.arange(row_bytes)
+    whole = row_bytes // (CHUNK * EXPERT_BLOCK // 2) * (CHUNK * EXPERT_BLOCK // 2)
+    # stored byte 64 s + 4 j + m of a chunk = plain byte 16 j + 4 s + m of that chunk
+    chunk = np.arange(CHUNK * EXPERT_BLOCK // 2).reshape(CHUNK, 4, 4).transpose(1, 0, 2).reshape(-1)
+    for c0 in range(0, whole, CHUNK * EXPERT_BLOCK // 2):
+        order[c0 : c0 + chunk.size] = c0 + chunk
+    return order
+
+
+def chunk_q4_rows(codes: np.ndarray) -> np.ndarray:
+    """q4 codes ``[..., k / 2]`` (plain rows) in ``code_layout="chunk16"`` (``plugins/quant.py`` module docstring)."""
+    codes = np.asarray(codes, np.uint8)
+    return np.ascontiguousarray(codes[..., _chunk_order(codes.shape[-1])])
+
+
+def unchunk_q4_rows(codes: np.ndarray) -> np.ndarray:
+    """The plain rows of ``chunk_q4_rows``' output."""
+    codes = np.asarray(codes, np.uint8)
+    out = np.empty_like(codes)
+    out[..., _chunk_order(codes.shape[-1])] = codes
+    return out
 
 
 def check_format(bits: int, block: int) -> None:
@@ -135,7 +168,8 @@ _SHARED_CODES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 def native_expert_codes(w: np.ndarray | ExpertStack, bits: int) -> tuple[np.ndarray, np.ndarray]:
     """The native op's ``(codes, scales)`` of ``[E, out, in]`` experts (blocks of 32 along ``in``): q8 int8 codes,
-    q4 uint8 nibbles; float16 scales ``[E, out, in / 32]`` (``plugins/quant.py`` ``quantize_blocks(axis=-1)``).
+    q4 uint8 nibbles in ``code_layout="chunk16"`` (``plugins/quant.py`` ``chunk_q4_rows``); float16 scales ``[E,
+    out, in / 32]`` (``plugins/quant.py`` ``quantize_blocks(axis=-1)``).
 
     An ``ExpertStack`` is quantized one expert at a time into the output (each block is quantized alone, so the
     codes are the whole stack's): its float experts are never held together."""
@@ -160,7 +194,7 @@ def native_expert_codes(w: np.ndarray | ExpertStack, bits: int) -> tuple[np.ndar
     if bits == 8:
         stored = (flat.astype(np.int16) - 128).astype(np.int8)
     else:
-        stored = pack_codes(flat, 4)
+        stored = chunk_q4_rows(pack_codes(flat, 4))
     return np.ascontiguousarray(stored), np.ascontiguousarray(scales.astype(np.float16))
 
 

@@ -54,6 +54,7 @@ NATIVE_ATTRIBUTES = frozenset(
         "activation_limit",
         "weight_format",
         "block_size",
+        "code_layout",
     }
 )
 NATIVE_SCORINGS = ("softmax", "sigmoid")
@@ -87,6 +88,11 @@ def native_supports(node: ir.Node) -> str | None:
         return f"attributes {', '.join(unknown)} (liblayerzero_ort.so implements {known})"
     if view.weight_format not in WEIGHT_FORMATS:
         return f"weight_format {view.weight_format!r} (liblayerzero_ort.so implements {', '.join(WEIGHT_FORMATS)})"
+    if view.code_layout not in ("rows", "chunk16") or (view.code_layout == "chunk16" and view.weight_format != "q4"):
+        return (
+            f"code_layout {view.code_layout!r} with weight_format {view.weight_format!r} (liblayerzero_ort.so: rows, "
+            "or chunk16 for q4)"
+        )
     for name, allowed, default in (("scoring", NATIVE_SCORINGS, "softmax"), ("activation", NATIVE_ACTIVATIONS, "silu")):
         attr = node.attributes.get(name)
         value = default if attr is None else str(attr.value)

@@ -11,9 +11,12 @@ What it rewrites, in every graph: a MatMulNBits with ``bits`` 4 or 8, ``block_si
 rounded to int8 per block: what QLinear does, with llama.cpp's rounding, not MLAS'), a constant ``B``, constant
 float32 ``scales`` that float16 holds exactly (``QuantizeWeights``' symmetric scales are float16 values), no zero
 points (the default ``2^(bits-1)``, the symmetric format), no ``g_idx``, a float32 ``A``, an optional constant
-float32 bias. ``B``'s bytes are QLinear's q4 codes as they are (``[N, K/2]``: element ``2j`` of a block in the low
-nibble of byte ``j``, code + 8); q8 codes are ``B - 128`` as int8. Anything else is left as it is (``kept`` says
-why), so an already rewritten or foreign graph comes through unchanged and a second run changes nothing.
+float32 bias. ``B``'s bytes are QLinear's q4 codes (``[N, K/2]``: element ``2j`` of a block in the low nibble of
+byte ``j``, code + 8), each row's bytes permuted into 16-block chunks (``code_layout="chunk16"``,
+``plugins/quant.py`` ``chunk_q4_rows``: one 32-bit lane per block in the row kernel's 64-byte steps, an exact
+integer dot per block over a chunk; the lm_head of the Qwen3-MoE decode bench 16 % faster than the plain rows in a
+standalone kernel A/B); q8 codes are ``B - 128`` as int8. Anything else is left as it is (``kept`` says why), so
+an already rewritten or foreign graph comes through unchanged and a second run changes nothing.
 
 Then, in every graph, the QLinear nodes that read the same x (a decoder layer's q / k / v projections, a dense MLP's
 gate and up) are merged into one with several outputs (the ``splits`` attribute: output i gets columns
@@ -41,6 +44,7 @@ import onnx_ir as ir
 from layerzero.contract import MOE_DOMAIN, QLINEAR_OP
 from layerzero.passes._builder import Builder, model_opset
 from layerzero.passes._graph import NameFactory, const_array
+from layerzero.passes._quant_codes import chunk_q4_rows
 from layerzero.passes._quantized import MS_DOMAIN
 
 __all__ = ["NativeLinear"]
@@ -105,7 +109,8 @@ class NativeLinear(ir.passes.InPlacePass):
 
     @staticmethod
     def _merge_key(node: ir.Node) -> tuple | None:
-        """What QLinear nodes must share to be merged (x, format, K, a bias or not); None: not mergeable."""
+        """What QLinear nodes must share to be merged (x, format, code layout, K, a bias or not); None: not
+        mergeable."""
         if node.domain != MOE_DOMAIN or node.op_type != QLINEAR_OP or "splits" in node.attributes:
             return None
         if len(node.outputs) != 1 or not 3 <= len(node.inputs) <= 4 or node.inputs[0] is None:
@@ -123,7 +128,10 @@ class NativeLinear(ir.passes.InPlacePass):
                 return None
         x = node.inputs[0]
         block = _attr(node, "block_size", 32)
-        return (id(x), str(fmt.value), block, codes.dtype.str, codes.shape[1], scales.shape[1], bias is not None)
+        layout = node.attributes.get("code_layout")
+        layout_name = "rows" if layout is None else str(layout.value)
+        return (id(x), str(fmt.value), block, layout_name, codes.dtype.str, codes.shape[1], scales.shape[1],
+                bias is not None)  # fmt: skip
 
     def _merge_all(self, graph: ir.Graph, names: NameFactory) -> None:
         groups: dict[tuple, list[ir.Node]] = {}
@@ -190,7 +198,7 @@ class NativeLinear(ir.passes.InPlacePass):
             return "the bias is not a constant float32 [N]"
         path = node.name or "matmul"
         if bits == 4:
-            code_array = np.ascontiguousarray(codes.reshape(N, K // 2))
+            code_array = chunk_q4_rows(codes.reshape(N, K // 2))
         else:
             code_array = (codes.reshape(N, K).astype(np.int16) - 128).astype(np.int8)
         builder = Builder(self._root, names, self._opset, metadata=node.metadata_props)
@@ -201,7 +209,9 @@ class NativeLinear(ir.passes.InPlacePass):
         ]
         if bias is not None:
             inputs.append(bias)
-        attrs = {"weight_format": f"q{bits}", "block_size": 32}
+        attrs: dict = {"weight_format": f"q{bits}", "block_size": 32}
+        if bits == 4:
+            attrs["code_layout"] = "chunk16"
         new = builder.node(QLINEAR_OP, inputs, attrs, domain=MOE_DOMAIN, name=f"{path}__qlinear")
         graph.insert_before(node, builder.take())
         _take_over(node.outputs[0], new.outputs[0])

@@ -11,8 +11,9 @@ per-expert MatMuls are ordinary MatMuls here):
 2. ``Gemm(A, B[, C])`` with ``transA = 0``, ``alpha = 1``, ``B`` constant (``transB`` either way), ``C`` absent or a
    constant ``[N]`` with ``beta = 1`` → ``MatMulNBits`` with ``C`` as its bias (input 5).
 3. ``ai.layerzero::MoE`` (the native skipping form, kept for liblayerzero_ort.so) with float constant experts →
-   ``weight_format`` ``"q4"`` (int4) / ``"q8"`` (int8), ``block_size`` 32: codes at inputs 2-4, float16 scales at
-   10-12 (``passes/_moe_node.py``). The kernel reads symmetric blocks of 32 only: another ``block`` or
+   ``weight_format`` ``"q4"`` (int4, ``code_layout`` ``"chunk16"``: ``native_expert_codes``) / ``"q8"`` (int8),
+   ``block_size`` 32: codes at inputs 2-4, float16 scales at 10-12 (``passes/_moe_node.py``). The kernel reads
+   symmetric blocks of 32 only: another ``block`` or
    ``symmetric=False`` with a native block is refused (``InvalidInputError`` naming the option), never
    quantized in another format than the verification's quantized-dense reference (which quantizes the original's
    expert MatMuls with the options given); so is an MoE block whose hidden or expert size the block does not divide
@@ -275,6 +276,7 @@ class QuantizeWeights(ir.passes.InPlacePass):
             setattr(view, f"w_{slot}", builder.initializer(f"{base}.experts.{slot}_{fmt}", codes))
             setattr(view, f"s_{slot}", builder.initializer(f"{base}.experts.{slot}_scales", scales))
         view.weight_format = fmt
+        view.code_layout = "chunk16" if self.bits == 4 else "rows"  # native_expert_codes' q4 layout
         view.write_inputs(node)
         for name, value in view.format_attributes().items():
             node.attributes[name] = value

@@ -20,6 +20,7 @@ This module imports nothing of ours outside ``plugins`` (a leaf); its errors are
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -35,13 +36,16 @@ __all__ = [
     "CUSTOM_OP_LIBRARIES",
     "ORT_LIBRARY",
     "build_ort_library",
+    "check_fresh",
     "find_ort_headers",
     "find_ort_library",
     "libraries_for_ops",
+    "library_stamp",
     "missing_library_hint",
     "ort_library_path",
     "register",
     "register_if_built",
+    "source_stamp",
 ]
 
 logger = logging.getLogger(__name__)
@@ -62,6 +66,49 @@ _HEADER = "onnxruntime_cxx_api.h"
 def source_dir() -> Path:
     """The CMake project of the library (``plugins/ort``)."""
     return Path(__file__).resolve().parent / "ort"
+
+
+def source_stamp() -> str | None:
+    """The stamp of the library's sources here (CMakeLists.txt computes the same one into the library: sha256 of
+    ``"<name>:<sha256 of the file>\\n"`` over ``CMakeLists.txt`` and ``src/*`` in name order, 16 hex digits); None
+    when the sources are not installed."""
+    base = source_dir()
+    if not (base / "CMakeLists.txt").is_file() or not (base / "src").is_dir():
+        return None
+    names = sorted(["CMakeLists.txt", *(f"src/{p.name}" for p in (base / "src").iterdir() if p.is_file())])
+    text = "".join(f"{n}:{hashlib.sha256((base / n).read_bytes()).hexdigest()}\n" for n in names)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def library_stamp(path: str | os.PathLike[str]) -> str | None:
+    """The source stamp compiled into the library at ``path``; None for a library from before the stamp."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(str(path)).LayerZeroOrtSourceStamp
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_char_p
+    value = fn()
+    return value.decode() if value else None
+
+
+def check_fresh(path: str | os.PathLike[str]) -> None:
+    """``PluginError`` (one line) when the library at ``path`` was built from other sources than this layerzero's
+    ``plugins/ort`` (a stale build reads a newer bundle's attributes it does not know as absent: wrong results, no
+    error). Skipped when the sources are not installed or ``LAYERZERO_ORT_ANY_BUILD=1`` (an A/B of two builds)."""
+    if os.environ.get("LAYERZERO_ORT_ANY_BUILD") == "1":
+        return
+    want = source_stamp()
+    if want is None:
+        return
+    have = library_stamp(path)
+    if have != want:
+        built = f"sources {have}" if have else "sources from before the stamp"
+        raise PluginError(
+            f"{path} was built from other {ORT_LIBRARY} sources than this layerzero's ({built}, these {want}): "
+            "rebuild it with `layerzero plugins build`"
+        )
 
 
 def _fetch_script() -> Path:
@@ -183,6 +230,8 @@ def register(options: Any, libraries: Iterable[str], build_dir: str | os.PathLik
         path = Path(lib) if os.sep in str(lib) else ort_library_path(build_dir, str(lib))
         if not path.is_file():
             raise PluginError(f"custom-op library {path} not found")
+        if path.name == ORT_LIBRARY:
+            check_fresh(path)
         try:
             options.register_custom_ops_library(str(path))
         except Exception as e:  # onnxruntime's pybind error types

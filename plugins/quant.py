@@ -24,7 +24,12 @@ The format (what ``ai.layerzero::MoE`` with ``weight_format="q8"`` / ``"q4"`` re
   along the OUTPUT dimension with one input channel per stored row (input-major: a skipped input channel is a
   skipped contiguous row, what activation-sparse kernels need; no kernel reads that layout yet);
 - the block length must divide the axis (``k % 32 == 0``): the op refuses other shapes when the session is
-  created (no padding).
+  created (no padding);
+- ``code_layout="chunk16"`` (q4 only; what ``layerzero compile`` writes): the same bytes of each row permuted for
+  the row kernels (``chunk_q4_rows``): each whole chunk of 16 blocks (256 bytes) holds at byte ``64 s + 4 j``
+  bytes ``4 s .. 4 s + 3`` of its block ``j`` (``s`` = 0..3), so that one 32-bit lane of a 64-byte step is one
+  block in all 4 steps (an exact integer dot per block over the chunk, one float step per 16 blocks); the
+  ``k / 32 % 16`` blocks after the last whole chunk stay in place. ``"rows"`` (the default) is the plain order.
 
 The kernels' arithmetic (``qdot_rows``; ``moe_quant_reference`` for the whole op): each token's x (and each
 expert's intermediate h) is quantized per 32-block to int8 the same symmetric way (``d_x = max|x| / 127`` in
@@ -36,10 +41,15 @@ from __future__ import annotations
 
 import numpy as np
 
+# The compiler writes the layout (passes/_quant_codes.py), these tests and references read it: one definition.
+from layerzero.passes._quant_codes import CHUNK, chunk_q4_rows, unchunk_q4_rows
+
 __all__ = [
     "BLOCK",
+    "CHUNK",
     "FORMATS",
     "K_TILE",
+    "chunk_q4_rows",
     "dequantize_blocks",
     "dequantize_k_blocks",
     "moe_quant_reference",
@@ -48,6 +58,7 @@ __all__ = [
     "quantize_blocks",
     "quantize_k_blocks",
     "quantize_moe_weights",
+    "unchunk_q4_rows",
 ]
 
 BLOCK = 32

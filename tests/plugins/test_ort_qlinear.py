@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from layerzero.passes.native_linear import NativeLinear
 from layerzero.passes.quantize_weights import QuantizeWeights
 from layerzero.passes.shape_inference import InferShapes
-from layerzero.plugins.quant import qdot_rows, quantize_blocks
+from layerzero.plugins.quant import chunk_q4_rows, qdot_rows, quantize_blocks
 from tests.plugins.ort_moe import session
 
 NODE = "layers.0.mlp.down_proj/QLinear"
@@ -66,6 +66,26 @@ def test_matches_qdot_rows(ort_lib, bits, tokens, threads):
         assert np.all(np.abs(y - ref) <= 1e-6 * scale + 1e-7)
 
 
+@pytest.mark.parametrize("K", [512, 544, 1056, 2048])
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_chunk16_matches_qdot_rows(ort_lib, K, tokens, threads):
+    # q4 rows in 16-block chunks (code_layout chunk16: what NativeLinear writes): whole chunks, then the plain
+    # blocks after them (544 = 17 blocks, 1056 = 33); the same arithmetic as the plain rows.
+    rng = np.random.default_rng(K + tokens)
+    N = 200
+    _, codes, scales = _weights(rng, K, N, 4)
+    bias = rng.standard_normal(N).astype(np.float32)
+    model = _qlinear(chunk_q4_rows(codes), scales, bias, "q4", code_layout="chunk16")
+    x = rng.standard_normal((tokens, K)).astype(np.float32)
+    (y,) = session(ort_lib, model, threads).run(None, {"x": x})
+    ref = qdot_rows(codes, scales, 4, x) + bias
+    scale = qdot_rows(codes, scales, 4, x, absolute=True) + np.abs(bias)
+    assert np.all(np.abs(y - ref) <= 1e-6 * scale + 1e-7)
+    (plain,) = session(ort_lib, _qlinear(codes, scales, bias, "q4"), threads).run(None, {"x": x})
+    assert np.all(np.abs(y - plain) <= 2e-6 * scale + 1e-7)
+
+
 def test_rank3_batched_equals_alone_at_any_threads(ort_lib):
     rng = np.random.default_rng(3)
     K, N = 256, 4096  # several row ranges at 2 threads
@@ -103,6 +123,8 @@ def test_zero_x_gives_the_bias(ort_lib):
         ("scales_shape", "scales must be [N, K/32] = [32, 2], not [32, 1]"),
         ("x_dim", "x's last dimension 48 is not the codes' K = 64"),
         ("block", "block_size=64 is not implemented"),
+        ("layout", "code_layout='tiles' is not implemented by liblayerzero_ort.so (rows, chunk16)"),
+        ("layout_q8", "code_layout='chunk16' is a q4 layout, not one of weight_format='q8'"),
     ],
 )
 def test_refused_when_the_session_is_made(ort_lib, case, expected):
@@ -121,6 +143,11 @@ def test_refused_when_the_session_is_made(ort_lib, case, expected):
         kw["x_shape"] = ("T", 48)
     elif case == "block":
         kw["block_size"] = 64
+    elif case == "layout":
+        kw["code_layout"] = "tiles"
+    elif case == "layout_q8":
+        _, codes, scales = _weights(rng, 64, 32, 8)
+        kw["fmt"], kw["code_layout"] = "q8", "chunk16"
     with pytest.raises(Exception) as info:
         session(ort_lib, _qlinear(codes, scales, **kw))
     message = str(info.value)

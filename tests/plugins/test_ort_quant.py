@@ -24,6 +24,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from layerzero.plugins.quant import (
+    chunk_q4_rows,
     dequantize_blocks,
     moe_quant_reference,
     qdot_rows,
@@ -128,39 +129,51 @@ def test_activation_quantization():
 def _qdot_fn(lib: Path):
     fn = ctypes.CDLL(str(lib)).LayerZeroOrtQDotRows
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     fn.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     return fn
 
 
 def check_rows(lib: Path) -> list[str]:
     """The row kernel against ``qdot_rows`` on every block count 1..20 (the vector steps of 2 / 4 blocks, the
-    8- / 16-block scale chunks and their tails), more, and row counts around the 4-row step."""
+    8- / 16-block scale chunks and their tails), more, and row counts around the 4-row step; q4 in both code
+    layouts (``chunk16``: whole chunks from 16 blocks on, then the plain blocks after them)."""
     fn, failures, rng = _qdot_fn(lib), [], np.random.default_rng(3)
-    for bits in (8, 4):
+    for bits, layout in ((8, 0), (4, 0), (4, 1)):
         for nb in (*range(1, 21), 33, 47, 64):
             for rows in (1, 3, 4, 5, 9):
                 for tokens in (1, 2):
                     k = nb * 32
                     w = rng.standard_normal((rows, k)).astype(np.float32)
                     codes, scales = quantize_blocks(w, bits)
+                    stored = chunk_q4_rows(codes) if layout else codes
                     x = rng.standard_normal((tokens, k)).astype(np.float32)
                     out = np.full((tokens, rows), np.nan, np.float32)
                     rc = fn(
-                        codes.ctypes.data, scales.ctypes.data, rows, k, bits, x.ctypes.data, tokens, out.ctypes.data
+                        stored.ctypes.data,
+                        scales.ctypes.data,
+                        rows,
+                        k,
+                        bits,
+                        layout,
+                        x.ctypes.data,
+                        tokens,
+                        out.ctypes.data,
                     )
                     ref = qdot_rows(codes, scales, bits, x)
                     scale = qdot_rows(codes, scales, bits, x, absolute=True)  # Σ|terms|: float rounding's scale
                     err = float((np.abs(out - ref) / scale).max())
                     if rc != 0 or not err <= 1e-5:
-                        failures.append(f"rows: q{bits} k={k} rows={rows} T={tokens}: rc={rc} error {err:.2e}")
+                        failures.append(
+                            f"rows: q{bits} layout {layout} k={k} rows={rows} T={tokens}: rc={rc} error {err:.2e}"
+                        )
     return failures
 
 
 def _quantize_fn(lib: Path):
     fn = ctypes.CDLL(str(lib)).LayerZeroOrtQuantizeToken
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     fn.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     return fn
 
@@ -185,18 +198,20 @@ def _special_token(rng: np.random.Generator) -> np.ndarray:
     return np.concatenate(blocks)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_token_quantizer_vector_equals_portable_and_numpy(ort_lib, bits):
+@pytest.mark.parametrize(("bits", "layout"), [(8, 0), (4, 0), (4, 1)])
+def test_token_quantizer_vector_equals_portable_and_numpy(ort_lib, bits, layout):
     """The vector quantizer (AVX-512 where the CPU has it) writes bitwise the portable one's codes, scales and
     offsets, ties rounded half to even, zero / NaN / infinite blocks all-zero codes; finite blocks as numpy."""
     fn, rng = _quantize_fn(ort_lib), np.random.default_rng(11)
     for _ in range(4):
         x = _special_token(rng)
+        if layout:  # 16 blocks in a whole chunk, then the rest
+            x = np.concatenate([x, _special_token(rng)])
         k, nb = x.size, x.size // 32
         got = []
         for portable in (0, 1):
             q, d, off = np.zeros(k, np.int8), np.zeros(nb, np.float32), np.zeros(nb, np.int32)
-            assert fn(x.ctypes.data, k, bits, portable, q.ctypes.data, d.ctypes.data, off.ctypes.data) == 0
+            assert fn(x.ctypes.data, k, bits, layout, portable, q.ctypes.data, d.ctypes.data, off.ctypes.data) == 0
             got.append((q, d, off))
         (q, d, off), (qp, dp, offp) = got
         assert np.array_equal(q, qp) and np.array_equal(off, offp)
@@ -253,7 +268,8 @@ def quant_model(
     codes, scales = quantize_moe_weights(*w, bits)
     rng = np.random.default_rng(seed + 100)
     extra: dict = {"codes": codes, "scales": scales, "bits": bits, "float": w}
-    inits = [numpy_helper.from_array(a, n) for a, n in zip(codes, ("cg", "cu", "cd"))]
+    stored = [chunk_q4_rows(c) for c in codes] if attrs.get("code_layout") == "chunk16" and bits == 4 else codes
+    inits = [numpy_helper.from_array(a, n) for a, n in zip(stored, ("cg", "cu", "cd"))]
     inits += [numpy_helper.from_array(s.astype(scale_dtype), n) for s, n in zip(scales, ("sg", "su", "sd"))]
     names = ["hidden", "logits", "cg", "cu", "cd", "", "", "", "", ""]
     if biases:
@@ -333,11 +349,16 @@ def check_matrix(lib: Path, quick: bool = False) -> list[str]:
     failures = []
     rng = np.random.default_rng(1)
     variants = VARIANTS[::5] if quick else VARIANTS
-    for bits in (4, 8):
-        for experts, ffn, hidden in SHAPES:
-            for variant in variants:
+    # q4 also in code_layout chunk16, with a shape whose w_down rows (F 544) and w_gate / w_up rows (H 1056) have
+    # whole chunks and blocks after them.
+    for bits, layout in ((4, "rows"), (8, "rows"), (4, "chunk16")):
+        shapes = [*SHAPES, (8, 544, 1056)] if layout == "chunk16" else SHAPES
+        for experts, ffn, hidden in shapes:
+            for variant in variants[::3] if layout == "chunk16" else variants:
                 for threshold in (0.0, 0.4):
-                    model, extra = quant_model(experts, ffn, hidden, bits, zeroing_threshold=threshold, **variant)
+                    model, extra = quant_model(
+                        experts, ffn, hidden, bits, zeroing_threshold=threshold, code_layout=layout, **variant
+                    )
                     sess = session(lib, model)
                     for tokens in (0, 1, 3, 37):
                         x = rng.standard_normal((tokens, hidden)).astype(np.float32)
@@ -346,13 +367,16 @@ def check_matrix(lib: Path, quick: bool = False) -> list[str]:
                         ref, ref_mask, slack = reference(extra, x, logits, dict(variant, zeroing_threshold=threshold))
                         if (bad := _mismatch(y, mask, ref, ref_mask, slack)) is not None:
                             failures.append(
-                                f"q{bits} E{experts} F{ffn} H{hidden} {variant} thr={threshold} T={tokens}: {bad}"
+                                f"q{bits} {layout} E{experts} F{ffn} H{hidden} {variant} thr={threshold} T={tokens}: "
+                                f"{bad}"
                             )
-        for variant in V2[::3] if quick else V2:
+        for variant in V2[::3] if quick or layout == "chunk16" else V2:
             variant = dict(variant)
-            experts, ffn, hidden = 16, 64, 96
+            experts, ffn, hidden = (16, 544, 1056) if layout == "chunk16" else (16, 64, 96)
             bias = (rng.standard_normal(experts) * 0.3).astype(np.float32) if variant.pop("score_bias", False) else None
-            model, extra = quant_model(experts, ffn, hidden, bits, score_bias=bias, threshold_input=True, **variant)
+            model, extra = quant_model(
+                experts, ffn, hidden, bits, score_bias=bias, threshold_input=True, code_layout=layout, **variant
+            )
             sess = session(lib, model)
             for threshold in (0.0, 0.3):
                 for tokens in (0, 1, 37):
@@ -363,7 +387,7 @@ def check_matrix(lib: Path, quick: bool = False) -> list[str]:
                     attrs = {k: v for k, v in variant.items() if k != "biases"}
                     ref, ref_mask, slack = reference(extra, x, logits, attrs, threshold, score_bias=bias)
                     if (bad := _mismatch(y, mask, ref, ref_mask, slack)) is not None:
-                        failures.append(f"q{bits} v2 {variant} thr={threshold} T={tokens}: {bad}")
+                        failures.append(f"q{bits} {layout} v2 {variant} thr={threshold} T={tokens}: {bad}")
     return failures
 
 
@@ -523,6 +547,8 @@ def test_best_and_portable_kernels_agree(ort_lib, tmp_path):
         (dict(weight_format="f"), "input size 13"),
         (dict(weight_format="q8"), "codes are int8"),  # q4's uint8 codes under q8
         (dict(activation="tanh"), "activation='tanh' is not implemented"),
+        (dict(code_layout="tiles"), "code_layout='tiles' is not implemented"),
+        (dict(weight_format="q8", code_layout="chunk16"), "code_layout='chunk16' is a q4 layout, not one of"),
     ],
 )
 def test_session_creation_refuses(ort_lib, kwargs, message):

@@ -23,7 +23,8 @@
 //               "relu" | "swiglu_oai"), zeroing_threshold (float), path (string, informative); v2
 //               (moe_op_v2, defaults = v1): n_group, topk_group (int), routed_scaling_factor, activation_alpha,
 //               activation_limit (float), routing ("topk"); weight_format ("f" | "q8" | "q4"), block_size (32);
-//               gate_up_layout ("output_major" | "input_major")
+//               gate_up_layout ("output_major" | "input_major"); code_layout ("rows" | "chunk16": q4 rows in
+//               16-block chunks, qdot_rows.h; what layerzero compile writes)
 //
 // The layouts: inputs 0-4 and 5-8 at the positions of the op contract (moe_op_v2; "" = absent), the run-time
 // threshold after them (9). A node of exactly 6 inputs whose 6th is named layerzero::threshold (or is declared a
@@ -118,6 +119,7 @@ struct MoEKernel {
   lz::WeightFormat format = lz::WeightFormat::f;
   bool input_major = false;  // gate_up_layout "input_major": w_gate, w_up [E, H, F]; inputs 13-14 the thresholds
   bool router = false;       // inputs 15-16: the router's weight and bias (router_logits, input 1, then absent)
+  bool chunked = false;      // code_layout "chunk16": the q4 rows in 16-block chunks
 
   static bool code_type(lz::WeightFormat f, ONNXTensorElementDataType t) {
     return (f == lz::WeightFormat::q8 && t == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8) ||
@@ -174,6 +176,9 @@ struct MoEKernel {
     if (layout != "output_major" && layout != "input_major")
       fail("gate_up_layout='" + layout + "' is not implemented by liblayerzero_ort.so (output_major, input_major)");
     input_major = layout == "input_major";
+    if (const std::string e = lz::parse_code_layout(attr_string(info, "code_layout", "rows"), format_name, &chunked);
+        !e.empty())
+      fail(e);
     if (input_major && format != lz::WeightFormat::f)
       fail("gate_up_layout='input_major' takes float experts (weight_format='f'), not '" + format_name + "'");
     if (input_major && inputs < kRouterWeight)
@@ -431,6 +436,7 @@ struct MoEKernel {
     }
     lz::MoEWeights w;
     w.format = format;
+    w.chunked = chunked;
     w.input_major = input_major;
     w.x_limit = input_major ? x_limit.data() : nullptr;
     if (format == lz::WeightFormat::f) {
@@ -605,40 +611,51 @@ extern "C" __attribute__((visibility("default"))) size_t LayerZeroOrtAdviseHugeP
   return lz::advise_huge_pages(data, bytes);
 }
 
+#ifndef LZ_SOURCE_STAMP
+#define LZ_SOURCE_STAMP ""
+#endif
+// The stamp of the sources this library was built from (CMakeLists.txt: plugins/ort_library.py compares it with
+// its own sources' before registering the library).
+extern "C" __attribute__((visibility("default"))) const char* LayerZeroOrtSourceStamp() { return LZ_SOURCE_STAMP; }
+
 // Tests (tests/plugins/test_ort_quant.py): one token's x [k] quantized per 32-block as the kernels quantize it,
-// by the best kernels the CPU runs (portable 0) or the portable ones (1); q [k] int8 in element order (not the
-// kernels' q4 order), d and off [k / 32]. Returns 0, or -1 for bits not 8 / 4 or k not a multiple of 32.
+// by the best kernels the CPU runs (portable 0) or the portable ones (1), for q4 rows in chunks when layout is 1
+// (code_layout); q [k] int8 in element order (not the kernels' q4 order), d and off [k / 32]. Returns 0, or -1 for
+// bits not 8 / 4 or k not a multiple of 32.
 extern "C" __attribute__((visibility("default"))) int LayerZeroOrtQuantizeToken(const float* x, int64_t k, int bits,
-                                                                               int portable, int8_t* q, float* d,
-                                                                               int32_t* off) {
+                                                                               int layout, int portable, int8_t* q,
+                                                                               float* d, int32_t* off) {
   if ((bits != 8 && bits != 4) || k % lz::kQBlock != 0 || k < 0) return -1;
   const int64_t kp = (k + lz::kQPad - 1) / lz::kQPad * lz::kQPad, nb = k / lz::kQBlock;
   std::vector<int8_t> qs(static_cast<size_t>(kp));
   std::vector<float> ds(static_cast<size_t>(kp / lz::kQBlock));
   std::vector<int32_t> os(ds.size());
-  const lz::QTokens xq{qs.data(), ds.data(), os.data(), kp, kp / lz::kQBlock};
+  const lz::QTokens xq{qs.data(), ds.data(), os.data(), kp, kp / lz::kQBlock,
+                       layout == 1 && bits == 4 ? lz::q4_chunked_blocks(k) : 0};
   (portable ? lz::generic::kQKernels : lz::qdot_kernels()).quantize(x, 0, nb, bits, xq, 0);
   for (int64_t b = 0; b < nb; ++b) {
     d[b] = ds[static_cast<size_t>(b)];
     off[b] = os[static_cast<size_t>(b)];
-    for (int64_t j = 0; j < lz::kQBlock; ++j) q[b * lz::kQBlock + j] = qs[static_cast<size_t>(lz::q_position(bits, b, j))];
+    for (int64_t j = 0; j < lz::kQBlock; ++j) q[b * lz::kQBlock + j] = qs[static_cast<size_t>(lz::q_position(bits, xq.chunked, b, j))];
   }
   return 0;
 }
 
 // Tests (tests/plugins/test_ort_quant.py): the quantized row kernel alone. x [tokens, k] float is quantized per
 // 32-block as the op quantizes it; out[t * rows + r] = the row dot of codes row r (q8 [rows, k] int8, q4
-// [rows, k / 2] uint8) with scales [rows, k / 32] (float16 bits). Returns 0, or -1 for bits not 8 / 4 or k not a
-// multiple of 32.
+// [rows, k / 2] uint8; in 16-block chunks when layout is 1: code_layout) with scales [rows, k / 32] (float16 bits).
+// Returns 0, or -1 for bits not 8 / 4 or k not a multiple of 32.
 extern "C" __attribute__((visibility("default"))) int LayerZeroOrtQDotRows(const void* codes, const uint16_t* scales,
                                                                           int64_t rows, int64_t k, int bits,
-                                                                          const float* x, int64_t tokens, float* out) {
+                                                                          int layout, const float* x, int64_t tokens,
+                                                                          float* out) {
   if ((bits != 8 && bits != 4) || k % lz::kQBlock != 0 || rows < 0 || tokens < 0) return -1;
   const int64_t kp = (k + lz::kQPad - 1) / lz::kQPad * lz::kQPad;
   std::vector<int8_t> q(static_cast<size_t>(tokens * kp));
   std::vector<float> d(static_cast<size_t>(tokens * kp / lz::kQBlock));
   std::vector<int32_t> off(d.size());
-  const lz::QTokens xq{q.data(), d.data(), off.data(), kp, kp / lz::kQBlock};
+  const lz::QTokens xq{q.data(), d.data(), off.data(), kp, kp / lz::kQBlock,
+                       layout == 1 && bits == 4 ? lz::q4_chunked_blocks(k) : 0};
   for (int64_t t = 0; t < tokens; ++t) lz::quantize_token(x + t * k, k, bits, xq, t);
   (bits == 4 ? lz::qdot_kernels().q4 : lz::qdot_kernels().q8)(codes, scales, rows, k, xq, tokens, out, rows);
   return 0;

@@ -90,6 +90,15 @@ bool parse_weight_format(const std::string& s, WeightFormat* out) {
   return true;
 }
 
+std::string parse_code_layout(const std::string& value, const std::string& format_name, bool* chunked) {
+  *chunked = value == "chunk16";
+  if (value != "rows" && value != "chunk16")
+    return "code_layout='" + value + "' is not implemented by liblayerzero_ort.so (rows, chunk16)";
+  if (*chunked && format_name != "q4")
+    return "code_layout='chunk16' is a q4 layout, not one of weight_format='" + format_name + "'";
+  return "";
+}
+
 const QDotKernels& qdot_kernels() {
   static const QDotKernels* chosen = [] {
     const char* isa = std::getenv("LAYERZERO_ORT_ISA");
@@ -382,7 +391,8 @@ void run_experts_quant(const float* x, int64_t tokens, const MoEWeights& w, cons
   Aligned<int8_t> xq_all(static_cast<size_t>(tokens * kpH)), xq_g(static_cast<size_t>(gathered * kpH));
   std::vector<float> xd_all(static_cast<size_t>(tokens * nbH)), xd_g(static_cast<size_t>(gathered * nbH));
   std::vector<int32_t> xo_all(xd_all.size()), xo_g(xd_g.size());
-  const QTokens all{xq_all.data, xd_all.data(), xo_all.data(), kpH, nbH};
+  const int64_t chunkH = w.chunked ? q4_chunked_blocks(H) : 0, chunkF = w.chunked ? q4_chunked_blocks(F) : 0;
+  const QTokens all{xq_all.data, xd_all.data(), xo_all.data(), kpH, nbH, chunkH};
   parallel_for(static_cast<size_t>(tokens), [&](size_t t) { quantize_token(x + t * H, H, bits, all, t); });
   for (QActive& a : active) {
     if (a.x.kp < 0) {
@@ -390,7 +400,7 @@ void run_experts_quant(const float* x, int64_t tokens, const MoEWeights& w, cons
       continue;
     }
     const int64_t base = a.x.kp;
-    a.x = QTokens{xq_g.data + base * kpH, xd_g.data() + base * nbH, xo_g.data() + base * nbH, kpH, nbH};
+    a.x = QTokens{xq_g.data + base * kpH, xd_g.data() + base * nbH, xo_g.data() + base * nbH, kpH, nbH, chunkH};
     for (size_t i = 0; i < a.tokens.size(); ++i) {
       const int64_t t = a.tokens[i];
       std::memcpy(a.x.q + i * kpH, all.q + t * kpH, static_cast<size_t>(kpH));
@@ -402,7 +412,7 @@ void run_experts_quant(const float* x, int64_t tokens, const MoEWeights& w, cons
   Aligned<int8_t> hq(static_cast<size_t>(inter * kpF));
   std::vector<float> hd(static_cast<size_t>(inter * nbF));
   std::vector<int32_t> ho(hd.size());
-  const QTokens hall{hq.data, hd.data(), ho.data(), kpF, nbF};
+  const QTokens hall{hq.data, hd.data(), ho.data(), kpF, nbF, chunkF};
   const QDotKernels& kernels = qdot_kernels();
   const QDotRowsFn dot = bits == 4 ? kernels.q4 : kernels.q8;
   const int64_t rbH = bits == 4 ? H / 2 : H, rbF = bits == 4 ? F / 2 : F;  // code bytes per row
@@ -443,7 +453,8 @@ void run_experts_quant(const float* x, int64_t tokens, const MoEWeights& w, cons
     if (rows <= 0) return;
     const int64_t n = static_cast<int64_t>(a.tokens.size());
     const int64_t row = a.expert * H + h0;
-    const QTokens hx{hall.q + a.h_offset * kpF, hall.d + a.h_offset * nbF, hall.off + a.h_offset * nbF, kpF, nbF};
+    const QTokens hx{hall.q + a.h_offset * kpF, hall.d + a.h_offset * nbF, hall.off + a.h_offset * nbF, kpF, nbF,
+                     chunkF};
     float* o = obuf.data() + a.o_offset + h0;  // [n, H] with row stride H
     dot(down + row * rbF, w.s_down + row * (F / kQBlock), rows, F, hx, n, o, H);
     if (w.b_down != nullptr) {

@@ -48,6 +48,7 @@ struct MoEWeights {
   const void* down = nullptr;
   WeightType type = WeightType::f32;
   WeightFormat format = WeightFormat::f;
+  bool chunked = false;  // q4 rows in 16-block chunks (code_layout "chunk16", qdot_rows.h)
   const uint16_t* s_gate = nullptr;
   const uint16_t* s_up = nullptr;
   const uint16_t* s_down = nullptr;
@@ -93,6 +94,9 @@ void routing_confidence(const float* logits, int64_t tokens, int64_t experts, Sc
 
 // The format's name ("f", "q8", "q4"); false for one this kernel does not implement.
 bool parse_weight_format(const std::string& s, WeightFormat* out);
+// The code_layout attribute: "rows" (chunked false) or "chunk16" (true: q4 rows in 16-block chunks, weight_format
+// "q4" only). The error message, "" when none.
+std::string parse_code_layout(const std::string& value, const std::string& format_name, bool* chunked);
 
 // y[T, H] (float) = sum over kept (t, e) of weight * down_e(act(gate_e x_t) * up_e x_t); x is [T, H] float.
 // Quantized formats: each token's x and each expert's intermediate h quantized per 32-block to int8

@@ -50,13 +50,27 @@ inline int32_t block_dot_q4(const uint8_t* w, const int8_t* xq, int64_t b) {
   return s;
 }
 
+// q4 block b of a row in chunks (b < chunked): its 4 bytes a step against the token's chunked order.
+inline int32_t block_dot_q4_chunked(const uint8_t* row, const int8_t* xq, int64_t b) {
+  const int64_t c = b / kQChunk, j = b % kQChunk;
+  int32_t s = 0;
+  for (int st = 0; st < 4; ++st) {
+    const uint8_t* w = row + c * 256 + st * 64 + j * 4;
+    const int8_t* xe = xq + c * 512 + st * 128 + j * 4;
+    for (int m = 0; m < 4; ++m) s += (int32_t(w[m] & 15) - 8) * xe[m] + (int32_t(w[m] >> 4) - 8) * xe[m + 64];
+  }
+  return s;
+}
+
+// The blocks [b0, nb) of one row (w its first code byte), scalar.
 template <int Bits>
 inline float tail_blocks(const uint8_t* w, const uint16_t* s, int64_t b0, int64_t nb, const int8_t* xq,
-                         const float* xd) {
+                         const float* xd, int64_t chunked = 0) {
   float acc = 0.0f;
   for (int64_t b = b0; b < nb; ++b) {
-    const int32_t dot = Bits == 8 ? block_dot_q8(reinterpret_cast<const int8_t*>(w) + b * 32, xq + b * 32)
-                                  : block_dot_q4(w + b * 16, xq, b);
+    const int32_t dot = Bits == 8      ? block_dot_q8(reinterpret_cast<const int8_t*>(w) + b * 32, xq + b * 32)
+                        : b < chunked ? block_dot_q4_chunked(w, xq, b)
+                                      : block_dot_q4(w + b * 16, xq, b);
     acc += (half_to_float(s[b]) * xd[b]) * static_cast<float>(dot);
   }
   return acc;
@@ -120,15 +134,49 @@ inline void step(const uint8_t* w, int64_t rs, int64_t i, const int8_t* xq, cons
 // unrolled (constant permutations); the last chunk step by step, the blocks after the last whole step in scalar.
 template <int Bits, int R>
 inline void micro(const uint8_t* w, int64_t rs, const uint16_t* s, int64_t ss, int64_t nb, const int8_t* xq,
-                  const float* xd, const int32_t* xoff, float* out, int64_t os) {
+                  const float* xd, const int32_t* xoff, float* out, int64_t os, int64_t chunked) {
   constexpr int64_t kBlocks = Bits == 4 ? 4 : 2;  // blocks per 64-byte step
   constexpr int64_t kSteps = 16 / kBlocks;        // steps per chunk of 16 blocks
   const int64_t nv = nb / kBlocks * kBlocks;
   __m512 acc[R], d16[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  if constexpr (Bits == 4) {
+    // q4 rows in chunks: per chunk of 16 blocks, lane j = block j in each of its 4 steps; the low nibbles (v & 0x0F)
+    // against the even elements and the high ones kept in place (v & 0xF0 = 16 x nibble) against the odd ones, in
+    // two int32 accumulators: the lane's exact dot is lo + (hi >> 4) (hi a multiple of 16), lo starting from the
+    // block's offset (-8 x the sum of its x codes). Then one conversion and one multiply-add per chunk.
+    const __m512i m4 = _mm512_set1_epi8(0x0F), mh = _mm512_set1_epi8(static_cast<char>(0xF0));
+    for (int64_t b0 = 0; b0 < chunked; b0 += kQChunk) {
+      const __m512 dx = _mm512_loadu_ps(xd + b0);
+      const __m512i off = _mm512_loadu_si512(xoff + b0);
+      const uint8_t* wc = w + b0 * 16;
+      const int8_t* xc = xq + b0 * 32;
+      __m512i lo[R], hi[R];
+      for (int r = 0; r < R; ++r) {
+        lo[r] = off;
+        hi[r] = _mm512_setzero_si512();
+      }
+      for (int st = 0; st < 4; ++st) {
+        const __m512i xe = _mm512_loadu_si512(xc + st * 128), xo = _mm512_loadu_si512(xc + st * 128 + 64);
+        for (int r = 0; r < R; ++r) {
+          const __m512i v = _mm512_loadu_si512(wc + r * rs + st * 64);
+          lo[r] = _mm512_dpbusd_epi32(lo[r], _mm512_and_si512(v, m4), xe);
+          hi[r] = _mm512_dpbusd_epi32(hi[r], _mm512_and_si512(v, mh), xo);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 d = _mm512_mul_ps(
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + r * ss + b0))), dx);
+        const __m512i dot = _mm512_add_epi32(lo[r], _mm512_srai_epi32(hi[r], 4));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), d, acc[r]);
+      }
+    }
+  } else {
+    (void)chunked;
+  }
   const __m512i lanes = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                           Bits == 4 ? 2 : 3);
-  for (int64_t b0 = 0; b0 < nv; b0 += 16) {
+  for (int64_t b0 = Bits == 4 ? chunked : 0; b0 < nv; b0 += 16) {
     const int64_t left = nv - b0;
     const __mmask16 m = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
     const __m512 dx = _mm512_maskz_loadu_ps(m, xd + b0);
@@ -147,7 +195,8 @@ inline void micro(const uint8_t* w, int64_t rs, const uint16_t* s, int64_t ss, i
   }
   alignas(16) float sums[R];
   reduce_rows<R>(acc, sums);
-  for (int r = 0; r < R; ++r) out[r * os] = sums[r] + tail_blocks<Bits>(w + r * rs, s + r * ss, nv, nb, xq, xd);
+  for (int r = 0; r < R; ++r)
+    out[r * os] = sums[r] + tail_blocks<Bits>(w + r * rs, s + r * ss, nv, nb, xq, xd);  // (chunked <= nv)
 }
 #elif LZ_Q_AVX2
 inline float hsum(__m256 v) {
@@ -164,13 +213,46 @@ inline float hsum(__m256 v) {
 // 2 x 128 x 127 per int16).
 template <int Bits, int R>
 inline void micro(const uint8_t* w, int64_t rs, const uint16_t* s, int64_t ss, int64_t nb, const int8_t* xq,
-                  const float* xd, const int32_t* xoff, float* out, int64_t os) {
+                  const float* xd, const int32_t* xoff, float* out, int64_t os, int64_t chunked) {
   constexpr int64_t kBlocks = Bits == 4 ? 2 : 1;
   const int64_t steps = nb / kBlocks, nv = steps * kBlocks;
   __m256 acc[R], corr[R], d8[R];
   for (int r = 0; r < R; ++r) acc[r] = corr[r] = d8[r] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (int64_t i = 0; i < steps; ++i) {
+  if constexpr (Bits == 4) {
+    // q4 rows in chunks: each half of a chunk (8 blocks, one int32 lane each) over the chunk's 4 steps, the nibbles
+    // as unsigned against the token's codes (maddubs + madd, exact), the offset added as an integer, then one
+    // conversion and multiply-add per 8 blocks.
+    for (int64_t b0 = 0; b0 < chunked; b0 += kQChunk) {
+      for (int64_t half = 0; half < 2; ++half) {
+        const int64_t bh = b0 + half * 8;
+        const __m256 dx = _mm256_loadu_ps(xd + bh);
+        const __m256i off = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xoff + bh));
+        __m256i dot[R];
+        for (int r = 0; r < R; ++r) dot[r] = off;
+        for (int st = 0; st < 4; ++st) {
+          const int8_t* xs = xq + b0 * 32 + st * 128 + half * 32;
+          const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs));
+          const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + 64));
+          for (int r = 0; r < R; ++r) {
+            const __m256i v =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * rs + b0 * 16 + st * 64 + half * 32));
+            const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
+            dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(s16, ones));
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256 d = _mm256_mul_ps(
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + r * ss + bh))), dx);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), d, acc[r]);
+        }
+      }
+    }
+  } else {
+    (void)chunked;
+  }
+  for (int64_t i = (Bits == 4 ? chunked : 0) / kBlocks; i < steps; ++i) {
     const int64_t b0 = i * kBlocks;
     if (b0 % 8 == 0) {
       const int64_t left = nv - b0;
@@ -230,16 +312,18 @@ inline void micro(const uint8_t* w, int64_t rs, const uint16_t* s, int64_t ss, i
 // Portable: block by block, the signed codes' exact integer dot times d_w * d_x, in float.
 template <int Bits, int R>
 inline void micro(const uint8_t* w, int64_t rs, const uint16_t* s, int64_t ss, int64_t nb, const int8_t* xq,
-                  const float* xd, const int32_t* xoff, float* out, int64_t os) {
+                  const float* xd, const int32_t* xoff, float* out, int64_t os, int64_t chunked) {
   (void)xoff;
-  for (int r = 0; r < R; ++r) out[r * os] = tail_blocks<Bits>(w + r * rs, s + r * ss, 0, nb, xq, xd);
+  for (int r = 0; r < R; ++r)
+    out[r * os] = tail_blocks<Bits>(w + r * rs, s + r * ss, 0, nb, xq, xd, Bits == 4 ? chunked : 0);
 }
 #endif
 
 // One block's codes from x (scalar: any ISA, and the blocks whose maximum is zero, infinite or NaN in the vector
 // build): d = max|x| / 127 (a NaN wins, as numpy's max), q = round half to even of x * (127 / max|x|), clipped to
 // +-127, every code 0 when that maximum is not a positive finite number.
-inline void quantize_block_scalar(const float* xb, int bits, int8_t* q, float* d, int32_t* off, int64_t b) {
+inline void quantize_block_scalar(const float* xb, int bits, int64_t chunked, int8_t* q, float* d, int32_t* off,
+                                  int64_t b) {
   float amax = 0.0f;
   for (int64_t j = 0; j < kQBlock; ++j) {
     const float a = std::fabs(xb[j]);
@@ -253,7 +337,7 @@ inline void quantize_block_scalar(const float* xb, int bits, int8_t* q, float* d
     v = v != v ? 0.0f : (v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
     const int8_t c = static_cast<int8_t>(v);
     sum += c;
-    q[q_position(bits, b, j)] = c;
+    q[q_position(bits, chunked, b, j)] = c;
   }
   off[b] = -(bits == 4 ? 8 : 128) * sum;
 }
@@ -275,12 +359,12 @@ void quantize_blocks_t(const float* x, int64_t b0, int64_t b1, int bits, const Q
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
     const bool nan = (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0;
     if (nan || !(amax > 0.0f && amax <= 3.4028234663852886e38f)) {  // zero, infinite or NaN (max_ps drops NaNs)
-      quantize_block_scalar(xb, bits, q, d, off, b);
+      quantize_block_scalar(xb, bits, xq.chunked, q, d, off, b);
       continue;
     }
     const float inv1 = 127.0f / amax;
     if (!(inv1 <= 3.4028234663852886e38f)) {  // max below ~3.7e-37: x * inf, and 0 * inf = NaN becomes code 0
-      quantize_block_scalar(xb, bits, q, d, off, b);
+      quantize_block_scalar(xb, bits, xq.chunked, q, d, off, b);
       continue;
     }
     d[b] = amax / 127.0f;
@@ -295,14 +379,25 @@ void quantize_blocks_t(const float* x, int64_t b0, int64_t b1, int bits, const Q
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kQBlock), _mm512_cvtepi32_epi8(c0));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kQBlock + 16), _mm512_cvtepi32_epi8(c1));
     } else {
-      int8_t* e = q + q_position(4, b, 0);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(e), _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(c0, even, c1)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(e + 64),
-                       _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(c0, odd, c1)));
+      const __m128i ce = _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(c0, even, c1));
+      const __m128i co = _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(c0, odd, c1));
+      int8_t* e = q + q_position(4, xq.chunked, b, 0);
+      if (b < xq.chunked) {  // 4 bytes of each to each of the chunk's 4 steps (128 apart)
+        alignas(16) int8_t eb[16], ob[16];
+        _mm_store_si128(reinterpret_cast<__m128i*>(eb), ce);
+        _mm_store_si128(reinterpret_cast<__m128i*>(ob), co);
+        for (int st = 0; st < 4; ++st) {
+          std::memcpy(e + st * 128, eb + st * 4, 4);
+          std::memcpy(e + st * 128 + 64, ob + st * 4, 4);
+        }
+      } else {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(e), ce);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(e + 64), co);
+      }
     }
   }
 #else
-  for (int64_t b = b0; b < b1; ++b) quantize_block_scalar(x + b * kQBlock, bits, q, d, off, b);
+  for (int64_t b = b0; b < b1; ++b) quantize_block_scalar(x + b * kQBlock, bits, xq.chunked, q, d, off, b);
 #endif
 }
 
@@ -320,11 +415,11 @@ void qdot_rows_t(const void* codes, const uint16_t* scales, int64_t rows, int64_
   for (int64_t i = 0; i < seg; ++i)
     for (int64_t t = 0; t < tokens; ++t)
       micro<Bits, kSegments>(w + i * rb, seg * rb, scales + i * nb, seg * nb, nb, x.q + t * x.kp, x.d + t * x.nb,
-                             x.off + t * x.nb, out + t * ldo + i, seg);
+                             x.off + t * x.nb, out + t * ldo + i, seg, x.chunked);
   for (int64_t r = seg * kSegments; r < rows; ++r)
     for (int64_t t = 0; t < tokens; ++t)
       micro<Bits, 1>(w + r * rb, rb, scales + r * nb, nb, nb, x.q + t * x.kp, x.d + t * x.nb, x.off + t * x.nb,
-                     out + t * ldo + r, 1);
+                     out + t * ldo + r, 1, x.chunked);
 }
 
 }  // namespace

@@ -605,6 +605,7 @@ constexpr int64_t kQLinearRows = 64;  // the row split's granule
 struct QLinearKernel {
   std::string node;
   int bits = 4;
+  bool chunked = false;         // code_layout "chunk16": the q4 rows in 16-block chunks (qdot_rows.h)
   std::vector<int64_t> splits;  // the outputs' columns (the splits attribute); empty: one output of N columns
 
   [[noreturn]] void fail(const std::string& what) const {
@@ -651,6 +652,9 @@ struct QLinearKernel {
     if (format_name != "q4" && format_name != "q8")
       fail("weight_format='" + format_name + "' is not implemented by liblayerzero_ort.so (q4, q8)");
     bits = format_name == "q4" ? 4 : 8;
+    if (const std::string e = parse_code_layout(attr_string(info, "code_layout", "rows"), format_name, &chunked);
+        !e.empty())
+      fail(e);
     const int64_t block = attr_int(info, "block_size", 32);
     if (block != 32) fail("block_size=" + std::to_string(block) + " is not implemented by liblayerzero_ort.so (32)");
     const size_t inputs = ki.GetInputCount();
@@ -758,7 +762,7 @@ struct QLinearKernel {
     std::vector<int8_t> q(static_cast<size_t>(T * kp));
     std::vector<float> d(static_cast<size_t>(T * nb));
     std::vector<int32_t> off(static_cast<size_t>(T * nb));
-    const QTokens xq{q.data(), d.data(), off.data(), kp, nb};
+    const QTokens xq{q.data(), d.data(), off.data(), kp, nb, chunked ? q4_chunked_blocks(K) : 0};
     for (int64_t t = 0; t < T; ++t) quantize_token(x + t * K, K, bits, xq, t);
     const QDotRowsFn fn = bits == 4 ? qdot_kernels().q4 : qdot_kernels().q8;
     const uint8_t* codes = static_cast<const uint8_t*>(cv.GetTensorRawData());

@@ -1,0 +1,37 @@
+"""liblayerzero_ort.so's source stamp: CMake compiles the same stamp of the sources into the library that
+``plugins/ort_library.py`` computes from them, and layerzero refuses a library built from other sources before it
+registers it for a model (a stale build ignores attributes it does not know, e.g. a bundle's ``code_layout``)."""
+
+from __future__ import annotations
+
+import onnxruntime as ort
+import pytest
+
+from layerzero.plugins import ort_library
+from layerzero.plugins.loader import PluginError
+
+
+def test_the_library_carries_the_stamp_of_its_sources(ort_lib):
+    stamp = ort_library.source_stamp()
+    assert stamp is not None and len(stamp) == 16
+    assert ort_library.library_stamp(ort_lib) == stamp
+    ort_library.check_fresh(ort_lib)  # no error
+
+
+def test_a_library_from_other_sources_is_refused_in_one_line(ort_lib, monkeypatch):
+    monkeypatch.delenv("LAYERZERO_ORT_ANY_BUILD", raising=False)
+    monkeypatch.setattr(ort_library, "source_stamp", lambda: "0123456789abcdef")
+    with pytest.raises(PluginError) as info:
+        ort_library.register(ort.SessionOptions(), [str(ort_lib)])
+    text = str(info.value)
+    assert "\n" not in text and str(ort_lib) in text and "0123456789abcdef" in text
+    assert "rebuild it with `layerzero plugins build`" in text
+    # The A/B switch lets any build through.
+    monkeypatch.setenv("LAYERZERO_ORT_ANY_BUILD", "1")
+    assert ort_library.register(ort.SessionOptions(), [str(ort_lib)]) == [ort_lib]
+
+
+def test_a_library_without_a_stamp_reads_as_none(tmp_path):
+    not_a_library = tmp_path / "liblayerzero_ort.so"
+    not_a_library.write_bytes(b"\x7fELF not really")
+    assert ort_library.library_stamp(not_a_library) is None
