@@ -22,6 +22,17 @@ each group's input an extra output (the calibration samples) and its kept-channe
   ``--refine-tokens`` calibration tokens, sparsity moved from the units that cost most to those that cost least at
   the same model-wide level (the compile path's ``--activation-refine``).
 
+- ``--centered`` (an experiment, not the compile path): *centered* sparsity. Per channel a calibrated center
+  ``c_i`` (``--centers``: ``mean``, ``median`` or ``lts``, the mean of the densest half of the calibration values,
+  i.e. the least-trimmed-squares location at 50 %; ``zero`` = the plain form), an entry kept when
+  ``|x_i - c_i| > t_i`` and replaced by ``c_i`` otherwise: ``y = W·c + W·mask(x - c)``, a constant bias and the
+  same rows skipped. The bench graph subtracts the centers (graph inputs, zeros = the plain form exactly) before the
+  test and puts them in place of the zeros. ``greedy-<center>`` and ``uniform-<center>`` (at ``--uniform-levels``
+  within ``--centered-levels``): the same allocation on the centered samples ``x - c`` (their own probes; a group
+  whose center is zero shares the plain probes); ``<center>:<kinds>`` centers only those projection kinds
+  (``median:qkv,o,gate_up``). First printed: per kind, how large the means are next to the spread, and the
+  projection error each center leaves at 40 % (dropped entries ``x - c`` through W, next to the plain form's).
+
 Printed per variant: perplexity and its change vs dense, next-token KL(dense ‖ sparse) (mean, nats), top-1
 agreement with dense, and the realized model-wide sparsity measured from the masks on the evaluation tokens,
 parameter-weighted over the projections (1 - kept / K per row, weighted by the group's weights). Targets (issue 23):
@@ -30,6 +41,8 @@ a miss (not checked with ``--tokens`` below 1024: the smoke test).
 
     python bench/sparsity.py                 # 2048 evaluation tokens, 1024 calibration tokens
     python bench/sparsity.py --tokens 256    # smoke test (a few minutes on 2 cores)
+    python bench/sparsity.py --centered --centers median lts --levels 0.3 0.4 --uniform-levels \
+        --one-probe-levels --refine-levels    # centered against plain greedy in one run
 """
 
 from __future__ import annotations
@@ -119,7 +132,7 @@ def texts(tokens: int, calibration_tokens: int, codec: TextCodec) -> tuple[list[
 class Bench:
     """The one session: thresholds as inputs, group inputs and masks as outputs."""
 
-    def __init__(self, onnx_path: Path, workdir: Path) -> None:
+    def __init__(self, onnx_path: Path, workdir: Path, *, centered: bool = False, threads: int | None = None) -> None:
         model = ir.load(onnx_path)
         InferShapes()(model)
         self.groups = find_groups(model)
@@ -135,14 +148,17 @@ class Bench:
                 model.graph.inputs.append(init)
             self.threshold_names[g.name] = init.name
             model.graph.outputs.append(g.x)
+        self.center_names = _add_centers(model, self.groups) if centered else {}
         self.x_names = {g.name: g.x.name for g in self.groups}
         ir.save(model, workdir / "bench.onnx", external_data="bench.onnx.data")
         del model
-        self.session = create_session(str(workdir / "bench.onnx"), label="the bench model")
+        threading = {} if threads is None else {"intra_op_num_threads": threads, "inter_op_num_threads": 1}
+        self.session = create_session(str(workdir / "bench.onnx"), label="the bench model", **threading)
         self.inputs = {i.name: i for i in self.session.get_inputs()}
         self.masks = {g.name: MASK_PREFIX + g.name for g in self.groups}
 
-    def feeds(self, ids: list[int], thresholds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def feeds(self, ids: list[int], thresholds: dict[str, np.ndarray],
+              centers: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:  # fmt: skip
         seq = len(ids)
         feeds: dict[str, np.ndarray] = {
             "input_ids": np.array([ids], np.int64),
@@ -155,17 +171,118 @@ class Bench:
                 feeds[name] = np.zeros((1, heads, 0, dim), np.float32)
         for g, name in self.threshold_names.items():
             feeds[name] = np.asarray(thresholds.get(g, np.zeros(self.channels[g], np.float32)), np.float32)
+        for g, name in self.center_names.items():
+            feeds[name] = np.asarray((centers or {}).get(g, np.zeros(self.channels[g], np.float32)), np.float32)
         return feeds
 
-    def run(self, ids: list[int], thresholds: dict[str, np.ndarray], *, samples: bool = False):
+    def run(self, ids: list[int], thresholds: dict[str, np.ndarray], *, samples: bool = False,
+            centers: dict[str, np.ndarray] | None = None):  # fmt: skip
         wanted = ["logits", *self.masks.values(), *(self.x_names.values() if samples else ())]
-        out = dict(zip(wanted, self.session.run(wanted, self.feeds(ids, thresholds)), strict=True))
+        out = dict(zip(wanted, self.session.run(wanted, self.feeds(ids, thresholds, centers)), strict=True))
         logits = out["logits"][0].astype(np.float64)
         logp = logits - logits.max(-1, keepdims=True)
         logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
         kept = {g: out[m].reshape(-1) for g, m in self.masks.items()}
         xs = {g: out[n].reshape(-1, self.channels[g]) for g, n in self.x_names.items()} if samples else {}
         return logp, kept, xs
+
+
+def _add_centers(model: ir.Model, groups: list) -> dict[str, str]:
+    """The centered form on the pass's reference form: per group a center input ``c`` (``[K]``, default zeros),
+    ``Abs(x)`` becomes ``Abs(x - c)`` and the Where's zero ``c``; returns group -> the center input's name."""
+    out = {}
+    for g in groups:
+        uses = [(node, i) for node, i in g.x.uses() if node.op_type in ("Abs", "Where")]
+        absolute = [node for node, i in uses if node.op_type == "Abs"]
+        where = [node for node, i in uses if node.op_type == "Where" and i == 1]
+        if len(absolute) != 1 or len(where) != 1:
+            raise RuntimeError(f"{g.name}: not the reference form expected ({len(absolute)} Abs, {len(where)} Where)")
+        dtype, name = g.x.dtype, f"{g.name}.activation_center"
+        center = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape([g.channels]),
+                          const_value=ir.tensor(np.zeros(g.channels, dtype.numpy()), name=name))  # fmt: skip
+        model.graph.inputs.append(center)
+        model.graph.register_initializer(center)
+        sub = ir.node("Sub", [g.x, center], name=f"/{g.name}/center")
+        sub.outputs[0].name, sub.outputs[0].dtype, sub.outputs[0].shape = f"{g.name}.centered", dtype, g.x.shape
+        model.graph.insert_before(absolute[0], sub)
+        absolute[0].replace_input_with(0, sub.outputs[0])
+        where[0].replace_input_with(2, center)
+        out[g.name] = center.name
+    return out
+
+
+CENTERS = ("zero", "mean", "median", "lts")
+
+
+def lts_center(x: np.ndarray, fraction: float = 0.5) -> np.ndarray:
+    """Per channel: the mean of the ``fraction`` of the samples (consecutive in sorted order) of least variance,
+    i.e. the center whose nearest ``fraction`` of the values lie closest to it in squared error (LTS location)."""
+    s = np.sort(np.asarray(x, np.float64), 0)
+    n = max(2, round(fraction * s.shape[0]))
+    c1 = np.vstack([np.zeros((1, s.shape[1])), np.cumsum(s, 0)])
+    c2 = np.vstack([np.zeros((1, s.shape[1])), np.cumsum(s * s, 0)])
+    s1, s2 = c1[n:] - c1[:-n], c2[n:] - c2[:-n]
+    best = np.argmin(s2 - s1 * s1 / n, 0)
+    return (s1[best, np.arange(s.shape[1])] / n).astype(np.float32)
+
+
+def centers_of(spec: str, raw: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per group its center by ``spec`` (``<center>`` or ``<center>:<kind>,<kind>``; other kinds: zero)."""
+    how, _, kinds = spec.partition(":")
+    if how not in CENTERS:
+        raise SystemExit(f"--centers {spec!r}: the center is one of {', '.join(CENTERS)}")
+    wanted = set(kinds.split(",")) if kinds else None
+    out = {}
+    for g, x in raw.items():
+        if how == "zero" or (wanted is not None and g.rsplit(".", 1)[-1] not in wanted):
+            out[g] = np.zeros(x.shape[1], np.float32)
+        elif how == "mean":
+            out[g] = x.mean(0).astype(np.float32)
+        elif how == "median":
+            out[g] = np.median(x, 0).astype(np.float32)
+        else:
+            out[g] = lts_center(x)
+    return out
+
+
+def center_table(raw: dict[str, np.ndarray], samples: list[GroupSamples], centers: dict[str, dict]) -> None:
+    """Per projection kind (mean over layers): the fraction of channels whose |mean| > 0.5 std, the share of the
+    energy Σ x_i² that is mean (Σ mean_i² / Σ E[x_i²], and the same weighted by ‖W_i,:‖²), the share of the output
+    energy ‖mean·W‖² / E‖xW‖², and per center the projection error at 40 % (WINA thresholds of the centered samples,
+    ‖mask(x - c)W‖² on the first 256 calibration rows) next to the plain form's, with the fraction dropped."""
+    weights = {g.name: g for g in samples}
+    rows: dict[str, list[dict[str, float]]] = {}
+    for name, x in raw.items():
+        g = weights[name]
+        mu, sd, e2 = x.mean(0), x.std(0), np.square(x).mean(0)
+        rn2 = np.square(g.row_norms)
+        head = x[: ERROR_ROWS]
+        r = {
+            "|mu|>sd/2": float(np.mean(np.abs(mu) > 0.5 * sd)),
+            "mu² share": float(np.sum(mu**2) / np.sum(e2)),
+            "W-weighted": float(np.sum(mu**2 * rn2) / np.sum(e2 * rn2)),
+            "out share": float(np.square(mu @ g.weight).sum() / np.square(head @ g.weight).mean(0).sum()),
+        }
+        base = None
+        for spec, per_group in [("zero", None), *centers.items()]:
+            c = np.zeros(x.shape[1], np.float32) if per_group is None else per_group[name]
+            d = x - c
+            t = GroupSamples(name, d, g.weight).thresholds_at(0.4, "wina")
+            dh = d[: ERROR_ROWS]
+            err = float(np.square(np.where(np.abs(dh) <= t, dh, 0.0).astype(np.float32) @ g.weight).sum())
+            base = err if base is None else base
+            if per_group is not None:
+                r[f"{spec} err"] = err / base
+        rows.setdefault(name.rsplit(".", 1)[-1], []).append(r)
+    keys = list(next(iter(rows.values()))[0])
+    width = max(11, *(len(k) + 1 for k in keys))
+    print("centering, per kind (mean over layers; err = projection error at 40 % relative to the plain form):")
+    print(f"{'kind':<8}" + "".join(f"{k:>{width}}" for k in keys))
+    for kind, rs in rows.items():
+        print(f"{kind:<8}" + "".join(f"{np.mean([r[k] for r in rs]):>{width}.3f}" for k in keys))
+
+
+ERROR_ROWS = 256
 
 
 def windows(ids: list[int], size: int) -> list[list[int]]:
@@ -193,6 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--refine-rounds", type=int, default=2)
     ap.add_argument("--refine-by", choices=REFINE_UNITS, default="kind", help="the units refine moves")
     ap.add_argument("--refine-tokens", type=int, default=512, help="calibration tokens of refine's measure")
+    ap.add_argument("--centered", action="store_true", help="also the centered variants (module docstring)")
+    ap.add_argument("--centers", nargs="+", default=["median"], help="with --centered: the centers, "
+                    f"<center>[:<kind>,...], <center> one of {', '.join(CENTERS)}")  # fmt: skip
+    ap.add_argument("--centered-levels", type=float, nargs="*", default=None, help="default: --levels")
+    ap.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: its own)")
     ap.add_argument("--cache", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args(argv)
@@ -206,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     codec = TextCodec(onnx_path.parent / "tokenizer.json")
     evaluation, calibration = texts(args.tokens, calibration_tokens, codec)
     with tempfile.TemporaryDirectory() as tmp:
-        bench = Bench(onnx_path, Path(tmp))
+        bench = Bench(onnx_path, Path(tmp), centered=args.centered, threads=args.threads)
         print(f"{len(bench.groups)} projection groups, {sum(bench.params.values()):,} projection parameters; "
               f"load {os.getloadavg()[0]:.2f}")  # fmt: skip
         # Calibration: the dense model's group inputs on the calibration windows.
@@ -218,16 +340,22 @@ def main(argv: list[str] | None = None) -> int:
             dense_cal.append(logp)
             for g, v in x.items():
                 xs[g].append(v)
-        samples = group_samples(bench.groups, {g: np.concatenate(v) for g, v in xs.items()})
+        raw = {g: np.concatenate(v) for g, v in xs.items()}
+        samples = group_samples(bench.groups, raw)
         del xs
         probe_ids, probe_ref = cal_windows[0][: args.probe_tokens], dense_cal[0][: args.probe_tokens]
 
         measured: dict[tuple[str, bytes], float] = {}
 
-        def evaluate(thresholds: dict[str, np.ndarray]) -> float:  # each probe measured once
-            key = tuple(sorted((g, t.tobytes()) for g, t in thresholds.items()))
+        def evaluate(thresholds: dict[str, np.ndarray], centers: dict[str, np.ndarray] | None = None) -> float:
+            # each probe measured once (a group's center counts where it is nonzero and so are its thresholds)
+            def center(g: str, t: np.ndarray) -> bytes:
+                c = (centers or {}).get(g)
+                return c.tobytes() if c is not None and np.any(c) and np.any(t > 0) else b""
+
+            key = tuple(sorted((g, t.tobytes(), center(g, t)) for g, t in thresholds.items()))
             if key not in measured:
-                logp, _, _ = bench.run(probe_ids, thresholds)
+                logp, _, _ = bench.run(probe_ids, thresholds, centers=centers)
                 measured[key] = float(kl(probe_ref, logp).mean())
             return measured[key]
 
@@ -245,7 +373,11 @@ def main(argv: list[str] | None = None) -> int:
             variants[f"greedy-1probe {s:.2f}"] = greedy(samples, s, "wina", one_probe)
         refined = refine_variants(bench, samples, sensitivity, cal_windows, dense_cal, args)
         variants.update(refined)
-        results = evaluate_variants(bench, windows(evaluation, args.window), variants)
+        centers: dict[str, dict[str, np.ndarray]] = {}
+        if args.centered:
+            centered, centers = centered_variants(bench, raw, samples, evaluate, args)
+            variants.update(centered)
+        results = evaluate_variants(bench, windows(evaluation, args.window), variants, centers)
     report(results, variants, samples)
     print(f"load {os.getloadavg()[0]:.2f}, {time.perf_counter() - started:.0f} s in all")
     if args.json is not None:
@@ -254,6 +386,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokens < 1024:
         return 0
     return 0 if check_targets(results) else 1
+
+
+def centered_variants(bench: Bench, raw: dict[str, np.ndarray], samples: list[GroupSamples], evaluate,
+                      args: argparse.Namespace) -> tuple[dict, dict[str, dict[str, np.ndarray]]]:  # fmt: skip
+    """``greedy-<center>`` at ``--centered-levels`` and ``uniform-<center>`` at the ``--uniform-levels`` among them,
+    per center of ``--centers``: the allocation of the centered samples with their own probes; returns the variants
+    and each variant's centers."""
+    per_spec = {spec: centers_of(spec, raw) for spec in args.centers}
+    center_table(raw, samples, per_spec)
+    levels = args.levels if args.centered_levels is None else args.centered_levels
+    variants, centers = {}, {}
+    for spec, c in per_spec.items():
+        shifted = group_samples(bench.groups, {g: x - c[g] for g, x in raw.items()})
+        t0 = time.perf_counter()
+        sensitivity = probe_sensitivity(shifted, lambda t, c=c: evaluate(t, c), args.probe_levels, "wina")
+        print(f"centered {spec}: probes in {time.perf_counter() - t0:.0f} s; load {os.getloadavg()[0]:.2f}",
+              flush=True)  # fmt: skip
+        for s in levels:
+            if s in args.uniform_levels:
+                variants[f"uniform-{spec} {s:.2f}"] = uniform(shifted, s, "magnitude")
+                centers[f"uniform-{spec} {s:.2f}"] = c
+            variants[f"greedy-{spec} {s:.2f}"] = greedy(shifted, s, "wina", sensitivity)
+            centers[f"greedy-{spec} {s:.2f}"] = c
+    return variants, centers
 
 
 def refine_variants(bench: Bench, samples: list[GroupSamples], sensitivity: dict, cal_windows: list[list[int]],
@@ -289,7 +445,8 @@ def refine_variants(bench: Bench, samples: list[GroupSamples], sensitivity: dict
     return out
 
 
-def evaluate_variants(bench: Bench, eval_windows: list[list[int]], variants: dict) -> dict[str, dict]:
+def evaluate_variants(bench: Bench, eval_windows: list[list[int]], variants: dict,
+                      centers: dict[str, dict[str, np.ndarray]] | None = None) -> dict[str, dict]:  # fmt: skip
     nll = {k: 0.0 for k in ["dense", *variants]}
     kls = {k: 0.0 for k in variants}
     agree = {k: 0 for k in variants}
@@ -308,7 +465,7 @@ def evaluate_variants(bench: Bench, eval_windows: list[list[int]], variants: dic
             if alloc is None:
                 logp, kept = dense, dense_kept
             else:
-                logp, kept, _ = bench.run(w, alloc.thresholds)
+                logp, kept, _ = bench.run(w, alloc.thresholds, centers=(centers or {}).get(name))
                 nll[name] -= float(logp[pred, targets].sum())
                 kls[name] += float(kl(dense[:-1], logp[:-1]).sum())
                 agree[name] += int((logp[:-1].argmax(-1) == top).sum())
@@ -331,10 +488,11 @@ def evaluate_variants(bench: Bench, eval_windows: list[list[int]], variants: dic
 def report(results: dict[str, dict], variants: dict, samples: list[GroupSamples]) -> None:
     d = results["dense"]
     print(f"dense: perplexity {d['ppl']:.3f} on {d['tokens']} predictions (realized sparsity {d['sparsity']:.1%})")
-    print(f"{'variant':<19} {'sparsity':>9} {'calib':>7} {'ppl':>8} {'Δppl':>8} {'KL':>8} {'top-1':>7}")
+    n = max(19, *(len(k) for k in variants)) if variants else 19
+    print(f"{'variant':<{n}} {'sparsity':>9} {'calib':>7} {'ppl':>8} {'Δppl':>8} {'KL':>8} {'top-1':>7}")
     for name, alloc in variants.items():
         r = results[name]
-        print(f"{name:<19} {r['sparsity']:>9.1%} {alloc.sparsity:>7.1%} {r['ppl']:>8.3f} {r['ppl_change']:>+8.1%} "
+        print(f"{name:<{n}} {r['sparsity']:>9.1%} {alloc.sparsity:>7.1%} {r['ppl']:>8.3f} {r['ppl_change']:>+8.1%} "
               f"{r['kl']:>8.4f} {r['top1']:>7.1%}")  # fmt: skip
     for name, alloc in variants.items():
         if name.startswith(("greedy", "refined")):
