@@ -262,11 +262,31 @@ class StepSkips:
         first = arrays[0].shape
         if not first or first[-1] != self.width or any(a.shape != first for a in arrays):
             return None
-        masks = dict(zip(self.paths, arrays, strict=True))
-        if not arrays[0].size:  # no tokens: no evidence (add_dynamic's rule)
+        return self.from_side(np.concatenate(arrays, axis=-1))
+
+    @property
+    def side_width(self) -> int:
+        """The last dimension of the masks side by side (``side``)."""
+        return self.width * len(self.masks)
+
+    def side(self, values: Mapping[str, np.ndarray]) -> np.ndarray | None:
+        """The step's masks side by side along their last axis (a new array: the decode loop keeps it until after
+        its last step, when the outputs it was copied from hold another step's values), or None where they are not
+        of one shape of ``width`` columns (then ``__call__``'s None)."""
+        if not self.applies:
+            return None
+        try:
+            side = np.concatenate([values[n] for n in self.masks], axis=-1)
+        except ValueError:
+            return None
+        return side if side.ndim >= 2 and side.shape[-1] == self.side_width else None
+
+    def from_side(self, side: np.ndarray) -> tuple[list[str], dict[str, np.ndarray]]:
+        """``__call__``'s result from ``side``."""
+        masks = dict(zip(self.paths, np.split(side, len(self.masks), axis=-1), strict=True))
+        if not side.size:  # no tokens: no evidence (add_dynamic's rule)
             return [], masks
-        side = np.concatenate(arrays, axis=-1).reshape(-1, self.width * len(arrays))
-        dead = np.flatnonzero(~side.any(axis=0))
+        dead = np.flatnonzero(~side.reshape(-1, side.shape[-1]).any(axis=0))
         return (self._names[dead].tolist() if dead.size else []), masks  # type: ignore[index]
 
 

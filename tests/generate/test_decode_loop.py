@@ -90,7 +90,15 @@ def test_step_skips_matches_add_dynamic(shape: tuple[int, ...], seed: int) -> No
     assert found[0] == report.skipped_paths
     assert ("l2.e7" in found[0]) == bool(np.prod(shape))
     assert found[1].keys() == report.masks.keys()
-    assert all(found[1][k] is report.masks[k] for k in found[1])
+    assert all(np.array_equal(found[1][k], report.masks[k]) for k in found[1])
+    # The decode loop's deferred form: the masks copied side by side now, the paths found later from the copy.
+    side = skips.side(outputs)
+    assert side is not None and side.shape == (*shape, 32 * len(dynamic))
+    for mask in outputs.values():  # the step's outputs overwritten by the next one: the copy keeps this step's
+        mask[...] = True
+    later = skips.from_side(side)
+    assert later[0] == found[0]
+    assert all(np.array_equal(later[1][k], found[1][k]) for k in found[1])
 
 
 def test_step_skips_declines_what_it_cannot_vectorize() -> None:
@@ -106,3 +114,5 @@ def test_step_skips_declines_what_it_cannot_vectorize() -> None:
     ragged = {moe[0]: np.ones((1, 4), bool), moe[1]: np.ones((2, 4), bool), moe[2]: np.ones((1, 4), bool)}
     assert skips(ragged) is None  # masks of different shapes: not one reduction
     assert skips({n: np.ones((1, 5), bool) for n in moe}) is None  # a width other than the manifest's
+    assert skips.side(ragged) is None and skips.side({n: np.ones((1, 5), bool) for n in moe}) is None
+    assert StepSkips(names, index, PREFIX).side({n: np.zeros((1, 4), bool) for n in names}) is None

@@ -16,7 +16,7 @@ import onnx_ir as ir
 import pytest
 
 from layerzero.cli import main
-from layerzero.contract import ROUTER_PREFIX
+from layerzero.contract import CACHE_BUFFER_META_KEY, ROUTER_PREFIX
 from layerzero.options import CompileOptions
 from layerzero.passes._moe_node import MoENode, is_moe_node
 from layerzero.passes.force_off import ExposeForceOff
@@ -122,3 +122,22 @@ def test_compile_int4_native_writes_and_verifies_it(lib, tmp_path, monkeypatch):
     ops = Counter(n.op_type for n in model.graph)
     assert ops["MoE"] == LAYERS and "Gemm" not in ops and "ReduceMax" not in ops
     assert all(MoENode.of(n).router_weight is not None for n in model.graph if is_moe_node(n))
+    # The int4 codes in the row kernels' chunked layout, experts and projections alike.
+    assert all(MoENode.of(n).code_layout == "chunk16" for n in model.graph if is_moe_node(n))
+    assert all(n.attributes["code_layout"].value == "chunk16" for n in model.graph if n.op_type == "QLinear")
+    # generate's per-step skipped paths, found after the loop from copies of the masks (the bound outputs are
+    # overwritten by the next step), equal those found at once (masks=True) and the copying loop's.
+    from layerzero.runtime import Engine
+
+    engine = Engine.load(out)
+    assert engine.backend.session.get_modelmeta().custom_metadata_map.get(CACHE_BUFFER_META_KEY) == "1"
+    prompt = [5, 9, 2, 14, 3]
+    runs = [engine.generate(prompt, max_new_tokens=12, stop_tokens=()),
+            engine.generate(prompt, max_new_tokens=12, stop_tokens=(), masks=True)]  # fmt: skip
+    monkeypatch.setenv("LAYERZERO_KV_BUFFER", "0")
+    runs.append(engine.generate(prompt, max_new_tokens=12, stop_tokens=()))
+    steps = [[s.skipped_paths for s in run.report.steps] for run in runs]
+    assert steps[0] == steps[1] == steps[2] and len(steps[0]) == 12
+    assert len({tuple(s) for s in steps[0][1:]}) > 1  # the steps skipped different experts
+    assert runs[0].ids == runs[1].ids == runs[2].ids
+    assert runs[0].report.skipped_paths == runs[1].report.skipped_paths
