@@ -16,6 +16,7 @@ others' hundreds of MB between two runs of one: cold weights); the table gives p
 
     python bench/moe_quant.py                       # E64 k8 H1024 F512 and E128 k8 H512 F256, 1 and 2 threads
     python bench/moe_quant.py --rounds 60 --experts 64
+    python bench/moe_quant.py --experts 8 32         # bench/decode.py's blocks (Mixtral-, Qwen3-MoE-style)
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from layerzero.plugins import ort_library
 from layerzero.plugins.quant import chunk_q4_rows, dequantize_blocks, moe_quant_reference, quantize_moe_weights
 from layerzero.plugins.reference import moe_reference
 
-SHAPES = {32: (32, 4, 1024, 384), 64: (64, 8, 1024, 512), 128: (128, 8, 512, 256)}  # 32: bench/decode.py qwen3_moe
+# 8 / 32: bench/decode.py's mixtral / qwen3_moe blocks
+SHAPES = {8: (8, 2, 1024, 1536), 32: (32, 4, 1024, 384), 64: (64, 8, 1024, 512), 128: (128, 8, 512, 256)}
 
 
 def _graph(node: onnx.NodeProto, hidden: int, experts: int, inits: list, domain: str) -> onnx.ModelProto:
