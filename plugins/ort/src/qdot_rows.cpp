@@ -40,11 +40,12 @@ namespace {
 // are sequential streams, but at one token the arithmetic between two loads leaves the hardware prefetcher behind on
 // long rows. Intel AVX-512 host, one core, cold weights (bench/moe_quant.py's blocks in 24 copies): Mixtral-style
 // E8 k2 H1024 F1536 q4 0.35 -> 0.27 ms, q8 0.83 -> 0.70 ms; E32 k4 H1024 F384 q4 unchanged; 512-4096 bytes alike
-// within the noise; prefetching the scales as well brought nothing.
+// within the noise; prefetching the scales as well brought nothing. Into L2 (T1), as the sparse row kernels: there
+// T0 was the slower hint on the Zen 4 host (bench/README.md, sparse_linear.py); on this one T0 and T1 measure alike.
 constexpr int64_t kPrefetchBytes = 2048;
 
 inline void prefetch_codes(const void* p) {
-  _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+  _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T1);
 }
 #endif
 
