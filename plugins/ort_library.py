@@ -93,22 +93,31 @@ def library_stamp(path: str | os.PathLike[str]) -> str | None:
     return value.decode() if value else None
 
 
-def check_fresh(path: str | os.PathLike[str]) -> None:
-    """``PluginError`` (one line) when the library at ``path`` was built from other sources than this layerzero's
-    ``plugins/ort`` (a stale build reads a newer bundle's attributes it does not know as absent: wrong results, no
-    error). Skipped when the sources are not installed or ``LAYERZERO_ORT_ANY_BUILD=1`` (an A/B of two builds)."""
+def stale_reason(path: str | os.PathLike[str]) -> str | None:
+    """Why the library at ``path`` may not run this layerzero's bundles (one line), None when it may: built from
+    other sources than this layerzero's ``plugins/ort`` (a stale build reads a newer bundle's attributes it does not
+    know as absent: wrong results, no error). None when the sources are not installed or
+    ``LAYERZERO_ORT_ANY_BUILD=1`` (an A/B of two builds)."""
     if os.environ.get("LAYERZERO_ORT_ANY_BUILD") == "1":
-        return
+        return None
     want = source_stamp()
     if want is None:
-        return
+        return None
     have = library_stamp(path)
-    if have != want:
-        built = f"sources {have}" if have else "sources from before the stamp"
-        raise PluginError(
-            f"{path} was built from other {ORT_LIBRARY} sources than this layerzero's ({built}, these {want}): "
-            "rebuild it with `layerzero plugins build`"
-        )
+    if have == want:
+        return None
+    built = f"sources {have}" if have else "sources from before the stamp"
+    return (
+        f"{path} was built from other {ORT_LIBRARY} sources than this layerzero's ({built}, these {want}): "
+        "rebuild it with `layerzero plugins build`"
+    )
+
+
+def check_fresh(path: str | os.PathLike[str]) -> None:
+    """``PluginError`` (one line, ``stale_reason``) when the library at ``path`` was built from other sources."""
+    reason = stale_reason(path)
+    if reason is not None:
+        raise PluginError(reason)
 
 
 def _fetch_script() -> Path:
@@ -153,15 +162,33 @@ def _search_dirs(build_dir: str | os.PathLike[str] | None) -> list[Path]:
     return dirs
 
 
+_stale_warned: set[str] = set()
+
+
 def find_ort_library(build_dir: str | os.PathLike[str] | None = None, name: str = ORT_LIBRARY) -> Path | None:
-    """The built library, or None."""
-    return next((d / name for d in _search_dirs(build_dir) if (d / name).is_file()), None)
+    """The built library, or None. A liblayerzero_ort.so built from other sources (``stale_reason``) counts as not
+    built (a warning, once a path): where the library is optional (the ``auto`` lowering, the demo) the compile
+    goes on without it; a bundle that needs it is still refused by ``register``."""
+    for d in _search_dirs(build_dir):
+        path = d / name
+        if not path.is_file():
+            continue
+        reason = stale_reason(path) if name == ORT_LIBRARY else None
+        if reason is None:
+            return path
+        if str(path) not in _stale_warned:
+            _stale_warned.add(str(path))
+            logger.warning("%s; it is not used", reason)
+    return None
 
 
 def ort_library_path(build_dir: str | os.PathLike[str] | None = None, name: str = ORT_LIBRARY) -> Path:
     """The built library; ``PluginError`` (one line: where it looked, how to build it) when absent."""
     found = find_ort_library(build_dir, name)
     if found is None:
+        stale = [d / name for d in _search_dirs(build_dir) if (d / name).is_file()]
+        if stale:  # only builds from other sources: say so (find_ort_library passed them over)
+            check_fresh(stale[0])
         searched = ", ".join(str(d) for d in _search_dirs(build_dir))
         raise PluginError(
             f"{name} not found (searched {searched}); build it with `layerzero plugins build` "

@@ -35,3 +35,20 @@ def test_a_library_without_a_stamp_reads_as_none(tmp_path):
     not_a_library = tmp_path / "liblayerzero_ort.so"
     not_a_library.write_bytes(b"\x7fELF not really")
     assert ort_library.library_stamp(not_a_library) is None
+
+
+def test_a_stale_library_counts_as_not_built_where_it_is_optional(ort_lib, tmp_path, monkeypatch, caplog):
+    # The demo / the auto lowering ask find_ort_library; a build from other sources must not make them fail later
+    # at registration: it is passed over (a warning), and a bundle that needs it still gets the one-line reason.
+    monkeypatch.delenv("LAYERZERO_ORT_ANY_BUILD", raising=False)
+    monkeypatch.setattr(ort_library, "source_stamp", lambda: "0123456789abcdef")
+    monkeypatch.setattr(ort_library, "default_build_dir", lambda: tmp_path / "none")
+    monkeypatch.setenv("LAYERZERO_PLUGIN_DIR", str(ort_lib.parent))
+    with caplog.at_level("WARNING", logger=ort_library.__name__):
+        assert ort_library.find_ort_library() is None
+    assert "0123456789abcdef" in caplog.text and "it is not used" in caplog.text
+    with pytest.raises(PluginError) as info:
+        ort_library.ort_library_path()
+    assert "rebuild it with `layerzero plugins build`" in str(info.value) and "\n" not in str(info.value)
+    monkeypatch.setattr(ort_library, "source_stamp", lambda: ort_library.library_stamp(ort_lib))
+    assert ort_library.find_ort_library() == ort_lib.parent / ort_library.ORT_LIBRARY
