@@ -198,6 +198,36 @@ def find_tools(tensorrt_root: str | os.PathLike[str] | None = None) -> dict[str,
 # ------------------------------------------------------------------------------------------------- building
 
 
+def forget_foreign_cache(tree: str | os.PathLike[str], source: str | os.PathLike[str]) -> bool:
+    """Drop ``tree``'s CMake cache when it was configured from another source folder; whether it did.
+
+    CMake refuses to reconfigure a build tree whose ``CMakeCache.txt`` names another ``CMAKE_HOME_DIRECTORY``
+    ("does not match the source ... used to generate cache"): a second checkout, or a reinstall to another path,
+    sharing ``~/.cache/layerzero/plugins`` would otherwise fail to build, or keep a library of other sources.
+    Only ``CMakeCache.txt`` and ``CMakeFiles/`` go (the tree's objects and configure state); built libraries in
+    the folder stay until the build replaces them.
+    """
+    cache = Path(tree) / "CMakeCache.txt"
+    try:
+        text = cache.read_text(errors="replace")
+    except OSError:
+        return False
+    match = re.search(r"^CMAKE_HOME_DIRECTORY:INTERNAL=(.*)$", text, re.MULTILINE)
+    if match is None:
+        return False
+    configured = Path(match.group(1).strip())
+    try:
+        same = configured.resolve() == Path(source).resolve()
+    except OSError:
+        same = False
+    if same:
+        return False
+    logger.info("%s was configured from %s, not %s: reconfiguring", tree, configured, source)
+    cache.unlink(missing_ok=True)
+    shutil.rmtree(Path(tree) / "CMakeFiles", ignore_errors=True)
+    return True
+
+
 @dataclasses.dataclass
 class BuildReport:
     """What ``build_plugins`` found, built, and could not build (with the reason)."""
@@ -262,6 +292,7 @@ def build_plugins(
         return report
 
     build.mkdir(parents=True, exist_ok=True)
+    forget_foreign_cache(build, source_dir())
     configure = [cmake.path, "-S", str(source_dir()), "-B", str(build), f"-DCMAKE_BUILD_TYPE={build_type}"]
     configure.append(f"-DCMAKE_CUDA_ARCHITECTURES={cuda_architectures}")
     if tools["nvcc"].found:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from layerzero.contract import ATTENTION_OP, MOE_DOMAIN, MOE_OP, QLINEAR_OP, SPARSE_LINEAR_OP
-from layerzero.plugins.loader import PluginError, default_build_dir
+from layerzero.plugins.loader import PluginError, default_build_dir, forget_foreign_cache
 
 __all__ = [
     "CUSTOM_OP_LIBRARIES",
@@ -220,6 +220,7 @@ def build_ort_library(
     out.mkdir(parents=True, exist_ok=True)
     tree = out / ("ort-asan-build" if asan else "ort-build")
     lib_dir = (out / "asan" if asan else out).resolve()  # an ASan build never shadows the optimised one
+    forget_foreign_cache(tree, source_dir())
     configure = [
         cmake,
         "-S",
