@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterable
@@ -80,17 +81,20 @@ def source_stamp() -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def library_stamp(path: str | os.PathLike[str]) -> str | None:
-    """The source stamp compiled into the library at ``path``; None for a library from before the stamp."""
-    import ctypes
+#: What precedes the stamp's 16 hex digits in the library's bytes (custom_op.cpp kSourceStampMarker).
+_STAMP_MARKER = re.compile(rb"layerzero-ort-source-stamp:([0-9a-f]{16})\x00")
 
+
+def library_stamp(path: str | os.PathLike[str]) -> str | None:
+    """The source stamp compiled into the library at ``path``, read from its bytes (the library is not loaded: a
+    library once loaded stays mapped under its path, so a loaded stale build would hide a rebuild from the same
+    process); None for a library from before the stamp, or an unreadable file."""
     try:
-        fn = ctypes.CDLL(str(path)).LayerZeroOrtSourceStamp
-    except (OSError, AttributeError):
+        data = Path(path).read_bytes()
+    except OSError:
         return None
-    fn.restype = ctypes.c_char_p
-    value = fn()
-    return value.decode() if value else None
+    found = _STAMP_MARKER.findall(data)
+    return found[0].decode() if len(found) == 1 else None
 
 
 def stale_reason(path: str | os.PathLike[str]) -> str | None:

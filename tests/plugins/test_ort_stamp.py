@@ -18,6 +18,26 @@ def test_the_library_carries_the_stamp_of_its_sources(ort_lib):
     ort_library.check_fresh(ort_lib)  # no error
 
 
+def test_the_stamp_is_read_from_the_file_not_a_loaded_image(ort_lib, tmp_path):
+    # A process that checked a stale build, then rebuilt it at the same path, must see the rebuild: the stamp comes
+    # from the file's bytes (a dlopen of the same path would return the image loaded first).
+    import ctypes
+
+    stamp = ort_library.source_stamp()
+    copy = tmp_path / ort_library.ORT_LIBRARY
+    data = ort_lib.read_bytes()
+    copy.write_bytes(data)
+    fn = ctypes.CDLL(str(copy)).LayerZeroOrtSourceStamp  # loaded (and kept mapped) under this path
+    fn.restype = ctypes.c_char_p
+    assert fn().decode() == stamp == ort_library.library_stamp(copy)
+    marker = b"layerzero-ort-source-stamp:" + stamp.encode()
+    assert data.count(marker) == 1
+    copy.unlink()
+    copy.write_bytes(data.replace(marker, b"layerzero-ort-source-stamp:0123456789abcdef"))  # "rebuilt"
+    assert ort_library.library_stamp(copy) == "0123456789abcdef"
+    assert fn().decode() == stamp  # the loaded image is still the first build's
+
+
 def test_a_library_from_other_sources_is_refused_in_one_line(ort_lib, monkeypatch):
     monkeypatch.delenv("LAYERZERO_ORT_ANY_BUILD", raising=False)
     monkeypatch.setattr(ort_library, "source_stamp", lambda: "0123456789abcdef")

@@ -614,9 +614,14 @@ extern "C" __attribute__((visibility("default"))) size_t LayerZeroOrtAdviseHugeP
 #ifndef LZ_SOURCE_STAMP
 #define LZ_SOURCE_STAMP ""
 #endif
-// The stamp of the sources this library was built from (CMakeLists.txt: plugins/ort_library.py compares it with
-// its own sources' before registering the library).
-extern "C" __attribute__((visibility("default"))) const char* LayerZeroOrtSourceStamp() { return LZ_SOURCE_STAMP; }
+// The stamp of the sources this library was built from (CMakeLists.txt), also as bytes of the file after a marker:
+// plugins/ort_library.py reads it there before registering the library, without loading it (a library loaded
+// once stays mapped under its path: a check that loaded a stale build would read the old stamp, and hand ONNX
+// Runtime the old code, after a rebuild in the same process).
+__attribute__((used)) static const char kSourceStampMarker[] = "layerzero-ort-source-stamp:" LZ_SOURCE_STAMP;
+extern "C" __attribute__((visibility("default"))) const char* LayerZeroOrtSourceStamp() {
+  return kSourceStampMarker + sizeof("layerzero-ort-source-stamp:") - 1;
+}
 
 // Tests (tests/plugins/test_ort_quant.py): one token's x [k] quantized per 32-block as the kernels quantize it,
 // by the best kernels the CPU runs (portable 0) or the portable ones (1), for q4 rows in chunks when layout is 1
