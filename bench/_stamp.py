@@ -46,6 +46,14 @@ def fresh(bundle: Path) -> bool:
     return bundle.exists() and f.is_file() and f.read_text().strip() == code_stamp()
 
 
+def op_count(bundle: Path, op_type: str) -> int:
+    """How many ``op_type`` nodes the main graph of ``bundle``'s model.onnx has (its weights not loaded)."""
+    import onnx
+
+    model = onnx.load(str(bundle / "model.onnx"), load_external_data=False)
+    return sum(node.op_type == op_type for node in model.graph.node)
+
+
 def stamp(bundle: Path) -> None:
     """Record that ``bundle`` was just compiled by the current code."""
     _file(bundle).write_text(code_stamp() + "\n")

@@ -533,6 +533,9 @@ def lz_quantized(
         options = CompileOptions(moe_lowering="native", verify=verify, weights=f"int{bits}",  # type: ignore[call-arg]
                                  linear_kernel=linear_kernel)  # fmt: skip
         compile_file(prepared["export"], out, options, overwrite=True)
+        if linear_kernel == "native" and not _stamp.op_count(out, "QLinear"):
+            # the compile fell back to MatMulNBits (the library was not found): never timed, never cached as fresh
+            return None, "compiled without QLinear (liblayerzero_ort.so not found by the compile)"
         _stamp.stamp(out)
     return out, "compiled with verification" if verify else "compiled --no-verify"
 

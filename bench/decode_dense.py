@@ -196,6 +196,9 @@ def lz_bundle(src: dict[str, Path], root: Path, name: str, verify: bool, max_dev
     say(f"compiling {name}: {flags}{'' if verify else ' --no-verify'}")
     start = time.perf_counter()
     compile_file(src["export"], out, CompileOptions(verify=verify, **options), overwrite=True)
+    if options.get("linear_kernel") == "native" and not _stamp.op_count(out, "QLinear"):
+        # the compile fell back to MatMulNBits (the library was not found): never timed, never cached as fresh
+        raise SystemExit(f"{name}: compiled without QLinear (liblayerzero_ort.so not found by the compile)")
     _stamp.stamp(out)
     seconds = time.perf_counter() - start
     return out, f"compiled {'with verification' if verify else '--no-verify'} in {seconds:.0f} s"
