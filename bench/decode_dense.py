@@ -16,10 +16,12 @@ Batch 1, a 32-token prompt, 128 new tokens (greedy), at each ``--threads`` count
 - LZ int4 native: the same with ``--linear-kernel native`` (liblayerzero_ort.so's QLinear on the same codes, q/k/v and
   gate/up one node each, and its Attention: one node per layer's attention core), ``--no-verify`` (LZ int4's
   compile is the verified one; its greedy ids are printed against ORT fp32's like every column's);
-- LZ fp32 sparse s, LZ int4 sparse s for s in ``--sparsity`` (default 0.3,0.5): ``compile --activation-sparsity s``
-  (+ ``--weights int4``), the thresholds calibrated on 8 seeded prompts of their own (``calibration.json``, not the
-  bench prompt). The realized sparsity of each is printed from its run's report (the parameter-weighted share of
-  the projections' input rows not read, over 16 decode steps, and on the prompt's prefill).
+- LZ fp32 sparse s, LZ int4 sparse s, LZ int4 native sparse s for s in ``--sparsity`` (default 0.3,0.5): ``compile
+  --activation-sparsity s`` (+ ``--weights int4``, + ``--linear-kernel native``: SparseLinear for the sparse
+  projections, QLinear for the rest, the native Attention), the thresholds calibrated on 8 seeded prompts of their
+  own (``calibration.json``, not the bench prompt). The realized sparsity of each is printed from its run's report
+  (the parameter-weighted share of the projections' input rows not read, over 16 decode steps, and on the prompt's
+  prefill).
 
 Memory: an fp32 session holds ~5 GB (ONNX Runtime's MatMul may prepack a second copy), so no two sessions are held
 at once: each (column, threads) is loaded, warmed up, run and dropped; the rounds still interleave (every column at
@@ -37,8 +39,9 @@ and how many of its 128 greedy ids equal ORT fp32's from the start, then the tar
 at ``--quick``):
 
 - issue 22: LZ int4 >= 0.95 x ORT int4, at 1 and 2 threads (and LZ int4 native);
-- issue 23: at s = 0.5, LZ fp32 sparse >= 1.4 x LZ fp32, LZ int4 sparse >= 1.3 x LZ int4 and >= 1.3 x ORT int4; at
-  s = 0.3, LZ fp32 sparse and LZ int4 sparse >= 1.2 x their dense LZ.
+- issue 23: at s = 0.5, LZ fp32 sparse >= 1.4 x LZ fp32, LZ int4 sparse >= 1.3 x LZ int4 and >= 1.3 x ORT int4
+  (LZ int4 native sparse the same against LZ int4 native and ORT int4); at s = 0.3 each sparse column >= 1.2 x
+  its dense LZ.
 
     python bench/decode_dense.py                        # 1B, 1 and 2 threads, 3 rounds
     python bench/decode_dense.py --rounds 1 --threads 1 --new 64
@@ -78,8 +81,10 @@ from layerzero.runtime import Engine  # noqa: E402
 TARGETS_INT4 = (("LZ int4", "ORT int4", 0.95, 22), ("LZ int4 native", "ORT int4", 0.95, 22))
 TARGETS_SPARSE = {
     0.5: (("LZ fp32 sparse {s}", "LZ fp32", 1.4, 23), ("LZ int4 sparse {s}", "LZ int4", 1.3, 23),
-          ("LZ int4 sparse {s}", "ORT int4", 1.3, 23)),
-    0.3: (("LZ fp32 sparse {s}", "LZ fp32", 1.2, 23), ("LZ int4 sparse {s}", "LZ int4", 1.2, 23)),
+          ("LZ int4 sparse {s}", "ORT int4", 1.3, 23), ("LZ int4 native sparse {s}", "LZ int4 native", 1.3, 23),
+          ("LZ int4 native sparse {s}", "ORT int4", 1.3, 23)),
+    0.3: (("LZ fp32 sparse {s}", "LZ fp32", 1.2, 23), ("LZ int4 sparse {s}", "LZ int4", 1.2, 23),
+          ("LZ int4 native sparse {s}", "LZ int4 native", 1.2, 23)),
 }  # fmt: skip
 CALIBRATION_PROMPTS = 8
 
@@ -323,13 +328,14 @@ def main(argv: list[str] | None = None) -> int:
     elif want("LZ int4 native"):
         notes.append(f"LZ int4 native: not run (liblayerzero_ort.so {native_why})")
     for s in sparsities:
-        for prec, extra in (("fp32", {}), ("int4", q)):
+        native_q = dict(q, linear_kernel="native")
+        for prec, extra in (("fp32", {}), ("int4", q), ("int4 native", native_q)):
             name = f"LZ {prec} sparse {s:g}"
-            if not want(name):
+            if not want(name) or (prec == "int4 native" and native_why is not None):
                 continue
             opts = dict(extra, activation_sparsity=s, activation_calibration=calibration)
-            paths[name], note = lz_bundle(src, root, f"lz-{prec}-s{s:g}", args.verify == "all", args.max_deviation,
-                                          **opts)  # fmt: skip
+            folder = f"lz-{prec.replace(' ', '-')}-s{s:g}"
+            paths[name], note = lz_bundle(src, root, folder, args.verify == "all", args.max_deviation, **opts)
             form = json.loads((paths[name] / "manifest.json").read_text()).get("activation_sparsity") or {}
             notes.append(f"{name}: {note}; {form.get('form', '?')} form, {form.get('realized_on_calibration', 0):.3f} "
                          f"on its calibration ({CALIBRATION_PROMPTS} prompts of {args.prompt})")  # fmt: skip
@@ -372,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {note}")
     if native_why:
         print(f"  liblayerzero_ort.so {native_why}: the sparse columns run the reference form")
-    print(f"  {'column':<18} {'thr':>3} {'tok/s':>8} {'TTFT':>8} {'step':>9} {'/LZ fp32':>8} {'/dense':>7} "
+    print(f"  {'column':<25} {'thr':>3} {'tok/s':>8} {'TTFT':>8} {'step':>9} {'/LZ fp32':>8} {'/dense':>7} "
           f"{'/ORT':>6} {'top-1':>6} {'rel L2':>9} {'sparsity prefill/decode':>23}  ids == ORT fp32")  # fmt: skip
     tps: dict[tuple[str, int], float] = {}
     results = []
@@ -387,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
             ttft = statistics.median(v["ttft"] for v in values)
             step = statistics.median(v["step"] for v in values)
             prec = "int4" if "int4" in name else "fp32"
-            dense = f"LZ {prec}" if "sparse" in name else None
+            dense = name.split(" sparse")[0] if "sparse" in name else None  # LZ fp32 / LZ int4 / LZ int4 native
             ort = f"ORT {prec}" if name.startswith("LZ") else None
 
             def ratio(other: str | None, rate: float = rate, t: int = t) -> str:
@@ -402,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 lead = _common_prefix(values[0]["ids"], reference_ids)
                 shown_ids = "all" if values[0]["ids"] == reference_ids else str(lead)
-            print(f"  {name:<18} {t:>3} {rate:>8.2f} {ttft * 1e3:>6.0f}ms {step * 1e3:>7.1f}ms "
+            print(f"  {name:<25} {t:>3} {rate:>8.2f} {ttft * 1e3:>6.0f}ms {step * 1e3:>7.1f}ms "
                   f"{ratio('LZ fp32'):>8} {ratio(dense):>7} {ratio(ort):>6} {top1:>6.3f} {rel:>9.2e} {shown:>23}  "
                   f"{shown_ids}")  # fmt: skip
             results.append(dict(column=name, threads=t, decode_tokens_per_s=rate, time_to_first_token_s=ttft,

@@ -31,7 +31,8 @@ def test_decode_dense_quick(tmp_path: Path) -> None:
     # LZ int4 native (QLinear + Attention) runs where the bench built liblayerzero_ort.so; else its note says why.
     native = any(n.startswith("LZ int4 native: compiled") for n in doc["notes"])
     assert native or any(n.startswith("LZ int4 native: not run") for n in doc["notes"]), doc["notes"]
-    assert {c for c, _ in rows} == COLUMNS | ({"LZ int4 native"} if native else set())
+    natives = {"LZ int4 native", "LZ int4 native sparse 0.3", "LZ int4 native sparse 0.5"}
+    assert {c for c, _ in rows} == COLUMNS | (natives if native else set())
     assert {t for _, t in rows} == {1, 2}
     for (column, _), r in rows.items():
         assert r["decode_tokens_per_s"] > 0 and r["median_step_s"] > 0, column
