@@ -618,9 +618,10 @@ extern "C" __attribute__((visibility("default"))) size_t LayerZeroOrtAdviseHugeP
 // plugins/ort_library.py reads it there before registering the library, without loading it (a library loaded
 // once stays mapped under its path: a check that loaded a stale build would read the old stamp, and hand ONNX
 // Runtime the old code, after a rebuild in the same process).
-__attribute__((used)) static const char kSourceStampMarker[] = "layerzero-ort-source-stamp:" LZ_SOURCE_STAMP;
+#define LZ_STAMP_MARKER "layerzero-ort-source-stamp:"
+__attribute__((used)) static const char kSourceStampMarker[] = LZ_STAMP_MARKER LZ_SOURCE_STAMP;
 extern "C" __attribute__((visibility("default"))) const char* LayerZeroOrtSourceStamp() {
-  return kSourceStampMarker + sizeof("layerzero-ort-source-stamp:") - 1;
+  return kSourceStampMarker + sizeof(LZ_STAMP_MARKER) - 1;
 }
 
 // Tests (tests/plugins/test_ort_quant.py): one token's x [k] quantized per 32-block as the kernels quantize it,
