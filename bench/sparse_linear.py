@@ -19,8 +19,13 @@ offset-8 nibbles low first and float scales MatMulNBits reads, default zero poin
 small matrix before the run. Each round runs every column once in a shuffled order, a new token per round (every
 variant the same token); p50 over the rounds. Sessions: ORT_ENABLE_ALL, ``--threads`` intra-op threads.
 
+``ours-ql4``: LayerZero's own dense int4 path, ``ai.layerzero::QLinear`` (what ``--weights int4 --linear-kernel
+native`` compiles a projection to) on MatMulNBits' codes in ``chunk16`` rows: the same weights, the same x
+quantization as ours-q4 (checked: their outputs at s = 0 agree to float summation order, < 1e-4).
+
 Targets (issue 23, the block linears at s = 0.5): ours-f >= 1.7x ORT fp32 MatMul, ours-q4 >= 1.3x ORT MatMulNBits
-(dense); exits 1 on a miss, 2 when the library is not built or memory is short.
+(dense) and >= 1.7x ours-ql4 (LayerZero's own dense path of the same precision); exits 1 on a miss, 2 when the
+library is not built or memory is short.
 
     python bench/sparse_linear.py                 # 16 layers, 1 and 2 threads, 15 rounds (~9 GB peak memory)
     python bench/sparse_linear.py --layers 4 --rounds 30
@@ -43,6 +48,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from layerzero.contract import SPARSE_LINEAR_CODE_LAYOUT
+from layerzero.passes._quant_codes import chunk_q4_rows
 from layerzero.plugins import ort_library
 from layerzero.plugins.quant import dequantize_blocks, quantize_blocks, quantize_k_blocks
 
@@ -180,6 +186,7 @@ def build(layers: int, seed: int = 0, f32_layers: int | None = None):
             ("ours-f", "ai.layerzero"),
             ("ours-q8", "ai.layerzero"),
             ("ours-q4", "ai.layerzero"),
+            ("ours-ql4", "ai.layerzero"),
         )
     }
     for ours in ("ours-f", "ours-q8", "ours-q4"):
@@ -201,6 +208,23 @@ def build(layers: int, seed: int = 0, f32_layers: int | None = None):
             v["ort-int4"].arrays[f"{name}.b"], v["ort-int4"].arrays[f"{name}.s"] = _nbits_pack(b)
             v["ort-int4"].nodes.append(_nbits_node(name, inp, k, n))
             v["ort-int4"].outputs.append(out)
+            # QLinear: the dense native q4 product (--linear-kernel native), MatMulNBits' codes in chunk16
+            nb_codes, nb_scales = quantize_blocks(b, 4, 32, axis=0)  # [N, K/2], [N, K/32]
+            v["ours-ql4"].arrays[f"{name}.c"] = chunk_q4_rows(nb_codes)
+            v["ours-ql4"].arrays[f"{name}.s"] = np.ascontiguousarray(nb_scales.astype(np.float16))
+            v["ours-ql4"].nodes.append(
+                helper.make_node(
+                    "QLinear",
+                    [inp, f"{name}.c", f"{name}.s"],
+                    [name],
+                    domain="ai.layerzero",
+                    name=name,
+                    weight_format="q4",
+                    block_size=32,
+                    code_layout="chunk16",
+                )
+            )
+            v["ours-ql4"].outputs.append(out)
             for ours, fmt in (("ours-f", "f"), ("ours-q8", "q8"), ("ours-q4", "q4")):
                 if fmt == "f" and layer >= f32_layers:
                     continue
@@ -265,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     per_layer = sum(k * n for _, k, n in LINEARS)
     f32_layers = args.layers if args.f32_layers is None else min(args.f32_layers, args.layers)
-    # f32 + ORT's prepacked copy; q8; q4, MatMulNBits and its prepacked copy
-    need = int(per_layer * (f32_layers * 4 * 2 + args.layers * (1 + 0.5625 * 3)) * 1.1)
+    # f32 + ORT's prepacked copy; q8; q4, MatMulNBits and its prepacked copy, QLinear
+    need = int(per_layer * (f32_layers * 4 * 2 + args.layers * (1 + 0.5625 * 4)) * 1.1)
     if need > _mem_available():
         print(
             f"--layers {args.layers} needs ~{need / 2**30:.1f} GiB, {_mem_available() / 2**30:.1f} GiB available: "
@@ -297,12 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(1)
     ok = True
     for threads in args.threads:
-        sessions = {name: var.session(str(lib), threads, name.startswith("ours")) for name, var in variants.items()}
-        columns = [("ort-f32", None), ("ort-int4", None)]
+        sparse = ("ours-f", "ours-q8", "ours-q4")  # the variants with a run-time scale input
+        sessions = {name: var.session(str(lib), threads, name in sparse) for name, var in variants.items()}
+        columns = [("ort-f32", None), ("ort-int4", None), ("ours-ql4", None)]
         columns += [(ours, s) for ours in ("ours-f", "ours-q8", "ours-q4") for s in args.sparsity]
         times: dict[tuple, list[float]] = {c: [] for c in columns}
         realized: dict[float, list[float]] = {s: [] for s in args.sparsity}
         load0 = os.getloadavg()[0]
+        same: dict[str, list[np.ndarray]] = {}  # round 0: QLinear and SparseLinear q4 at s = 0 (the same weights)
         for rnd in range(args.rounds + WARMUP):  # rounds 0 .. WARMUP - 1 not counted
             feed = {
                 "x": (sigma[HIDDEN] * rng.laplace(size=HIDDEN)).astype(np.float32)[None],
@@ -317,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                 start = clock()
                 out = sessions[name].run(None, f)
                 dt = clock() - start
+                if rnd == 0 and (name, s) in (("ours-ql4", None), ("ours-q4", 0.0)):
+                    same[name] = out[0::2] if name == "ours-q4" else out
                 if rnd >= WARMUP:
                     times[(name, s)].append(dt)
                     if name == "ours-q4":
@@ -324,28 +352,43 @@ def main(argv: list[str] | None = None) -> int:
                         ks = np.array([k for _ in range(args.layers) for _, k, _ in LINEARS], np.float64)
                         realized[s].append(float(1 - kept.sum() / ks.sum()))
         load1 = os.getloadavg()[0]
+        if len(same) == 2:
+            # the same codes and scales, x quantized alike: only the float summation order differs
+            pairs = zip(same["ours-q4"], same["ours-ql4"], strict=True)
+            dev = max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in pairs)
+            print(f"\nQLinear q4 vs SparseLinear q4 at s = 0 (the same weights): max rel. deviation {dev:.1e}")
+            if not dev < 1e-4:
+                print("QLinear and SparseLinear q4 do not compute the same product", file=sys.stderr)
+                ok = False
         p50 = {c: float(np.median(t)) * 1e3 / variants[c[0]].layers for c, t in times.items()}
         print(
             f"\n{threads} thread(s), {args.rounds} rounds, load {load0:.2f} -> {load1:.2f}/{os.cpu_count()}; "
             f"ms per layer (7 linears), p50, {args.clock} clock"
         )
-        print(f"  ORT MatMul fp32 {p50[('ort-f32', None)]:.3f}   ORT MatMulNBits int4 {p50[('ort-int4', None)]:.3f}")
-        print("  s     realized  ours-f  (x fp32)  ours-q8 (x fp32)  ours-q4 (x int4)")
+        ql4 = p50[("ours-ql4", None)]
+        print(
+            f"  ORT MatMul fp32 {p50[('ort-f32', None)]:.3f}   ORT MatMulNBits int4 {p50[('ort-int4', None)]:.3f}   "
+            f"ours QLinear q4 (dense) {ql4:.3f}"
+        )
+        print("  s     realized  ours-f  (x fp32)  ours-q8 (x fp32)  ours-q4 (x int4) (x QLinear)")
         for s in args.sparsity:
             f, q8, q4 = p50[("ours-f", s)], p50[("ours-q8", s)], p50[("ours-q4", s)]
             print(
                 f"  {s:.1f}   {np.mean(realized[s]):.3f}    {f:6.3f}  {p50[('ort-f32', None)] / f:5.2f}x   "
-                f"{q8:6.3f} {p50[('ort-f32', None)] / q8:5.2f}x   {q4:6.3f} {p50[('ort-int4', None)] / q4:5.2f}x"
+                f"{q8:6.3f} {p50[('ort-f32', None)] / q8:5.2f}x   {q4:6.3f} {p50[('ort-int4', None)] / q4:5.2f}x "
+                f"{ql4 / q4:5.2f}x"
             )
         if 0.5 in args.sparsity:
             rf = p50[("ort-f32", None)] / p50[("ours-f", 0.5)]
             rq = p50[("ort-int4", None)] / p50[("ours-q4", 0.5)]
-            met_f, met_q = rf >= 1.7, rq >= 1.3
+            rl = ql4 / p50[("ours-q4", 0.5)]
+            met_f, met_q, met_l = rf >= 1.7, rq >= 1.3, rl >= 1.7
             print(
                 f"  targets at s=0.5: ours-f {rf:.2f}x ORT fp32 (>= 1.7: {'met' if met_f else 'NOT met'}), "
-                f"ours-q4 {rq:.2f}x MatMulNBits (>= 1.3: {'met' if met_q else 'NOT met'})"
+                f"ours-q4 {rq:.2f}x MatMulNBits (>= 1.3: {'met' if met_q else 'NOT met'}), "
+                f"ours-q4 {rl:.2f}x ours QLinear q4 dense (>= 1.7: {'met' if met_l else 'NOT met'})"
             )
-            ok = ok and met_f and met_q
+            ok = ok and met_f and met_q and met_l
         del sessions
     print(f"\nload {os.getloadavg()[0]:.2f}/{os.cpu_count()} at end")
     return 0 if ok else 1
