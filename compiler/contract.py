@@ -89,10 +89,11 @@ SPARSE_LINEAR_OP = "SparseLinear"
 QLINEAR_OP = "QLinear"
 #: The attention core ``ai.layerzero::Attention`` (``passes/native_attention.py``, ``--linear-kernel native``).
 ATTENTION_OP = "Attention"
-#: The layout of SparseLinear's q8 / q4 codes (attribute ``code_layout``): 1 = column tiles of 2048, each q4 row's
-#: whole 64-byte chunks 4x4-transposed (``plugins/quant.py`` ``quantize_k_blocks``). liblayerzero_ort.so refuses
-#: another value (a bundle compiled with an older layout gives a one-line error, never wrong numbers).
-SPARSE_LINEAR_CODE_LAYOUT = 1
+#: The layout of SparseLinear's q8 / q4 codes (attribute ``code_layout``): 2 = column tiles of 8192, each q4 row's
+#: whole 64-byte chunks 4x4-transposed (``plugins/quant.py`` ``quantize_k_blocks``; 1 was the same with tiles of
+#: 2048). liblayerzero_ort.so refuses another value (a bundle compiled with an older layout gives a one-line error,
+#: never wrong numbers).
+SPARSE_LINEAR_CODE_LAYOUT = 2
 
 
 def is_runtime_output(name: str) -> bool:

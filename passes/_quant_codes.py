@@ -199,7 +199,7 @@ def native_expert_codes(w: np.ndarray | ExpertStack, bits: int) -> tuple[np.ndar
 
 
 #: Columns of a stored tile of SparseLinear's q8 / q4 codes (the kernel's format: ``sparse_linear_codes``).
-SPARSE_TILE = 2048
+SPARSE_TILE = 8192
 
 
 def sparse_linear_codes(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:

@@ -22,7 +22,7 @@ per-expert MatMuls are ordinary MatMuls here):
 5. ``ai.layerzero::SparseLinear`` (``SparsifyActivations``' native form, issue 23) with ``weight_format`` ``"f"`` and a
    constant float weight ``W [K, N]`` → ``"q4"`` (int4: ``[K, N/2]`` uint8 nibbles) / ``"q8"`` (int8: ``[K, N]`` int8)
    with float16 ``w_scales [K/32, N]`` at input 5 (``""`` for an absent scale / bias at 3 / 4): symmetric blocks of 32
-   along K (the reduction axis, as MatMulNBits), one input channel per stored row of a 2048-column tile
+   along K (the reduction axis, as MatMulNBits), one input channel per stored row of an 8192-column tile
    (``plugins/quant.py`` ``quantize_k_blocks``, the kernel's one format; ``sparse_linear_codes``). As for case 3,
    another ``block`` or ``symmetric=False`` is refused (``InvalidInputError`` naming the option); ``K`` or ``N`` not a
    multiple of 32 keeps ``"f"`` (a ``Refusal`` in ``kept``). The kernel quantizes x to int8 (MatMulNBits' accuracy_level

@@ -140,7 +140,7 @@ def quantize_activations(x: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray,
 
 
 #: Columns of a stored tile of ``quantize_k_blocks``' codes.
-K_TILE = 2048
+K_TILE = 8192
 
 
 def _tile_width(bits: int) -> int:
@@ -155,9 +155,9 @@ def quantize_k_blocks(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]
     ``[K, N/2]`` uint8; within each 32-column block of a row, byte ``j`` holds column ``j`` in its low nibble and
     column ``j + 16`` in its high nibble (llama.cpp's Q4_0 order), each as code + 8. K and N multiples of 32.
 
-    The codes are stored in column tiles of ``K_TILE`` (2048) columns: tile ``t`` (columns ``[2048 t, min(N, 2048 t
-    + 2048))``) is a row-major ``[K, width]`` block (q4 ``width / 2`` bytes a row), the tiles one after the other
-    in the ``[K, N]`` / ``[K, N/2]`` array (N <= 2048: one tile). q4: within a tile's row each whole 64-byte chunk
+    The codes are stored in column tiles of ``K_TILE`` (8192) columns: tile ``t`` (columns ``[8192 t, min(N, 8192 t
+    + 8192))``) is a row-major ``[K, width]`` block (q4 ``width / 2`` bytes a row), the tiles one after the other
+    in the ``[K, N]`` / ``[K, N/2]`` array (N <= 8192: one tile). q4: within a tile's row each whole 64-byte chunk
     (128 columns, blocks q = 0..3) holds at byte ``16 L + 4 q + m`` the byte ``4 L + m`` of block q (the order in
     which the kernel's byte / word unpacks of 4 rows give vpdpbusd lanes in column order); the bytes of a row's
     last partial chunk stay in block order. The kernel reads a tile's kept rows as contiguous segments

@@ -7,7 +7,7 @@ float32 / float16 / bfloat16 as it is (bfloat16 given here as its uint16 bits, a
 ``"q8"`` ``[K, N]`` int8 and ``"q4"`` ``[K, N/2]`` uint8 codes with ``w_scales [K/32, N]`` float16
 (``plugins/quant.py`` ``quantize_k_blocks``: blocks of 32 along K, one input channel per stored row; q4: within
 each 32-column block of a row, byte ``j`` = column ``j`` (low nibble) and ``j + 16`` (high), code + 8; the rows
-stored in column tiles of 2048, ``K_TILE``).
+stored in column tiles of 8192, ``K_TILE``).
 
 For every token row ``t`` (the leading dims flattened) and input channel ``i``:
 ``keep[t, i] = not (|x[t, i]| <= thresholds[i] * scale)`` (a NaN is kept, and propagates); ``kept[t]`` = the number

@@ -32,6 +32,7 @@ from layerzero.contract import ACTIVATION_SCALE_INPUT, MASK_PREFIX, SPARSE_LINEA
 from layerzero.errors import InvalidInputError, VerificationError
 from layerzero.options import CompileOptions
 from layerzero.passes._graph import NameFactory, make_constant, scope_of
+from layerzero.passes._quant_codes import SPARSE_TILE
 from layerzero.passes.quantize_weights import (
     QuantizeWeights,
     as_dense_sparse_linear,
@@ -254,16 +255,18 @@ def test_sparse_linear_codes_are_quantize_blocks_along_k() -> None:
     q = quant.k_block_codes(codes, 4)
     np.testing.assert_array_equal(codes[:, :16] & 15, q[:, :16] + 8)
     np.testing.assert_array_equal(codes[:, :16] >> 4, q[:, 16:32] + 8)
-    # N > 2048: column tiles of 2048, each a row-major [K, width] block (q4 width / 2 bytes a row), one after the
-    # other: tile 0's rows first (1024 bytes each), then tile 1's (N - 2048 columns)
-    w = np.random.default_rng(3).normal(size=(64, 2048 + 64)).astype(np.float32)
+    # N > SPARSE_TILE (8192): column tiles of 8192, each a row-major [K, width] block (q4 width / 2 bytes a row),
+    # one after the other: tile 0's rows first (4096 bytes each), then tile 1's (N - 8192 columns)
+    tile = SPARSE_TILE
+    assert tile == quant.K_TILE == 8192
+    w = np.random.default_rng(3).normal(size=(64, tile + 64)).astype(np.float32)
     for bits, per_col in ((4, 2), (8, 1)):
         codes, _ = sparse_linear_codes(w, bits)
-        rows, _ = sparse_linear_codes(w[:, :2048], bits)  # one tile: the plain rows
-        tail, _ = sparse_linear_codes(w[:, 2048:], bits)
+        rows, _ = sparse_linear_codes(w[:, :tile], bits)  # one tile: the plain rows
+        tail, _ = sparse_linear_codes(w[:, tile:], bits)
         flat = codes.reshape(-1)
-        np.testing.assert_array_equal(flat[: 64 * 2048 // per_col].reshape(64, -1), rows)
-        np.testing.assert_array_equal(flat[64 * 2048 // per_col :].reshape(64, -1), tail)
+        np.testing.assert_array_equal(flat[: 64 * tile // per_col].reshape(64, -1), rows)
+        np.testing.assert_array_equal(flat[64 * tile // per_col :].reshape(64, -1), tail)
         np.testing.assert_array_equal(quant.k_block_codes(codes, bits), quant.unpack_codes(quant.quantize_blocks(
             w, bits, 32, axis=0)[0], bits).T)  # fmt: skip
     # q4, a whole 64-byte chunk of a row (128 columns): byte 16 L + 4 q + m holds byte 4 L + m of its 32-column

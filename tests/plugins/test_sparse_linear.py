@@ -29,7 +29,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from layerzero.contract import SPARSE_LINEAR_CODE_LAYOUT
-from layerzero.plugins.quant import k_block_codes, quantize_activations, quantize_k_blocks
+from layerzero.plugins.quant import K_TILE, k_block_codes, quantize_activations, quantize_k_blocks
 from layerzero.plugins.sparse import bf16_bits, dense_weight, sparse_linear_reference
 
 REQUIRE = os.environ.get("LAYERZERO_REQUIRE_NATIVE") == "1"
@@ -167,6 +167,8 @@ def _absolute(x, w, w_scales, fmt, bf16, thr, scale):
     return a.reshape(*x.shape[:-1], W.shape[1])
 
 
+LAYOUT = SPARSE_LINEAR_CODE_LAYOUT  # the stored q8 / q4 layout this library reads
+
 CASES = [  # (fmt, weight type, K, N)
     ("f", "float32", 67, 131),
     ("f", "float32", 300, 193),
@@ -176,8 +178,8 @@ CASES = [  # (fmt, weight type, K, N)
     ("q8", "int8", 320, 96),
     ("q4", "uint8", 96, 160),
     ("q4", "uint8", 320, 96),
-    ("q4", "uint8", 64, 4096 + 160),  # three column tiles of the stored codes (2048 columns), the last narrower
-    ("q8", "int8", 64, 2048 + 96),
+    ("q4", "uint8", 64, 2 * K_TILE + 160),  # three column tiles of the stored codes, the last narrower
+    ("q8", "int8", 64, K_TILE + 96),
 ]
 
 
@@ -312,7 +314,7 @@ def test_leading_dims_and_kept_shape(ort_lib):
 def test_threads_and_groups_do_not_change_the_result(ort_lib, fmt):
     # Bitwise: 1, 2, 4 intra-op threads; and a token alone (the decode path) = the same token in a group of 17.
     k = 520 if fmt == "f" else 512
-    w, ws, _ = weights(k, 1000 if fmt == "f" else 2048 + 96, fmt, seed=4)  # q8 / q4: two column tiles
+    w, ws, _ = weights(k, 1000 if fmt == "f" else K_TILE + 96, fmt, seed=4)  # q8 / q4: two column tiles
     thr = np.full(k, 0.9, np.float32)
     model = sparse_model(
         w, thr, fmt=fmt, w_scales=ws, bias=np.linspace(-1, 1, w.shape[1] * (2 if fmt == "q4" else 1), dtype=np.float32)
@@ -361,7 +363,7 @@ def _run_in_process(lib, model_path, inputs, out, threads=1, **env) -> np.ndarra
 def test_column_split_does_not_change_the_result(ort_lib, tmp_path, fmt):
     # LAYERZERO_ORT_SPARSE_SPLIT forces the number of column ranges (1, 3, 7): the same bits every time.
     k = 200 if fmt == "f" else 224
-    w, ws, _ = weights(k, 1000 if fmt == "f" else 2048 + 96, fmt, seed=6)  # q8 / q4: ranges across a tile's end
+    w, ws, _ = weights(k, 1000 if fmt == "f" else K_TILE + 96, fmt, seed=6)  # q8 / q4: ranges across a tile's end
     onnx.save(sparse_model(w, np.full(k, 0.8, np.float32), fmt=fmt, w_scales=ws), tmp_path / "m.onnx")
     np.savez(tmp_path / "in.npz", x=activations(5, k, seed=7))
     outs = [
@@ -397,7 +399,7 @@ def test_best_and_portable_kernels_agree(ort_lib, tmp_path, fmt):
     # The same model and inputs on the best ISA (AVX-512 here) and on the portable kernels: close (f), the same
     # bits (q8 / q4: integer sums, then the same float steps).
     k = 300 if fmt == "f" else 320
-    w, ws, _ = weights(k, 640 if fmt == "f" else 2048 + 160, fmt, seed=8)
+    w, ws, _ = weights(k, 640 if fmt == "f" else K_TILE + 160, fmt, seed=8)
     onnx.save(sparse_model(w, np.full(k, 0.5, np.float32), fmt=fmt, w_scales=ws), tmp_path / "m.onnx")
     np.savez(tmp_path / "in.npz", x=activations(4, k, seed=9))
     best = _run_in_process(ort_lib, tmp_path / "m.onnx", tmp_path / "in.npz", tmp_path / "a.npy")
@@ -456,7 +458,9 @@ def _q4_codes_of_n(n):  # q4 codes of N = n columns (not a multiple of 32), buil
         (lambda: _bad(fmt="q3"), "weight_format='q3' is not implemented"),
         (lambda: _bad(block_size=64), "block_size=64 is not implemented"),
         # a bundle compiled with an older code layout (no attribute: the row-major layout before column tiles)
-        (lambda: _bad(code_layout=0), "code_layout=0: its q4 codes are not in this library's layout 1"),
+        (lambda: _bad(code_layout=0), f"code_layout=0: its q4 codes are not in this library's layout {LAYOUT}"),
+        # ... and with layout 1 (column tiles of 2048, before the tiles of 8192)
+        (lambda: _bad(code_layout=1), f"code_layout=1: its q4 codes are not in this library's layout {LAYOUT}"),
         (lambda: _bad(bias=np.zeros(65, np.float32)), "bias must be [N] = [64]"),
     ],
 )

@@ -274,7 +274,7 @@ struct SparseLinearKernel {
     const int64_t layout = attr_int(info, "code_layout", 0);
     if (quant && layout != kCodeLayout)
       fail("code_layout=" + std::to_string(layout) + ": its " + format_name + " codes are not in this library's layout " +
-           std::to_string(kCodeLayout) + " (column tiles of 2048; compiled by another LayerZero version: compile the "
+           std::to_string(kCodeLayout) + " (column tiles of 8192; compiled by another LayerZero version: compile the "
            "model again)");
     const int64_t block = attr_int(info, "block_size", 32);
     if (block != 32) fail("block_size=" + std::to_string(block) + " is not implemented by liblayerzero_ort.so (32)");

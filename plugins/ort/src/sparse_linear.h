@@ -6,8 +6,8 @@
 //      "q8": [K, N] int8 codes; "q4": [K, N/2] uint8, within each 32-column block of a row byte j holding column
 //      j (low nibble) and column j + 16 (high nibble) as code + 8; blocks of 32 along K: w_scales [K/32, N]
 //      float16, element (i, n) = code * d[i / 32, n]. K, N multiples of 32. q8 / q4 rows are stored in column
-//      tiles (plugins/quant.py quantize_k_blocks): tile t = columns [2048 t, min(N, 2048 t + 2048)), each a
-//      row-major [K, width] block (q4: width / 2 bytes a row), the tiles one after the other; N <= 2048 is one
+//      tiles (plugins/quant.py quantize_k_blocks): tile t = columns [8192 t, min(N, 8192 t + 8192)), each a
+//      row-major [K, width] block (q4: width / 2 bytes a row), the tiles one after the other; N <= 8192 is one
 //      tile, the plain row-major matrix. A tile's rows are contiguous: a kept row of a block is one short stream
 //      the next rows follow, a skipped row a skipped contiguous segment (kSparseQTile). q4: within a tile's row,
 //      each whole 64-byte chunk (128 columns, 4 blocks of 32) holds at byte 16 L + 4 q + m the byte 4 L + m of
@@ -72,11 +72,14 @@ struct SparseQBlock {
   float dx;      // its x scale: max |x| / 127 over the kept channels (float32)
 };
 
-// Columns of a stored q8 / q4 tile (the header's w): also the kernels' column tile (y's 8 KB stay in L1).
-constexpr int64_t kSparseQTile = 2048;
+// Columns of a stored q8 / q4 tile (the header's w): also the kernels' column tile (y's 32 KB). A kept row of a full
+// tile is one run of 4 KB (q4) / 8 KB (q8): what the memory system streams near its full read rate with half of
+// the runs skipped (1 KB runs, tiles of 2048: ~70 % of it; bench/README.md, sparse_linear.py).
+constexpr int64_t kSparseQTile = 8192;
 // The q8 / q4 code layout these kernels read (the node's code_layout attribute; compiler/contract.py
-// SPARSE_LINEAR_CODE_LAYOUT): 1 = column tiles of kSparseQTile, q4 rows' 64-byte chunks 4x4-transposed.
-constexpr int64_t kCodeLayout = 1;
+// SPARSE_LINEAR_CODE_LAYOUT): 2 = column tiles of kSparseQTile (8192), q4 rows' 64-byte chunks 4x4-transposed
+// (1 was the same with tiles of 2048).
+constexpr int64_t kCodeLayout = 2;
 
 struct SparseQRows {
   const void* w = nullptr;             // q8 [K, N] int8; q4 [K, N/2] uint8, in column tiles (w above)

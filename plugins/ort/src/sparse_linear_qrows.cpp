@@ -192,7 +192,7 @@ void qrows(const SparseQRows& call, int64_t c0, int64_t c1) {
       const int32_t ng = blk.ng;
       int64_t c = a;
       if constexpr (Bits == 4) {
-        // Whole chunks: the range starts on one (c0 a multiple of 128, tiles of 2048), and a chunk is whole
+        // Whole chunks: the range starts on one (c0 a multiple of 128, tiles of 8192), and a chunk is whole
         // when the tile's row holds its 64 bytes.
         const int64_t whole = first + (stride / 64) * 128;  // the end of the tile's whole chunks (a column)
         for (; c + 128 <= b && c + 128 <= whole; c += 128) {  // 64 bytes of each row: one cache line
