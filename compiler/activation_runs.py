@@ -1,11 +1,19 @@
 """The ONNX Runtime runs of activation calibration (issue 23; ``activation_calibration`` re-exports both):
 ``collect_activations``, each projection group's input on calibration requests, and ``output_deviation``, the
 model-output deviation of a set of thresholds from the dense model (the probes', ``max_error``'s and ``refine``'s
-measure)."""
+measure); ``cached_output_deviation``, the same through a cache of measured deviations kept across compiles
+(``ProbeCache``: the probes of a 1B model are ~10 minutes of a compile, the same for every level and weight
+format)."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -14,7 +22,14 @@ from layerzero.contract import RUNTIME_PREFIX
 from layerzero.errors import InvalidInputError, UnsupportedModelError
 from layerzero.passes.sparsify_activations import ActivationGroup
 
-__all__ = ["collect_activations", "output_deviation"]
+__all__ = [
+    "ProbeCache",
+    "cached_output_deviation",
+    "collect_activations",
+    "model_key",
+    "output_deviation",
+    "probe_cache_dir",
+]
 
 Evaluate = Callable[[Mapping[str, np.ndarray]], float]
 
@@ -149,3 +164,120 @@ def output_deviation(model: ir.Model, requests: Sequence[Mapping[str, np.ndarray
         return worst
 
     return evaluate
+
+
+# ---------------------------------------------------------------------------------------------------- probe cache
+
+#: The cache's file format; a file of another version is read as empty.
+PROBE_CACHE_VERSION = 1
+
+
+def probe_cache_dir() -> Path | None:
+    """Where measured deviations are kept: ``$LAYERZERO_PROBE_CACHE`` when it names a folder, None (no cache) when
+    it is ``0``, else ``$XDG_CACHE_HOME/layerzero/probes`` (``~/.cache/layerzero/probes``)."""
+    env = os.environ.get("LAYERZERO_PROBE_CACHE", "")
+    if env == "0":
+        return None
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "layerzero" / "probes"
+
+
+def model_key(model: ir.Model) -> str:
+    """A content key of ``model`` as ``output_deviation`` runs it: its serialized graph (nodes, attributes, in-memory
+    initializers, external data references) and, for each external data file it reads, that file's resolved path,
+    size and modification time (the weights themselves are not read)."""
+    h = hashlib.sha256(ir.to_proto(model).SerializeToString())
+    files = set()
+    for g in model.graphs():
+        for v in g.initializers.values():
+            t = v.const_value
+            if isinstance(t, ir.ExternalTensor):
+                files.add(Path(t.base_dir or ".", t.location).resolve())
+    for f in sorted(files):
+        st = f.stat()
+        h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    return h.hexdigest()
+
+
+def _arrays_key(h: Any, arrays: Mapping[str, Any]) -> None:
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}\0{a.dtype.str}\0{a.shape}\0".encode())
+        h.update(a.tobytes())
+
+
+@dataclasses.dataclass
+class ProbeCache:
+    """Measured deviations of ``output_deviation`` kept across compiles: the same model (``model_key``), the same
+    requests and the same thresholds measure the same deviation, so a second compile of a model (another
+    ``--activation-sparsity`` level, ``--weights``, ``--linear-kernel``: they act after the probes) reads its probes
+    instead of running them. One JSON file per model key; written after every new measurement (atomically); an
+    unreadable file is read as empty and rewritten."""
+
+    path: Path | None
+    requests_key: str
+    entries: dict[str, float] = dataclasses.field(default_factory=dict)
+    hits: int = 0
+    misses: int = 0
+
+    @classmethod
+    def open(cls, model: ir.Model, requests: Sequence[Mapping[str, np.ndarray]],
+             folder: Path | None = None) -> ProbeCache:  # fmt: skip
+        folder = probe_cache_dir() if folder is None else folder
+        h = hashlib.sha256()
+        for r in requests:
+            _arrays_key(h, r)
+            h.update(b"\1")
+        if folder is None:
+            return cls(None, h.hexdigest())
+        cache = cls(folder / f"{model_key(model)}.json", h.hexdigest())
+        try:
+            doc = json.loads(cache.path.read_text())
+            if doc.get("version") == PROBE_CACHE_VERSION and isinstance(doc.get("deviations"), dict):
+                cache.entries = {str(k): float(v) for k, v in doc["deviations"].items()}
+        except (OSError, ValueError, TypeError, AttributeError):
+            cache.entries = {}
+        return cache
+
+    def key(self, thresholds: Mapping[str, np.ndarray]) -> str:
+        h = hashlib.sha256(self.requests_key.encode())
+        _arrays_key(h, {name: np.asarray(t, np.float32) for name, t in thresholds.items()})
+        return h.hexdigest()
+
+    def store(self, key: str, deviation: float) -> None:
+        self.entries[key] = deviation
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"version": PROBE_CACHE_VERSION, "deviations": self.entries}))
+            tmp.replace(self.path)
+        except OSError:  # a read-only or full cache folder: measured, not kept
+            pass
+
+
+def cached_output_deviation(model: ir.Model, requests: Sequence[Mapping[str, np.ndarray]],
+                            folder: Path | None = None) -> tuple[Evaluate, ProbeCache]:  # fmt: skip
+    """``output_deviation`` through a ``ProbeCache``: thresholds measured before on the same model and requests are
+    answered from the cache; the session (and its dense run) is only made at the first measurement the cache does
+    not hold. Also returns the cache (its ``hits`` / ``misses``)."""
+    if not requests:
+        raise InvalidInputError("activation impact tolerance: no calibration request to measure the deviation on")
+    cache = ProbeCache.open(model, requests, folder)
+    measure: list[Evaluate] = []
+
+    def evaluate(thresholds: Mapping[str, np.ndarray]) -> float:
+        key = cache.key(thresholds)
+        if key in cache.entries:
+            cache.hits += 1
+            return cache.entries[key]
+        if not measure:
+            measure.append(output_deviation(model, requests))
+        deviation = float(measure[0](thresholds))
+        cache.misses += 1
+        cache.store(key, deviation)
+        return deviation
+
+    return evaluate, cache

@@ -480,17 +480,18 @@ def _sparsify(model: ir.Model, options: CompileOptions, samples: list, rows: int
         PROBE_LEVELS,
         greedy,
         max_error,
-        output_deviation,
         probe_sensitivity,
         refine,
     )
+    from layerzero.activation_runs import cached_output_deviation
     from layerzero.passes.sparsify_activations import SparsifyActivations
 
     tolerance = options.activation_impact_tolerance
     method = options.activation_method
     # The greedy's errors in the model output's unit: each group probed alone at PROBE_LEVELS on the requests
-    # (bench/sparsity.py's allocation; without requests, the projections' own errors).
-    evaluate = output_deviation(model, requests) if requests else None
+    # (bench/sparsity.py's allocation; without requests, the projections' own errors). Deviations measured before
+    # on the same model and requests come from the probe cache (activation_runs.ProbeCache).
+    evaluate, cache = cached_output_deviation(model, requests) if requests else (None, None)
     sensitivity = None if evaluate is None else probe_sensitivity(samples, evaluate, PROBE_LEVELS, method)
     if tolerance is None:
         alloc = greedy(samples, options.activation_sparsity, method, sensitivity)
@@ -527,6 +528,7 @@ def _sparsify(model: ir.Model, options: CompileOptions, samples: list, rows: int
         "form": "native" if native else "reference",
         "calibration_rows": int(rows),
         "probes": None if sensitivity is None else list(PROBE_LEVELS),
+        "probe_cache": None if cache is None else {"measured": cache.misses, "cached": cache.hits},
         "groups": {name: float(level) for name, level in alloc.levels.items()},
         "curve": [[float(a), float(b)] for a, b in alloc.curve],
         "refused": [r.to_json() for r in step.refused],
