@@ -17,7 +17,9 @@ from layerzero.activation_runs import ProbeCache, model_key
 torch = pytest.importorskip("torch", reason="export tests need torch (pip install -e '.[export]')")
 transformers = pytest.importorskip("transformers", reason="export tests need transformers")
 
-LAYERS, HIDDEN, FFN, VOCAB, SEQ = 2, 64, 128, 128, 32
+from tests.tiny_llama import tiny_llama_config  # noqa: E402
+
+LAYERS, HIDDEN, VOCAB, SEQ = 2, 64, 128, 32  # tiny_llama_config: hidden 64, FFN 128, 4 / 2 heads
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +28,8 @@ def export(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     tmp = tmp_path_factory.mktemp("probe_cache")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128, initializer_range=0.2,
-        eos_token_id=None, bos_token_id=None,
-    )  # fmt: skip
+    config = tiny_llama_config(LAYERS, VOCAB, max_position_embeddings=128, initializer_range=0.2, eos_token_id=None,
+                               bos_token_id=None)  # fmt: skip
     transformers.LlamaForCausalLM(config).eval().save_pretrained(tmp / "llama")
     assert main(["export", str(tmp / "llama"), "-o", str(tmp / "m.onnx")]) == 0
     ids = np.random.default_rng(3).integers(0, VOCAB, size=(1, SEQ))
