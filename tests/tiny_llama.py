@@ -70,6 +70,19 @@ def token_feeds(vocab: int, batch: int, seq: int, seed: int = 0) -> dict[str, np
     return {"input_ids": rng.integers(0, vocab, size=(batch, seq), dtype=np.int64)}
 
 
+def prefill_feeds(vocab: int, layers: int, seq: int, seed: int = 3, head_dim: int = 16,
+                  kv_heads: int = 2) -> dict[str, np.ndarray]:  # fmt: skip
+    """A cached-decoder export's first call (tiny_llama_config's 4 / 2 heads of 16 by default): seeded ``input_ids``
+    [1, seq] below ``vocab``, its mask and positions, and every layer's empty past key / value."""
+    ids = np.random.default_rng(seed).integers(0, vocab, size=(1, seq))
+    feeds = {"input_ids": ids.astype(np.int64), "attention_mask": np.ones((1, seq), np.int64),
+             "position_ids": np.arange(seq, dtype=np.int64)[None]}  # fmt: skip
+    for i in range(layers):
+        for kind in ("key", "value"):
+            feeds[f"past_key_values.{i}.{kind}"] = np.zeros((1, kv_heads, 0, head_dim), np.float32)
+    return feeds
+
+
 def ort_logits(model: Path | onnx.ModelProto | ir.Model, feeds: dict[str, np.ndarray]) -> np.ndarray:
     """The ``logits`` ONNX Runtime (CPU) computes for ``model`` (a file, a proto or an onnx-ir model)."""
     if isinstance(model, ir.Model):

@@ -49,6 +49,7 @@ torch = pytest.importorskip("torch", reason="export tests need torch (pip instal
 transformers = pytest.importorskip("transformers", reason="export tests need transformers")
 
 from layerzero.compile import quantized_dense_reference  # noqa: E402
+from tests.tiny_llama import prefill_feeds  # noqa: E402
 
 LAYERS, HIDDEN, FFN, VOCAB = 2, 64, 128, 128
 PROJECTIONS = 7 * LAYERS
@@ -89,13 +90,7 @@ def _thresholds(model: ir.Model) -> dict[str, np.ndarray]:
 
 
 def _feeds(seq: int = 7) -> dict[str, np.ndarray]:
-    ids = np.random.default_rng(3).integers(0, VOCAB, size=(1, seq))
-    feeds = {"input_ids": ids.astype(np.int64), "attention_mask": np.ones((1, seq), np.int64),
-             "position_ids": np.arange(seq, dtype=np.int64)[None]}  # fmt: skip
-    for i in range(LAYERS):
-        for kind in ("key", "value"):
-            feeds[f"past_key_values.{i}.{kind}"] = np.zeros((1, 2, 0, HIDDEN // 4), np.float32)
-    return feeds
+    return prefill_feeds(VOCAB, LAYERS, seq, 3, head_dim=HIDDEN // 4)
 
 
 def _run(model: ir.Model, feeds: dict[str, np.ndarray], library: Path | None = None) -> dict[str, np.ndarray]:

@@ -22,18 +22,14 @@ from layerzero.runtime.guard import GuardConfig, GuardedEngine
 torch = pytest.importorskip("torch", reason="export tests need torch (pip install -e '.[export]')")
 transformers = pytest.importorskip("transformers", reason="export tests need transformers")
 
+from tests.tiny_llama import prefill_feeds  # noqa: E402
+
 LAYERS, HIDDEN, FFN, VOCAB, SEQ = 2, 64, 128, 128, 48
 TARGET = 0.3
 
 
 def _feeds(seq: int = SEQ, seed: int = 3) -> dict[str, np.ndarray]:
-    ids = np.random.default_rng(seed).integers(0, VOCAB, size=(1, seq))
-    feeds = {"input_ids": ids.astype(np.int64), "attention_mask": np.ones((1, seq), np.int64),
-             "position_ids": np.arange(seq, dtype=np.int64)[None]}  # fmt: skip
-    for i in range(LAYERS):
-        for kind in ("key", "value"):
-            feeds[f"past_key_values.{i}.{kind}"] = np.zeros((1, 2, 0, HIDDEN // 4), np.float32)
-    return feeds
+    return prefill_feeds(VOCAB, LAYERS, seq, seed, head_dim=HIDDEN // 4)
 
 
 @pytest.fixture(scope="module")

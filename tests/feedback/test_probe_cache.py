@@ -17,9 +17,9 @@ from layerzero.activation_runs import ProbeCache, model_key
 torch = pytest.importorskip("torch", reason="export tests need torch (pip install -e '.[export]')")
 transformers = pytest.importorskip("transformers", reason="export tests need transformers")
 
-from tests.tiny_llama import tiny_llama_config  # noqa: E402
+from tests.tiny_llama import prefill_feeds, tiny_llama_config  # noqa: E402
 
-LAYERS, HIDDEN, VOCAB, SEQ = 2, 64, 128, 32  # tiny_llama_config: hidden 64, FFN 128, 4 / 2 heads
+LAYERS, VOCAB, SEQ = 2, 128, 32  # tiny_llama_config: hidden 64, FFN 128, 4 / 2 heads of 16
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +32,7 @@ def export(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                bos_token_id=None)  # fmt: skip
     transformers.LlamaForCausalLM(config).eval().save_pretrained(tmp / "llama")
     assert main(["export", str(tmp / "llama"), "-o", str(tmp / "m.onnx")]) == 0
-    ids = np.random.default_rng(3).integers(0, VOCAB, size=(1, SEQ))
-    feeds = {"input_ids": ids.astype(np.int64), "attention_mask": np.ones((1, SEQ), np.int64),
-             "position_ids": np.arange(SEQ, dtype=np.int64)[None]}  # fmt: skip
-    for i in range(LAYERS):
-        for kind in ("key", "value"):
-            feeds[f"past_key_values.{i}.{kind}"] = np.zeros((1, 2, 0, HIDDEN // 4), np.float32)
-    np.savez(tmp / "calibration.npz", **feeds)
+    np.savez(tmp / "calibration.npz", **prefill_feeds(VOCAB, LAYERS, SEQ))
     return tmp
 
 

@@ -126,6 +126,8 @@ def test_outside_a_layer_no_group(helpers) -> None:
 torch = pytest.importorskip("torch", reason="export tests need torch (pip install -e '.[export]')")
 transformers = pytest.importorskip("transformers", reason="export tests need transformers")
 
+from tests.tiny_llama import prefill_feeds  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory):
@@ -151,13 +153,7 @@ def _load(path: Path) -> ir.Model:
 
 
 def _feeds(seq: int = 7) -> dict[str, np.ndarray]:
-    ids = np.random.default_rng(3).integers(0, VOCAB, size=(1, seq))
-    feeds = {"input_ids": ids.astype(np.int64), "attention_mask": np.ones((1, seq), np.int64),
-             "position_ids": np.arange(seq, dtype=np.int64)[None]}  # fmt: skip
-    for i in range(LAYERS):
-        for kind in ("key", "value"):
-            feeds[f"past_key_values.{i}.{kind}"] = np.zeros((1, 2, 0, HIDDEN // 4), np.float32)
-    return feeds
+    return prefill_feeds(VOCAB, LAYERS, seq, 3, head_dim=HIDDEN // 4)
 
 
 def _thresholds(model: ir.Model, quantile: float = 0.4) -> dict[str, np.ndarray]:
