@@ -62,6 +62,9 @@ LINEARS = [
     ("up", HIDDEN, INTER),
     ("down", INTER, HIDDEN),
 ]
+#: The linears that read one input, as a compile writes them: q/k/v and gate/up one node each (QLinear's splits;
+#: SparseLinear's weights side by side and a Split, passes/sparsify_activations.py fuse_projections).
+GROUPS = [("qkv", ("q", "k", "v")), ("o", ("o",)), ("gate_up", ("gate", "up")), ("down", ("down",))]
 SPARSITY = (0.0, 0.3, 0.5, 0.7)
 #: Rounds run before the counted ones: the first touches the weights; SparseLinear learns in its first 3 calls
 #: whether the session's thread pool has more than one thread (plugins/ort/src/sparse_linear.cpp run_items).
@@ -85,6 +88,7 @@ _TYPES = {
     np.dtype(np.float16): TensorProto.FLOAT16,
     np.dtype(np.int8): TensorProto.INT8,
     np.dtype(np.uint8): TensorProto.UINT8,
+    np.dtype(np.int64): TensorProto.INT64,
 }
 
 
@@ -186,19 +190,22 @@ def build(layers: int, seed: int = 0, f32_layers: int | None = None):
             ("ours-f", "ai.layerzero"),
             ("ours-q8", "ai.layerzero"),
             ("ours-q4", "ai.layerzero"),
+            ("ours-q4g", "ai.layerzero"),
             ("ours-ql4", "ai.layerzero"),
         )
     }
-    for ours in ("ours-f", "ours-q8", "ours-q4"):
+    for ours in ("ours-f", "ours-q8", "ours-q4", "ours-q4g"):
         v[ours].arrays["thr.x"], v[ours].arrays["thr.h"] = sigma[HIDDEN], sigma[INTER]
     f32_layers = layers if f32_layers is None else min(f32_layers, layers)
     for var in v.values():
         var.layers = f32_layers if var.name in ("ort-f32", "ours-f") else layers
     for layer in range(layers):
+        weights = {}
         for lin, k, n in LINEARS:
             name = f"l{layer}.{lin}"
             inp, thr = ("h", "thr.h") if lin == "down" else ("x", "thr.x")
             b = (rng.standard_normal((k, n), dtype=np.float32) / np.float32(np.sqrt(k))).astype(np.float32)
+            weights[lin] = b
             out = helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, n])
             kept = helper.make_tensor_value_info(f"{name}.kept", TensorProto.INT64, [1])
             if layer < f32_layers:
@@ -208,23 +215,8 @@ def build(layers: int, seed: int = 0, f32_layers: int | None = None):
             v["ort-int4"].arrays[f"{name}.b"], v["ort-int4"].arrays[f"{name}.s"] = _nbits_pack(b)
             v["ort-int4"].nodes.append(_nbits_node(name, inp, k, n))
             v["ort-int4"].outputs.append(out)
-            # QLinear: the dense native q4 product (--linear-kernel native), MatMulNBits' codes in chunk16
-            nb_codes, nb_scales = quantize_blocks(b, 4, 32, axis=0)  # [N, K/2], [N, K/32]
-            v["ours-ql4"].arrays[f"{name}.c"] = chunk_q4_rows(nb_codes)
-            v["ours-ql4"].arrays[f"{name}.s"] = np.ascontiguousarray(nb_scales.astype(np.float16))
-            v["ours-ql4"].nodes.append(
-                helper.make_node(
-                    "QLinear",
-                    [inp, f"{name}.c", f"{name}.s"],
-                    [name],
-                    domain="ai.layerzero",
-                    name=name,
-                    weight_format="q4",
-                    block_size=32,
-                    code_layout="chunk16",
-                )
-            )
             v["ours-ql4"].outputs.append(out)
+            v["ours-q4g"].outputs.append(out)
             for ours, fmt in (("ours-f", "f"), ("ours-q8", "q8"), ("ours-q4", "q4")):
                 if fmt == "f" and layer >= f32_layers:
                     continue
@@ -248,7 +240,55 @@ def build(layers: int, seed: int = 0, f32_layers: int | None = None):
                     )
                 )
                 v[ours].outputs += [out, kept]
+        for group, members in GROUPS:
+            _grouped(v, layer, group, members, weights)
     return v, sigma
+
+
+def _grouped(v: dict, layer: int, group: str, members: tuple[str, ...], weights: dict[str, np.ndarray]) -> None:
+    """One layer's group of linears as the compile writes it: ours-ql4 one QLinear (the dense native q4 product,
+    --linear-kernel native: MatMulNBits' codes in chunk16 rows, ``splits`` when several), ours-q4g one SparseLinear
+    on the weights side by side and a Split into the members' outputs."""
+    b = np.concatenate([weights[m] for m in members], axis=1)
+    widths = [weights[m].shape[1] for m in members]
+    outs = [f"l{layer}.{m}" for m in members]
+    name = f"l{layer}.{group}"
+    inp, thr = ("h", "thr.h") if members == ("down",) else ("x", "thr.x")
+    nb_codes, nb_scales = quantize_blocks(b, 4, 32, axis=0)  # [N, K/2], [N, K/32]
+    v["ours-ql4"].arrays[f"{name}.c"] = chunk_q4_rows(nb_codes)
+    v["ours-ql4"].arrays[f"{name}.s"] = np.ascontiguousarray(nb_scales.astype(np.float16))
+    v["ours-ql4"].nodes.append(
+        helper.make_node(
+            "QLinear",
+            [inp, f"{name}.c", f"{name}.s"],
+            outs,
+            domain="ai.layerzero",
+            name=name,
+            weight_format="q4",
+            block_size=32,
+            code_layout="chunk16",
+            **({"splits": widths} if len(members) > 1 else {}),
+        )
+    )
+    codes, scales = quantize_k_blocks(b, 4)
+    v["ours-q4g"].arrays[f"{name}.w"], v["ours-q4g"].arrays[f"{name}.ws"] = codes, scales
+    y = f"{name}.y" if len(members) > 1 else outs[0]
+    v["ours-q4g"].nodes.append(
+        helper.make_node(
+            "SparseLinear",
+            [inp, f"{name}.w", thr, "scale", "", f"{name}.ws"],
+            [y, f"{name}.kept"],
+            domain="ai.layerzero",
+            name=name,
+            weight_format="q4",
+            path=name,
+            code_layout=SPARSE_LINEAR_CODE_LAYOUT,
+        )
+    )
+    v["ours-q4g"].outputs.append(helper.make_tensor_value_info(f"{name}.kept", TensorProto.INT64, [1]))
+    if len(members) > 1:
+        v["ours-q4g"].arrays[f"{name}.split"] = np.array(widths, np.int64)
+        v["ours-q4g"].nodes.append(helper.make_node("Split", [y, f"{name}.split"], outs, axis=-1, name=f"{name}.split"))
 
 
 def _mem_available() -> int:
@@ -321,14 +361,17 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(1)
     ok = True
     for threads in args.threads:
-        sparse = ("ours-f", "ours-q8", "ours-q4")  # the variants with a run-time scale input
+        sparse = ("ours-f", "ours-q8", "ours-q4", "ours-q4g")  # the variants with a run-time scale input
         sessions = {name: var.session(str(lib), threads, name in sparse) for name, var in variants.items()}
         columns = [("ort-f32", None), ("ort-int4", None), ("ours-ql4", None)]
-        columns += [(ours, s) for ours in ("ours-f", "ours-q8", "ours-q4") for s in args.sparsity]
+        columns += [(ours, s) for ours in sparse for s in args.sparsity]
         times: dict[tuple, list[float]] = {c: [] for c in columns}
         realized: dict[float, list[float]] = {s: [] for s in args.sparsity}
         load0 = os.getloadavg()[0]
-        same: dict[str, list[np.ndarray]] = {}  # round 0: QLinear and SparseLinear q4 at s = 0 (the same weights)
+        # round 0: QLinear and SparseLinear q4 at s = 0 (the same weights); SparseLinear q4 alone / grouped at each s
+        same: dict[tuple, dict[str, np.ndarray]] = {}
+        names = {n: [o.name for o in sess.get_outputs()] for n, sess in sessions.items()}
+        linears = [f"l{layer}.{lin}" for layer in range(args.layers) for lin, _, _ in LINEARS]
         for rnd in range(args.rounds + WARMUP):  # rounds 0 .. WARMUP - 1 not counted
             feed = {
                 "x": (sigma[HIDDEN] * rng.laplace(size=HIDDEN)).astype(np.float32)[None],
@@ -343,8 +386,8 @@ def main(argv: list[str] | None = None) -> int:
                 start = clock()
                 out = sessions[name].run(None, f)
                 dt = clock() - start
-                if rnd == 0 and (name, s) in (("ours-ql4", None), ("ours-q4", 0.0)):
-                    same[name] = out[0::2] if name == "ours-q4" else out
+                if rnd == 0 and name in ("ours-ql4", "ours-q4", "ours-q4g"):
+                    same[(name, s)] = dict(zip(names[name], out))
                 if rnd >= WARMUP:
                     times[(name, s)].append(dt)
                     if name == "ours-q4":
@@ -352,14 +395,21 @@ def main(argv: list[str] | None = None) -> int:
                         ks = np.array([k for _ in range(args.layers) for _, k, _ in LINEARS], np.float64)
                         realized[s].append(float(1 - kept.sum() / ks.sum()))
         load1 = os.getloadavg()[0]
-        if len(same) == 2:
+        if ("ours-q4", 0.0) in same:
             # the same codes and scales, x quantized alike: only the float summation order differs
-            pairs = zip(same["ours-q4"], same["ours-ql4"], strict=True)
-            dev = max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in pairs)
+            a, b = same[("ours-q4", 0.0)], same[("ours-ql4", None)]
+            dev = max(float(np.abs(a[n] - b[n]).max() / np.abs(b[n]).max()) for n in linears)
             print(f"\nQLinear q4 vs SparseLinear q4 at s = 0 (the same weights): max rel. deviation {dev:.1e}")
             if not dev < 1e-4:
                 print("QLinear and SparseLinear q4 do not compute the same product", file=sys.stderr)
                 ok = False
+        # grouped = alone, bitwise (a column's arithmetic does not depend on the columns beside it)
+        differ = [(n, s) for s in args.sparsity for n in linears
+                  if not np.array_equal(same[("ours-q4", s)][n], same[("ours-q4g", s)][n])]  # fmt: skip
+        print(f"SparseLinear q4 grouped vs alone, every s: {'bitwise equal' if not differ else differ[:3]}")
+        if differ:
+            print("grouped SparseLinear q4 differs from the separate nodes", file=sys.stderr)
+            ok = False
         p50 = {c: float(np.median(t)) * 1e3 / variants[c[0]].layers for c, t in times.items()}
         print(
             f"\n{threads} thread(s), {args.rounds} rounds, load {load0:.2f} -> {load1:.2f}/{os.cpu_count()}; "
@@ -370,23 +420,26 @@ def main(argv: list[str] | None = None) -> int:
             f"  ORT MatMul fp32 {p50[('ort-f32', None)]:.3f}   ORT MatMulNBits int4 {p50[('ort-int4', None)]:.3f}   "
             f"ours QLinear q4 (dense) {ql4:.3f}"
         )
-        print("  s     realized  ours-f  (x fp32)  ours-q8 (x fp32)  ours-q4 (x int4) (x QLinear)")
+        print(
+            "  s     realized  ours-f  (x fp32)  ours-q8 (x fp32)  ours-q4 (x int4) (x QLinear)  "
+            "ours-q4g (x int4) (x QLinear)"
+        )
         for s in args.sparsity:
-            f, q8, q4 = p50[("ours-f", s)], p50[("ours-q8", s)], p50[("ours-q4", s)]
+            f, q8, q4, q4g = (p50[(c, s)] for c in ("ours-f", "ours-q8", "ours-q4", "ours-q4g"))
             print(
                 f"  {s:.1f}   {np.mean(realized[s]):.3f}    {f:6.3f}  {p50[('ort-f32', None)] / f:5.2f}x   "
                 f"{q8:6.3f} {p50[('ort-f32', None)] / q8:5.2f}x   {q4:6.3f} {p50[('ort-int4', None)] / q4:5.2f}x "
-                f"{ql4 / q4:5.2f}x"
+                f"{ql4 / q4:5.2f}x         {q4g:6.3f} {p50[('ort-int4', None)] / q4g:5.2f}x {ql4 / q4g:5.2f}x"
             )
         if 0.5 in args.sparsity:
             rf = p50[("ort-f32", None)] / p50[("ours-f", 0.5)]
-            rq = p50[("ort-int4", None)] / p50[("ours-q4", 0.5)]
-            rl = ql4 / p50[("ours-q4", 0.5)]
+            rq = p50[("ort-int4", None)] / p50[("ours-q4g", 0.5)]
+            rl = ql4 / p50[("ours-q4g", 0.5)]
             met_f, met_q, met_l = rf >= 1.7, rq >= 1.3, rl >= 1.7
             print(
                 f"  targets at s=0.5: ours-f {rf:.2f}x ORT fp32 (>= 1.7: {'met' if met_f else 'NOT met'}), "
-                f"ours-q4 {rq:.2f}x MatMulNBits (>= 1.3: {'met' if met_q else 'NOT met'}), "
-                f"ours-q4 {rl:.2f}x ours QLinear q4 dense (>= 1.7: {'met' if met_l else 'NOT met'})"
+                f"ours-q4g {rq:.2f}x MatMulNBits (>= 1.3: {'met' if met_q else 'NOT met'}), "
+                f"ours-q4g {rl:.2f}x ours QLinear q4 dense (>= 1.7: {'met' if met_l else 'NOT met'})"
             )
             ok = ok and met_f and met_q and met_l
         del sessions

@@ -309,8 +309,9 @@ def quantized_dense_reference(
     holds as ``ai.layerzero::SparseLinear``; their quantized codes are blocks of 32 along K stored input-major and
     the kernel rounds x to int8 its own way (not MatMulNBits' layout or rounding), so the reference holds those
     projections as the same op at thresholds 0 (every nonzero entry kept: the dense product of the same codes and
-    int8 x; ``as_dense_sparse_linear``) and ``QuantizeWeights`` quantizes them as it quantizes the compiled ones (a
-    projection whose K or N the block does not divide stays float in both). The reference then needs
+    int8 x; ``as_dense_sparse_linear``; a group's projections fused into one node where the compile fused them) and
+    ``QuantizeWeights`` quantizes them as it quantizes the compiled ones (a projection whose K or N the block does
+    not divide stays float in both). The reference then needs
     liblayerzero_ort.so, as the compiled model does. A projection the reference does not have is a
     ``VerificationError``.
     """
@@ -339,11 +340,12 @@ def quantized_dense_reference(
         native = compiled is not None and any(is_moe_node(n) for g in compiled.graphs() for n in g)
         LowerMoE(lowering="native" if native else "if", enabled=True, native_present=native)(model)
     if compiled is not None:
-        from layerzero.passes.quantize_weights import as_dense_sparse_linear, sparse_linear_formats
+        from layerzero.passes.quantize_weights import as_dense_sparse_linear, sparse_linear_projections
 
         # SparseLinear in the reference already (a source compiled in the native form) is quantized as compiled
-        paths = set(sparse_linear_formats(compiled)) - set(sparse_linear_formats(model))
-        missing = sorted(paths - set(as_dense_sparse_linear(model, paths)))
+        have = sparse_linear_projections(model)
+        wanted = {p: s for p, s in sparse_linear_projections(compiled).items() if p not in have}
+        missing = sorted(set(wanted) - set(as_dense_sparse_linear(model, wanted)))
         if missing:
             raise VerificationError(
                 f"the quantized-dense reference has no MatMul for the compiled model's SparseLinear {missing[0]!r} "
@@ -424,7 +426,12 @@ def verify_compiled(
         else:
             header = original_proto
         runners = verification_runners(
-            compiled, options.chunked_verify_bytes, Path(tmp), runner_source, runner_proto, load_original,
+            compiled,
+            options.chunked_verify_bytes,
+            Path(tmp),
+            runner_source,
+            runner_proto,
+            load_original,
             on_chunk=lambda i, n: tell((i, n)),
         )
         if options.sample_inputs is not None:

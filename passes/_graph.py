@@ -309,3 +309,13 @@ def layer_of(scope: str) -> str | None:
     """The repeated-block scope a scope belongs to: ``model.layers.3.mlp`` → ``model.layers.3``."""
     m = _LAYER.match(scope)
     return m.group(1) if m else None
+
+
+def drop_if_unused(value: ir.Value | None) -> None:
+    """A weight nothing reads any more leaves its graph's initializers (one a node, a graph output or a graph input
+    still reads stays: a tied embedding a Gather reads, say)."""
+    if value is None or value.uses() or value.is_graph_output() or value.is_graph_input():
+        return
+    graph = value.graph
+    if graph is not None and value.name in graph.initializers and graph.initializers[value.name] is value:
+        graph.initializers.pop(value.name)

@@ -60,6 +60,8 @@ blocks of ``block`` consecutive elements along the reduction axis K of each outp
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
+
 import numpy as np
 import onnx_ir as ir
 
@@ -67,7 +69,7 @@ from layerzero.contract import MOE_DOMAIN, SPARSE_LINEAR_CODE_LAYOUT, SPARSE_LIN
 from layerzero.errors import InvalidInputError
 from layerzero.passes import lower_qmoe
 from layerzero.passes._builder import Builder
-from layerzero.passes._graph import NameFactory, const_array, replace_value, scope_of
+from layerzero.passes._graph import NameFactory, const_array, drop_if_unused, replace_value, scope_of
 from layerzero.passes._match import NoMatch, Refusal, need
 from layerzero.passes._moe.lazy import stack_of
 from layerzero.passes._moe_node import MoENode, is_moe_node
@@ -215,8 +217,8 @@ class QuantizeWeights(ir.passes.InPlacePass):
         if transpose is not None and not b.uses() and not b.is_graph_output():
             source = transpose.inputs[0]
             transpose.graph.remove(transpose, safe=True)
-            _drop_if_unused(source)
-        _drop_if_unused(b)
+            drop_if_unused(source)
+        drop_if_unused(b)
 
     def _matmul(self, builder: Builder, graph: ir.Graph, node: ir.Node) -> None:
         need(not is_router(node), "a router (its output chooses experts): kept float", node)
@@ -281,7 +283,7 @@ class QuantizeWeights(ir.passes.InPlacePass):
         for name, value in view.format_attributes().items():
             node.attributes[name] = value
         for old in olds:
-            _drop_if_unused(old)
+            drop_if_unused(old)
 
     # ------------------------------------------------------------------------------------ SparseLinear
 
@@ -321,7 +323,7 @@ class QuantizeWeights(ir.passes.InPlacePass):
         node.attributes["weight_format"] = ir.AttrString("weight_format", fmt)
         node.attributes["block_size"] = ir.AttrInt64("block_size", EXPERT_BLOCK)
         node.attributes["code_layout"] = ir.AttrInt64("code_layout", SPARSE_LINEAR_CODE_LAYOUT)
-        _drop_if_unused(w)
+        drop_if_unused(w)
 
 
 def _attr(node: ir.Node, name: str) -> str | None:
@@ -339,28 +341,63 @@ def sparse_linear_formats(model: ir.Model) -> dict[str, str]:
     }
 
 
-def as_dense_sparse_linear(model: ir.Model, paths: set[str] | frozenset[str]) -> list[str]:
-    """The quantized-dense reference's form of the projections a compile made SparseLinear (issue 23): each MatMul
-    of ``model``'s main graph whose scope (``_graph.scope_of``, the ``path`` SparsifyActivations writes) is in
-    ``paths``, with a constant float 2-D weight, becomes ``SparseLinear(x, W, thresholds = 0)`` with ``weight_format
-    "f"`` (thresholds 0 keep every nonzero entry: the dense product, in the kernel's order), which ``QuantizeWeights``
-    then quantizes exactly as the compiled node (blocks of 32 along N; a MatMulNBits' blocks along K would be other
-    codes). Returns the paths rewritten, in graph order; the caller checks none is missing."""
-    done: list[str] = []
-    names = NameFactory(model.graph)
-    for node in list(model.graph):
+def sparse_linear_projections(model: ir.Model) -> dict[str, tuple[str, ...]]:
+    """``path -> projections`` of every ``ai.layerzero::SparseLinear`` of ``model`` (every graph): the scopes of the
+    MatMuls it computes (``projections``, where ``SparsifyActivations`` fused a group's into one node; else its path
+    alone)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for g in model.graphs():
+        for n in g:
+            if _is_sparse_linear(n):
+                path = _attr(n, "path") or n.name or ""
+                fused = n.attributes.get("projections")
+                out[path] = tuple(fused.value) if fused is not None else (path,)
+    return out
+
+
+def as_dense_sparse_linear(model: ir.Model, wanted: Mapping[str, Sequence[str]] | Iterable[str]) -> list[str]:
+    """The quantized-dense reference's form of the projections a compile made SparseLinear (issue 23). ``wanted``
+    maps a compiled node's path to the scopes of the MatMuls it computes (``sparse_linear_projections``; a plain
+    iterable of paths: each its own MatMul). Each such set of MatMuls of ``model``'s main graph (scope =
+    ``_graph.scope_of``, a constant float 2-D weight each, all reading one x) becomes ``SparseLinear(x, W,
+    thresholds = 0)`` with ``weight_format "f"`` under that path (several: fused as the compile fuses them,
+    ``fuse_projections``; thresholds 0 keep every nonzero entry: the dense product, in the kernel's order), which
+    ``QuantizeWeights`` then quantizes exactly as the compiled node (blocks of 32 along N; a MatMulNBits' blocks
+    along K would be other codes). Returns the paths rewritten, in graph order; the caller checks none is
+    missing."""
+    from layerzero.passes.sparsify_activations import fuse_projections
+
+    spec = {p: (p,) for p in wanted} if not isinstance(wanted, Mapping) else {p: tuple(s) for p, s in wanted.items()}
+    path_of = {scope: path for path, scopes in spec.items() for scope in scopes}
+    found: dict[str, dict[str, tuple[ir.Node, np.ndarray]]] = {}
+    for node in model.graph:
         if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
             continue
-        path = scope_of(node) or node.name or ""
+        scope = scope_of(node) or node.name or ""
         w = node.inputs[1]
         array = const_array(w)
-        if path not in paths or array is None or array.ndim != 2 or w.dtype not in _FLOATS:
+        if scope not in path_of or array is None or array.ndim != 2 or w.dtype not in _FLOATS:
             continue
-        # the MatMul's name scope (metadata): the node still reads as part of its module (scope_of)
-        b = Builder.for_model(model, names, node_prefix=f"{node.name or path}/reference_", metadata=node.metadata_props)
+        found.setdefault(path_of[scope], {}).setdefault(scope, (node, array))
+    done: list[str] = []
+    names = NameFactory(model.graph)
+    for path, scopes in spec.items():
+        members = [found.get(path, {}).get(s) for s in scopes]
+        if any(m is None for m in members) or len({m[0].inputs[0] for m in members}) != 1:
+            continue  # missing (or reading another x): the caller names it
+        nodes = [m[0] for m in members]
+        # the first MatMul's name scope (metadata): the nodes still read as part of their module (scope_of)
+        b = Builder.for_model(
+            model, names, node_prefix=f"{nodes[0].name or path}/reference_", metadata=nodes[0].metadata_props
+        )
         zero = b.initializer(f"{path}.reference_thresholds", np.zeros((), np.float32))
+        if len(nodes) > 1:
+            fuse_projections(model, b, nodes, [m[1] for m in members], [nodes[0].inputs[0], zero], path)
+            done.append(path)
+            continue
+        (node,) = nodes
         attrs = {"weight_format": "f", "block_size": EXPERT_BLOCK, "path": path}
-        op = b.node(SPARSE_LINEAR_OP, [node.inputs[0], w, zero], attrs, domain=MOE_DOMAIN, outputs=2)
+        op = b.node(SPARSE_LINEAR_OP, [node.inputs[0], node.inputs[1], zero], attrs, domain=MOE_DOMAIN, outputs=2)
         y, kept = op.outputs
         y.dtype, y.shape = node.outputs[0].dtype, node.outputs[0].shape
         kept.dtype = ir.DataType.INT64
@@ -370,7 +407,9 @@ def as_dense_sparse_linear(model: ir.Model, paths: set[str] | frozenset[str]) ->
         done.append(path)
     if done:
         model.opset_imports.setdefault(MOE_DOMAIN, 1)
-    return done
+    order = {node: i for i, node in enumerate(model.graph)}
+    first = {_attr(n, "path"): order[n] for n in model.graph if _is_sparse_linear(n)}
+    return sorted(done, key=lambda p: first.get(p, 0))
 
 
 def _is_sparse_linear(node: ir.Node) -> bool:
@@ -444,12 +483,3 @@ def _constant_weight(value: ir.Value | None) -> tuple[np.ndarray, ir.Value] | No
     if table is None or table.ndim != 2 or (perm is not None and list(perm.value) != [1, 0]):
         return None
     return table.T, source
-
-
-def _drop_if_unused(value: ir.Value | None) -> None:
-    """A float weight nothing reads any more leaves its graph (a tied one a Gather reads stays)."""
-    if value is None or value.uses() or value.is_graph_output() or value.is_graph_input():
-        return
-    graph = value.graph
-    if graph is not None and value.name in graph.initializers and graph.initializers[value.name] is value:
-        graph.initializers.pop(value.name)

@@ -27,8 +27,14 @@ a layer scope, ``model.layers.<i>...``; ``lm_head`` and embeddings are outside e
   included (as TEAL evaluates).
 - **Reference form** (``native=False``, plain ONNX Runtime): ``xm = Where(Not(LessOrEqual(Abs(x), t * scale)), x,
   0)`` once per group, the group's MatMuls then read ``xm``.
-- **Native form** (``native=True``): each projection becomes ``ai.layerzero::SparseLinear(x, W, t, scale)``
-  (``weight_format "f"``: W as it is, row i = input channel i) from ``liblayerzero_ort.so``; only for float32 ``x``.
+- **Native form** (``native=True``): each group becomes one ``ai.layerzero::SparseLinear(x, W, t, scale)``
+  (``weight_format "f"``: row i = input channel i) from ``liblayerzero_ort.so``; only for float32 ``x``. A group of
+  several projections (q/k/v, gate/up) is fused (``fuse_projections``): W = their weights side by side
+  (``<group>.weight``, ``[K, N_1 + ... + N_p]``), ``path`` = the group's name, ``projections`` = their scopes in
+  column order, and a ``Split`` gives each its columns: x is thresholded and quantized once, one parallel section
+  runs the group and each kept row is one longer run of codes; bitwise the separate nodes (a column's arithmetic
+  does not depend on its neighbours). Not fused (one node per projection, ``path`` its scope): weights of different
+  dtypes, or an N off the quantized kernels' block of 32.
 - **Mask**: per group, the graph output ``layerzero::mask::<group>`` holds the number of kept channels of each
   token row (``[...]`` int64; nonzero = the group ran for that token); the realized sparsity of a row is
   ``1 - kept / channels`` (``DynamicPath.detail["channels"]``). Each group is recorded as a ``DynamicPath`` of kind
@@ -61,12 +67,20 @@ from layerzero.contract import (
 from layerzero.errors import InvalidInputError
 from layerzero.passes._builder import Builder, claim_name
 from layerzero.passes._dynamic import read_dynamic_paths, record_dynamic_path
-from layerzero.passes._graph import NameFactory, const_array, insert_after_producer, layer_of, replace_value, scope_of
+from layerzero.passes._graph import (
+    NameFactory,
+    const_array,
+    drop_if_unused,
+    insert_after_producer,
+    layer_of,
+    replace_value,
+    scope_of,
+)
 from layerzero.passes._match import NoMatch, Refusal, need
 from layerzero.passes._moe.lazy import stack_of
 from layerzero.passes._moe_node import MoENode, is_moe_node
 
-__all__ = ["SPARSE_LINEAR_OP", "ActivationGroup", "SparsifyActivations", "find_groups"]
+__all__ = ["SPARSE_LINEAR_OP", "ActivationGroup", "SparsifyActivations", "find_groups", "fuse_projections"]
 
 KIND = "activation"
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
@@ -338,6 +352,8 @@ class SparsifyActivations(ir.passes.InPlacePass):
         self, model: ir.Model, b: Builder, group: ActivationGroup, thresholds: ir.Value, scale: ir.Value
     ) -> ir.Value:
         model.opset_imports.setdefault(MOE_DOMAIN, 1)
+        if _fusable(group):
+            return self._native_fused(model, b, group, thresholds, scale)
         kept: ir.Value | None = None
         for node in group.projections:
             attrs = {"weight_format": "f", "block_size": 32, "path": scope_of(node) or node.name or group.name}
@@ -353,3 +369,61 @@ class SparsifyActivations(ir.passes.InPlacePass):
         assert kept is not None
         return kept
 
+    def _native_fused(
+        self, model: ir.Model, b: Builder, group: ActivationGroup, thresholds: ir.Value, scale: ir.Value
+    ) -> ir.Value:
+        return fuse_projections(model, b, group.projections, group.weights, [group.x, thresholds, scale], group.name)
+
+
+def fuse_projections(
+    model: ir.Model,
+    b: Builder,
+    nodes: list[ir.Node],
+    weights: list[np.ndarray],
+    inputs: list[ir.Value | None],
+    path: str,
+) -> ir.Value:
+    """``nodes`` (MatMuls reading one x, ``weights[j]`` = node j's ``[K, N_j]``) as one ``SparseLinear(x, [W_1 ...
+    W_p], *inputs[1:])`` (``inputs[0]`` = x; weight_format f, ``path``, ``projections`` their scopes) and a Split
+    into their outputs; returns its kept count. x is thresholded and (q8 / q4) quantized once, one parallel section
+    runs them all and each kept row is one longer run (q/k/v of a Llama-1B shape: 1.5 KB of q4 codes instead of
+    1 KB + 2 x 256 B). A column's arithmetic does not depend on the columns beside it (plugins/ort/src/
+    sparse_linear.h), so each output is bitwise the separate node's. The compile's form (``SparsifyActivations``)
+    and the quantized-dense reference's (``as_dense_sparse_linear``, thresholds 0) are both made here."""
+    widths = [int(w.shape[1]) for w in weights]
+    w = b.initializer(f"{path}.weight", np.concatenate([np.asarray(a) for a in weights], axis=1))
+    w.dtype = nodes[0].inputs[1].dtype
+    attrs = {
+        "weight_format": "f",
+        "block_size": 32,
+        "path": path,
+        "projections": ir.AttrStrings("projections", [scope_of(n) or n.name or path for n in nodes]),
+    }
+    x = inputs[0]
+    op = b.node(SPARSE_LINEAR_OP, [x, w, *inputs[1:]], attrs, domain=MOE_DOMAIN, outputs=2)
+    y, kept = op.outputs
+    y.dtype = nodes[0].outputs[0].dtype
+    if x is not None and x.shape is not None:
+        y.shape = ir.Shape([*list(x.shape)[:-1], sum(widths)])
+    kept.dtype = ir.DataType.INT64
+    parts = b.split(y, widths, axis=-1)
+    for node, part in zip(nodes, parts):
+        part.dtype, part.shape = node.outputs[0].dtype, node.outputs[0].shape
+    model.graph.insert_before(nodes[0], b.take())
+    olds = [node.inputs[1] for node in nodes]
+    for node, part in zip(nodes, parts):
+        replace_value(node.outputs[0], part, b.names)
+        model.graph.remove(node, safe=True)
+    for old in olds:
+        drop_if_unused(old)
+    return kept
+
+
+def _fusable(group: ActivationGroup) -> bool:
+    """Whether the native form runs ``group``'s projections as one SparseLinear (``fuse_projections``): more than one,
+    their weights of one dtype and each N a multiple of the quantized kernels' block (32), so that ``--weights``
+    quantizes the fused weight exactly where it would quantize each alone (a projection left float would not be)."""
+    if group.experts or len(group.projections) < 2:
+        return False
+    dtypes = {node.inputs[1].dtype for node in group.projections}
+    return len(dtypes) == 1 and all(w.shape[1] % 32 == 0 for w in group.weights)

@@ -1,5 +1,6 @@
 """bench/sparse_linear.py on one layer: every column built, loaded and run, LayerZero's dense int4 QLinear next to
-SparseLinear q4 on the same weights (their outputs at s = 0 agree), the ratios against it printed. Its speed is not
+SparseLinear q4 on the same weights (their outputs at s = 0 agree), SparseLinear q4 grouped as a compile writes it
+(q/k/v, gate/up one node each) bitwise the separate nodes, the ratios against QLinear printed. Its speed is not
 judged here (one layer, three rounds): the exit status may be 1 for a missed target, never 2 or a traceback."""
 
 from __future__ import annotations
@@ -35,4 +36,5 @@ def test_sparse_linear_bench_one_layer() -> None:
     rows = {float(m.group(1)): m for m in re.finditer(r"^  (0\.\d)\s+(\d\.\d+)\s.*\s(\d+\.\d+)x$", out, re.M)}
     assert set(rows) == {0.0, 0.5}, out
     assert abs(float(rows[0.5].group(2)) - 0.5) < 0.05, out  # realized sparsity at s = 0.5
-    assert re.search(r"ours-q4 \d+\.\d+x ours QLinear q4 dense \(>= 1\.7: (met|NOT met)\)", out), out
+    assert re.search(r"ours-q4g \d+\.\d+x ours QLinear q4 dense \(>= 1\.7: (met|NOT met)\)", out), out
+    assert "SparseLinear q4 grouped vs alone, every s: bitwise equal" in out, out

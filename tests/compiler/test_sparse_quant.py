@@ -53,6 +53,7 @@ from tests.tiny_llama import prefill_feeds  # noqa: E402
 
 LAYERS, HIDDEN, FFN, VOCAB = 2, 64, 128, 128
 PROJECTIONS = 7 * LAYERS
+NODES = 4 * LAYERS  # SparseLinear nodes: q/k/v and gate/up fused, o and down alone
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +130,19 @@ def _dequantized(node: ir.Node) -> np.ndarray:
     return dense_weight(node.inputs[1].const_value.numpy(), node.inputs[5].const_value.numpy(), fmt)
 
 
+def _projections(node: ir.Node) -> list[str]:
+    """The scopes of the MatMuls a SparseLinear node computes (a fused group's, in column order, or its path)."""
+    fused = node.attributes.get("projections")
+    return list(fused.value) if fused is not None else [node.attributes["path"].value]
+
+
+def _by_projection(node: ir.Node, w: np.ndarray, widths: dict[str, int]) -> dict[str, np.ndarray]:
+    """A node's ``[K, N]`` matrix cut into its projections' columns (``widths``: scope -> N)."""
+    scopes = _projections(node)
+    cuts = np.cumsum([widths[s] for s in scopes])[:-1]
+    return dict(zip(scopes, np.split(w, cuts, axis=1)))
+
+
 def _quantize_x(model: ir.Model, names: NameFactory, node: ir.Node) -> None:
     """Before the projection MatMul ``node``: its x rounded to int8 per 32 channels as the q8 / q4 kernels do
     (``plugins/sparse.py`` quantize_kept: ``d = max|x| / 127``, ``q = clip(round_half_even(x * (127 / max|x|)))``),
@@ -177,7 +191,8 @@ def _with_weights(model: ir.Model, compiled: ir.Model, quantize_x: bool = True) 
     """``model`` (float projections as MatMuls) with each projection's weight the compiled SparseLinear's dequantized
     codes and lm_head's the compiled MatMulNBits' (matched by scope); ``quantize_x``: each projection's x rounded
     to int8 as the kernel does (``_quantize_x``)."""
-    sparse = {n.attributes["path"].value: _dequantized(n) for n in _sparse_nodes(compiled)}
+    widths = {scope_of(n): n.inputs[1].shape[1] for n in model.graph if n.op_type == "MatMul"}
+    sparse = {s: w for n in _sparse_nodes(compiled) for s, w in _by_projection(n, _dequantized(n), widths).items()}
     nbits = {}
     for n in compiled.graph:
         if n.op_type == "MatMulNBits":
@@ -206,18 +221,19 @@ def _with_weights(model: ir.Model, compiled: ir.Model, quantize_x: bool = True) 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_projections_become_q4_q8_with_the_kernels_codes(llama: Path, bits: int) -> None:
     model, step = _sparse_quantized(llama, bits)
-    assert len(step.quantized["sparse_linear"]) == PROJECTIONS and len(step.quantized["matmul"]) == 1  # lm_head
+    assert len(step.quantized["sparse_linear"]) == NODES and len(step.quantized["matmul"]) == 1  # lm_head
     assert step.kept == []
     floats = _float_weights(llama)
     nodes = _sparse_nodes(model)
-    assert len(nodes) == PROJECTIONS
+    assert len(nodes) == NODES and sorted(s for n in nodes for s in _projections(n)) == sorted(floats)
     for node in nodes:
         assert node.attributes["weight_format"].value == f"q{bits}" and node.attributes["block_size"].value == 32
         assert len(node.inputs) == 6 and node.inputs[4] is None  # no bias: "" between
         _, w, t, scale, _, scales = node.inputs
         assert scale.name == ACTIVATION_SCALE_INPUT and t.const_value is not None
-        want_codes, want_scales = quant.quantize_k_blocks(floats[node.attributes["path"].value], bits)
-        k, n = floats[node.attributes["path"].value].shape
+        weight = np.concatenate([floats[s] for s in _projections(node)], axis=1)
+        want_codes, want_scales = quant.quantize_k_blocks(weight, bits)
+        k, n = weight.shape
         assert w.const_value.numpy().shape == ((k, n) if bits == 8 else (k, n // 2))
         assert w.const_value.dtype == (ir.DataType.INT8 if bits == 8 else ir.DataType.UINT8)
         assert scales.const_value.dtype == ir.DataType.FLOAT16 and scales.const_value.numpy().shape == (k // 32, n)
@@ -390,7 +406,7 @@ def test_quantized_dense_reference_holds_the_codes_at_thresholds_zero(llama: Pat
     options = CompileOptions(weights="int4", quant_accuracy_level=1)
     reference = quantized_dense_reference(_load(llama), options, compiled=compiled)
     ref_nodes = {n.attributes["path"].value: n for n in _sparse_nodes(reference)}
-    assert set(ref_nodes) == set(sparse_linear_formats(compiled)) and len(ref_nodes) == PROJECTIONS
+    assert set(ref_nodes) == set(sparse_linear_formats(compiled)) and len(ref_nodes) == NODES
     for node in _sparse_nodes(compiled):
         ref = ref_nodes[node.attributes["path"].value]
         assert ref.attributes["weight_format"].value == "q4"
@@ -414,7 +430,8 @@ def test_quantized_dense_reference_holds_the_codes_at_thresholds_zero(llama: Pat
 
 def test_reference_without_a_compiled_projection_is_a_verification_error(llama: Path) -> None:
     compiled, _ = _sparse_quantized(llama, 4)
-    next(iter(_sparse_nodes(compiled))).attributes["path"] = ir.AttrString("path", "model.layers.9.mlp.up_proj")
+    alone = next(n for n in _sparse_nodes(compiled) if "projections" not in n.attributes)
+    alone.attributes["path"] = ir.AttrString("path", "model.layers.9.mlp.up_proj")
     with pytest.raises(VerificationError, match=r"model\.layers\.9\.mlp\.up_proj"):
         quantized_dense_reference(_load(llama), CompileOptions(weights="int4"), compiled=compiled)
 

@@ -16,6 +16,7 @@ import pytest
 from layerzero.activation_calibration import GroupSamples, greedy, max_error, uniform
 from layerzero.contract import ACTIVATION_SCALE_INPUT, DYNAMIC_META_KEY, MASK_PREFIX
 from layerzero.errors import InvalidInputError
+from layerzero.passes import sparsify_activations
 from layerzero.passes.shape_inference import InferShapes
 from layerzero.passes.sparsify_activations import SPARSE_LINEAR_OP, SparsifyActivations, find_groups
 
@@ -233,7 +234,9 @@ def test_native_form_node_layout(helpers, llama) -> None:
     thresholds = _thresholds(model)
     assert SparsifyActivations(thresholds, native=True)(model).modified
     ops = helpers.op_counts(model)
-    assert ops[SPARSE_LINEAR_OP] == sum(KINDS.values()) * LAYERS
+    # one node per group: q/k/v and gate/up fused (their weights side by side, a Split after), o and down alone
+    assert ops[SPARSE_LINEAR_OP] == len(KINDS) * LAYERS
+    assert ops["Split"] == sum(n > 1 for n in KINDS.values()) * LAYERS
     assert ops["MatMul"] == 2 * LAYERS + 1  # attention's two and lm_head
     assert model.opset_imports["ai.layerzero"] == 1
     groups = {g.name: g for g in find_groups(_load(path))}
@@ -244,10 +247,16 @@ def test_native_form_node_layout(helpers, llama) -> None:
         x, w, t, scale = node.inputs
         assert node.attributes["weight_format"].value == "f" and node.attributes["block_size"].value == 32
         path_attr = node.attributes["path"].value
-        group = next(g for g in groups.values() if path_attr in g.scopes)
+        fused = node.attributes.get("projections")
+        group = groups[path_attr] if fused is not None else next(g for g in groups.values() if path_attr in g.scopes)
+        assert (list(fused.value) if fused is not None else [path_attr]) == group.scopes
         assert x.name == group.x.name and scale.name == ACTIVATION_SCALE_INPUT
         np.testing.assert_array_equal(t.const_value.numpy(), thresholds[group.name])
-        assert w.const_value.numpy().shape[0] == group.channels
+        np.testing.assert_array_equal(w.const_value.numpy(), np.concatenate(group.weights, axis=1))
+        if fused is not None:  # the Split gives each projection its columns
+            (split,) = [use.node for use in node.outputs[0].uses()]
+            sizes = ir.convenience.get_const_tensor(split.inputs[1]).numpy().tolist()
+            assert split.op_type == "Split" and sizes == [a.shape[1] for a in group.weights]
     onnx.checker.check_model(ir.to_proto(model))
     from layerzero.plugins import ort_library
     from tests.plugins.native_build import build_ort_test_library
@@ -269,6 +278,16 @@ def test_native_form_node_layout(helpers, llama) -> None:
     for name in want:
         if name.startswith(MASK_PREFIX):
             np.testing.assert_array_equal(got[name], want[name])
+    # the fused nodes are bitwise the separate ones (a column's arithmetic does not depend on its neighbours)
+    separate = _load(path)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sparsify_activations, "_fusable", lambda group: False)
+        SparsifyActivations(thresholds, native=True)(separate)
+    assert helpers.op_counts(separate)[SPARSE_LINEAR_OP] == sum(KINDS.values()) * LAYERS
+    sess = ort.InferenceSession(ir.to_proto(separate).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    alone = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    for name in got:
+        np.testing.assert_array_equal(got[name], alone[name], err_msg=name)
 
 
 # ------------------------------------------------------------------------------------------------ calibration
