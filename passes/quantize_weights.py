@@ -351,7 +351,8 @@ def sparse_linear_projections(model: ir.Model) -> dict[str, tuple[str, ...]]:
             if _is_sparse_linear(n):
                 path = _attr(n, "path") or n.name or ""
                 fused = n.attributes.get("projections")
-                out[path] = tuple(fused.value) if fused is not None else (path,)
+                strings = fused is not None and fused.type == ir.AttributeType.STRINGS and len(fused.value) > 0
+                out[path] = tuple(fused.value) if strings else (path,)
     return out
 
 

@@ -474,3 +474,19 @@ def test_pass_codes_equal_the_kernel_format(bits):
         assert got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_array_equal(got, want)
         np.testing.assert_array_equal(got_scales.view(np.uint16), want_scales.view(np.uint16))
+
+
+def test_sparse_linear_projections_of_fused_plain_and_malformed_nodes(llama: Path) -> None:
+    from layerzero.passes.quantize_weights import sparse_linear_projections
+
+    compiled, _ = _sparse_quantized(llama, 4)
+    got = sparse_linear_projections(compiled)
+    assert got["model.layers.0.self_attn.qkv"] == tuple(f"model.layers.0.self_attn.{p}_proj" for p in "qkv")
+    assert got["model.layers.0.mlp.gate_up"] == ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj")
+    assert got["model.layers.0.mlp.down_proj"] == ("model.layers.0.mlp.down_proj",)
+    assert len(got) == NODES and sum(len(v) for v in got.values()) == PROJECTIONS
+    # a projections attribute of another type (a hand-made node) reads as absent: the node's path alone
+    node = _one_node(64)
+    (sparse,) = _sparse_nodes(node)
+    sparse.attributes["projections"] = ir.AttrInt64("projections", 3)
+    assert sparse_linear_projections(node) == {"model.layers.0.mlp.down_proj": ("model.layers.0.mlp.down_proj",)}
