@@ -392,19 +392,7 @@ def as_dense_sparse_linear(model: ir.Model, wanted: Mapping[str, Sequence[str]] 
             model, names, node_prefix=f"{nodes[0].name or path}/reference_", metadata=nodes[0].metadata_props
         )
         zero = b.initializer(f"{path}.reference_thresholds", np.zeros((), np.float32))
-        if len(nodes) > 1:
-            fuse_projections(model, b, nodes, [m[1] for m in members], [nodes[0].inputs[0], zero], path)
-            done.append(path)
-            continue
-        (node,) = nodes
-        attrs = {"weight_format": "f", "block_size": EXPERT_BLOCK, "path": path}
-        op = b.node(SPARSE_LINEAR_OP, [node.inputs[0], node.inputs[1], zero], attrs, domain=MOE_DOMAIN, outputs=2)
-        y, kept = op.outputs
-        y.dtype, y.shape = node.outputs[0].dtype, node.outputs[0].shape
-        kept.dtype = ir.DataType.INT64
-        model.graph.insert_before(node, b.take())
-        replace_value(node.outputs[0], y, names)
-        model.graph.remove(node, safe=True)
+        fuse_projections(model, b, nodes, [m[1] for m in members], [nodes[0].inputs[0], zero], path)
         done.append(path)
     if done:
         model.opset_imports.setdefault(MOE_DOMAIN, 1)

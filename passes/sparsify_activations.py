@@ -352,27 +352,15 @@ class SparsifyActivations(ir.passes.InPlacePass):
         self, model: ir.Model, b: Builder, group: ActivationGroup, thresholds: ir.Value, scale: ir.Value
     ) -> ir.Value:
         model.opset_imports.setdefault(MOE_DOMAIN, 1)
+        inputs = [group.x, thresholds, scale]
         if _fusable(group):
-            return self._native_fused(model, b, group, thresholds, scale)
+            return fuse_projections(model, b, group.projections, group.weights, inputs, group.name)
         kept: ir.Value | None = None
         for node in group.projections:
-            attrs = {"weight_format": "f", "block_size": 32, "path": scope_of(node) or node.name or group.name}
-            op = b.node(SPARSE_LINEAR_OP, [group.x, node.inputs[1], thresholds, scale], attrs, domain=MOE_DOMAIN,
-                        outputs=2)  # fmt: skip
-            y, count = op.outputs
-            y.dtype, y.shape = node.outputs[0].dtype, node.outputs[0].shape
-            count.dtype = ir.DataType.INT64
-            model.graph.insert_before(node, b.take())
-            replace_value(node.outputs[0], y, b.names)
-            model.graph.remove(node, safe=True)
+            count = fuse_projections(model, b, [node], [], inputs, scope_of(node) or node.name or group.name)
             kept = count if kept is None else kept
         assert kept is not None
         return kept
-
-    def _native_fused(
-        self, model: ir.Model, b: Builder, group: ActivationGroup, thresholds: ir.Value, scale: ir.Value
-    ) -> ir.Value:
-        return fuse_projections(model, b, group.projections, group.weights, [group.x, thresholds, scale], group.name)
 
 
 def fuse_projections(
@@ -385,11 +373,24 @@ def fuse_projections(
 ) -> ir.Value:
     """``nodes`` (MatMuls reading one x, ``weights[j]`` = node j's ``[K, N_j]``) as one ``SparseLinear(x, [W_1 ...
     W_p], *inputs[1:])`` (``inputs[0]`` = x; weight_format f, ``path``, ``projections`` their scopes) and a Split
-    into their outputs; returns its kept count. x is thresholded and (q8 / q4) quantized once, one parallel section
+    into their outputs; returns its kept count. One node: SparseLinear on its own weight (``weights`` unread), no
+    ``projections``, no Split. x is thresholded and (q8 / q4) quantized once, one parallel section
     runs them all and each kept row is one longer run (q/k/v of a Llama-1B shape: 1.5 KB of q4 codes instead of
     1 KB + 2 x 256 B). A column's arithmetic does not depend on the columns beside it (plugins/ort/src/
     sparse_linear.h), so each output is bitwise the separate node's. The compile's form (``SparsifyActivations``)
     and the quantized-dense reference's (``as_dense_sparse_linear``, thresholds 0) are both made here."""
+    x = inputs[0]
+    if len(nodes) == 1:
+        (node,) = nodes
+        attrs = {"weight_format": "f", "block_size": 32, "path": path}
+        op = b.node(SPARSE_LINEAR_OP, [x, node.inputs[1], *inputs[1:]], attrs, domain=MOE_DOMAIN, outputs=2)
+        y, kept = op.outputs
+        y.dtype, y.shape = node.outputs[0].dtype, node.outputs[0].shape
+        kept.dtype = ir.DataType.INT64
+        model.graph.insert_before(node, b.take())
+        replace_value(node.outputs[0], y, b.names)
+        model.graph.remove(node, safe=True)
+        return kept
     widths = [int(w.shape[1]) for w in weights]
     w = b.initializer(f"{path}.weight", np.concatenate([np.asarray(a) for a in weights], axis=1))
     w.dtype = nodes[0].inputs[1].dtype
@@ -399,7 +400,6 @@ def fuse_projections(
         "path": path,
         "projections": ir.AttrStrings("projections", [scope_of(n) or n.name or path for n in nodes]),
     }
-    x = inputs[0]
     op = b.node(SPARSE_LINEAR_OP, [x, w, *inputs[1:]], attrs, domain=MOE_DOMAIN, outputs=2)
     y, kept = op.outputs
     y.dtype = nodes[0].outputs[0].dtype
