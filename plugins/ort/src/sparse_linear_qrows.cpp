@@ -156,6 +156,20 @@ inline void q4_step64(const uint8_t* const* cur, const int32_t* xq4, int32_t ng,
   q4_finish(acc, 2, out);
 }
 
+// The scales of a q4 chunk (128 columns: 256 bytes, 4 lines) are a stream of their own, one row of [K / 32, N]
+// per block, 16 KB a tile: the next block's at these columns into L2 (as its rows), and this block's two chunks
+// ahead into L1. Zen 4 host, 16 Llama-1B layers, interleaved rounds: -5 to -12 % at s = 0.5 (1 thread), -5 to
+// -8 % (2); the scales read from one L1-resident line instead (wrong values, the same instructions) bounded it at
+// -12 % (bench/README.md, sparse_linear.py). Prefetches never fault: past the last block's end they are dropped.
+inline void prefetch_scales(const SparseQRows& call, int64_t bi, const uint16_t* s, int64_t c) {
+  if (bi + 1 < call.nblocks) {
+    const char* next = reinterpret_cast<const char*>(call.scales + int64_t(call.blocks[bi + 1].kb) * call.n + c);
+    for (int l = 0; l < 256; l += 64) _mm_prefetch(next + l, _MM_HINT_T1);
+  }
+  const char* ahead = reinterpret_cast<const char*>(s + c) + 512;
+  for (int l = 0; l < 256; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+}
+
 template <int Bits>
 void qrows(const SparseQRows& call, int64_t c0, int64_t c1) {
   const int64_t n = call.n;
@@ -201,6 +215,7 @@ void qrows(const SparseQRows& call, int64_t c0, int64_t c1) {
           q4_chunk(cur, xq4, ng, o, blk.sum, v);
           // The next block's rows at these columns (its pass over the tile comes after this one's).
           for (int k = 0; k < nn; ++k) _mm_prefetch(reinterpret_cast<const char*>(nxt[k] + o), _MM_HINT_T1);
+          prefetch_scales(call, bi, s, c);
           apply<8>(v, s + c, dx, call.y + c);
         }
         if (c + 64 <= b) {
