@@ -298,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=2048, help="evaluation tokens")
     ap.add_argument("--calibration-tokens", type=int, default=None, help="default: half of --tokens, >= 256")
     ap.add_argument("--window", type=int, default=256)
-    ap.add_argument("--probe-tokens", type=int, default=128, help="tokens of the per-group sensitivity probes")
+    ap.add_argument("--probe-tokens", type=int, default=128,
+                    help="tokens of the per-group sensitivity probes (the first calibration windows)")  # fmt: skip
     ap.add_argument("--probe-levels", type=float, nargs="+", default=list(PROBE_LEVELS),
                     help="the levels each group is probed at alone")  # fmt: skip
     ap.add_argument("--levels", type=float, nargs="+", default=list(LEVELS))
@@ -343,7 +344,13 @@ def main(argv: list[str] | None = None) -> int:
         raw = {g: np.concatenate(v) for g, v in xs.items()}
         samples = group_samples(bench.groups, raw)
         del xs
-        probe_ids, probe_ref = cal_windows[0][: args.probe_tokens], dense_cal[0][: args.probe_tokens]
+        # The probes' tokens: the first calibration windows, the last one cut to make --probe-tokens.
+        probes, left = [], args.probe_tokens
+        for w, ref in zip(cal_windows, dense_cal, strict=True):
+            if left <= 0:
+                break
+            probes.append((w[:left], ref[:left]))
+            left -= len(w)
 
         measured: dict[tuple[str, bytes], float] = {}
 
@@ -355,8 +362,8 @@ def main(argv: list[str] | None = None) -> int:
 
             key = tuple(sorted((g, t.tobytes(), center(g, t)) for g, t in thresholds.items()))
             if key not in measured:
-                logp, _, _ = bench.run(probe_ids, thresholds, centers=centers)
-                measured[key] = float(kl(probe_ref, logp).mean())
+                kls = [kl(ref, bench.run(ids, thresholds, centers=centers)[0]) for ids, ref in probes]
+                measured[key] = float(np.concatenate(kls).mean())
             return measured[key]
 
         t0 = time.perf_counter()
