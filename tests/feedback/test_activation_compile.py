@@ -423,3 +423,17 @@ def test_composes_with_int4_and_the_native_kernels(bundles: Path, monkeypatch: p
     monkeypatch.setenv("LAYERZERO_KV_BUFFER", "0")
     copying = engine.generate(prompt, max_new_tokens=12, stop_tokens=())
     assert with_buffers.ids == copying.ids and len(copying.ids) == 12
+    # The bound loop reads an activation bundle's masks only when asked (runtime/generate.py _BoundSteps): each
+    # step's masks and (no) skipped paths equal those of the plain loop's whole reports, with and without buffers.
+    from layerzero.runtime.generate import generate
+    from layerzero.runtime.guard import GuardConfig, GuardedEngine
+
+    guard = GuardedEngine(engine, None, GuardConfig(sample_rate=0.0))
+    plain = generate(guard, prompt, max_new_tokens=12, stop_tokens=(), masks=True)
+    for buffers in ("1", "0"):
+        monkeypatch.setenv("LAYERZERO_KV_BUFFER", buffers)
+        bound = engine.generate(prompt, max_new_tokens=12, stop_tokens=(), masks=True)
+        assert bound.ids == plain.ids == copying.ids
+        for a, b in zip(bound.report.steps, plain.report.steps, strict=True):
+            assert a.skipped_paths == b.skipped_paths == []
+            assert a.masks == b.masks and len(a.masks) == len(engine.dynamic_index) > 0
