@@ -201,20 +201,21 @@ class _BoundSteps:
         # With buffers the outputs keep their shapes from one decode step to the next: bound once, the session writes
         # the same values again (each step's numpy arrays are copies); rebound when the step's token count changes.
         self._bound_tokens = -1
-        # A bundle whose every mask is an activation group's kept counts (``SparsifyActivations``): those record a
-        # request's realized sparsity and never a skipped path, so a step needs none of them unless its masks are
-        # asked for (``_activation_masks``, read before the next step). Converting its ~80 masks and building a
-        # whole report each step cost ~0.65 ms of a 20-27 ms Llama-1B int4 step (ONNX Runtime's profile: the loop
-        # around run 0.92 ms against the dense bundle's 0.26).
-        index = engine.dynamic_index
-        self._activation_masks_at = [(str(index[n]["path"]), i) for i, n in enumerate(self._outputs) if n in index]
-        self._activation_only = bool(self._skips.masks) and all(
-            (index.get(n) or {}).get("kind") == "activation" for n in self._skips.masks
+        # A bundle whose every mask is an activation group's (``StepSkips.activation_only``): a step needs none of
+        # them unless its masks are asked for (``_activation_masks``, read before the next step). Converting its ~80
+        # masks and building a whole report each step cost ~0.65 ms of a 20-27 ms Llama-1B int4 step (ONNX Runtime's
+        # profile: the loop around run 0.92 ms against the dense bundle's 0.26).
+        self._activation_masks_at = (
+            [(path, index[name]) for name, path in zip(self._skips.masks, self._skips.paths, strict=True)]
+            if self._skips.activation_only
+            else []
         )
         # What a step converts to numpy: the logits and the masks when StepSkips reads them, the logits alone for
         # activation masks, else every output.
         lean = (
-            {"logits", *self._skips.masks} if self._skips.applies else ({"logits"} if self._activation_only else None)
+            {"logits", *self._skips.masks}
+            if self._skips.applies
+            else ({"logits"} if self._skips.activation_only else None)
         )
         self._lean_arrays = [(n, i) for n, i in self._arrays if lean is None or n in lean]
 
@@ -235,7 +236,7 @@ class _BoundSteps:
 
             kind = InvalidInputError if type(e).__name__ == "InvalidArgument" else LayerZeroError
             raise kind(f"onnxruntime failed to run {self._label}: {first_line(e)}") from e
-        if self._activation_only:
+        if self._skips.activation_only:
             return values["logits"], self._activation_masks, {}
         # Where StepSkips applies, the masks side by side (one copy: the numpy arrays of bound outputs are views that
         # the next step overwrites) and what they skipped found after the loop: one numpy call a step instead of a

@@ -250,7 +250,10 @@ class StepSkips:
         )
         widths = {len(e["subpaths"]) for e in entries if e is not None}
         self.applies = ok and len(widths) == 1
-        self.paths = [str(e["path"]) for e in entries] if ok else []  # type: ignore[index]
+        # Every mask an activation group's kept counts: they record a realized sparsity, never a skipped path
+        # (``Report._add_activation``), so a step skips nothing and its masks matter only when asked for.
+        self.activation_only = bool(entries) and all(e is not None and e.get("kind") == "activation" for e in entries)
+        self.paths = [str(e["path"]) for e in entries] if ok or self.activation_only else []  # type: ignore[index]
         self.width = widths.pop() if self.applies else 0
         self._names = np.concatenate([e["_paths"] for e in entries]) if self.applies else None  # type: ignore[index]
 

@@ -161,9 +161,10 @@ inline void q4_step64(const uint8_t* const* cur, const int32_t* xq4, int32_t ng,
 // ahead into L1. Zen 4 host, 16 Llama-1B layers, interleaved rounds: -5 to -12 % at s = 0.5 (1 thread), -5 to
 // -8 % (2); the scales read from one L1-resident line instead (wrong values, the same instructions) bounded it at
 // -12 % (bench/README.md, sparse_linear.py). Prefetches never fault: past the last block's end they are dropped.
-inline void prefetch_scales(const SparseQRows& call, int64_t bi, const uint16_t* s, int64_t c) {
-  if (bi + 1 < call.nblocks) {
-    const char* next = reinterpret_cast<const char*>(call.scales + int64_t(call.blocks[bi + 1].kb) * call.n + c);
+// s_next: the next block's scales row (nullptr after the last block), found once a block.
+inline void prefetch_scales(const uint16_t* s_next, const uint16_t* s, int64_t c) {
+  if (s_next != nullptr) {
+    const char* next = reinterpret_cast<const char*>(s_next + c);
     for (int l = 0; l < 256; l += 64) _mm_prefetch(next + l, _MM_HINT_T1);
   }
   const char* ahead = reinterpret_cast<const char*>(s + c) + 512;
@@ -201,6 +202,7 @@ void qrows(const SparseQRows& call, int64_t c0, int64_t c1) {
       const SparseQBlock& blk = call.blocks[bi];
       const int nn = addresses(bi + 1, nxt);
       const uint16_t* s = call.scales + int64_t(blk.kb) * n;
+      const uint16_t* s_next = bi + 1 < call.nblocks ? call.scales + int64_t(call.blocks[bi + 1].kb) * n : nullptr;
       const __m512 dx = _mm512_set1_ps(blk.dx);
       const int32_t* xq4 = call.xq4 + blk.g0;
       const int32_t ng = blk.ng;
@@ -215,7 +217,7 @@ void qrows(const SparseQRows& call, int64_t c0, int64_t c1) {
           q4_chunk(cur, xq4, ng, o, blk.sum, v);
           // The next block's rows at these columns (its pass over the tile comes after this one's).
           for (int k = 0; k < nn; ++k) _mm_prefetch(reinterpret_cast<const char*>(nxt[k] + o), _MM_HINT_T1);
-          prefetch_scales(call, bi, s, c);
+          prefetch_scales(s_next, s, c);
           apply<8>(v, s + c, dx, call.y + c);
         }
         if (c + 64 <= b) {
