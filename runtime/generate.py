@@ -202,7 +202,7 @@ class _BoundSteps:
         # the same values again (each step's numpy arrays are copies); rebound when the step's token count changes.
         self._bound_tokens = -1
         # A bundle whose every mask is an activation group's (``StepSkips.activation_only``): a step needs none of
-        # them unless its masks are asked for (``_activation_masks``, read before the next step). Converting its ~80
+        # them unless its masks are asked for (``_activation_masks``, read before the next step). Converting its 64
         # masks and building a whole report each step cost ~0.65 ms of a 20-27 ms Llama-1B int4 step (ONNX Runtime's
         # profile: the loop around run 0.92 ms against the dense bundle's 0.26).
         self._activation_masks_at = (
