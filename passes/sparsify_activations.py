@@ -285,6 +285,9 @@ class SparsifyActivations(ir.passes.InPlacePass):
         scale: ir.Value | None = None
         modified = False
         for group, t in todo:
+            # The group's x as its first projection reads it now: an earlier group's native rewrite replaces the
+            # value its projection produced (x here when a projection feeds the next layer's directly).
+            group.x = group.projections[0].inputs[0]
             try:
                 self._check(group)
             except NoMatch as failure:

@@ -290,6 +290,59 @@ def test_native_form_node_layout(helpers, llama) -> None:
         np.testing.assert_array_equal(got[name], alone[name], err_msg=name)
 
 
+def test_native_form_when_a_projection_feeds_the_next_group_and_is_a_graph_output(helpers) -> None:
+    """Layer 0's projection output is a graph output and the input of layer 1's q / k group: the native rewrite of
+    layer 0 replaces that value, and layer 1's SparseLinear must read the new one (it read a value no node produced,
+    found by a fuzzer of projection graphs: ONNX Runtime refused to load the compiled model)."""
+    rng = np.random.default_rng(3)
+    w0, wq, wk = (rng.standard_normal(s).astype(np.float32) for s in [(32, 64), (64, 32), (64, 32)])
+
+    def build() -> ir.Model:
+        h = onnx.helper
+        nodes = [
+            h.make_node("MatMul", ["x", "w0"], ["h"], name="/model/layers.0/mlp/up_proj/MatMul"),
+            h.make_node("MatMul", ["h", "wq"], ["q"], name="/model/layers.1/self_attn/q_proj/MatMul"),
+            h.make_node("MatMul", ["h", "wk"], ["k"], name="/model/layers.1/self_attn/k_proj/MatMul"),
+            h.make_node("Concat", ["q", "k"], ["qk"], name="/model/layers.1/self_attn/Concat", axis=-1),
+        ]
+        f = onnx.TensorProto.FLOAT
+        graph = h.make_graph(
+            nodes, "g", [h.make_tensor_value_info("x", f, ["N", 32])],
+            [h.make_tensor_value_info("h", f, ["N", 64]), h.make_tensor_value_info("qk", f, ["N", 64])],
+            [onnx.numpy_helper.from_array(w, n) for n, w in [("w0", w0), ("wq", wq), ("wk", wk)]],
+        )  # fmt: skip
+        model = ir.from_proto(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)], ir_version=8))
+        InferShapes()(model)
+        return model
+
+    model = build()
+    groups = find_groups(model)
+    assert [g.name for g in groups] == ["model.layers.0.mlp.up", "model.layers.1.self_attn.qk"]
+    thresholds = {g.name: np.full(g.channels, 0.5, np.float32) for g in groups}
+    assert SparsifyActivations(thresholds, native=True)(model).modified
+    proto = ir.to_proto(model)
+    onnx.checker.check_model(proto)
+    produced = {o for n in model.graph for o in n.outputs} | set(model.graph.inputs)
+    produced |= set(model.graph.initializers.values())
+    for node in model.graph:
+        for value in node.inputs:
+            assert value is None or value in produced, f"{node.name} reads {value.name}, which nothing produces"
+    assert [o.name for o in model.graph.outputs][:2] == ["h", "qk"]
+    from tests.plugins.native_build import build_ort_test_library
+
+    library = build_ort_test_library()
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(library))
+    sess = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    x = rng.standard_normal((3, 32)).astype(np.float32)
+    got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {"x": x})))
+    reference = build()
+    SparsifyActivations(thresholds, native=False)(reference)
+    want = helpers.run_ort(reference, {"x": x})
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 # ------------------------------------------------------------------------------------------------ calibration
 
 
