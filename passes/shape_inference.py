@@ -64,6 +64,10 @@ class InferShapes(ir.passes.InPlacePass):
        shape computed from it: ``PRelu`` whose slope is not provably unidirectionally broadcastable to ``X`` (onnx
        infers ``X``'s shape; ONNX Runtime broadcasts both ways: ``PRelu(x[], slope[1])`` is ``[1]``, so a pass
        that trusted ``[]`` changed an output's shape).
+    5. ONNX Runtime's contrib ops onnx has no schema for (its inference stops at them, and a model without
+       value_info, as ONNX Runtime's own quantizer or a hand-made graph writes, loses every shape past its first
+       ``MatMulNBits``): the proto onnx reads holds a standard stand-in of each (``_STAND_INS``) with the same output
+       names and shapes, so inference runs through them; their own outputs' shapes come back as any other.
     ``modified`` is True when a type or a shape changed.
     """
 
@@ -71,6 +75,7 @@ class InferShapes(ir.passes.InPlacePass):
         try:
             with _weights_by_reference(model):
                 proto = ir.serde.serialize_model(model)
+            _stand_ins(proto.graph)  # Case 5
             proto = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
             inferred = ir.serde.deserialize_model(proto)
         except Exception as exc:  # Case 3
@@ -91,6 +96,50 @@ class InferShapes(ir.passes.InPlacePass):
         _drop_runtime_broadcasts(model)  # Case 4
         modified = any((v.type, v.shape) != old for v, old in zip(values, before))
         return ir.passes.PassResult(model, modified=modified)
+
+
+# Case 5: com.microsoft ops -> (the standard op standing in, how its inputs are made from the node's). Each
+# stand-in's output 0 has the op's output-0 shape; SkipLayerNormalization-like ops' output 3 (input + skip) is an Add.
+_SAME_AS_INPUT = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization",
+                  "RotaryEmbedding", "FastGelu", "BiasGelu", "QuickGelu", "Gelu", "BiasAdd")  # fmt: skip
+_STAND_INS = ("MatMulNBits", *_SAME_AS_INPUT)
+
+
+def _stand_ins(graph: onnx.GraphProto) -> None:
+    """Case 5 on ``graph`` and its subgraphs: each contrib node of ``_STAND_INS`` replaced, in place, by standard
+    nodes writing the same output names: ``MatMulNBits(A, ...)`` by ``MatMul(A, w)`` with ``w`` a ``[K, N]``
+    placeholder (its data never read: an external reference, as ``_weights_by_reference`` writes), the others'
+    output 0 by ``Identity(input 0)`` and a skip norm's output 3 by ``Add(input, skip)``."""
+    nodes: list[onnx.NodeProto] = []
+    changed = False
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+                _stand_ins(sub)
+        if node.domain != "com.microsoft" or node.op_type not in _STAND_INS or not node.input or not node.input[0]:
+            nodes.append(node)
+            continue
+        changed = True
+        out = list(node.output)
+        if node.op_type == "MatMulNBits":
+            attrs = {a.name: a.i for a in node.attribute}
+            k, n = attrs.get("K"), attrs.get("N")
+            if k is None or n is None or not out or not out[0]:
+                nodes.append(node)
+                continue
+            w = onnx.TensorProto(name=f"{out[0]}__{_PLACEHOLDER}", data_type=onnx.TensorProto.FLOAT, dims=[k, n],
+                                 data_location=onnx.TensorProto.EXTERNAL)  # fmt: skip
+            w.external_data.add(key="location", value=_PLACEHOLDER)
+            graph.initializer.append(w)
+            nodes.append(onnx.helper.make_node("MatMul", [node.input[0], w.name], [out[0]]))
+            continue
+        if out and out[0]:
+            nodes.append(onnx.helper.make_node("Identity", [node.input[0]], [out[0]]))
+        if node.op_type.startswith("Skip") and len(out) > 3 and out[3] and len(node.input) > 1:
+            nodes.append(onnx.helper.make_node("Add", [node.input[0], node.input[1]], [out[3]]))
+    if changed:
+        del graph.node[:]
+        graph.node.extend(nodes)
 
 
 def _unidirectional(slope: ir.Shape | None, x: ir.Shape | None) -> bool:

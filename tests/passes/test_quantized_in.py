@@ -156,7 +156,9 @@ def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-@pytest.mark.parametrize("declared", ["metadata, then quantized", "initializer, after quantizing"])
+@pytest.mark.parametrize(
+    "declared", ["metadata, then quantized", "initializer, after quantizing", "initializer, no value_info"]
+)
 @pytest.mark.parametrize("form", FORMS)
 def test_declared_flag_removes_its_layer_through_the_quantization(
     exports: dict[str, Path], tmp_path: Path, form: str, declared: str
@@ -167,6 +169,8 @@ def test_declared_flag_removes_its_layer_through_the_quantization(
     else:
         proto = onnx.load(str(exports[f"plain_{form}"]))
         proto.graph.initializer.append(onnx.numpy_helper.from_array(np.zeros(1, np.float32), f"{scope}.flag"))
+        if declared.endswith("no value_info"):  # shapes past each MatMulNBits from InferShapes' stand-ins only
+            del proto.graph.value_info[:]
         path = tmp_path / "flagged.onnx"
         onnx.save(proto, str(path))
     original = ir.load(path)

@@ -118,3 +118,36 @@ def test_prelu_that_onnxruntime_broadcasts_has_no_shape_nor_its_consumers(helper
     session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
     feeds = {"x": np.array(2.0, np.float32), "z": np.ones(3, np.float32), "a": np.ones((1, 4), np.float32)}
     assert session.run(None, feeds)[0].shape == (3,)  # broadcast(p [1], z [3]): p is not [] as onnx infers
+
+
+def test_shapes_run_through_onnxruntime_contrib_ops(helpers) -> None:
+    """Case 5: a graph without value_info (what ONNX Runtime's quantizer or a hand-made graph writes) keeps its
+    shapes past MatMulNBits and the skip norm, whose stand-ins onnx infers; the model itself is left as it was."""
+    h = onnx.helper
+    f = onnx.TensorProto.FLOAT
+    codes = onnx.numpy_helper.from_array(np.zeros((96, 2, 16), np.uint8), "codes")
+    scales = onnx.numpy_helper.from_array(np.ones(96 * 2, np.float32), "scales")
+    gamma = onnx.numpy_helper.from_array(np.ones(64, np.float32), "gamma")
+    nbits = {"K": 64, "N": 96, "bits": 4, "block_size": 32}
+    nodes = [
+        h.make_node("SkipSimplifiedLayerNormalization", ["x", "skip", "gamma"], ["n", "", "", "sum"],
+                    domain="com.microsoft", epsilon=1e-6),
+        h.make_node("MatMulNBits", ["n", "codes", "scales"], ["a"], domain="com.microsoft", **nbits),
+        h.make_node("MatMulNBits", ["sum", "codes", "scales"], ["b"], domain="com.microsoft", **nbits),
+        h.make_node("Relu", ["a"], ["r"]),
+        h.make_node("Add", ["r", "b"], ["y"]),
+    ]  # fmt: skip
+    inputs = [h.make_tensor_value_info(name, f, ["B", "T", 64]) for name in ("x", "skip")]
+    graph = h.make_graph(nodes, "g", inputs, [h.make_tensor_value_info("y", f, None)], [codes, scales, gamma])
+    proto = h.make_model(graph, opset_imports=[h.make_opsetid("", 18), h.make_opsetid("com.microsoft", 1)])
+    model = ir.from_proto(proto)
+    before = [(n.op_type, n.domain) for n in model.graph]
+    assert InferShapes()(model).modified
+    values = {v.name: v for n in model.graph for v in n.outputs}
+    for name, width in [("n", 64), ("sum", 64), ("a", 96), ("b", 96), ("r", 96), ("y", 96)]:
+        shape = values[name].shape
+        assert shape is not None and [str(d) for d in shape] == ["B", "T", str(width)], (name, shape)
+        assert values[name].dtype == ir.DataType.FLOAT
+    assert [(n.op_type, n.domain) for n in model.graph] == before  # the stand-ins lived in the proto only
+    assert set(model.graph.initializers) == {"codes", "scales", "gamma"}
+    np.testing.assert_array_equal(model.graph.initializers["codes"].const_value.numpy(), np.zeros((96, 2, 16)))
