@@ -422,18 +422,29 @@ def sparsify_activations(
         return None
     from layerzero.activation_calibration import profiled_groups
     from layerzero.errors import InvalidInputError
-    from layerzero.passes.sparsify_activations import find_groups
+    from layerzero.passes.sparsify_activations import find_groups, group_refusal, record_refusals
 
     InferShapes()(model)
     groups = find_groups(model)
+    # A group the pass cannot rewrite in either form (its input's rank unknown: a model without value_info past an
+    # op onnx cannot infer) is neither calibrated nor allocated: recorded as refused here, as the pass would.
+    unknown = [r for r in (group_refusal(g, native=False) for g in groups) if r is not None]
+    record_refusals(model, unknown)
+    groups = [g for g in groups if g.name not in {r.path for r in unknown}]
     if options.quant_bits:
         # Quantized experts keep the dense kernel (the input-major layout is float only): a sparsified expert group
         # would cost accuracy and save nothing, so the allocation never sees one.
         groups = [g for g in groups if not g.experts]
     if not groups:
+        where = f"--activation-sparsity {options.activation_sparsity:g}"
+        if unknown:
+            raise InvalidInputError(
+                f"{where}: the input rank of every projection group is unknown ({len(unknown)}, the first "
+                f"{unknown[0].path!r}); give the model its value_info shapes, or export it with them"
+            )
         raise InvalidInputError(
-            f"--activation-sparsity {options.activation_sparsity:g}: the model has no float MatMul with a constant "
-            "2-D weight inside a layer (model.layers.<i>...), so nothing to sparsify"
+            f"{where}: the model has no float MatMul with a constant 2-D weight inside a layer (model.layers.<i>...), "
+            "so nothing to sparsify"
         )
     if profiled is not None:
         samples = profiled_groups(groups, profiled, f"--profile {options.profile}")
@@ -441,7 +452,9 @@ def sparsify_activations(
     else:
         samples, rows = _calibrate_on(model, groups, requests)
     experts = {g.name for g in groups if g.experts}
-    return _sparsify(model, options, samples, rows, target, after_pass, requests, experts)
+    record = _sparsify(model, options, samples, rows, target, after_pass, requests, experts)
+    record["refused"] = [r.to_json() for r in unknown] + record["refused"]
+    return record
 
 
 def _calibrate_on(model: ir.Model, groups: list, requests: list[dict]) -> tuple[list, int]:

@@ -257,6 +257,25 @@ def activation_scale_input(model: ir.Model) -> ir.Value:
     return value
 
 
+def group_refusal(group: ActivationGroup, native: bool) -> Refusal | None:
+    """Why the pass leaves ``group`` as it is (its input's rank unknown; in the native form, an input not float32),
+    or None. The compile's calibration leaves such a group out (``compiler/pipeline.py``), as the pass does."""
+    try:
+        need(group.x.shape is not None and len(group.x.shape) >= 1, "its input's rank is unknown", *group.projections)
+        if native and not group.experts:
+            need(group.x.dtype == ir.DataType.FLOAT, "SparseLinear takes a float32 input", *group.projections)
+    except NoMatch as failure:
+        return Refusal.of(group.name, failure, KIND)
+    return None
+
+
+def record_refusals(model: ir.Model, refused: list[Refusal]) -> None:
+    """Add ``refused`` to the model's ``REFUSED_META_KEY`` record (what the report lists as not rewritten)."""
+    if refused:
+        old = json.loads(model.metadata_props.get(REFUSED_META_KEY) or "[]")
+        model.metadata_props[REFUSED_META_KEY] = json.dumps(old + [r.to_json() for r in refused])
+
+
 class SparsifyActivations(ir.passes.InPlacePass):
     """Threshold each projection group's input per channel (module docstring); ``native``: the SparseLinear form."""
 
@@ -288,10 +307,9 @@ class SparsifyActivations(ir.passes.InPlacePass):
             # The group's x as its first projection reads it now: an earlier group's native rewrite replaces the
             # value its projection produced (x here when a projection feeds the next layer's directly).
             group.x = group.projections[0].inputs[0]
-            try:
-                self._check(group)
-            except NoMatch as failure:
-                self.refused.append(Refusal.of(group.name, failure, KIND))
+            refusal = group_refusal(group, self.native)
+            if refusal is not None:
+                self.refused.append(refusal)
                 continue
             if scale is None:
                 scale = activation_scale_input(model)
@@ -320,15 +338,8 @@ class SparsifyActivations(ir.passes.InPlacePass):
                 ),
             )
             modified = True
-        if self.refused:
-            old = json.loads(model.metadata_props.get(REFUSED_META_KEY) or "[]")
-            model.metadata_props[REFUSED_META_KEY] = json.dumps(old + [r.to_json() for r in self.refused])
+        record_refusals(model, self.refused)
         return ir.passes.PassResult(model, modified=modified)
-
-    def _check(self, group: ActivationGroup) -> None:
-        need(group.x.shape is not None and len(group.x.shape) >= 1, "its input's rank is unknown", *group.projections)
-        if self.native and not group.experts:
-            need(group.x.dtype == ir.DataType.FLOAT, "SparseLinear takes a float32 input", *group.projections)
 
     def _rewrite(
         self, model: ir.Model, names: NameFactory, group: ActivationGroup, t: np.ndarray, scale: ir.Value

@@ -200,6 +200,50 @@ def test_no_float_matmul_is_one_line_exit_2(tmp_path: Path, capsys) -> None:
     assert not out.exists()
 
 
+def _unknown_rank_model(path: Path, known: bool) -> Path:
+    """Layer 0's projection reads a value computed from a ``com.microsoft.FusedMatMul`` output (no onnx schema, no
+    value_info: a float of unknown rank); with ``known`` layer 1's projection reads the graph input (rank known)."""
+    rng = np.random.default_rng(5)
+    w = [helper.make_tensor(f"w{i}", TensorProto.FLOAT, [32, 32], rng.standard_normal(32 * 32).astype(np.float32))
+         for i in range(3)]  # fmt: skip
+    nodes = [
+        helper.make_node("FusedMatMul", ["x", "w0"], ["f"], domain="com.microsoft", name="/model/pre/FusedMatMul"),
+        helper.make_node("Add", ["x", "f"], ["s"], name="/model/pre/Add"),  # float, its shape unknown
+        helper.make_node("MatMul", ["s", "w1"], ["a"], name="/model/layers.0/mlp/up_proj/MatMul"),
+        helper.make_node("MatMul", ["x" if known else "a", "w2"], ["b"], name="/model/layers.1/mlp/up_proj/MatMul"),
+        helper.make_node("Add", ["a", "b"], ["y"], name="/model/Add"),
+    ]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 32])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 32])], w)  # fmt: skip
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    proto = helper.make_model(graph, opset_imports=opsets)
+    onnx.save(proto, str(path))
+    return path
+
+
+def test_a_group_whose_input_rank_is_unknown_is_refused_not_calibrated(tmp_path: Path, capsys) -> None:
+    """The calibration left such a group in and asked the probes' session for a group the pass had refused: an
+    error naming no sparsified group (found by a fuzzer of projection graphs). Now it is recorded as refused and the
+    others are sparsified; when it is every group, one line says so (exit 2)."""
+    from layerzero.compile import compile_model
+    from layerzero.contract import REFUSED_META_KEY
+    from layerzero.options import CompileOptions
+
+    model = onnx.load(str(_unknown_rank_model(tmp_path / "one.onnx", known=True)))
+    result = compile_model(model, CompileOptions(activation_sparsity=0.3, max_deviation=1e9))
+    want = [("model.layers.0.mlp.up", "its input's rank is unknown")]
+    assert [(r["path"], r["reason"]) for r in json.loads(result.model.metadata_props[REFUSED_META_KEY])] == want
+    assert [(r["path"], r["reason"]) for r in result.activation_sparsity["refused"]] == want
+    assert set(result.activation_sparsity["groups"]) == {"model.layers.1.mlp.up"}
+    out = tmp_path / "bad.lz"
+    args = ["compile", str(_unknown_rank_model(tmp_path / "none.onnx", known=False)), "-o", str(out),
+            "--activation-sparsity", "0.3", "--max-deviation", "1"]  # fmt: skip
+    assert _exit_code(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "input rank of every projection group is unknown" in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
 def test_a_deviation_above_max_deviation_fails_naming_the_sparsity(bundles: Path, capsys) -> None:
     out = bundles / "tight.lz"
     args = ["compile", str(bundles / "m.onnx"), "-o", str(out), "--activation-sparsity", "0.5",
