@@ -101,7 +101,7 @@ class InferShapes(ir.passes.InPlacePass):
 # Case 5: com.microsoft ops -> (the standard op standing in, how its inputs are made from the node's). Each
 # stand-in's output 0 has the op's output-0 shape; SkipLayerNormalization-like ops' output 3 (input + skip) is an Add.
 _SAME_AS_INPUT = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization",
-                  "RotaryEmbedding", "FastGelu", "BiasGelu", "QuickGelu", "Gelu", "BiasAdd")  # fmt: skip
+                  "RotaryEmbedding", "FastGelu", "BiasGelu", "QuickGelu", "Gelu", "BiasAdd", "MoE", "QMoE")  # fmt: skip
 _STAND_INS = ("MatMulNBits", *_SAME_AS_INPUT)
 
 

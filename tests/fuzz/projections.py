@@ -14,7 +14,9 @@ K and N multiples of 32 and not, and the shapes users' models give those passes.
   reads and a ``MatMul`` through its ``Transpose`` (a tied lm_head); ``output``: a projection whose output is a graph
   output and the next layer's input; ``qdq``: an int8 ``DequantizeLinear`` weight (per tensor or per column);
   ``k48``: a K of 48 (no block divides it); ``zero``: an all-zero weight (static zeroing removes it); ``two_layers``:
-  one value read by projections of two layers; ``flag``: a layer behind a zero ``model.layers.<i>.mlp.flag``.
+  one value read by projections of two layers; ``flag``: a layer behind a zero ``model.layers.<i>.mlp.flag``;
+  ``branches``: an ``If`` whose branches hold a projection each (subgraph weights); ``gemm_bias_row``: a rank-2
+  ``Gemm`` whose bias is ``[1, N]``.
 
 A case (``check``) compiles a graph with each option set of ``OPTIONS`` (verification on: the compile's own
 oracle, the quantized-dense reference and, for activation sparsity, ``max_deviation`` wide open) and passes when
@@ -48,7 +50,7 @@ if str(_ROOT) not in sys.path:
 __all__ = ["EXPECTED_REFUSALS", "KINDS", "OPTIONS", "QUANTIZED_OPTIONS", "check", "generate", "main", "ort_quantized"]
 
 KINDS = ("mlp", "qkv", "gemm", "shared", "fp16", "transposed", "graph_input", "batched", "tied", "output", "qdq",
-         "k48", "zero", "two_layers", "flag")  # fmt: skip
+         "k48", "zero", "two_layers", "flag", "branches", "gemm_bias_row")  # fmt: skip
 _WIDE = 1e9  # max_deviation with activation sparsity: its deviation is on purpose, reported not refused
 OPTIONS: tuple[dict, ...] = (
     {"weights": "int4"},
@@ -224,7 +226,20 @@ def _layer(g: _Graph, layer: int, cur: str, width: int, rank: int, opset: int) -
         flag = g.const(np.float32(0.0), f"model.layers.{layer}.mlp.flag")
         out = g.op("MatMul", [cur, g.weight(width, width)], f"{scope}/mlp/up_proj/MatMul")
         return g.op("Add", [cur, g.op("Mul", [out, flag], f"{scope}/mlp/Mul")], f"{scope}/Add"), width
-    return cur, width  # batched at a rank other than 3: no layer
+    if kind == "branches":
+        total = g.op("ReduceSum", [cur], f"{scope}/ReduceSum", keepdims=0)
+        cond = g.op("Greater", [total, g.const(np.float32(0.0))], f"{scope}/Greater")
+        branches = []
+        for side in ("then", "else"):
+            out = g.name(side)
+            body = oh.make_node("MatMul", [cur, g.weight(width, n)], [out], name=f"{scope}/mlp/{side}_proj/MatMul")
+            branches.append(oh.make_graph([body], side, [], [oh.make_tensor_value_info(out, TensorProto.FLOAT, None)]))
+        out = g.op("If", [cond], f"{scope}/If", then_branch=branches[0], else_branch=branches[1])
+        return out, n
+    if kind == "gemm_bias_row" and rank == 2:
+        bias = g.const(rng.standard_normal((1, n)).astype(np.float32))
+        return g.op("Gemm", [cur, g.weight(width, n), bias], f"{scope}/mlp/fc/Gemm"), n
+    return cur, width  # batched / gemm_bias_row at another rank: no layer
 
 
 def feeds(model: onnx.ModelProto, seed: int, size: int) -> dict[str, np.ndarray]:

@@ -30,9 +30,9 @@ def test_the_generator_covers_its_kinds_and_is_deterministic() -> None:
     names = " ".join(n.name for seed in range(60) for n in generate(seed).graph.node)
     assert generate(7).SerializeToString() == generate(7).SerializeToString()
     for needle in ("gate_proj", "q_proj", "Gemm", "Cast", "Transpose", "embed/Gather", "DequantizeLinear",
-                   "layers.7", "/mlp/Mul"):  # fmt: skip
+                   "layers.7", "/mlp/Mul", "/If"):  # fmt: skip
         assert needle in names, needle
-    assert len(KINDS) == 15 and len(OPTIONS) == 10
+    assert len(KINDS) == 17 and len(OPTIONS) == 10
 
 
 def test_a_case_that_breaks_is_reported_with_its_seed_and_options(library: str, monkeypatch) -> None:

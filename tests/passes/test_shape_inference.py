@@ -122,7 +122,7 @@ def test_prelu_that_onnxruntime_broadcasts_has_no_shape_nor_its_consumers(helper
 
 def test_shapes_run_through_onnxruntime_contrib_ops(helpers) -> None:
     """Case 5: a graph without value_info (what ONNX Runtime's quantizer or a hand-made graph writes) keeps its
-    shapes past MatMulNBits and the skip norm, whose stand-ins onnx infers; the model itself is left as it was."""
+    shapes past MatMulNBits, the skip norm and MoE, whose stand-ins onnx infers; the model is left as it was."""
     h = onnx.helper
     f = onnx.TensorProto.FLOAT
     codes = onnx.numpy_helper.from_array(np.zeros((96, 2, 16), np.uint8), "codes")
@@ -136,15 +136,18 @@ def test_shapes_run_through_onnxruntime_contrib_ops(helpers) -> None:
         h.make_node("MatMulNBits", ["sum", "codes", "scales"], ["b"], domain="com.microsoft", **nbits),
         h.make_node("Relu", ["a"], ["r"]),
         h.make_node("Add", ["r", "b"], ["y"]),
+        h.make_node("MoE", ["y", "router", "experts"], ["z"], domain="com.microsoft", k=1),
     ]  # fmt: skip
     inputs = [h.make_tensor_value_info(name, f, ["B", "T", 64]) for name in ("x", "skip")]
-    graph = h.make_graph(nodes, "g", inputs, [h.make_tensor_value_info("y", f, None)], [codes, scales, gamma])
+    inputs += [h.make_tensor_value_info("router", f, ["B", "T", 4])]
+    inputs += [h.make_tensor_value_info("experts", f, [4, 96, 96])]
+    graph = h.make_graph(nodes, "g", inputs, [h.make_tensor_value_info("z", f, None)], [codes, scales, gamma])
     proto = h.make_model(graph, opset_imports=[h.make_opsetid("", 18), h.make_opsetid("com.microsoft", 1)])
     model = ir.from_proto(proto)
     before = [(n.op_type, n.domain) for n in model.graph]
     assert InferShapes()(model).modified
     values = {v.name: v for n in model.graph for v in n.outputs}
-    for name, width in [("n", 64), ("sum", 64), ("a", 96), ("b", 96), ("r", 96), ("y", 96)]:
+    for name, width in [("n", 64), ("sum", 64), ("a", 96), ("b", 96), ("r", 96), ("y", 96), ("z", 96)]:
         shape = values[name].shape
         assert shape is not None and [str(d) for d in shape] == ["B", "T", str(width)], (name, shape)
         assert values[name].dtype == ir.DataType.FLOAT
