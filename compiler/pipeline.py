@@ -422,7 +422,18 @@ def sparsify_activations(
         return None
     from layerzero.activation_calibration import profiled_groups
     from layerzero.errors import InvalidInputError
+    from layerzero.passes._quant_codes import EXPERT_BLOCK
     from layerzero.passes.sparsify_activations import find_groups, group_refusal, record_refusals
+
+    unreadable = options.quant_bits and (options.quant_block != EXPERT_BLOCK or not options.quant_symmetric)
+    if unreadable and _native_activation_form(options, target):
+        # Said before the calibration (minutes on a real model), not by the quantization after it.
+        what = f"blocks of {options.quant_block}" if options.quant_block != EXPERT_BLOCK else "zero points"
+        raise InvalidInputError(
+            f"option quant_block / quant_symmetric: --activation-sparsity compiles to the SparseLinear kernel "
+            f"(liblayerzero_ort.so), which reads symmetric blocks of {EXPERT_BLOCK} along K only, not {what}; use "
+            f"--quant-block {EXPERT_BLOCK} without --quant-asymmetric, or no activation sparsity"
+        )
 
     InferShapes()(model)
     groups = find_groups(model)
@@ -455,6 +466,16 @@ def sparsify_activations(
     record = _sparsify(model, options, samples, rows, target, after_pass, requests, experts)
     record["refused"] = [r.to_json() for r in unknown] + record["refused"]
     return record
+
+
+def _native_activation_form(options: CompileOptions, target: str) -> bool:
+    """Whether ``SparsifyActivations`` writes its native form (``ai.layerzero::SparseLinear``): a bundle for ONNX
+    Runtime's CPU with liblayerzero_ort.so built."""
+    if target != "onnxruntime" or options.device != "cpu":
+        return False
+    from layerzero.plugins.ort_library import find_ort_library
+
+    return find_ort_library() is not None
 
 
 def _calibrate_on(model: ir.Model, groups: list, requests: list[dict]) -> tuple[list, int]:
@@ -512,11 +533,7 @@ def _sparsify(model: ir.Model, options: CompileOptions, samples: list, rows: int
         alloc = max_error(samples, tolerance, evaluate, method, sensitivity, cap=options.activation_sparsity)
     if options.activation_refine and evaluate is not None:  # only moves that lower the measured deviation
         alloc = refine(samples, alloc, evaluate, method, rounds=options.activation_refine)
-    native = False
-    if target == "onnxruntime" and options.device == "cpu":
-        from layerzero.plugins.ort_library import find_ort_library
-
-        native = find_ort_library() is not None
+    native = _native_activation_form(options, target)
     # Expert groups the allocation put below EXPERT_MIN_LEVEL stay dense (their level 0, the realized sparsity
     # counted again without them): slower sparse than dense, and less accurate.
     dense_experts = sorted(n for n in experts if 0 < alloc.levels.get(n, 0.0) < EXPERT_MIN_LEVEL)

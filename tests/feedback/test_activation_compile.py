@@ -244,6 +244,30 @@ def test_a_group_whose_input_rank_is_unknown_is_refused_not_calibrated(tmp_path:
     assert not out.exists()
 
 
+@pytest.mark.parametrize("extra", [["--quant-block", "64"], ["--quant-asymmetric"]])
+def test_a_quantization_the_sparse_kernel_cannot_read_is_refused_before_calibrating(
+    bundles: Path, capsys, monkeypatch: pytest.MonkeyPatch, extra: list[str]
+) -> None:
+    """The SparseLinear kernel reads symmetric blocks of 32 only; the quantization refused other options after the
+    whole calibration (15 minutes of probes on a 1B model). Now one line, exit 2, before calibrating."""
+    from layerzero import pipeline
+    from tests.plugins.native_build import build_ort_test_library
+
+    monkeypatch.setenv("LAYERZERO_PLUGIN_DIR", str(build_ort_test_library().parent))
+
+    def calibrated(*args, **kwargs):
+        raise AssertionError("calibrated before refusing")
+
+    monkeypatch.setattr(pipeline, "_calibrate_on", calibrated)
+    out = bundles / "bad-block.lz"
+    args = ["compile", str(bundles / "m.onnx"), "-o", str(out), "--activation-sparsity", "0.3", "--max-deviation",
+            "100", "--weights", "int4", *extra]  # fmt: skip
+    assert _exit_code(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "reads symmetric blocks of 32 along K only" in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
 def test_a_deviation_above_max_deviation_fails_naming_the_sparsity(bundles: Path, capsys) -> None:
     out = bundles / "tight.lz"
     args = ["compile", str(bundles / "m.onnx"), "-o", str(out), "--activation-sparsity", "0.5",
