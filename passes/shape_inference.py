@@ -98,8 +98,9 @@ class InferShapes(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=modified)
 
 
-# Case 5: com.microsoft ops -> (the standard op standing in, how its inputs are made from the node's). Each
-# stand-in's output 0 has the op's output-0 shape; SkipLayerNormalization-like ops' output 3 (input + skip) is an Add.
+# Case 5: the com.microsoft ops given a stand-in (``_stand_ins``): MatMulNBits, and those whose output 0 has input
+# 0's shape (the skip norms' output 3, input + skip, too). The stand-in's element type is input 0's, as the op's
+# (a float16 MatMulNBits included: the inference does not check types).
 _SAME_AS_INPUT = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization",
                   "RotaryEmbedding", "FastGelu", "BiasGelu", "QuickGelu", "Gelu", "BiasAdd", "MoE", "QMoE")  # fmt: skip
 _STAND_INS = ("MatMulNBits", *_SAME_AS_INPUT)
