@@ -120,13 +120,12 @@ def generate(seed: int) -> onnx.ModelProto:
     graph = oh.make_graph(g.nodes, "projections", g.inputs, outputs, g.inits)
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", opset)], ir_version=8)
     inferred = onnx.shape_inference.infer_shapes(model)
-    known = {v.name: v for v in [*inferred.graph.value_info, *inferred.graph.output]}
+    known = {v.name: v for v in [*inferred.graph.output, *inferred.graph.value_info, *inferred.graph.input]}
     for out in model.graph.output:  # the outputs' types (a checker wants their shapes): as onnx infers them
         found = known.get(out.name)
-        if found is not None and found.type.tensor_type.HasField("shape"):
-            out.type.CopyFrom(found.type)
-        else:
-            out.type.tensor_type.shape.SetInParent()
+        if found is None or not found.type.tensor_type.HasField("shape"):
+            raise AssertionError(f"seed {seed}: onnx infers no shape for output {out.name}")
+        out.type.CopyFrom(found.type)
     return model
 
 
