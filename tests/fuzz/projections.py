@@ -31,11 +31,13 @@ does not run) is a failure, reported with the seed and the option set.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import time
 import traceback
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -365,12 +367,21 @@ def _compiles(
     return failures
 
 
-def quiet() -> None:
-    """The compile's and ONNX Runtime's info logs off (a case compiles ten times)."""
-    logging.getLogger().setLevel(logging.ERROR)
-    for name in ("layerzero", "onnx_ir", "onnxruntime"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """While inside, the compile's and ONNX Runtime's info logs and warnings are off (a case compiles ten times);
+    the levels and filters come back on exit (a test process's later tests read the logs)."""
+    loggers = [logging.getLogger(name) for name in ("", "layerzero", "onnx_ir", "onnxruntime")]
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels, strict=True):
+                logger.setLevel(level)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -378,7 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", type=int, default=300)
     ap.add_argument("--start", type=int, default=0)
     args = ap.parse_args(argv)
-    quiet()
+    with quiet():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from layerzero.plugins.ort_library import find_ort_library
 
     library = find_ort_library()

@@ -6,7 +6,9 @@ second compile each); the long run is ``python -m tests.fuzz.projections --cases
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -15,9 +17,9 @@ from tests.plugins.native_build import build_ort_test_library
 
 
 @pytest.fixture(scope="module")
-def library() -> str:
-    quiet()
-    return str(build_ort_test_library())
+def library() -> Iterator[str]:
+    with quiet():  # the levels come back after the module: later tests read the logs (caplog)
+        yield str(build_ort_test_library())
 
 
 def test_projection_graphs_compile_verify_and_run(library: str) -> None:
@@ -46,3 +48,10 @@ def test_a_case_that_breaks_is_reported_with_its_seed_and_options(library: str, 
     failures = check(0, library, OPTIONS[:1], quantized=False)
     assert failures == ["seed 0, options 0 {'weights': 'int4'}: RuntimeError: boom (test_projections.py:"
                         f"{broken.__code__.co_firstlineno + 1})"]  # fmt: skip
+
+
+def test_quiet_gives_the_log_levels_back() -> None:
+    before = logging.getLogger("layerzero").level, logging.getLogger().level
+    with quiet():
+        assert logging.getLogger("layerzero").level == logging.ERROR
+    assert (logging.getLogger("layerzero").level, logging.getLogger().level) == before
