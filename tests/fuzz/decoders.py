@@ -1,0 +1,145 @@
+"""Fuzzing the decoder path end to end: random small Hugging Face decoder configs, exported with a KV cache by
+``layerzero export``, compiled with the options users combine, and generated from.
+
+A case (``check``): a family of ``FAMILIES`` and a config drawn from ``seed`` (heads 2-6 over 1 to all KV heads,
+head dims 8-32, a hidden size that is or is not heads × head dim, intermediate 64-160, 1-2 layers, tied or separate
+embeddings, the dynamo or the TorchScript exporter), random weights (norm weights perturbed apart), saved with
+``save_pretrained``; then ``layerzero export`` and each option set of ``VARIANTS`` through ``layerzero compile``
+(verification on). It passes when every compile succeeds, the float bundle's greedy ids equal transformers' own
+``generate`` on the same weights, and every bundle's ids are the same with the native attention's cache buffers and
+without (``LAYERZERO_KV_BUFFER``).
+
+    python -m tests.fuzz.decoders --cases 24 [--start 0]    # the long run (about 40 s a case on 2 cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parents[2]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+__all__ = ["FAMILIES", "VARIANTS", "check", "config_for", "main"]
+
+FAMILIES = ("LlamaConfig", "Qwen2Config", "MistralConfig", "Qwen3Config", "Phi3Config", "GemmaConfig", "Olmo2Config",
+            "GraniteConfig")  # fmt: skip
+_WIDE = ["--max-deviation", "1e9"]  # activation sparsity's deviation is on purpose
+VARIANTS: tuple[tuple[str, ...], ...] = (
+    (),
+    ("--weights", "int4"),
+    ("--weights", "int4", "--linear-kernel", "native"),
+    ("--weights", "int8", "--linear-kernel", "native"),
+    ("--activation-sparsity", "0.3", *_WIDE),
+    ("--weights", "int4", "--linear-kernel", "native", "--activation-sparsity", "0.3", *_WIDE),
+)
+PROMPT, NEW = 6, 8
+
+
+def config_for(seed: int) -> tuple[str, dict, str]:
+    """(config class name, its keyword arguments, exporter) for ``seed``."""
+    rng = random.Random(seed)
+    family = rng.choice(FAMILIES)
+    heads = rng.choice([2, 3, 4, 6])
+    kv = rng.choice([h for h in (1, 2, 3, heads) if heads % h == 0])
+    head_dim = rng.choice([8, 16, 32])
+    kwargs = {
+        "hidden_size": rng.choice([heads * head_dim, 64, 96]),
+        "intermediate_size": rng.choice([64, 96, 128, 160]),
+        "num_hidden_layers": rng.choice([1, 2]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "vocab_size": rng.choice([128, 200, 256]),
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": rng.random() < 0.5,
+        "head_dim": head_dim,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    if family == "Phi3Config":  # no head_dim option: hidden / heads
+        kwargs.pop("head_dim")
+    return family, kwargs, rng.choice(["dynamo", "torchscript"])
+
+
+def _layerzero(args: list[str]) -> tuple[int, str]:
+    done = subprocess.run([sys.executable, "-m", "layerzero", *args], capture_output=True, text=True, check=False)
+    text = (done.stderr.strip() or done.stdout.strip()).splitlines()
+    return done.returncode, text[-1][:300] if text else ""
+
+
+def check(seed: int, variants: tuple[tuple[str, ...], ...] = VARIANTS) -> list[str]:
+    """The failures of case ``seed`` (``[]``: it passed)."""
+    import torch
+    import transformers
+
+    from layerzero.runtime import Engine
+
+    family, kwargs, exporter = config_for(seed)
+    label = f"seed {seed} {family} {exporter} {kwargs}"
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, family)(**kwargs)).eval()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:  # all ones at init: the exporter would share one initializer among them
+                    param.add_(0.1 * torch.randn_like(param))
+        model.save_pretrained(folder / "hf")
+        rng = random.Random(seed + 1)
+        prompt = [rng.randrange(3, kwargs["vocab_size"]) for _ in range(PROMPT)]
+        model.generation_config.eos_token_id = None
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                                  pad_token_id=0)[0, PROMPT:].tolist()  # fmt: skip
+        rc, err = _layerzero(["export", str(folder / "hf"), "-o", str(folder / "m.onnx"), "--exporter", exporter])
+        if rc != 0:
+            return [f"{label}: export exit {rc}: {err}"]
+        failures = []
+        for k, variant in enumerate(variants):
+            bundle = folder / f"b{k}.lz"
+            rc, err = _layerzero(["compile", str(folder / "m.onnx"), "-o", str(bundle), *variant])
+            if rc != 0:
+                failures.append(f"{label} {' '.join(variant) or 'float'}: compile exit {rc}: {err}")
+                continue
+            engine = Engine.load(bundle)
+            got = {}
+            for buffers in ("1", "0"):
+                os.environ["LAYERZERO_KV_BUFFER"] = buffers
+                try:
+                    got[buffers] = engine.generate(prompt, max_new_tokens=NEW, stop_tokens=()).ids
+                finally:
+                    os.environ.pop("LAYERZERO_KV_BUFFER", None)
+            if not variant and got["1"] != want:
+                failures.append(f"{label}: float ids {got['1']} != transformers' {want}")
+            if got["1"] != got["0"]:
+                failures.append(f"{label} {' '.join(variant)}: ids with cache buffers {got['1']} != without {got['0']}")
+        return failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", type=int, default=24)
+    ap.add_argument("--start", type=int, default=0)
+    args = ap.parse_args(argv)
+    started = time.perf_counter()
+    failed = 0
+    for seed in range(args.start, args.start + args.cases):
+        lines = check(seed)
+        failed += len(lines)
+        for line in lines:
+            print(line, flush=True)
+        print(f"seed {seed}: {'ok' if not lines else 'FAILED'}", flush=True)
+    print(f"{args.cases} cases x {len(VARIANTS)} compiles in {time.perf_counter() - started:.0f} s: {failed} failures")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
