@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.fuzz.decoders import FAMILIES, VARIANTS, check, config_for
+from tests.fuzz.decoders import FAMILIES, MOE_FAMILIES, VARIANTS, check, config_for
 
 pytestmark = pytest.mark.slow
 
@@ -29,3 +29,14 @@ def test_configs_are_seeded_and_span_the_families() -> None:
     for seed in range(40):
         _, kwargs, _ = config_for(seed)
         assert kwargs["num_attention_heads"] % kwargs["num_key_value_heads"] == 0
+
+
+def test_moe_configs_draw_the_moe_families_and_build() -> None:
+    import transformers
+
+    drawn = {config_for(seed, moe=True)[0] for seed in range(40)}
+    assert drawn == set(MOE_FAMILIES)
+    for seed in range(8):
+        family, kwargs, _ = config_for(seed, moe=True)
+        config = getattr(transformers, family)(**kwargs)
+        assert config.num_experts_per_tok in (1, 2, 3)
