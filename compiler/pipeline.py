@@ -441,7 +441,8 @@ def sparsify_activations(
     # op onnx cannot infer) is neither calibrated nor allocated: recorded as refused here, as the pass would.
     unknown = [r for r in (group_refusal(g, native=False) for g in groups) if r is not None]
     record_refusals(model, unknown)
-    groups = [g for g in groups if g.name not in {r.path for r in unknown}]
+    refused = {r.path for r in unknown}
+    groups = [g for g in groups if g.name not in refused]
     if options.quant_bits:
         # Quantized experts keep the dense kernel (the input-major layout is float only): a sparsified expert group
         # would cost accuracy and save nothing, so the allocation never sees one.
