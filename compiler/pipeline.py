@@ -422,18 +422,15 @@ def sparsify_activations(
         return None
     from layerzero.activation_calibration import profiled_groups
     from layerzero.errors import InvalidInputError
-    from layerzero.passes._quant_codes import EXPERT_BLOCK
+    from layerzero.passes.quantize_weights import unreadable_format
     from layerzero.passes.sparsify_activations import find_groups, group_refusal, record_refusals
 
-    unreadable = options.quant_bits and (options.quant_block != EXPERT_BLOCK or not options.quant_symmetric)
-    if unreadable and _native_activation_form(options, target):
+    if options.quant_bits and _native_activation_form(options, target):
         # Said before the calibration (minutes on a real model), not by the quantization after it.
-        what = f"blocks of {options.quant_block}" if options.quant_block != EXPERT_BLOCK else "zero points"
-        raise InvalidInputError(
-            f"option quant_block / quant_symmetric: --activation-sparsity compiles to the SparseLinear kernel "
-            f"(liblayerzero_ort.so), which reads symmetric blocks of {EXPERT_BLOCK} along K only, not {what}; use "
-            f"--quant-block {EXPERT_BLOCK} without --quant-asymmetric, or no activation sparsity"
-        )
+        kernel = "--activation-sparsity compiles to the SparseLinear kernel (liblayerzero_ort.so), which"
+        refusal = unreadable_format(options.quant_block, options.quant_symmetric, kernel, "no activation sparsity")
+        if refusal is not None:
+            raise refusal
 
     InferShapes()(model)
     groups = find_groups(model)
@@ -443,12 +440,20 @@ def sparsify_activations(
     record_refusals(model, unknown)
     refused = {r.path for r in unknown}
     groups = [g for g in groups if g.name not in refused]
-    if options.quant_bits:
+    quantized_experts = [g for g in groups if g.experts] if options.quant_bits else []
+    if quantized_experts:
         # Quantized experts keep the dense kernel (the input-major layout is float only): a sparsified expert group
         # would cost accuracy and save nothing, so the allocation never sees one.
         groups = [g for g in groups if not g.experts]
     if not groups:
         where = f"--activation-sparsity {options.activation_sparsity:g}"
+        if quantized_experts:
+            raise InvalidInputError(
+                f"{where} with --weights {options.weights}: the model's only projection groups are MoE experts "
+                f"({len(quantized_experts)}, the first {quantized_experts[0].name!r}), and quantized experts keep the "
+                "dense kernel (the sparse kernels' input-major layout is float), so nothing to sparsify; compile "
+                "the experts activation-sparse with float weights, or without --activation-sparsity"
+            )
         if unknown:
             raise InvalidInputError(
                 f"{where}: the input rank of every projection group is unknown ({len(unknown)}, the first "

@@ -106,6 +106,19 @@ ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 
+def unreadable_format(block: int, symmetric: bool, kernel: str, otherwise: str) -> InvalidInputError | None:
+    """The one-line refusal of a quantization format ``kernel`` (liblayerzero_ort.so's native MoE or SparseLinear
+    kernel, named with what it would run) cannot read: it reads symmetric blocks of ``EXPERT_BLOCK`` along K only.
+    None where ``block`` / ``symmetric`` are that format; ``otherwise`` names the other way out."""
+    if block == EXPERT_BLOCK and symmetric:
+        return None
+    what = f"blocks of {block}" if block != EXPERT_BLOCK else "zero points (--quant-asymmetric)"
+    return InvalidInputError(
+        f"option quant_block / quant_symmetric: {kernel} reads symmetric blocks of {EXPERT_BLOCK} along K only, not "
+        f"{what}; use --quant-block {EXPERT_BLOCK} without --quant-asymmetric, or {otherwise}"
+    )
+
+
 class QuantizeWeights(ir.passes.InPlacePass):
     """The module docstring's cases. ``bits`` 4 or 8; ``block`` (MatMulNBits' block_size: a power of two >= 16);
     ``symmetric`` (False: with zero points); ``accuracy_level`` (MatMulNBits' 0-4, also QMoE's).
@@ -249,15 +262,12 @@ class QuantizeWeights(ir.passes.InPlacePass):
     def _moe(self, builder: Builder, node: ir.Node) -> None:
         view = MoENode.of(node)
         need(view.weight_format == "f", f"experts already {view.weight_format}", node)
-        if self.block != EXPERT_BLOCK or not self.symmetric:
-            # Refused, not approximated: the quantized-dense reference quantizes these experts' MatMuls with the
-            # options given, so experts in another format would not be the model verification compares against.
-            what = f"blocks of {self.block}" if self.block != EXPERT_BLOCK else "zero points (--quant-asymmetric)"
-            raise InvalidInputError(
-                f"option quant_block / quant_symmetric: the native MoE kernel (liblayerzero_ort.so, block "
-                f"{view.path or node.name}) reads symmetric blocks of {EXPERT_BLOCK} only, not {what}; use "
-                f"--quant-block {EXPERT_BLOCK} without --quant-asymmetric, or --moe-lowering if / ort-moe"
-            )
+        # Refused, not approximated: the quantized-dense reference quantizes these experts' MatMuls with the
+        # options given, so experts in another format would not be the model verification compares against.
+        refusal = unreadable_format(self.block, self.symmetric, f"the native MoE kernel (liblayerzero_ort.so, block "
+                                    f"{view.path or node.name})", "--moe-lowering if / ort-moe")  # fmt: skip
+        if refusal is not None:
+            raise refusal
         arrays = []
         for value in (view.w_gate, view.w_up, view.w_down):
             # Experts read one at a time where the rewrite left them lazy (passes/_moe/lazy.py): never held whole.
@@ -292,14 +302,11 @@ class QuantizeWeights(ir.passes.InPlacePass):
         fmt = "f" if attr is None else attr.value
         need(fmt == "f", f"weight already {fmt}", node)
         path = _attr(node, "path") or node.name or "sparse_linear"
-        if self.block != EXPERT_BLOCK or not self.symmetric:
-            # Refused, not approximated (as the native experts): the kernel reads one format only.
-            what = f"blocks of {self.block}" if self.block != EXPERT_BLOCK else "zero points (--quant-asymmetric)"
-            raise InvalidInputError(
-                f"option quant_block / quant_symmetric: the SparseLinear kernel (liblayerzero_ort.so, projection "
-                f"{path}) reads symmetric blocks of {EXPERT_BLOCK} along K only, not {what}; use --quant-block "
-                f"{EXPERT_BLOCK} without --quant-asymmetric, or no activation sparsity"
-            )
+        # Refused, not approximated (as the native experts): the kernel reads one format only.
+        refusal = unreadable_format(self.block, self.symmetric, f"the SparseLinear kernel (liblayerzero_ort.so, "
+                                    f"projection {path})", "no activation sparsity")  # fmt: skip
+        if refusal is not None:
+            raise refusal
         need(len(node.inputs) >= 3, "an input is missing", node)
         w = node.inputs[1]
         array = const_array(w)

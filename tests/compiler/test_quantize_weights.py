@@ -373,7 +373,7 @@ def test_ort_moe_becomes_qmoe_and_if_becomes_matmulnbits(form):
 
 
 def test_native_refuses_other_blocks(native):
-    with pytest.raises(InvalidInputError, match="reads symmetric blocks of 32 only, not blocks of 64"):
+    with pytest.raises(InvalidInputError, match="reads symmetric blocks of 32 along K only, not blocks of 64"):
         compile_model(build_moe(_moe_config()), CompileOptions(weights="int4", quant_block=64, moe_lowering="native"))
     with pytest.raises(InvalidInputError, match="not zero points"):
         compile_model(build_moe(_moe_config()), CompileOptions(weights="int4", quant_symmetric=False,

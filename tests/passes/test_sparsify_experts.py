@@ -164,3 +164,23 @@ def test_experts_below_the_break_even_level_stay_dense(target, dense):
     assert any(n.op_type == "Where" for n in model.graph) is not dense
     if dense:
         assert record["realized_on_calibration"] == 0.0
+
+
+def test_activation_sparsity_on_quantized_experts_alone_says_why_nothing_is_sparsified():
+    """A MoE model whose only projection groups are its experts, with ``--weights``: quantized experts keep the dense
+    kernel, so the compile refuses in one line naming that (not "no float MatMul", which the model has)."""
+    from layerzero.compile import compile_model
+    from layerzero.errors import InvalidInputError
+    from layerzero.models.moe import MoEConfig, build_moe
+    from layerzero.options import CompileOptions
+
+    proto = build_moe(MoEConfig(hidden=64, ffn=64, experts=4, top_k=2))
+    options = CompileOptions(weights="int4", activation_sparsity=0.3, max_deviation=1e9, moe_lowering="if")
+    with pytest.raises(InvalidInputError, match=r"--weights int4: the model's only projection groups are MoE "
+                                                r"experts \(1, the first 'layers\.0\.moe\.experts\.gate_up'\), and quantized "
+                                                r"experts keep the dense kernel") as info:  # fmt: skip
+        compile_model(proto, options)
+    assert "\n" not in str(info.value)
+    # float experts are sparsified
+    result = compile_model(proto, CompileOptions(activation_sparsity=0.5, max_deviation=1e9, moe_lowering="if"))
+    assert result.activation_sparsity["groups"]["layers.0.moe.experts.gate_up"] > 0
