@@ -44,6 +44,7 @@ __all__ = [
     "moe_feeds",
     "moe_layer_weights",
     "moe_parameter_count",
+    "with_expert_biases",
 ]
 
 logger = logging.getLogger(__name__)
@@ -382,3 +383,27 @@ def build_moe(config: MoEConfig = MoEConfig()) -> onnx.ModelProto:
     model = helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION, producer_name="layerzero.models.moe")
     logger.debug("built MoE model: %s, %d layers, %d nodes", config.form, config.layers, len(g.nodes))
     return model
+
+
+def with_expert_biases(proto: onnx.ModelProto, seed: int = 3, std: float = 0.5) -> onnx.ModelProto:
+    """``proto`` (a ``dense`` or ``unrolled`` model of ``build_moe``, changed in place) with every expert projection
+    ``MatMul(x, W)`` followed by ``+ b``: ``[out]`` for one expert's ``[in, out]`` weight, ``[E, 1, out]`` for
+    stacked ``[E, in, out]`` weights; normal(0, ``std``) from ``seed``."""
+    rng = np.random.default_rng(seed)
+    inits = {t.name: t for t in proto.graph.initializer}
+    nodes = []
+    for node in proto.graph.node:
+        nodes.append(node)
+        weight = inits.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) > 1 else None
+        if weight is None or "_proj" not in node.input[1]:
+            continue
+        dims = list(weight.dims)
+        shape = [dims[1]] if len(dims) == 2 else [dims[0], 1, dims[2]]
+        bias = f"{node.input[1]}.bias"
+        proto.graph.initializer.append(numpy_helper.from_array(rng.normal(0, std, shape).astype(np.float32), bias))
+        out = node.output[0]
+        node.output[0] = f"{out}.no_bias"
+        nodes.append(helper.make_node("Add", [node.output[0], bias], [out], name=f"{node.name}/bias"))
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    return proto

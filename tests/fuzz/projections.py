@@ -37,7 +37,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +49,17 @@ _ROOT = Path(__file__).resolve().parents[2]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-__all__ = ["EXPECTED_REFUSALS", "KINDS", "OPTIONS", "QUANTIZED_OPTIONS", "check", "generate", "main", "ort_quantized"]
+__all__ = [
+    "EXPECTED_REFUSALS",
+    "KINDS",
+    "OPTIONS",
+    "QUANTIZED_OPTIONS",
+    "check",
+    "generate",
+    "main",
+    "ort_quantized",
+    "run_seeds",
+]
 
 KINDS = ("mlp", "qkv", "gemm", "shared", "fp16", "transposed", "graph_input", "batched", "tied", "output", "qdq",
          "k48", "zero", "two_layers", "flag", "branches", "gemm_bias_row")  # fmt: skip
@@ -394,6 +404,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    return run_seeds(check, args.start, args.cases, f"{len(OPTIONS)} option sets")
+
+
+def run_seeds(check_case: Callable[[int, str | None], list[str]], start: int, cases: int, what: str) -> int:
+    """A fuzzer's long run: ``check_case(seed, library)`` for ``cases`` seeds from ``start`` (``library``:
+    liblayerzero_ort.so, None where it is not built), each failure printed as it comes; 1 when any failed."""
     from layerzero.plugins.ort_library import find_ort_library
 
     library = find_ort_library()
@@ -401,12 +417,11 @@ def _run(args: argparse.Namespace) -> int:
         print("liblayerzero_ort.so is not built (layerzero plugins build): the native option sets are skipped")
     started = time.perf_counter()
     failed = 0
-    for seed in range(args.start, args.start + args.cases):
-        for line in check(seed, None if library is None else str(library)):
+    for seed in range(start, start + cases):
+        for line in check_case(seed, None if library is None else str(library)):
             failed += 1
             print(line, flush=True)
-    print(f"{args.cases} cases x {len(OPTIONS)} option sets in {time.perf_counter() - started:.0f} s: "
-          f"{failed} failures")  # fmt: skip
+    print(f"{cases} cases x {what} in {time.perf_counter() - started:.0f} s: {failed} failures")
     return 1 if failed else 0
 
 

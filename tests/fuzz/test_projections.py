@@ -8,18 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
-
-import pytest
 
 from tests.fuzz.projections import KINDS, OPTIONS, check, generate, quiet
-from tests.plugins.native_build import build_ort_test_library
-
-
-@pytest.fixture(scope="module")
-def library() -> Iterator[str]:
-    with quiet():  # the levels come back after the module: later tests read the logs (caplog)
-        yield str(build_ort_test_library())
 
 
 def test_projection_graphs_compile_verify_and_run(library: str) -> None:

@@ -577,25 +577,9 @@ def test_experts_of_one_projection_are_refused_with_the_reason() -> None:
 
 
 def _with_biases(proto: onnx.ModelProto, seed: int = 3) -> onnx.ModelProto:
-    """Every expert projection ``MatMul(x, W)`` of a ``layerzero.models.moe`` block followed by ``+ b``: ``[out]``
-    for one expert's ``[in, out]`` weight, ``[E, 1, out]`` for stacked ``[E, in, out]`` weights."""
-    rng = np.random.default_rng(seed)
-    inits = {t.name: t for t in proto.graph.initializer}
-    nodes = []
-    for node in proto.graph.node:
-        nodes.append(node)
-        weight = inits.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) > 1 else None
-        if weight is None or "_proj" not in node.input[1]:
-            continue
-        dims = list(weight.dims)
-        shape = [dims[1]] if len(dims) == 2 else [dims[0], 1, dims[2]]
-        bias = f"{node.input[1]}.bias"
-        proto.graph.initializer.append(_c(bias, rng.normal(0, 0.5, shape).astype(np.float32)))
-        out = node.output[0]
-        node.output[0] = f"{out}.no_bias"
-        nodes.append(helper.make_node("Add", [node.output[0], bias], [out], name=f"{node.name}/bias"))
-    del proto.graph.node[:]
-    proto.graph.node.extend(nodes)
+    from layerzero.models.moe import with_expert_biases
+
+    proto = with_expert_biases(proto, seed)
     onnx.checker.check_model(proto)
     return proto
 

@@ -1,0 +1,46 @@
+"""CI run of the MoE-pass fuzzer (``moe_blocks.py``): seeded mixture-of-experts blocks in every form the rewrite
+matches, through every lowering, ``--weights``, a zeroing threshold, solidify and ``--activation-sparsity``, every
+compile verified and the exact ones compared with the original.
+
+``LAYERZERO_MOE_CASES`` sets the number of cases (default 12: about 4 s of CPU each, 15 compiles and a second
+compile each); the long run is ``python -m tests.fuzz.moe_blocks --cases 300``."""
+
+from __future__ import annotations
+
+import os
+
+import onnx_ir as ir
+
+from tests.fuzz.moe_blocks import OPTIONS, check, draw, exact, generate
+from tests.fuzz.projections import quiet
+
+
+def test_moe_blocks_compile_verify_and_run(library: str) -> None:
+    cases = int(os.environ.get("LAYERZERO_MOE_CASES", "12"))
+    with quiet():
+        failures = [line for seed in range(cases) for line in check(seed, library)]
+    assert not failures, "\n".join(failures[:10])
+
+
+def test_the_generator_covers_its_forms_and_is_deterministic() -> None:
+    cases = [draw(seed) for seed in range(80)]
+    seen = {(c.config.form, c.config.routing if c.config.form != "batched_mm" else "") for c in cases}
+    assert {("batched_mm", ""), ("dense", "scatter"), ("dense", "scatter-rows"), ("dense", "onehot"),
+            ("unrolled", "scatter"), ("unrolled", "onehot")} <= seen  # fmt: skip
+    for attribute in ("biases", "projection"):
+        assert any(getattr(c, attribute) for c in cases) and not all(getattr(c, attribute) for c in cases)
+    assert any(c.config.never_routed for c in cases) and any(c.config.hidden % 32 for c in cases)
+    assert {c.config.scoring for c in cases} == {"softmax", "sigmoid"}
+    assert generate(5)[1].SerializeToString() == generate(5)[1].SerializeToString()
+    assert [exact(o) for o in OPTIONS[:4]] == [True] * 4 and not exact({"weights": "int8"})
+
+
+def test_a_block_left_unrewritten_is_a_failure(library: str, monkeypatch) -> None:
+    """The checker is able to fail: a rewrite that finds nothing is reported with the seed and the option set."""
+    from layerzero.passes.moe import SkipExperts
+
+    monkeypatch.setattr(SkipExperts, "call", lambda self, model: ir.passes.PassResult(model, False))
+    with quiet():
+        failures = check(0, library, OPTIONS[:1])
+    assert len(failures) == 1 and failures[0].startswith("seed 0 (")
+    assert failures[0].endswith("options 0 {'moe_lowering': 'if'}: blocks rewritten [], expected ['layers.0.moe']")
