@@ -215,7 +215,7 @@ DYNAMIC_PASSES: list[DynamicPass] = [
     # The spec is read here, in the compiler (passes know no file system).
     DynamicPass(GroupMasksFromFile, GroupMasksFromFile),
     # MoE: rewrite each block into the skipping form ai.layerzero::MoE (each target lowers it afterwards).
-    DynamicPass(SkipExperts, lambda o: SkipExperts(o.zeroing_threshold)),
+    DynamicPass(SkipExperts, lambda o: SkipExperts(o.zeroing_threshold, quantized_experts=native_moe_lowering(o))),
     # Solidify (options.solidify, from a profile): drop experts from the skipping form, before lowering.
     DynamicPass(DropExperts, lambda o: DropExperts(frozenset(o.solidify or ()))),
     # Gated branches last: an MoE's weighted expert sum looks like x + g * f(x) too (here it is one MoE node).
@@ -472,6 +472,17 @@ def sparsify_activations(
     record = _sparsify(model, options, samples, rows, target, after_pass, requests, experts)
     record["refused"] = [r.to_json() for r in unknown] + record["refused"]
     return record
+
+
+def native_moe_lowering(options: CompileOptions) -> bool:
+    """Whether the MoE blocks of this compile may be lowered to liblayerzero_ort.so's native kernel (the only
+    lowering that runs quantized experts): a bundle for ONNX Runtime's CPU, ``moe_lowering`` auto or native, the
+    library built. A block the kernel cannot run still falls back (``lower_moe``)."""
+    if options.target != "onnxruntime" or options.device != "cpu" or options.moe_lowering not in ("auto", "native"):
+        return False
+    from layerzero.plugins.ort_library import find_ort_library
+
+    return find_ort_library() is not None
 
 
 def _native_activation_form(options: CompileOptions, target: str) -> bool:

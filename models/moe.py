@@ -41,6 +41,7 @@ __all__ = [
     "FORMS",
     "MoEConfig",
     "build_moe",
+    "build_qmoe",
     "moe_feeds",
     "moe_layer_weights",
     "moe_parameter_count",
@@ -407,3 +408,74 @@ def with_expert_biases(proto: onnx.ModelProto, seed: int = 3, std: float = 0.5) 
     del proto.graph.node[:]
     proto.graph.node.extend(nodes)
     return proto
+
+
+def build_qmoe(*, experts: int = 8, hidden: int = 64, ffn: int = 64, top_k: int = 2, bits: int = 4,
+               block: int | None = 32, accuracy: int = 0, activation: str = "swiglu", normalize: bool = True,
+               biases: bool = False, oai: bool = False, zero_points: bool = False, scale_dtype: type = np.float16,
+               router: bool = False, seed: int = 0) -> onnx.ModelProto:  # fmt: skip
+    """One ``com.microsoft::QMoE`` (ONNX Runtime 1.32's schema) on random weights, as ONNX Runtime GenAI's model
+    builder writes it: fc1 ``[E, 2F, H]`` (gate / up rows interleaved, ``swiglu_fusion`` 1), fc2 ``[E, H, F]``,
+    codes uint8 (4-bit: two a byte, low nibble first; fc1 ``[E, F, H]`` for an ``activation`` other than swiglu) with ``scale_dtype`` scales per ``block`` along K (None: one
+    per row); symmetric (codes + 2 ** (bits - 1), the default zero point) or, with ``zero_points``, asymmetric with
+    explicit uint8 zero points (4-bit: two a byte). Inputs ``x [T, H]`` and ``logits [T, E]``; with ``router`` the
+    logits are a ``MatMul`` of x in the graph (``/layers.0/moe/gate/MatMul``) and x the only input. Output ``y``."""
+    rng = np.random.default_rng(seed)
+    levels = 2**bits - 1
+
+    def pack(q: np.ndarray) -> np.ndarray:
+        q = q.astype(np.uint8)
+        return np.ascontiguousarray(q[..., 0::2] | (q[..., 1::2] << 4)) if bits == 4 else q
+
+    def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        e, n, k = w.shape
+        b = k if block is None else block
+        blocks = w.reshape(e, n, k // b, b)
+        if zero_points:
+            low, high = np.minimum(blocks.min(-1), 0), np.maximum(blocks.max(-1), 0)
+            scales = ((high - low) / levels).astype(scale_dtype)
+            d = scales.astype(np.float32)
+            zero = np.clip(np.rint(-low / d), 0, levels).astype(np.int64)
+            codes = np.clip(np.rint(blocks / d[..., None]) + zero[..., None], 0, levels)
+            zero = zero.reshape(e, n) if block is None else zero
+            zp = pack(zero) if bits == 8 or zero.shape[-1] % 2 == 0 else pack(np.pad(zero, [(0, 0)] * 2 + [(0, 1)]))
+        else:
+            qmax = 2 ** (bits - 1) - 1
+            scales = (np.abs(blocks).max(-1) / qmax).astype(scale_dtype)
+            d = scales.astype(np.float32)[..., None]
+            codes = np.clip(np.rint(blocks / d), -qmax, qmax) + 2 ** (bits - 1)
+            zp = None
+        codes = pack(codes.reshape(e, n, k).astype(np.int64))
+        return codes, scales.reshape(e, n) if block is None else scales, zp
+
+    gated = 2 if activation == "swiglu" else 1  # fc1's rows: gate and up interleaved, or one projection
+    fc1, s1, z1 = quantize(rng.normal(0, 0.2, (experts, gated * ffn, hidden)).astype(np.float32))
+    fc2, s2, z2 = quantize(rng.normal(0, 0.2, (experts, hidden, ffn)).astype(np.float32))
+    arrays = {"fc1": fc1, "s1": s1, "fc2": fc2, "s2": s2}
+    inputs = ["x", "logits", "fc1", "s1", "", "fc2", "s2", ""]
+    if biases:
+        arrays["b1"] = rng.normal(0, 0.1, (experts, gated * ffn)).astype(np.float32)
+        arrays["b2"] = rng.normal(0, 0.1, (experts, hidden)).astype(np.float32)
+        inputs[4], inputs[7] = "b1", "b2"
+    if zero_points:
+        arrays["z1"], arrays["z2"] = z1, z2
+        inputs += ["", "", "", "z1", "z2"]
+    attrs = dict(k=top_k, activation_type=activation, normalize_routing_weights=int(normalize),
+                 expert_weight_bits=bits, swiglu_fusion=1, accuracy_level=accuracy)  # fmt: skip
+    if block is not None:
+        attrs["block_size"] = block
+    if oai:
+        attrs.update(activation_alpha=1.702, activation_beta=1.0, swiglu_limit=7.0)
+    nodes = [helper.make_node("QMoE", inputs, ["y"], domain="com.microsoft", name="/layers.0/moe/QMoE", **attrs)]
+    tensor = helper.make_tensor_value_info
+    graph_inputs = [tensor("x", TensorProto.FLOAT, ["T", hidden])]
+    if router:
+        arrays["layers.0.moe.gate.weight"] = (rng.standard_normal((hidden, experts)) * hidden**-0.5).astype(np.float32)
+        nodes.insert(0, helper.make_node("MatMul", ["x", "layers.0.moe.gate.weight"], ["logits"],
+                                         name="/layers.0/moe/gate/MatMul"))  # fmt: skip
+    else:
+        graph_inputs.append(tensor("logits", TensorProto.FLOAT, ["T", experts]))
+    inits = [numpy_helper.from_array(np.ascontiguousarray(a), n) for n, a in arrays.items()]
+    graph = helper.make_graph(nodes, "qmoe", graph_inputs, [tensor("y", TensorProto.FLOAT, ["T", hidden])], inits)
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION)

@@ -61,12 +61,16 @@ class SkipExperts(ir.passes.InPlacePass):
     removed, so a second run finds nothing.
     """
 
-    def __init__(self, zeroing_threshold: float = 0.0) -> None:
-        """``zeroing_threshold`` (``CompileOptions.zeroing_threshold``) goes into each node."""
+    def __init__(self, zeroing_threshold: float = 0.0, quantized_experts: bool | None = None) -> None:
+        """``zeroing_threshold`` (``CompileOptions.zeroing_threshold``) goes into each node. ``quantized_experts``:
+        whether the lowering that follows runs quantized experts (a QMoE node quantizing its activations becomes
+        such experts only then; the pipeline says, knowing the target, the lowering and the library); None: this
+        build's native lowering decides (``_moe/qmoe.py``)."""
         super().__init__()
         if not (math.isfinite(zeroing_threshold) and zeroing_threshold >= 0):
             raise InvalidInputError(f"zeroing_threshold={zeroing_threshold!r}; expected a finite number >= 0")
         self.zeroing_threshold = float(zeroing_threshold)
+        self.quantized_experts = quantized_experts
         self.rewritten: list[tuple[str, str]] = []  # (path, form)
         self.rejected: list[Refusal] = []  # kind "moe": path (the block's scope), reason, node
 
@@ -107,7 +111,8 @@ class SkipExperts(ir.passes.InPlacePass):
             logger.info(
                 "MoE candidate at %s: not rewritten (at node %s): %s", r.path or "(no scope)", r.node or "?", r.reason
             )
-        quantized = rewrite_qmoe(model, names, self.zeroing_threshold, used_paths, self.rewritten, self.rejected)
+        quantized = rewrite_qmoe(model, names, self.zeroing_threshold, used_paths, self.rewritten, self.rejected,
+                                 self.quantized_experts)  # fmt: skip
         if matches or quantized:
             model.opset_imports[MOE_DOMAIN] = 1
         return ir.passes.PassResult(model, modified=bool(matches) or quantized)

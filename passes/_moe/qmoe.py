@@ -11,16 +11,19 @@ no ``swiglu_limit``) or GPT-OSS's ``swiglu_oai`` (``activation_beta`` 1: alpha a
 Two ways out, chosen so that the numbers stay ONNX Runtime's own (measured here: the float reference on the
 dequantized weights against QMoE, E4 H64 I64 top-2):
 - **quantized experts** (``weight_format`` q4 / q8, block 32, codes at 2-4, float16 scales at 10-12:
-  plugins/ort/README.md) when the format converts exactly (scales per block of a multiple of 32, or per row:
-  each block of 32 takes its block's / row's scale; no zero point but the default; scales exact in float16:
-  q4's nibbles are QMoE's codes, q8's codes are QMoE's XOR 0x80) AND QMoE itself quantizes the activations to
-  int8, as the native kernels do (block-wise 8-bit experts always, block-wise 4-bit at ``accuracy_level`` 4:
-  QMoE's output is then 2.6e-2 .. 1.25e-1 (|y| <= 12) away from float experts on the same weights, and <= 7.6e-6
-  from the native q4 / q8 op on the converted codes: the same arithmetic), AND this build's MoE lowering reads
-  quantized experts (``lower_moe_native.NATIVE_ATTRIBUTES`` has ``weight_format``);
+  plugins/ort/README.md) when QMoE itself quantizes the activations to int8 as the native kernels do (block-wise
+  8-bit experts always, block-wise 4-bit at ``accuracy_level`` 4) in the same blocks of 32 (QMoE quantizes them
+  per ``block_size``: blocks of 64 measured 0.14 apart), AND the format converts exactly (no zero point but the
+  default; scales exact in float16: q4's nibbles are QMoE's codes, q8's codes are QMoE's XOR 0x80) — QMoE's
+  output is then 2.6e-2 .. 1.25e-1 (|y| <= 12) away from float experts on the same weights, and <= 7.6e-6 from
+  the native q4 / q8 op on the converted codes: the same arithmetic — AND the compile's MoE lowering runs
+  quantized experts (``SkipExperts(quantized_experts=)``: liblayerzero_ort.so's native kernel; None: this build's
+  ``lower_moe_native.NATIVE_ATTRIBUTES`` has ``weight_format``);
 - **float experts** (the dequantized weights, ORT's arithmetic) when QMoE keeps float activations (per-row scales,
   4-bit below ``accuracy_level`` 4): the result equals QMoE's within ~2e-6, the weights take 8x (4-bit) the bytes.
-Otherwise the node is left as it is, and a ``Refusal`` (kind "moe") says why; every choice is logged.
+Otherwise the node is left as it is, and a ``Refusal`` (kind "moe") says why; every choice is logged. So is a
+node with ``normalize_routing_weights=0``: ONNX Runtime 1.32's CPU kernel renormalises the top-k weights anyway
+(measured), which is not the schema's meaning.
 """
 
 from __future__ import annotations
@@ -130,10 +133,10 @@ def _experts(node: ir.Node, w: int, s: int, zp: int, bits: int, block: int | Non
     if _input(node, zp) is not None:
         z = _constant(node, zp, f"{what} zero points")
         need(z.dtype == np.uint8, f"{what} zero points are not uint8", node)
-        if bits == 4:
+        if bits == 4:  # two a byte along the last axis: K's blocks, or N with one scale per row ([E, N / 2])
             unpacked = np.empty((*z.shape[:-1], z.shape[-1] * 2), np.int32)
             unpacked[..., 0::2], unpacked[..., 1::2] = z & 0x0F, z >> 4
-            z = unpacked[..., :kb]
+            z = unpacked[..., :kb] if block is not None else unpacked[..., :n]
         need(z.size == e * n * kb, f"{what} zero points {z.shape}", node)
         zero = z.reshape(e, n, kb).astype(np.int32)
     centred = (q.reshape(e, n, kb, k // kb) - zero[..., None]).reshape(e, n, k)
@@ -156,6 +159,10 @@ def _plan(node: ir.Node, quantized: bool | None) -> _Plan:
     need(str(_attr(node, "quant_type", "int")) == "int", f"quant_type {_attr(node, 'quant_type', '')!r}", node)
     need(int(_attr(node, "weights_prepacked", -1)) in (-1, 0), "weights_prepacked=1 (an EP's own layout)", node)
     need(not int(_attr(node, "use_sparse_mixer", 0)), "use_sparse_mixer (PhiMoE routing)", node)
+    # ONNX Runtime 1.32's CPU QMoE renormalises the top-k weights whatever this attribute says (measured: its
+    # outputs with 0 and 1 are equal); the schema's 0 means not to. Which one the model means is not known here.
+    why = "normalize_routing_weights=0 (ONNX Runtime's CPU QMoE renormalises anyway, its schema says not to)"
+    need(int(_attr(node, "normalize_routing_weights", 0)) == 1, why, node)
     need(_input(node, _ROUTER_WEIGHTS) is None, "router_weights (separate mixing weights)", node)
     need(all(v is None for v in node.inputs[15:]), "fp4 / fp8 scales inputs", node)
     need(_input(node, _FC3) is None, "a separate fc3 (ONNX Runtime's CPU QMoE does not run it)", node)
@@ -209,9 +216,15 @@ def _plan(node: ir.Node, quantized: bool | None) -> _Plan:
         if exact is not None:
             raise NoMatch(f"int8 activations (as the native kernels) but {exact}: dequantized float experts would "
                           "change QMoE's numbers", node)  # fmt: skip
+        if block != BLOCK:
+            # QMoE quantizes the activations per block of block_size, the native kernels per 32: measured 0.14
+            # apart (q4, block 64, accuracy_level 4, |y| <= 3) where blocks of 32 agree within 7.6e-6.
+            raise NoMatch(f"int8 activations in blocks of {block} (the native kernels quantize them per {BLOCK}: "
+                          "other numbers than QMoE's)", node)  # fmt: skip
         if not lowering:
-            raise NoMatch("int8 activations, and this build's MoE lowering has no quantized experts "
-                          "(lower_moe_native): float experts would change QMoE's numbers", node)  # fmt: skip
+            raise NoMatch("int8 activations, and this compile's MoE lowering runs no quantized experts (only "
+                          "liblayerzero_ort.so's native kernel does): float experts would change QMoE's numbers",
+                          node)  # fmt: skip
         form = f"q{bits}"
         why = f"q{bits} experts in blocks of {BLOCK}, from QMoE's blocks of {block} (exact; int8 activations in both)"
         for part, (codes, scales) in (

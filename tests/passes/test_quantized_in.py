@@ -358,50 +358,11 @@ def _run_node(node: ir.Node, a: np.ndarray | None = None) -> list[np.ndarray]:
 E, H, F, TOP_K = 8, 64, 64, 2
 
 
-def _qmoe(bits: int, *, block: int | None = 32, accuracy: int = 0, activation: str = "swiglu", seed: int = 0,
-          biases: bool = False, oai: bool = False) -> onnx.ModelProto:  # fmt: skip
-    """One ``com.microsoft::QMoE`` (ORT 1.32's schema) on random weights: fc1 [E, 2F, H] (gate / up rows
-    interleaved, swiglu_fusion 1), fc2 [E, H, F], quantized symmetrically (codes + 2 ** (bits - 1), the default zero
-    point) with float16 scales per ``block`` along K (None: one per row)."""
-    rng = np.random.default_rng(seed)
-    qmax, zero = (7, 8) if bits == 4 else (127, 128)
+def _qmoe(bits: int, **kwargs) -> onnx.ModelProto:
+    """One ``com.microsoft::QMoE`` of ``E`` experts, top ``TOP_K``, H x F (``layerzero.models.moe.build_qmoe``)."""
+    from layerzero.models.moe import build_qmoe
 
-    def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        e, n, k = w.shape
-        b = k if block is None else block
-        blocks = w.reshape(e, n, k // b, b)
-        scales = (np.abs(blocks).max(-1) / qmax).astype(np.float16)
-        d = scales.astype(np.float32)[..., None]
-        codes = (np.clip(np.rint(blocks / d), -qmax, qmax).astype(np.int64) + zero).reshape(e, n, k).astype(np.uint8)
-        if bits == 4:
-            codes = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
-        return codes, scales.reshape(e, n) if block is None else scales
-
-    fc1, s1 = quantize(rng.normal(0, 0.2, (E, 2 * F, H)).astype(np.float32))
-    fc2, s2 = quantize(rng.normal(0, 0.2, (E, H, F)).astype(np.float32))
-    inits = [onnx.numpy_helper.from_array(a, n) for n, a in (("fc1", fc1), ("s1", s1), ("fc2", fc2), ("s2", s2))]
-    inputs = ["x", "logits", "fc1", "s1", "", "fc2", "s2", ""]
-    if biases:
-        inits += [onnx.numpy_helper.from_array(rng.normal(0, 0.1, (E, 2 * F)).astype(np.float32), "b1"),
-                  onnx.numpy_helper.from_array(rng.normal(0, 0.1, (E, H)).astype(np.float32), "b2")]  # fmt: skip
-        inputs[4], inputs[7] = "b1", "b2"
-    attrs = dict(k=TOP_K, activation_type=activation, normalize_routing_weights=1, expert_weight_bits=bits,
-                 swiglu_fusion=1, accuracy_level=accuracy)  # fmt: skip
-    if block is not None:
-        attrs["block_size"] = block
-    if oai:
-        attrs.update(activation_alpha=1.702, activation_beta=1.0, swiglu_limit=7.0)
-    node = onnx.helper.make_node("QMoE", inputs, ["y"], domain="com.microsoft", name="layers.0.moe/QMoE", **attrs)
-    tensor = onnx.helper.make_tensor_value_info
-    graph = onnx.helper.make_graph(
-        [node],
-        "qmoe",
-        [tensor("x", onnx.TensorProto.FLOAT, ["T", H]), tensor("logits", onnx.TensorProto.FLOAT, ["T", E])],
-        [tensor("y", onnx.TensorProto.FLOAT, ["T", H])],
-        inits,
-    )
-    opsets = [onnx.helper.make_opsetid("", 21), onnx.helper.make_opsetid("com.microsoft", 1)]
-    return onnx.helper.make_model(graph, opset_imports=opsets)
+    return build_qmoe(experts=E, hidden=H, ffn=F, top_k=TOP_K, bits=bits, **kwargs)
 
 
 def _moe_feeds(tokens: int, seed: int = 1) -> dict[str, np.ndarray]:
@@ -518,7 +479,7 @@ def _run_any(model: ir.Model, feeds: dict[str, np.ndarray]) -> np.ndarray:
 @pytest.mark.parametrize(
     ("kwargs", "quantized", "reason"),
     [
-        (dict(bits=8), False, "this build's MoE lowering has no quantized experts"),
+        (dict(bits=8), False, "this compile's MoE lowering runs no quantized experts"),
         (dict(bits=8, block=16), True, "blocks of 16 (a block of 32 would take two different scales)"),
         (dict(bits=4, activation="relu"), None, "activation_type 'relu': non-gated experts"),
     ],
@@ -591,3 +552,55 @@ def test_constant_folding_keeps_a_dequantize_linear_weight(tmp_path: Path) -> No
     assert not FoldConstants()(model).modified
     matmuls = [n for n in model.graph if n.op_type == "MatMul"]
     assert len(matmuls) == 3 and all(n.inputs[1].producer().op_type == "DequantizeLinear" for n in matmuls)
+
+
+def test_qmoe_without_normalized_routing_is_left_as_onnx_runtime_renormalises_anyway() -> None:
+    """ONNX Runtime 1.32's CPU QMoE gives the same output with ``normalize_routing_weights`` 0 and 1 (the schema:
+    0 keeps the softmax weights); the skipping form would honour the 0, so the node is left, saying why."""
+    unnormalized, normalized = _qmoe(4, accuracy=0, normalize=False), _qmoe(4, accuracy=0)
+    feeds = _moe_feeds(5)
+    outputs = [ort.InferenceSession(p.SerializeToString(), providers=["CPUExecutionProvider"]).run(["y"], feeds)[0]
+               for p in (unnormalized, normalized)]  # fmt: skip
+    np.testing.assert_array_equal(*outputs)  # when this fails, ONNX Runtime honours the 0: rewrite it again
+    _model, skip, result = _skip_experts(unnormalized)
+    assert not result.modified and "normalize_routing_weights=0" in skip.rejected[0].reason
+    compiled = compile_model(unnormalized, CompileOptions())
+    np.testing.assert_array_equal(_run_any(compiled.model, feeds), outputs[0])
+
+
+def test_qmoe_quantizing_activations_in_blocks_of_64_is_left() -> None:
+    """QMoE quantizes its int8 activations per block_size; the native kernels per 32 (measured 0.14 apart at 64)."""
+    _model, skip, result = _skip_experts(_qmoe(4, block=64, accuracy=4), quantized=True)
+    assert not result.modified and "int8 activations in blocks of 64" in skip.rejected[0].reason
+    assert _skip_experts(_qmoe(4, block=64, accuracy=0))[1].rewritten == [("layers.0.moe", "qmoe-float")]
+
+
+@pytest.mark.parametrize("lowering", ["if", "ort-moe"])
+def test_qmoe_with_int8_activations_stays_qmoe_under_a_lowering_without_quantized_experts(lowering: str) -> None:
+    """Only the native kernel runs quantized experts: with another lowering the QMoE node stays as it is (it was
+    rewritten to quantized experts that the If / com.microsoft.MoE lowering laid out as float MatMuls on uint8
+    codes, a model ONNX Runtime refused)."""
+    proto = _qmoe(8)
+    compiled = compile_model(proto, CompileOptions(moe_lowering=lowering))
+    assert compiled.verification is not None and compiled.verification.passed
+    assert [n.op_type for n in compiled.model.graph] == ["QMoE"]
+    feeds = _moe_feeds(3)
+    (expected,) = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(["y"], feeds)
+    np.testing.assert_array_equal(_run_any(compiled.model, feeds), expected)
+    from layerzero.passes.moe import SkipExperts
+
+    model = ir.from_proto(proto)
+    InferShapes()(model)
+    skip = SkipExperts(quantized_experts=False)
+    assert not skip(model).modified and "runs no quantized experts" in skip.rejected[0].reason
+
+
+def test_qmoe_with_one_zero_point_a_row_becomes_float_experts() -> None:
+    """4-bit zero points with one scale a row are packed two a byte along N ([E, N / 2]); read along K's blocks
+    they did not fit, and the node was left."""
+    proto = _qmoe(4, block=None, zero_points=True)
+    model, skip, _result = _skip_experts(proto)
+    assert skip.rewritten == [("layers.0.moe", "qmoe-float")], skip.rejected
+    feeds = _moe_feeds(6)
+    (expected,) = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(["y"], feeds)
+    np.testing.assert_allclose(_run_any(model, feeds), expected, atol=1e-5, rtol=1e-5)
