@@ -8,7 +8,11 @@ The decoder fuzzer (``decoders.py --moe``) draws four Hugging Face families, who
 ``unrolled`` — with 2-8 experts, top 1 to all, softmax or sigmoid scores, normalized or not, SiLU / GELU / ReLU,
 hidden and expert sizes that are and are not multiples of the quantization's block, 1-2 layers (residual or
 chained), experts no token ever picks, a router that is sharp or flat, expert biases (dense and unrolled), and a
-float projection before the first block (so activation sparsity has a dense group beside the experts).
+float projection before the first block (so activation sparsity has a dense group beside the experts). Every
+fourth seed is instead a ``com.microsoft::QMoE`` node as ONNX Runtime GenAI writes it (``build_qmoe``): 4 / 8 bits,
+blocks of 16-128 or one scale a row, accuracy level 0 / 4, zero points or not, float16 / float32 scales, biases,
+GPT-OSS's clamped SwiGLU, routing weights normalised or not, the router in the graph or the logits an input; it
+must be rewritten exactly where ``Case.rewritten`` says (passes/_moe/qmoe.py's contract) and equal QMoE's output.
 
 A case (``check``) compiles a block with each option set of ``OPTIONS`` (and, where the block has experts no token
 picks, one that solidifies them away) and passes when every compile succeeds or refuses in a line of
@@ -65,6 +69,9 @@ EXPECTED_REFUSALS = (
     "which LayerZero reserves for the inputs and outputs it adds",
     "is where LayerZero records its dynamic paths",
 )
+#: And a QMoE case (no float projection): activation sparsity finds no float group where the node is left or
+#: becomes quantized experts.
+_QMOE_REFUSAL = "so nothing to sparsify"
 ATOL, RTOL = 1e-4, 1e-3
 
 
@@ -82,17 +89,62 @@ def exact(options: dict) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """A drawn block: the builder's config and what the fuzzer adds around it."""
+    """A drawn block: the builder's config and what the fuzzer adds around it, or a QMoE node's ``build_qmoe``
+    arguments (``qmoe``; ``config`` None)."""
 
-    config: object  # layerzero.models.moe.MoEConfig
-    biases: bool
-    projection: bool  # a float [H, H] projection (its own layer scope) before the first block
+    config: object  # layerzero.models.moe.MoEConfig, or None for a QMoE case
+    biases: bool = False
+    projection: bool = False  # a float [H, H] projection (its own layer scope) before the first block
+    qmoe: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def paths(self) -> list[str]:
+        """The blocks' paths (one dynamic path each once rewritten)."""
+        return ["layers.0.moe"] if self.config is None else [self.config.path(i) for i in range(self.config.layers)]
+
+    def rewritten(self, options: dict, library: str | None) -> bool:
+        """Whether a compile with ``options`` rewrites every block (passes/_moe/qmoe.py's contract for QMoE: float
+        experts where QMoE keeps float activations; quantized experts where it quantizes them to int8 per block of
+        32 as the native kernels do, the format converts exactly (K's of multiples of 32, the default zero point,
+        float16 scales) and the lowering is the native kernel's; never with ``normalize_routing_weights=0``; else
+        the node is left with a refusal)."""
+        q = self.qmoe
+        if self.config is not None:
+            return True
+        if not q["normalize"]:
+            return False
+        block, bits = q["block"], q["bits"]
+        if block is None or (bits == 4 and q["accuracy"] < 4):
+            return True
+        native = library is not None and options.get("moe_lowering", "auto") in ("auto", "native")
+        exact = block == 32 and q["hidden"] % 32 == 0 and q["ffn"] % 32 == 0
+        return native and exact and not q["zero_points"] and q["scale_dtype"] is np.float16
+
+
+def _draw_qmoe(seed: int) -> Case:
+    rng = np.random.default_rng(seed)
+
+    def pick(values):
+        return values[int(rng.integers(len(values)))]
+
+    experts = int(rng.integers(2, 9))
+    hidden, ffn = pick((32, 64, 96, 128)), pick((32, 48, 64, 128))
+    blocks = [b for b in (16, 32, 64, 128) if hidden % b == 0 and ffn % b == 0] + [None]
+    kwargs = dict(experts=experts, hidden=hidden, ffn=ffn, top_k=int(rng.integers(1, min(3, experts) + 1)),
+                  bits=pick((4, 8)), block=pick(blocks), accuracy=pick((0, 4)),
+                  activation="swiglu", normalize=bool(rng.random() < 0.7),
+                  biases=bool(rng.random() < 0.3), oai=bool(rng.random() < 0.2),
+                  zero_points=bool(rng.random() < 0.25), scale_dtype=pick((np.float16, np.float16, np.float32)),
+                  router=bool(rng.random() < 0.5), seed=seed)  # fmt: skip
+    return Case(None, qmoe=kwargs)
 
 
 def draw(seed: int) -> Case:
-    """The case of ``seed`` (deterministic)."""
+    """The case of ``seed`` (deterministic): a QMoE node for every fourth seed, else a ``build_moe`` block."""
     from layerzero.models.moe import MoEConfig
 
+    if seed % 4 == 3:
+        return _draw_qmoe(seed)
     rng = np.random.default_rng(seed)
 
     def pick(values):
@@ -128,9 +180,11 @@ def draw(seed: int) -> Case:
 
 def generate(seed: int) -> tuple[Case, onnx.ModelProto]:
     """The case of ``seed`` and its ONNX model (``hidden [T, H]`` → ``y [T, H]``)."""
-    from layerzero.models.moe import build_moe, with_expert_biases
+    from layerzero.models.moe import build_moe, build_qmoe, with_expert_biases
 
     case = draw(seed)
+    if case.config is None:
+        return case, build_qmoe(**case.qmoe)
     proto = build_moe(case.config)
     if case.biases:
         proto = with_expert_biases(proto, seed + 7, std=0.3)
@@ -159,13 +213,19 @@ def _with_projection(proto: onnx.ModelProto, seed: int) -> onnx.ModelProto:
 def feeds(case: Case, tokens: int, seed: int) -> dict[str, np.ndarray]:
     from layerzero.models.moe import moe_feeds
 
-    return moe_feeds(case.config, tokens, seed)
+    if case.config is not None:
+        return moe_feeds(case.config, tokens, seed)
+    rng = np.random.default_rng(seed)
+    out = {"x": rng.standard_normal((tokens, case.qmoe["hidden"]), dtype=np.float32)}
+    if not case.qmoe["router"]:
+        out["logits"] = rng.standard_normal((tokens, case.qmoe["experts"]), dtype=np.float32)
+    return out
 
 
 def option_sets(case: Case) -> list[dict]:
     """``OPTIONS``, and where the block has experts no token picks, solidify them (the function is unchanged)."""
     sets = list(OPTIONS)
-    if case.config.never_routed:
+    if case.config is not None and case.config.never_routed:
         subpaths = tuple(f"{case.config.path(layer)}.experts.{e}" for layer in range(case.config.layers)
                          for e in sorted(set(case.config.never_routed)))  # fmt: skip
         sets.append({"solidify": subpaths})
@@ -189,7 +249,6 @@ def check(seed: int, library: str | None, options: tuple[dict, ...] | None = Non
         expected = {t: reference.run(["y"], feeds(case, t, seed + t))[0] for t in (1, 5)}
     except Exception as exc:  # the generator's own fault: never expected
         return [f"{label}: the generated block is invalid: {_where(exc)}"]
-    paths = [case.config.path(layer) for layer in range(case.config.layers)]
     failures = []
     sets = option_sets(case) if options is None else list(options)
     for k, opts in enumerate(sets):
@@ -200,11 +259,12 @@ def check(seed: int, library: str | None, options: tuple[dict, ...] | None = Non
         try:
             result = compile_model(model, CompileOptions(**opts))
         except Exception as exc:
-            if not _refused(exc):
+            if not _refused(exc) and not (case.config is None and _QMOE_REFUSAL in str(exc)):
                 failures.append(f"{where}: {_where(exc)}")
             continue
         compiled = ir.to_proto(result.model)
         if opts.get("dynamic", True):
+            paths = case.paths if case.rewritten(opts, library) else []
             found = [entry.path for entry in read_dynamic_paths(result.model) if entry.path in paths]
             if found != paths:
                 failures.append(f"{where}: blocks rewritten {found}, expected {paths}")
@@ -230,6 +290,12 @@ def check(seed: int, library: str | None, options: tuple[dict, ...] | None = Non
 
 
 def _describe(case: Case) -> str:
+    if case.config is None:
+        q = case.qmoe
+        flags = [k for k in ("biases", "oai", "zero_points", "router") if q[k]]
+        flags += ["unnormalized"] * (not q["normalize"]) + [np.dtype(q["scale_dtype"]).name, q["activation"]]
+        shape = f"E{q['experts']} k{q['top_k']} H{q['hidden']} F{q['ffn']}"
+        return f"QMoE {shape} q{q['bits']} block {q['block']} accuracy {q['accuracy']} {' '.join(flags)}"
     c = case.config
     parts = [c.form, f"E{c.experts} k{c.top_k} H{c.hidden} F{c.ffn} L{c.layers}", c.scoring, c.activation]
     if c.form != "batched_mm":

@@ -23,7 +23,8 @@ def test_moe_blocks_compile_verify_and_run(library: str) -> None:
 
 
 def test_the_generator_covers_its_forms_and_is_deterministic() -> None:
-    cases = [draw(seed) for seed in range(80)]
+    drawn = [draw(seed) for seed in range(120)]
+    cases = [c for c in drawn if c.config is not None]
     seen = {(c.config.form, c.config.routing if c.config.form != "batched_mm" else "") for c in cases}
     assert {("batched_mm", ""), ("dense", "scatter"), ("dense", "scatter-rows"), ("dense", "onehot"),
             ("unrolled", "scatter"), ("unrolled", "onehot")} <= seen  # fmt: skip
@@ -31,6 +32,13 @@ def test_the_generator_covers_its_forms_and_is_deterministic() -> None:
         assert any(getattr(c, attribute) for c in cases) and not all(getattr(c, attribute) for c in cases)
     assert any(c.config.never_routed for c in cases) and any(c.config.hidden % 32 for c in cases)
     assert {c.config.scoring for c in cases} == {"softmax", "sigmoid"}
+    qmoe = [c.qmoe for c in drawn if c.config is None]
+    assert len(qmoe) == 30 and {q["bits"] for q in qmoe} == {4, 8} and {q["accuracy"] for q in qmoe} == {0, 4}
+    assert {None, 32, 64} <= {q["block"] for q in qmoe}
+    for flag in ("zero_points", "biases", "oai", "router", "normalize"):
+        assert {q[flag] for q in qmoe} == {False, True}, flag
+    native, other = {"moe_lowering": "native"}, {"moe_lowering": "if"}
+    assert [c.rewritten(o, "lib") for c in drawn for o in (native, other)].count(False) > 0
     assert generate(5)[1].SerializeToString() == generate(5)[1].SerializeToString()
     assert [exact(o) for o in OPTIONS[:4]] == [True] * 4 and not exact({"weights": "int8"})
 
