@@ -29,6 +29,7 @@ from layerzero.pipeline import (
     lower_for_target,
     native_attention,
     native_linear,
+    native_moe_lowering,
     native_router,
     needs_dynamic_reference,
     quantize_weights,
@@ -327,7 +328,7 @@ def quantized_dense_reference(
     FoldConstants(options.fold_max_elements)(model)
     InferShapes()(model)
     if options.dynamic:  # as the compile rewrites them (without dynamic passes both keep the exported form)
-        SkipExperts(0.0)(model)
+        SkipExperts(0.0, quantized_experts=native_moe_lowering(options))(model)
     # Float skipping forms (this one's, or a bisection checkpoint's) lowered to If; a quantized one (a checkpoint
     # already quantized) is left as it is.
     forms = [MoENode.of(n) for g in model.graphs() for n in g if is_moe_node(n)]
