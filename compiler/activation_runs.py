@@ -71,6 +71,12 @@ def collect_activations(
         with tempfile.TemporaryDirectory(prefix="layerzero-calibration-") as tmp:
             path = Path(tmp) / "calibration.onnx"
             ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=inline)
+            if _unrunnable_moe(model):  # a copy with those blocks lowered (read back from the file just written)
+                copy = ir.load(path)
+                lower_unrunnable_moe(copy)
+                path = Path(tmp) / "calibration-lowered.onnx"
+                ir.save(copy, path, external_data=path.name + ".data", size_threshold_bytes=inline)
+                del copy
             session = create_session(path, label="the calibration model")
             try:
                 return _run_requests(session, groups, requests, max_tokens)
@@ -81,6 +87,35 @@ def collect_activations(
             graph.outputs.remove(value)
         for value, tensor in swapped:
             value.const_value = tensor
+
+
+def _unrunnable_moe(model: ir.Model) -> list[ir.Node]:
+    """The ``ai.layerzero::MoE`` nodes of ``model`` a session cannot run as they are: every one without
+    liblayerzero_ort.so, else those its kernel refuses (``lower_moe_native.native_supports``: PhiMoE's sparsemixer
+    routing, an expert weight a feed may override, ...). The calibration runs before the target's lowering."""
+    from layerzero.passes._moe_node import is_moe_node
+    from layerzero.passes.lower_moe_native import native_supports
+    from layerzero.plugins.ort_library import find_ort_library
+
+    nodes = [n for n in model.graph if is_moe_node(n)]
+    if find_ort_library() is None:
+        return nodes
+    return [n for n in nodes if native_supports(n) is not None]
+
+
+def lower_unrunnable_moe(model: ir.Model) -> bool:
+    """Lower ``_unrunnable_moe``'s nodes in place as the onnxruntime target would (``LowerMoE``: the native kernel's
+    blocks stay, the others take the lowering ``auto`` picks without it); True when there were any."""
+    if not _unrunnable_moe(model):
+        return False
+    from layerzero.passes.lower_moe import LowerMoE
+    from layerzero.passes.shape_inference import InferShapes
+    from layerzero.plugins.ort_library import find_ort_library
+
+    InferShapes()(model)
+    library = find_ort_library() is not None
+    LowerMoE(lowering="native" if library else "auto", native_present=library)(model)
+    return True
 
 
 def _run_requests(
@@ -132,6 +167,7 @@ def output_deviation(model: ir.Model, requests: Sequence[Mapping[str, np.ndarray
     InferShapes()(variant)
     groups = find_groups(variant)
     SparsifyActivations({g.name: np.ones(g.channels, np.float32) for g in groups}, native=False)(variant)
+    lower_unrunnable_moe(variant)  # after the pass: an expert group's mask is then before its lowered block
     inputs: dict[str, tuple[str, np.dtype]] = {}
     graph_inputs = {v.name for v in variant.graph.inputs}
     for g in groups:

@@ -176,11 +176,65 @@ def test_activation_sparsity_on_quantized_experts_alone_says_why_nothing_is_spar
 
     proto = build_moe(MoEConfig(hidden=64, ffn=64, experts=4, top_k=2))
     options = CompileOptions(weights="int4", activation_sparsity=0.3, max_deviation=1e9, moe_lowering="if")
-    with pytest.raises(InvalidInputError, match=r"--weights int4: the model's only projection groups are MoE "
-                                                r"experts \(1, the first 'layers\.0\.moe\.experts\.gate_up'\), and quantized "
-                                                r"experts keep the dense kernel") as info:  # fmt: skip
+    first = r"\(1, the first 'layers\.0\.moe\.experts\.gate_up'\)"
+    why = rf"--weights int4: the model's only projection groups are MoE experts {first}, and quantized experts keep"
+    with pytest.raises(InvalidInputError, match=why) as info:
         compile_model(proto, options)
     assert "\n" not in str(info.value)
     # float experts are sparsified
     result = compile_model(proto, CompileOptions(activation_sparsity=0.5, max_deviation=1e9, moe_lowering="if"))
     assert result.activation_sparsity["groups"]["layers.0.moe.experts.gate_up"] > 0
+
+
+def _sparsemixer_layer():
+    """x -> o_proj MatMul (a dense group) -> h; logits = h @ router; y = MoE(h, logits, ...) with PhiMoE's
+    sparsemixer routing, which liblayerzero_ort.so's kernel does not run (the target lowers it to If)."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(5)
+    arrays = {
+        "model.layers.0.self_attn.o_proj.weight": rng.standard_normal((H, H)).astype(np.float32) / np.sqrt(H),
+        "model.layers.0.mlp.gate.weight": rng.standard_normal((H, E)).astype(np.float32) / np.sqrt(H),
+        "w_gate": rng.standard_normal((E, F, H)).astype(np.float32) / np.sqrt(H),
+        "w_up": rng.standard_normal((E, F, H)).astype(np.float32) / np.sqrt(H),
+        "w_down": rng.standard_normal((E, H, F)).astype(np.float32) / np.sqrt(F),
+    }
+    nodes = [
+        helper.make_node("MatMul", ["x", "model.layers.0.self_attn.o_proj.weight"], ["h"],
+                         name="/model/layers.0/self_attn/o_proj/MatMul"),
+        helper.make_node("MatMul", ["h", "model.layers.0.mlp.gate.weight"], ["logits"],
+                         name="/model/layers.0/mlp/gate/MatMul"),
+        helper.make_node("MoE", ["h", "logits", "w_gate", "w_up", "w_down"], ["y", "mask"], domain="ai.layerzero",
+                         name="/model/layers.0/mlp/experts/MoE", top_k=2, normalize=0, scoring="softmax",
+                         activation="silu", routing="sparsemixer", jitter_eps=0.01, zeroing_threshold=0.0,
+                         path="model.layers.0.mlp.experts"),
+    ]  # fmt: skip
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["T", H])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["T", H])],
+        [numpy_helper.from_array(a, n) for n, a in arrays.items()],
+    )  # fmt: skip
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("ai.layerzero", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10)
+
+
+def test_calibration_runs_a_model_holding_a_block_the_kernel_does_not_run():
+    """The calibration runs before the target's lowering: a MoE block liblayerzero_ort.so does not run (PhiMoE's
+    sparsemixer) made its sessions fail ("the model needs liblayerzero_ort.so", with the library built). The
+    calibration copies now lower such blocks as the target would; the model itself is left as it was."""
+    from layerzero.activation_calibration import collect_activations
+    from layerzero.activation_runs import output_deviation
+
+    _session(_model()[0])  # builds liblayerzero_ort.so (or skips where it cannot be built)
+    model = ir.from_proto(_sparsemixer_layer())
+    InferShapes()(model)
+    before = ir.to_proto(model).SerializeToString()
+    groups = [g for g in find_groups(model) if not g.experts]
+    assert [g.name for g in groups] == ["model.layers.0.self_attn.o"]
+    x = np.random.default_rng(1).standard_normal((6, H)).astype(np.float32)
+    got = collect_activations(model, groups, [{"x": x}])
+    np.testing.assert_array_equal(got["model.layers.0.self_attn.o"], x)
+    evaluate = output_deviation(model, [{"x": x}])
+    assert evaluate({}) == 0.0 and evaluate({groups[0].name: np.full(H, 0.5, np.float32)}) > 0
+    assert ir.to_proto(model).SerializeToString() == before
