@@ -416,10 +416,11 @@ def build_qmoe(*, experts: int = 8, hidden: int = 64, ffn: int = 64, top_k: int 
                router: bool = False, seed: int = 0) -> onnx.ModelProto:  # fmt: skip
     """One ``com.microsoft::QMoE`` (ONNX Runtime 1.32's schema) on random weights, as ONNX Runtime GenAI's model
     builder writes it: fc1 ``[E, 2F, H]`` (gate / up rows interleaved, ``swiglu_fusion`` 1), fc2 ``[E, H, F]``,
-    codes uint8 (4-bit: two a byte, low nibble first; fc1 ``[E, F, H]`` for an ``activation`` other than swiglu) with ``scale_dtype`` scales per ``block`` along K (None: one
-    per row); symmetric (codes + 2 ** (bits - 1), the default zero point) or, with ``zero_points``, asymmetric with
-    explicit uint8 zero points (4-bit: two a byte). Inputs ``x [T, H]`` and ``logits [T, E]``; with ``router`` the
-    logits are a ``MatMul`` of x in the graph (``/layers.0/moe/gate/MatMul``) and x the only input. Output ``y``."""
+    codes uint8 (4-bit: two a byte, low nibble first; fc1 ``[E, F, H]`` for an ``activation`` other than swiglu)
+    with ``scale_dtype`` scales per ``block`` along K (None: one per row); symmetric (codes + 2 ** (bits - 1), the
+    default zero point) or, with ``zero_points``, asymmetric with explicit uint8 zero points (4-bit: two a byte).
+    Inputs ``x [T, H]`` and ``logits [T, E]``; with ``router`` the logits are a ``MatMul`` of x in the graph
+    (``/layers.0/moe/gate/MatMul``) and x the only input. Output ``y``."""
     rng = np.random.default_rng(seed)
     levels = 2**bits - 1
 
