@@ -257,8 +257,7 @@ def prefill_logits(engine: Engine, prompt: list[int]) -> Any:
         "position_ids": np.arange(n, dtype=np.int64)[None, :],
     }
     if layout is not None:
-        heads, head_dim = layout.shape
-        feeds.update({p: np.zeros((1, heads, 0, head_dim), dtype=layout.dtype) for p, _ in layout.names})
+        feeds.update(layout.empty(1))
     return engine.run(feeds).outputs["logits"]
 
 

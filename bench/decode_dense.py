@@ -217,8 +217,7 @@ def prefill_logits(engine: Engine, prompt: list[int]) -> tuple[np.ndarray, Any]:
     n = len(prompt)
     feeds = {"input_ids": np.asarray([prompt], np.int64), "attention_mask": np.ones((1, n), np.int64),
              "position_ids": np.arange(n, dtype=np.int64)[None, :]}  # fmt: skip
-    heads, head_dim = layout.shape
-    feeds.update({p: np.zeros((1, heads, 0, head_dim), dtype=layout.dtype) for p, _ in layout.names})
+    feeds.update(layout.empty(1))
     result = engine.run(feeds)
     return np.asarray(result.outputs["logits"])[0], result.report
 

@@ -41,12 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def _feeds(layout: Any, rows: int, past: int) -> dict[str, Any]:
     import numpy as np
 
-    heads, head_dim = layout.shape
     rng = np.random.default_rng(0)
     feeds = {"input_ids": np.ones((rows, 1), np.int64), "attention_mask": np.ones((rows, past + 1), np.int64),
              "position_ids": np.full((rows, 1), past, np.int64)}  # fmt: skip
     for name, _ in layout.names:  # one array per tensor, as a real cache (not one array read 2 x layers times)
-        feeds[name] = rng.random((rows, heads, past, head_dim), dtype=np.float32).astype(layout.dtype)
+        heads, dim = layout.shapes[name]
+        feeds[name] = rng.random((rows, heads, past, dim), dtype=np.float32).astype(layout.dtype)
     return feeds
 
 
@@ -54,8 +54,8 @@ def concat_bytes(layout: Any, rows: int, past: int) -> int:
     """Bytes the present Concats write in one decode step (each reads as many, less one token)."""
     import numpy as np
 
-    heads, head_dim = layout.shape
-    return len(layout.names) * rows * heads * (past + 1) * head_dim * np.dtype(layout.dtype).itemsize
+    per_row = sum(heads * dim for heads, dim in layout.shapes.values())
+    return rows * (past + 1) * per_row * np.dtype(layout.dtype).itemsize
 
 
 def step_times(bundle: Path, configs: list[tuple[int, int]], runs: int, threads: int | None) -> dict:
@@ -167,7 +167,7 @@ def main() -> int:
 
     bundle = serve_batch._bundle("llama", size)
     layout = cache_layout(Engine.load(bundle))
-    heads, head_dim = layout.shape
+    heads, head_dim = layout.shapes[layout.names[0][0]]  # the llama bundle's: every tensor alike
     configs = [(r, p) for r in rows_list for p in pasts]
     load0 = os.getloadavg()[0]
     times = step_times(bundle, configs, args.runs, args.threads)

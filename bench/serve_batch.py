@@ -183,13 +183,13 @@ def step_bound(engine, rows: int, past: int = 64, runs: int = 10) -> tuple[float
     from layerzero.runtime.generate import cache_layout
 
     layout = cache_layout(engine)
-    heads, head_dim = layout.shape
     times = []
     for batch in (1, rows):
         feeds = {"input_ids": np.ones((batch, 1), np.int64), "attention_mask": np.ones((batch, past + 1), np.int64),
                  "position_ids": np.full((batch, 1), past, np.int64)}  # fmt: skip
         for name, _ in layout.names:
-            feeds[name] = np.random.default_rng(0).random((batch, heads, past, head_dim), dtype=np.float32)
+            heads, dim = layout.shapes[name]
+            feeds[name] = np.random.default_rng(0).random((batch, heads, past, dim), dtype=np.float32)
         engine.run(feeds)
         samples = []
         for _ in range(runs):

@@ -155,6 +155,7 @@ def export_hf(
         input_names += [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
         output_names += [f"present.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
 
+    shapes = _cache_shapes(model, layers, kv_heads, head_dim) if cache else []
     _make_flat(model, layers, cache, transformers)
     past = _EXAMPLE_PAST if cache else 0
     gen = torch.Generator().manual_seed(0)
@@ -162,10 +163,7 @@ def export_hf(
     mask = torch.ones(_EXAMPLE_BATCH, past + _EXAMPLE_SEQ, dtype=torch.int64)
     positions = torch.arange(past, past + _EXAMPLE_SEQ).expand(_EXAMPLE_BATCH, -1).contiguous()
     dtype = next(model.parameters()).dtype
-    pasts = [
-        torch.randn(_EXAMPLE_BATCH, kv_heads, past, head_dim, generator=gen).to(dtype)
-        for _ in range(2 * layers if cache else 0)
-    ]
+    pasts = [torch.randn(_EXAMPLE_BATCH, heads, past, dim, generator=gen).to(dtype) for heads, dim in shapes]
     args = (ids, mask, positions, *pasts)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -358,6 +356,25 @@ def _set_attention(model: Any, implementation: str) -> None:
         except (ValueError, AttributeError, NotImplementedError):
             pass
     model.config._attn_implementation = implementation
+
+
+def _cache_shapes(model: Any, layers: int, kv_heads: int, head_dim: int) -> list[tuple[int, int]]:
+    """(heads, dim) of each cache tensor (layer 0 key, value, layer 1 ...), from the cache a one-token forward of
+    the model (before ``_make_flat``) fills: most families keep [batch, kv_heads, past, head_dim] keys and values,
+    not every one (MLA's compressed cache, DeepSeek-V2 / V3: keys [batch, 1, past, kv_lora_rank], values [..,
+    qk_rope_head_dim]). The config's kv_heads / head_dim where that forward fails or keeps no cache."""
+    import torch
+
+    fallback = [(kv_heads, head_dim)] * (2 * layers)
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.zeros(1, 1, dtype=torch.int64), use_cache=True)
+        kept = out.past_key_values.layers[:layers]
+        shapes = [(int(t.shape[1]), int(t.shape[3])) for layer in kept for t in (layer.keys, layer.values)]
+    except Exception as e:  # the export itself then says what fails
+        logger.info("cache shapes from a forward failed (%s): the config's", _one_line(e))
+        return fallback
+    return shapes if len(shapes) == 2 * layers else fallback
 
 
 def _make_flat(model: Any, layers: int, cache: bool, transformers: Any) -> None:

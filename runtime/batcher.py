@@ -321,8 +321,7 @@ class ContinuousBatcher:
     def _prefill(self, ticket: Ticket) -> None:
         """The request's prompt alone with an empty past (what it runs alone); then it joins the batch."""
         r = ticket.request
-        heads, head_dim = self._layout.shape
-        empty = {p: np.zeros((1, heads, 0, head_dim), dtype=self._layout.dtype) for p, _ in self._layout.names}
+        empty = self._layout.empty(1)
         n = len(ticket.prompt)
         started = time.perf_counter()
         try:

@@ -234,8 +234,7 @@ class Engine:
         if layout is not None:
             given = [out[p] for p, _ in layout.names if p in out]
             if not given:  # an empty past, as the generate loop's prefill; a partial one is the caller's to finish
-                heads, head_dim = layout.shape
-                out.update({p: np.zeros((batch, heads, 0, head_dim), dtype=layout.dtype) for p, _ in layout.names})
+                out.update(layout.empty(batch))
             elif np.ndim(given[0]) == 4:
                 past = int(np.shape(given[0])[2])
         if "attention_mask" not in out:

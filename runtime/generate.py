@@ -81,7 +81,18 @@ _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 class CacheLayout:
     names: list[tuple[str, str]]  # (past input, present output) per tensor, in layer order
     dtype: np.dtype
-    shape: tuple[int, int]  # (kv_heads, head_dim)
+    # (heads, dim) of each past input: [batch, kv_heads, past, head_dim] in most families; MLA's compressed cache
+    # (DeepSeek-V2 / V3) keeps keys [batch, 1, past, kv_lora_rank] and values [batch, 1, past, qk_rope_head_dim].
+    shapes: dict[str, tuple[int, int]]
+
+    def zeros(self, name: str, batch: int, length: int = 0) -> np.ndarray:
+        """A zero ``[batch, heads, length, dim]`` array for past input ``name``."""
+        heads, dim = self.shapes[name]
+        return np.zeros((batch, heads, length, dim), dtype=self.dtype)
+
+    def empty(self, batch: int) -> dict[str, np.ndarray]:
+        """An empty past (length 0) for every past input: a prefill's."""
+        return {p: self.zeros(p, batch) for p, _ in self.names}
 
 
 def cache_layout(engine: Engine) -> CacheLayout | None:
@@ -97,20 +108,25 @@ def cache_layout(engine: Engine) -> CacheLayout | None:
     past = sorted(((int(m[1]), m[2], n) for n in specs if (m := _PAST.match(n))), key=lambda t: (t[0], t[1] != "key"))
     if not past:
         return None
-    names, outputs = [], set(engine.output_names)
+    names, outputs, shapes = [], set(engine.output_names), {}
     for layer, kind, name in past:
         present = f"present.{layer}.{kind}"
         if present not in outputs:
             raise UnsupportedModelError(f"{engine.model_path}: input {name!r} has no {present!r} output")
         names.append((name, present))
-    spec = specs[past[0][2]]
-    shape = spec.shape or ()
-    if len(shape) != 4 or not isinstance(shape[1], int) or not isinstance(shape[3], int):
-        raise UnsupportedModelError(
-            f"{engine.model_path}: {spec.name!r} should be [batch, kv_heads, past, head_dim] with static heads "
-            f"and head_dim, it is {spec.describe()}"
-        )
-    return CacheLayout(names, spec.dtype, (shape[1], shape[3]))
+        spec = specs[name]
+        shape = spec.shape or ()
+        if len(shape) != 4 or not isinstance(shape[1], int) or not isinstance(shape[3], int):
+            raise UnsupportedModelError(
+                f"{engine.model_path}: {spec.name!r} should be [batch, kv_heads, past, head_dim] with static heads "
+                f"and head_dim, it is {spec.describe()}"
+            )
+        shapes[name] = (shape[1], shape[3])
+    dtypes = {specs[n].dtype for n, _ in names}
+    if len(dtypes) != 1:
+        differ = ", ".join(sorted(map(str, dtypes)))
+        raise UnsupportedModelError(f"{engine.model_path}: the past inputs differ in dtype ({differ})")
+    return CacheLayout(names, specs[past[0][2]].dtype, shapes)
 
 
 # One step's logits, the paths it skipped and its masks by path (or, for both, a function that finds them: called
@@ -136,8 +152,7 @@ class _PlainSteps:
         self._layout = layout
         self._past: dict[str, np.ndarray] = {}
         if layout is not None:
-            heads, head_dim = layout.shape
-            self._past = {p: np.zeros((batch, heads, 0, head_dim), dtype=layout.dtype) for p, _ in layout.names}
+            self._past = layout.empty(batch)
 
     def __call__(self, feeds: dict[str, np.ndarray]) -> _Step:
         result = self._run({**feeds, **self._past}, masks=True)
@@ -169,8 +184,7 @@ class _BoundSteps:
         self._layout = layout
         self._outputs = list(backend.output_names)
         self._binding = self._session.io_binding()
-        heads, head_dim = layout.shape
-        self._empty_past = {p: np.zeros((batch, heads, 0, head_dim), dtype=layout.dtype) for p, _ in layout.names}
+        self._empty_past = layout.empty(batch)
         self._first = True
         index = {name: i for i, name in enumerate(self._outputs)}
         self._presents = [(past, index[present]) for past, present in layout.names]
@@ -191,7 +205,7 @@ class _BoundSteps:
             import onnxruntime as ort
 
             for past, _ in layout.names:
-                array = np.zeros((batch, heads, capacity, head_dim), dtype=layout.dtype)
+                array = layout.zeros(past, batch, capacity)
                 value = ort.OrtValue.ortvalue_from_numpy(array)
                 self._buffers[past] = array
                 self._buffer_values[past] = value._ortvalue if direct is not None else value

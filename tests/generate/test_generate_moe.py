@@ -41,15 +41,11 @@ def _family(name: str):
     return dataclasses.replace(family, name=f"{name}_generate", kwargs=kwargs)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_moe_export_compile_generate_matches_transformers(
-    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    spec = _family(family)
-    assert spec.kwargs["num_experts_per_tok"] == 2 and spec.kwargs["num_hidden_layers"] == 2
+def _compiled(spec, tmp_path: Path) -> tuple:
+    """(the transformers model, its greedy ids for PROMPT, the compiled bundle's engine): exported (cached),
+    compiled with the CLI, both MoE layers rewritten."""
     folder = get_generate_export(spec)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder / "hf"), local_files_only=True).eval()
-    assert model.config.num_local_experts == EXPERTS
     expected = model.generate(
         torch.tensor([PROMPT]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, eos_token_id=None
     )[0, len(PROMPT) :].tolist()
@@ -57,7 +53,17 @@ def test_moe_export_compile_generate_matches_transformers(
     assert main(["compile", str(folder / "model.onnx"), "-o", str(bundle)]) == 0
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert {d["path"] for d in manifest["dynamic"]} == {"model.layers.0.mlp", "model.layers.1.mlp"}
-    engine = Engine.load(bundle)
+    return model, expected, Engine.load(bundle)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_moe_export_compile_generate_matches_transformers(
+    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = _family(family)
+    assert spec.kwargs["num_experts_per_tok"] == 2 and spec.kwargs["num_hidden_layers"] == 2
+    model, expected, engine = _compiled(spec, tmp_path)
+    assert model.config.num_local_experts == EXPERTS
     assert generate_module._bindable(engine)  # ONNX Runtime on the CPU: the IO-binding loop
     out = engine.generate(PROMPT, max_new_tokens=NEW, masks=True)
     assert out.ids == expected
@@ -97,3 +103,17 @@ def test_qwen3_moe_batch_cli_matches_transformers_batched_greedy(tmp_path: Path,
     # Each row alone gives its own tokens too: the batch's padding and shared expert skipping change nothing.
     engine = Engine.load(bundle)
     assert [engine.generate(p, max_new_tokens=NEW, stop_tokens=()).ids for p in prompts] == expected
+
+
+def test_deepseek_v3_compressed_cache_exports_and_generates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLA's compressed cache (DeepSeek-V3: keys [batch, 1, past, kv_lora_rank], values [batch, 1, past,
+    qk_rope_head_dim]) is not [batch, kv_heads, past, head_dim]: the export took its example past from the config
+    and torch.onnx failed ("Sizes of tensors must match"). It now takes each tensor's shape from a forward's cache,
+    and generate keeps one shape per past input."""
+    model, expected, engine = _compiled(_family("deepseek_v3"), tmp_path)
+    layout = generate_module.cache_layout(engine)
+    config = model.config
+    assert set(layout.shapes.values()) == {(1, config.kv_lora_rank), (1, config.qk_rope_head_dim)}
+    assert engine.generate(PROMPT, max_new_tokens=NEW).ids == expected
+    monkeypatch.setattr(generate_module, "_bindable", lambda engine: False)
+    assert engine.generate(PROMPT, max_new_tokens=NEW).ids == expected
