@@ -10,7 +10,7 @@ embeddings, the dynamo or the TorchScript exporter), random weights (norm weight
 without (``LAYERZERO_KV_BUFFER``).
 
     python -m tests.fuzz.decoders --cases 24 [--start 0]    # the long run (about 40 s a case on 2 cores)
-    python -m tests.fuzz.decoders --moe --cases 10          # MoE configs (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE)
+    python -m tests.fuzz.decoders --moe --cases 10          # MoE configs (MOE_FAMILIES)
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ if str(_ROOT) not in sys.path:
 
 __all__ = ["FAMILIES", "MOE_FAMILIES", "MOE_VARIANTS", "VARIANTS", "check", "config_for", "main"]
 
-MOE_FAMILIES = ("MixtralConfig", "Qwen3MoeConfig", "OlmoeConfig", "Qwen2MoeConfig")
+MOE_FAMILIES = ("MixtralConfig", "Qwen3MoeConfig", "OlmoeConfig", "Qwen2MoeConfig", "PhimoeConfig", "GraniteMoeConfig")
 FAMILIES = ("LlamaConfig", "Qwen2Config", "MistralConfig", "Qwen3Config", "Phi3Config", "GemmaConfig", "Olmo2Config",
             "GraniteConfig")  # fmt: skip
 _WIDE = ["--max-deviation", "1e9"]  # activation sparsity's deviation is on purpose
@@ -84,7 +84,7 @@ def config_for(seed: int, moe: bool = False) -> tuple[str, dict, str]:
         family = rng.choice(MOE_FAMILIES)
         experts, top = rng.choice([4, 6, 8]), rng.choice([1, 2, 3])
         kwargs.setdefault("head_dim", head_dim)
-        if family == "MixtralConfig":
+        if family in ("MixtralConfig", "PhimoeConfig", "GraniteMoeConfig"):  # expert size: intermediate_size
             kwargs.update(num_local_experts=experts, num_experts_per_tok=top)
         else:
             kwargs.update(num_experts=experts, num_experts_per_tok=top, moe_intermediate_size=rng.choice([32, 64, 96]))
