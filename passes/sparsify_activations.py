@@ -120,7 +120,8 @@ def _projection_weight(node: ir.Node) -> np.ndarray | None:
     if w is None or w.dtype not in _FLOATS:
         return None
     array = const_array(w)
-    return array if array is not None and array.ndim == 2 else None
+    # An empty weight (a module of size 0: DeepSeek-V3 with n_shared_experts=0) has no row to skip.
+    return array if array is not None and array.ndim == 2 and array.size else None
 
 
 def _leaf(scope: str) -> str:

@@ -122,6 +122,20 @@ def test_outside_a_layer_no_group(helpers) -> None:
     assert find_groups(_small(helpers, "/lm_head/MatMul")) == []
 
 
+def test_an_empty_weight_is_no_group(helpers) -> None:
+    """A module of size 0 (DeepSeek-V3 with n_shared_experts=0: a [0, H] down projection) has no row to skip; as a
+    group its calibration reshaped an empty x to [-1, 0] and the compile failed (the decoder fuzzer, seed 40)."""
+    model = helpers.parse("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[N, 0] x) => (float[N, 3] y) <float[0, 3] w = {}> {
+        y = MatMul (x, w)
+    }
+    """)
+    next(n for n in model.graph if n.op_type == "MatMul").name = "/model/layers.0/mlp/shared_experts/down_proj/MatMul"
+    InferShapes()(model)
+    assert find_groups(model) == []
+
+
 # ------------------------------------------------------------------------------------------------ tiny Llama
 
 torch = pytest.importorskip("torch", reason="export tests need torch (pip install -e '.[export]')")
