@@ -30,7 +30,8 @@ if str(_ROOT) not in sys.path:
 
 __all__ = ["FAMILIES", "MOE_FAMILIES", "MOE_VARIANTS", "VARIANTS", "check", "config_for", "main"]
 
-MOE_FAMILIES = ("MixtralConfig", "Qwen3MoeConfig", "OlmoeConfig", "Qwen2MoeConfig", "PhimoeConfig", "GraniteMoeConfig")
+MOE_FAMILIES = ("MixtralConfig", "Qwen3MoeConfig", "OlmoeConfig", "Qwen2MoeConfig", "PhimoeConfig", "GraniteMoeConfig",
+                "DeepseekV3Config")  # fmt: skip
 FAMILIES = ("LlamaConfig", "Qwen2Config", "MistralConfig", "Qwen3Config", "Phi3Config", "GemmaConfig", "Olmo2Config",
             "GraniteConfig")  # fmt: skip
 _WIDE = ["--max-deviation", "1e9"]  # activation sparsity's deviation is on purpose
@@ -92,6 +93,13 @@ def config_for(seed: int, moe: bool = False) -> tuple[str, dict, str]:
             kwargs.update(shared_expert_intermediate_size=rng.choice([32, 64]), decoder_sparse_step=1)
         if family == "OlmoeConfig":  # no head_dim option
             kwargs.pop("head_dim")
+        if family == "DeepseekV3Config":  # MLA: a compressed cache; experts in groups of one, shared ones or not
+            rope = rng.choice([8, 16])
+            kwargs.update(n_routed_experts=experts, n_shared_experts=rng.choice([0, 1]), first_k_dense_replace=0,
+                          n_group=1, topk_group=1, kv_lora_rank=rng.choice([16, 32]),
+                          q_lora_rank=rng.choice([None, 16]), qk_rope_head_dim=rope,
+                          qk_nope_head_dim=rng.choice([8, 16]), v_head_dim=rng.choice([8, 16]), head_dim=rope,
+                          num_key_value_heads=heads)  # fmt: skip
     return family, kwargs, exporter
 
 
