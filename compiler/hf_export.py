@@ -361,7 +361,7 @@ def _set_attention(model: Any, implementation: str) -> None:
 def _cache_shapes(model: Any, layers: int, kv_heads: int, head_dim: int) -> list[tuple[int, int]]:
     """(heads, dim) of each cache tensor (layer 0 key, value, layer 1 ...), from the cache a one-token forward of
     the model (before ``_make_flat``) fills: most families keep [batch, kv_heads, past, head_dim] keys and values,
-    not every one (MLA's compressed cache, DeepSeek-V2 / V3: keys [batch, 1, past, kv_lora_rank], values [..,
+    not every one (MLA's compressed cache, DeepSeek-V3: keys [batch, 1, past, kv_lora_rank], values [..,
     qk_rope_head_dim]). The config's kv_heads / head_dim where that forward fails or keeps no cache."""
     import torch
 

@@ -82,7 +82,7 @@ class CacheLayout:
     names: list[tuple[str, str]]  # (past input, present output) per tensor, in layer order
     dtype: np.dtype
     # (heads, dim) of each past input: [batch, kv_heads, past, head_dim] in most families; MLA's compressed cache
-    # (DeepSeek-V2 / V3) keeps keys [batch, 1, past, kv_lora_rank] and values [batch, 1, past, qk_rope_head_dim].
+    # (DeepSeek-V3) keeps keys [batch, 1, past, kv_lora_rank] and values [batch, 1, past, qk_rope_head_dim].
     shapes: dict[str, tuple[int, int]]
 
     def zeros(self, name: str, batch: int, length: int = 0) -> np.ndarray:
