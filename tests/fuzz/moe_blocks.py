@@ -39,7 +39,7 @@ _ROOT = Path(__file__).resolve().parents[2]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from tests.fuzz.projections import _session, _where, quiet, run_seeds  # noqa: E402
+from tests.fuzz.projections import _session, _where, quiet, refused, run_seeds  # noqa: E402
 
 __all__ = ["EXPECTED_REFUSALS", "OPTIONS", "Case", "check", "exact", "generate", "main"]
 
@@ -73,12 +73,6 @@ EXPECTED_REFUSALS = (
 #: becomes quantized experts.
 _QMOE_REFUSAL = "so nothing to sparsify"
 ATOL, RTOL = 1e-4, 1e-3
-
-
-def _refused(exc: Exception) -> bool:
-    from layerzero.errors import InvalidInputError
-
-    return isinstance(exc, InvalidInputError) and any(r in str(exc) for r in EXPECTED_REFUSALS)
 
 
 def exact(options: dict) -> bool:
@@ -259,7 +253,7 @@ def check(seed: int, library: str | None, options: tuple[dict, ...] | None = Non
         try:
             result = compile_model(model, CompileOptions(**opts))
         except Exception as exc:
-            if not _refused(exc) and not (case.config is None and _QMOE_REFUSAL in str(exc)):
+            if not refused(exc, EXPECTED_REFUSALS) and not (case.config is None and _QMOE_REFUSAL in str(exc)):
                 failures.append(f"{where}: {_where(exc)}")
             continue
         compiled = ir.to_proto(result.model)
@@ -284,7 +278,7 @@ def check(seed: int, library: str | None, options: tuple[dict, ...] | None = Non
         try:
             compile_model(compiled, CompileOptions(**opts))
         except Exception as exc:
-            if not _refused(exc):
+            if not refused(exc, EXPECTED_REFUSALS):
                 failures.append(f"{where}: a second compile: {_where(exc)}")
     return failures
 

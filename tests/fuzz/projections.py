@@ -58,6 +58,7 @@ __all__ = [
     "generate",
     "main",
     "ort_quantized",
+    "refused",
     "run_seeds",
 ]
 
@@ -280,10 +281,11 @@ def _session(model: onnx.ModelProto, library: str | None):
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def _refused(exc: Exception) -> bool:
+def refused(exc: Exception, refusals: tuple[str, ...] = EXPECTED_REFUSALS) -> bool:
+    """Whether ``exc`` is a one-line refusal naming one of ``refusals`` (substrings)."""
     from layerzero.errors import InvalidInputError
 
-    return isinstance(exc, InvalidInputError) and any(r in str(exc) for r in EXPECTED_REFUSALS)
+    return isinstance(exc, InvalidInputError) and any(r in str(exc) for r in refusals)
 
 
 def _where(exc: Exception) -> str:
@@ -358,7 +360,7 @@ def _compiles(
         try:
             result = compile_model(model, CompileOptions(**opts))
         except Exception as exc:
-            if not _refused(exc):
+            if not refused(exc):
                 failures.append(f"{label}: {_where(exc)}")
             continue
         compiled = ir.to_proto(result.model)
@@ -372,7 +374,7 @@ def _compiles(
         try:
             compile_model(compiled, CompileOptions(**opts))
         except Exception as exc:
-            if not _refused(exc):
+            if not refused(exc):
                 failures.append(f"{label}: a second compile: {_where(exc)}")
     return failures
 
