@@ -18,7 +18,11 @@ The settings that make these exports work (each learnt from a failure):
 - MoE models use ``set_experts_implementation("batched_mm")``: the default per-expert loop is data
   dependent and does not export;
 - the TorchScript exporter traces, so attention is ``eager`` (SDPA's mask handling specialises there);
-- the example batch is 2 and the example past 4 tokens: a dim of 1 would be specialised to 1.
+- the example batch is 2 and the example past 4 tokens: a dim of 1 would be specialised to 1;
+- complex rotary embeddings (DeepSeek-V2, Llama 4) are computed as the same product in real arithmetic while the
+  exporter runs (``hf_rotary.real_rotary``): neither exporter has complex tensors;
+- the written graph must type-check (ONNX's strict inference), else it is deleted and refused: the TorchScript
+  exporter writes Llama 4's chunked mask as a ``CumSum`` of bools, which ONNX Runtime will not load.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from layerzero.errors import InvalidInputError, UnsupportedModelError
+from layerzero.hf_rotary import real_rotary
 
 __all__ = ["EXPORTERS", "TOKENIZER_FILES", "ExportResult", "export_hf"]
 
@@ -169,7 +174,7 @@ def export_hf(
     out.parent.mkdir(parents=True, exist_ok=True)
     say(f"exporting with torch.onnx ({exporter}{', KV cache' if cache else ''})")
     try:
-        with torch.no_grad():
+        with torch.no_grad(), real_rotary(torch, model):
             if exporter == "dynamo":
                 _export_dynamo(torch, model, args, out, input_names, output_names, cache, opset)
             else:
@@ -190,6 +195,14 @@ def export_hf(
         "eos_token_id": _eos(model),
     }
     say("writing the metadata and the tokenizer files")
+    try:
+        _check_types(out)
+    except UnsupportedModelError as e:
+        for written in (out, out.with_name(f"{out.name}.data")):
+            written.unlink(missing_ok=True)  # no partial output: the graph is the exporter's, it cannot run
+        hint = " (the dynamo exporter: --exporter dynamo)" if exporter != "dynamo" else ""
+        what = f"{model_dir}: torch.onnx {exporter} export of {type(model).__name__}"
+        raise UnsupportedModelError(f"{what} {e}{hint}") from None
     _set_metadata(out, meta)
     if stale_data is not None and stale_data.name not in _external_locations(out):
         stale_data.unlink(missing_ok=True)  # the replaced export's weights; the new one keeps its own inside
@@ -483,6 +496,30 @@ def _eos(model: Any) -> list[int]:
     if ids is None:
         return []
     return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
+
+
+def _check_types(path: Path) -> None:
+    """Raise UnsupportedModelError when the exported graph does not type-check (ONNX's strict type and shape
+    inference): the TorchScript exporter writes Llama 4's chunked-attention mask as a ``CumSum`` of a bool tensor,
+    which torch promotes to int64 and ONNX has no kernel for; ONNX Runtime then refuses to load the model.
+
+    The weights play no part: each initializer of more than a few values is checked as a graph input of its type
+    and shape, so a 2 GB graph is checked without its bytes."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    heavy = [t for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL or len(t.raw_data) > 256]
+    for t in heavy:
+        graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    names = {t.name for t in heavy}
+    kept = [t for t in graph.initializer if t.name not in names]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    try:
+        onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as e:
+        raise UnsupportedModelError(f"wrote a graph that does not type-check: {_one_line(e)}") from None
 
 
 def _set_metadata(path: Path, meta: dict[str, Any]) -> None:

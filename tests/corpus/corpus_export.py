@@ -27,6 +27,8 @@ import onnx
 from corpus_families import FAMILIES, Family, family_hash
 from onnx import numpy_helper
 
+from layerzero.hf_rotary import real_rotary
+
 __all__ = [
     "EXPORTERS",
     "Export",
@@ -39,7 +41,7 @@ __all__ = [
 ]
 
 EXPORTERS = ("dynamo", "torchscript")
-CORPUS_VERSION = 1  # bump to invalidate every cached export
+CORPUS_VERSION = 2  # bump to invalidate every cached export
 EXAMPLE_SHAPE = (2, 8)  # batch 2: an example batch of 1 would be specialised to 1
 DENSE_EXPERTS = "dense_scatter_einsum"  # Family.experts: the dense form registered by _register_dense_experts
 
@@ -197,6 +199,11 @@ def _export(model, family: Family, exporter: str, path: Path) -> None:
     vocab = family.kwargs.get("vocab_size", 256)
     ids = torch.randint(0, vocab, EXAMPLE_SHAPE, generator=torch.Generator().manual_seed(1))
     out = output_name(family)
+    with real_rotary(torch, model):  # DeepSeek-V2's and Llama 4's complex RoPE, as ``layerzero export`` does
+        _export_with(torch, model, ids, exporter, out, path)
+
+
+def _export_with(torch, model, ids, exporter: str, out: str, path: Path) -> None:
     if exporter == "dynamo":
         program = torch.onnx.export(
             model,

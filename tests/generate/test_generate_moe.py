@@ -41,9 +41,9 @@ def _family(name: str):
     return dataclasses.replace(family, name=f"{name}_generate", kwargs=kwargs)
 
 
-def _compiled(spec, tmp_path: Path) -> tuple:
+def _compiled(spec, tmp_path: Path, block: str = "mlp") -> tuple:
     """(the transformers model, its greedy ids for PROMPT, the compiled bundle's engine): exported (cached),
-    compiled with the CLI, both MoE layers rewritten."""
+    compiled with the CLI, both MoE layers (``model.layers.N.<block>``) rewritten."""
     folder = get_generate_export(spec)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder / "hf"), local_files_only=True).eval()
     expected = model.generate(
@@ -52,7 +52,7 @@ def _compiled(spec, tmp_path: Path) -> tuple:
     bundle = tmp_path / "model.lz"
     assert main(["compile", str(folder / "model.onnx"), "-o", str(bundle)]) == 0
     manifest = json.loads((bundle / "manifest.json").read_text())
-    assert {d["path"] for d in manifest["dynamic"]} == {"model.layers.0.mlp", "model.layers.1.mlp"}
+    assert {d["path"] for d in manifest["dynamic"]} == {f"model.layers.{i}.{block}" for i in range(2)}
     return model, expected, Engine.load(bundle)
 
 
@@ -117,3 +117,64 @@ def test_deepseek_v3_compressed_cache_exports_and_generates(tmp_path: Path, monk
     assert engine.generate(PROMPT, max_new_tokens=NEW).ids == expected
     monkeypatch.setattr(generate_module, "_bindable", lambda engine: False)
     assert engine.generate(PROMPT, max_new_tokens=NEW).ids == expected
+
+
+@pytest.mark.parametrize(("family", "block"), [("deepseek_v2", "mlp"), ("llama4", "feed_forward")])
+def test_complex_rotary_families_export_and_generate(family: str, block: str, tmp_path: Path) -> None:
+    """DeepSeek-V2's and Llama 4's RoPE is a complex product (``torch.polar``, ``view_as_complex``), which neither
+    torch.onnx exporter has: ``layerzero export`` failed for both ("No decompositions registered for the
+    complex-valued input"). The export now computes it in real arithmetic (hf_rotary.real_rotary), and the
+    compiled model's greedy ids equal transformers' own (complex) ones."""
+    _, expected, engine = _compiled(_family(family), tmp_path, block)
+    assert engine.generate(PROMPT, max_new_tokens=NEW).ids == expected
+
+
+def test_real_rotary_equals_the_complex_product_and_is_undone() -> None:
+    """The real-valued rotary gives transformers' logits (to float rounding: the complex product rounds its own
+    way), and the swap is undone on exit: the modeling module's ``apply_rotary_emb`` and the rotary modules'
+    ``forward`` are transformers' again."""
+    from layerzero.hf_rotary import real_rotary
+
+    folder = get_generate_export(_family("deepseek_v2"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder / "hf"), local_files_only=True).eval()
+    modeling = sys.modules[type(model).__module__]
+    original = modeling.apply_rotary_emb
+    ids = torch.randint(0, 200, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        complex_logits = model(ids).logits
+        with real_rotary(torch, model) as rewritten:
+            assert rewritten and modeling.apply_rotary_emb is not original
+            real_logits = model(ids).logits
+        assert modeling.apply_rotary_emb is original
+        assert torch.equal(model(ids).logits, complex_logits)
+    torch.testing.assert_close(real_logits, complex_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_deepseek_v2_torchscript_export_and_llama4_torchscript_refusal(tmp_path: Path, capsys) -> None:
+    """The TorchScript exporter takes DeepSeek-V2 through the real rotary too (its logits equal transformers');
+    for Llama 4 it writes the chunked-attention mask as a ``CumSum`` of a bool tensor, which ONNX has no kernel
+    for: ``layerzero export`` refuses in one line naming it (exit 2, nothing left behind) instead of writing a
+    model ONNX Runtime cannot load."""
+    import onnxruntime as ort
+
+    folder = get_generate_export(_family("deepseek_v2"))
+    out = tmp_path / "ds.onnx"
+    assert main(["export", str(folder / "hf"), "-o", str(out), "--exporter", "torchscript"]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder / "hf"), local_files_only=True).eval()
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        expected = model(ids).logits.numpy()
+    engine = Engine.load(out)
+    got = engine.run(engine.first_step_feeds({"input_ids": ids.numpy()})).outputs["logits"]
+    assert abs(got - expected).max() < 1e-4
+    assert ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]) is not None
+
+    folder = get_generate_export(_family("llama4"))
+    out = tmp_path / "l4.onnx"
+    capsys.readouterr()
+    assert main(["export", str(folder / "hf"), "-o", str(out), "--exporter", "torchscript"]) == 2
+    err = capsys.readouterr().err  # transformers' loading progress bar writes there too
+    errors = [line for line in err.splitlines() if line.startswith("layerzero export: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert "does not type-check" in errors[0] and "CumSum" in errors[0] and "--exporter dynamo" in errors[0]
+    assert not out.exists() and not out.with_name("l4.onnx.data").exists()
