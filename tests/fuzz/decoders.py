@@ -31,7 +31,7 @@ if str(_ROOT) not in sys.path:
 __all__ = ["FAMILIES", "MOE_FAMILIES", "MOE_VARIANTS", "VARIANTS", "check", "config_for", "main"]
 
 MOE_FAMILIES = ("MixtralConfig", "Qwen3MoeConfig", "OlmoeConfig", "Qwen2MoeConfig", "PhimoeConfig", "GraniteMoeConfig",
-                "DeepseekV3Config")  # fmt: skip
+                "DeepseekV3Config", "DeepseekV2Config", "Llama4TextConfig")  # fmt: skip
 FAMILIES = ("LlamaConfig", "Qwen2Config", "MistralConfig", "Qwen3Config", "Phi3Config", "GemmaConfig", "Olmo2Config",
             "GraniteConfig")  # fmt: skip
 _WIDE = ["--max-deviation", "1e9"]  # activation sparsity's deviation is on purpose
@@ -87,13 +87,19 @@ def config_for(seed: int, moe: bool = False) -> tuple[str, dict, str]:
         kwargs.setdefault("head_dim", head_dim)
         if family in ("MixtralConfig", "PhimoeConfig", "GraniteMoeConfig"):  # expert size: intermediate_size
             kwargs.update(num_local_experts=experts, num_experts_per_tok=top)
+        elif family == "Llama4TextConfig":  # top-1 (its router's only form), chunked attention, RoPE per layer
+            kwargs.update(num_local_experts=experts, num_experts_per_tok=1, interleave_moe_layer_step=1,
+                          intermediate_size_mlp=rng.choice([64, 128]), use_qk_norm=rng.random() < 0.5,
+                          attention_chunk_size=rng.choice([4, 64]),
+                          no_rope_layers=[rng.choice([0, 1]) for _ in range(kwargs["num_hidden_layers"])])  # fmt: skip
+            exporter = "dynamo"  # TorchScript writes its chunked mask as a CumSum of bools: export refuses it
         else:
             kwargs.update(num_experts=experts, num_experts_per_tok=top, moe_intermediate_size=rng.choice([32, 64, 96]))
         if family == "Qwen2MoeConfig":
             kwargs.update(shared_expert_intermediate_size=rng.choice([32, 64]), decoder_sparse_step=1)
         if family == "OlmoeConfig":  # no head_dim option
             kwargs.pop("head_dim")
-        if family == "DeepseekV3Config":  # MLA: a compressed cache; experts in groups of one, shared ones or not
+        if family in ("DeepseekV3Config", "DeepseekV2Config"):  # MLA (V2: complex RoPE); shared experts or not
             rope = rng.choice([8, 16])
             kwargs.update(n_routed_experts=experts, n_shared_experts=rng.choice([0, 1]), first_k_dense_replace=0,
                           n_group=1, topk_group=1, kv_lora_rank=rng.choice([16, 32]),
