@@ -218,8 +218,8 @@ _MOES = [
 #   the top-k weights (corpus_export's "dense_scatter_einsum" experts; TorchScript builds the matrix's zeros from
 #   Shape(x)[0]);
 # - llama4_nope: Llama 4's router (top-k of the logits, then a sigmoid of the k values) and its experts reading
-#   their tokens scaled by the routing weight; without RoPE layers, whose complex rotary neither exporter exports
-#   (the llama4 family above records that);
+#   their tokens scaled by the routing weight; without RoPE layers (the llama4 family above has them: its complex
+#   rotary is exported as real arithmetic, layerzero.hf_rotary);
 # - jetmoe_wide: JetMoE with one expert's gate/up weight past the constant folding limit (1 << 20 elements), so
 #   each sorted expert's `self.weight[i]` stays a `select` (Gather) of the stacked parameter.
 _ISSUE20 = [

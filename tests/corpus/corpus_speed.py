@@ -84,7 +84,7 @@ def speed_family(family: Family) -> Family:
     for key in _TOP_K_KEYS:
         if key in kwargs:
             kwargs[key] = top_k
-    if family.name == "deepseek_v3":
+    if family.name in ("deepseek_v2", "deepseek_v3"):
         kwargs.update(num_key_value_heads=HEADS, head_dim=8)  # MLA: the corpus's head dims, all heads
     if family.name == "jetmoe":
         kwargs.update(kv_channels=HEAD_DIM, num_key_value_heads=HEADS)
