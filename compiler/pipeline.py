@@ -422,8 +422,9 @@ def sparsify_activations(
         return None
     from layerzero.activation_calibration import profiled_groups
     from layerzero.errors import InvalidInputError
+    from layerzero.passes._graph import scope_of
     from layerzero.passes.quantize_weights import unreadable_format
-    from layerzero.passes.sparsify_activations import find_groups, group_refusal, record_refusals
+    from layerzero.passes.sparsify_activations import find_groups, group_refusal, quantized_moe_nodes, record_refusals
 
     if options.quant_bits and _native_activation_form(options, target):
         # Said before the calibration (minutes on a real model), not by the quantization after it.
@@ -453,6 +454,15 @@ def sparsify_activations(
                 f"({len(quantized_experts)}, the first {quantized_experts[0].name!r}), and quantized experts keep the "
                 "dense kernel (the sparse kernels' input-major layout is float), so nothing to sparsify; compile "
                 "the experts activation-sparse with float weights, or without --activation-sparsity"
+            )
+        given = quantized_moe_nodes(model)  # quantized in the model itself (QMoE), not by --weights
+        if given:
+            first = given[0]
+            raise InvalidInputError(
+                f"{where}: the model's only projection groups would be MoE experts, and its {len(given)} MoE "
+                f"block(s) hold quantized experts (the first {scope_of(first) or first.name!r}, {first.op_type}), "
+                "which keep the dense kernel (the sparse kernels' input-major layout is float), so nothing to "
+                "sparsify; a MoE router is never thresholded"
             )
         if unknown:
             raise InvalidInputError(

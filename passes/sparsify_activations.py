@@ -80,7 +80,14 @@ from layerzero.passes._match import NoMatch, Refusal, need
 from layerzero.passes._moe.lazy import stack_of
 from layerzero.passes._moe_node import MoENode, is_moe_node
 
-__all__ = ["SPARSE_LINEAR_OP", "ActivationGroup", "SparsifyActivations", "find_groups", "fuse_projections"]
+__all__ = [
+    "SPARSE_LINEAR_OP",
+    "ActivationGroup",
+    "SparsifyActivations",
+    "find_groups",
+    "fuse_projections",
+    "quantized_moe_nodes",
+]
 
 KIND = "activation"
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
@@ -141,12 +148,31 @@ def _group_name(scopes: list[str]) -> str:
 _ROUTER_PATH = {"Reshape", "Cast", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Add"}
 
 
+def _is_ort_moe(node: ir.Node) -> bool:
+    """ONNX Runtime's ``com.microsoft::MoE`` / ``QMoE`` (a block the skipping rewrite left: its router_probs is
+    input 1 as the skipping form's router_logits)."""
+    return node.domain == "com.microsoft" and node.op_type in ("MoE", "QMoE")
+
+
+def quantized_moe_nodes(model: ir.Model) -> list[ir.Node]:
+    """The MoE blocks of ``model``'s layers whose experts are quantized (an ``ai.layerzero::MoE`` with quantized
+    experts, a ``QMoE`` left as it is): no projection group, since the sparse kernels' input-major layout is float
+    (the compile's refusal names them when they are all a model has)."""
+    return [
+        n
+        for n in model.graph
+        if layer_of(scope_of(n) or n.name or "") is not None
+        and ((is_moe_node(n) and MoENode.of(n).quantized) or (_is_ort_moe(n) and n.op_type == "QMoE"))
+    ]
+
+
 def _routers(model: ir.Model) -> set[ir.Node]:
-    """The MatMuls whose product reaches an ``ai.layerzero::MoE`` node's router_logits (through reshapes, casts
-    and a bias add): the routers, never a projection group (their input thresholded would change the routing)."""
+    """The MatMuls whose product reaches a MoE node's router_logits (``ai.layerzero::MoE``, or ONNX Runtime's MoE /
+    QMoE router_probs, through reshapes, casts and a bias add): the routers, never a projection group (their input
+    thresholded would change the routing)."""
     out: set[ir.Node] = set()
     for node in model.graph:
-        if not is_moe_node(node) or len(node.inputs) < 2:
+        if not (is_moe_node(node) or _is_ort_moe(node)) or len(node.inputs) < 2:
             continue
         value, hops = node.inputs[1], 0
         while value is not None and value.producer() is not None and hops < 8:

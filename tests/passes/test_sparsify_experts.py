@@ -186,6 +186,33 @@ def test_activation_sparsity_on_quantized_experts_alone_says_why_nothing_is_spar
     assert result.activation_sparsity["groups"]["layers.0.moe.experts.gate_up"] > 0
 
 
+@pytest.mark.parametrize("lowering", ["auto", "if"])
+def test_activation_sparsity_on_a_qmoe_model_refuses_and_never_thresholds_its_router(lowering: str) -> None:
+    """A model whose experts come quantized (``com.microsoft::QMoE`` as ONNX Runtime GenAI writes it, its router a
+    MatMul in the graph): with the native lowering the QMoE becomes quantized experts, with ``if`` it is left as
+    ONNX Runtime's op. Either way no float group is left: the refusal names the quantized experts (it said "no
+    float MatMul"; with ``if`` the compile sparsified the router's MatMul alone, which changes the routing)."""
+    from layerzero.compile import compile_model
+    from layerzero.errors import InvalidInputError
+    from layerzero.models.moe import build_qmoe
+    from layerzero.options import CompileOptions
+    from layerzero.plugins.ort_library import find_ort_library
+
+    if lowering == "auto" and find_ort_library() is None:
+        pytest.skip("liblayerzero_ort.so is not built: the QMoE is not rewritten to quantized experts")
+    proto = build_qmoe(experts=4, hidden=64, ffn=64, top_k=2, bits=4, block=32, accuracy=4, router=True)
+    options = CompileOptions(activation_sparsity=0.3, max_deviation=1e9, moe_lowering=lowering)
+    op = "MoE" if lowering == "auto" else "QMoE"
+    why = rf"its 1 MoE block\(s\) hold quantized experts \(the first 'layers\.0\.moe[a-z.]*', {op}\), which keep"
+    with pytest.raises(InvalidInputError, match=why) as info:
+        compile_model(proto, options)
+    assert "\n" not in str(info.value) and "nothing to sparsify" in str(info.value)
+    # a QMoE whose experts become float (4 bits at accuracy level 0): the experts are the one group, not the router
+    proto = build_qmoe(experts=4, hidden=64, ffn=64, top_k=2, bits=4, block=32, accuracy=0, router=True)
+    result = compile_model(proto, CompileOptions(activation_sparsity=0.5, max_deviation=1e9, moe_lowering=lowering))
+    assert result.activation_sparsity["groups"] == {"layers.0.moe.experts.gate_up": 0.5}
+
+
 def _sparsemixer_layer():
     """x -> o_proj MatMul (a dense group) -> h; logits = h @ router; y = MoE(h, logits, ...) with PhiMoE's
     sparsemixer routing, which liblayerzero_ort.so's kernel does not run (the target lowers it to If)."""
