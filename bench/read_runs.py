@@ -44,15 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
+    if any(r < 64 or r % 64 for r in args.runs) or any(not 0 <= s < 1 for s in args.skip):
+        print("--runs must be multiples of 64 bytes and --skip in [0, 1)", file=sys.stderr)
+        return 2
     if shutil.which("g++") is None:
         print("g++ not found (apt-get install g++)", file=sys.stderr)
         return 2
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     if "avx512bw" not in flags:
         print("this CPU has no AVX-512 (BW): read_runs.cpp is written for it", file=sys.stderr)
-        return 2
-    if any(r < 64 or r % 64 for r in args.runs) or any(not 0 <= s < 1 for s in args.skip):
-        print("--runs must be multiples of 64 bytes and --skip in [0, 1)", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         try:

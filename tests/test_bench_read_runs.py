@@ -33,3 +33,14 @@ def test_read_runs_refuses_bad_runs() -> None:
     proc = _run("--runs", "100")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == ["--runs must be multiples of 64 bytes and --skip in [0, 1)"]
+
+
+def test_read_runs_refuses_a_cpu_without_avx512_in_one_line() -> None:
+    if "avx512bw" in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has AVX-512 (BW): the refusal is for CPUs without it")
+    proc = _run("--runs", "1024")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() in (
+        ["this CPU has no AVX-512 (BW): read_runs.cpp is written for it"],
+        ["g++ not found (apt-get install g++)"],
+    )

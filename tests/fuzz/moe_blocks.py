@@ -1,7 +1,7 @@
 """Fuzzing the MoE passes: random mixture-of-experts blocks through the skipping rewrite, every lowering,
 ``--weights``, ``--zeroing-threshold``, solidify and ``--activation-sparsity``, each compile verified.
 
-The decoder fuzzer (``decoders.py --moe``) draws four Hugging Face families, whose exports all take one block form
+The decoder fuzzer (``decoders.py --moe``) draws nine Hugging Face families, whose exports all take one block form
 (``batched_mm``). These blocks are built directly (``layerzero.models.moe``) in every form the rewrite matches —
 ``batched_mm``, ``dense`` (routing matrix by ``ScatterElements`` into zeros of ``Shape(logits)`` or of the rows of
 ``x``, or by ``OneHot``; combined by ``Einsum`` or ``Mul`` / ``ReduceSum``; gate / up fused or not) and
