@@ -234,7 +234,8 @@ def check_matrix(lib: Path, quick: bool = False) -> list[str]:
 
 def check_quant_edges(lib: Path) -> list[str]:
     """q8 / q4 edges, bitwise against the reference: every row skipped (y = bias, kept 0), none skipped (no zero
-    in x, thresholds 0), K-blocks keeping 0..8 rows (groups of 4 padded), x read from an unaligned buffer."""
+    in x, thresholds 0), K-blocks keeping 0..8 rows (groups of 4 padded), x read from an unaligned buffer, every
+    code and x code at an extreme."""
     failures = []
     k, n = 128, 96
     for fmt in ("q8", "q4"):
@@ -266,6 +267,25 @@ def check_quant_edges(lib: Path) -> list[str]:
                     what = "thresholds 0, no zero in x: not every row kept"
                 if what is not None:
                     failures.append(f"{fmt} K={k} N={n} T={t} {name}: {what}")
+    # The largest integer sums: every code at an extreme (q4 nibbles 15 / 0, q8 127 / -128), every x code +-127,
+    # every row of a block kept (8 groups of 4: the AVX2 kernel's int16 sums at their bound); a whole q4 chunk and a
+    # partial one (N = 160).
+    n = 160
+    ones = np.ones((k // 32, n), np.float16)
+    for fmt, fills in (("q4", (0xFF, 0x00, 0x0F)), ("q8", (127, -128))):
+        for fill in fills:
+            if fmt == "q4":
+                w = np.full((k, n // 2), fill, np.uint8)
+            else:
+                w = np.full((k, n), fill, np.int8)
+            for xname, x in (("x +1", np.ones((3, k), np.float32)), ("x -+1", np.tile([-1.0, 1.0], (3, k // 2)))):
+                x = x.astype(np.float32)
+                sess = session(lib, sparse_model(w, np.zeros(k, np.float32), fmt=fmt, w_scales=ones))
+                y, kept = sess.run(None, {"x": x})
+                ref, ref_kept = sparse_linear_reference(x, w, np.zeros(k, np.float32), None, None, ones, fmt)
+                what = _mismatch(y, kept, ref, ref_kept, None, exact=True)
+                if what is not None:
+                    failures.append(f"{fmt} K={k} N={n} codes {fill:#x} {xname}: {what}")
     return failures
 
 

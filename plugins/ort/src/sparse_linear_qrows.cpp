@@ -18,6 +18,9 @@
 // step). The 4th row of a short group repeats a kept row with x code 0 (adds 0). The rows of a tile are
 // contiguous (a row's part of a tile 1 KB for q4), so 32 kept rows are 32 streams a few KB apart, not pages apart
 // (the row-major [K, N/2] had every row of a block in the same L1 set at N = 8192, and took 1.5x the time).
+//
+// AVX2 (no VNNI; before, the portable loop ran there, ~25x slower): 2 kept rows a step, vpmaddubsw (below). The
+// portable build (block_columns) also takes the AVX2 build's columns outside whole q4 chunks.
 #include <cstring>
 
 #include "dot_rows.h"
@@ -30,7 +33,13 @@
 #define LZ_SQ_VNNI 0
 #endif
 
-#if LZ_SQ_VNNI
+#if !LZ_SQ_VNNI && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LZ_SQ_AVX2 1
+#else
+#define LZ_SQ_AVX2 0
+#endif
+
+#if LZ_SQ_VNNI || LZ_SQ_AVX2
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -278,51 +287,193 @@ void qrows(const SparseQRows& call, int64_t c0, int64_t c1) {
     a = b;
   }
 }
-#else
-// Portable (also the AVX2 build, auto-vectorized): per block and 32 columns, the int32 sums over the block's
-// kept rows (signed codes), then the float step per column.
+#endif
+
+// One block's contribution to the columns [c, b) of the tile at base (row stride `stride`, first column `first`),
+// portable: per 32 columns the int32 sums over the block's kept rows (signed codes), then the float step per
+// column. The generic build's whole kernel, and the AVX2 build's columns outside whole q4 chunks.
+template <int Bits>
+[[maybe_unused]] void block_columns(const SparseQRows& call, const uint8_t* base, int64_t stride, int64_t first,
+                                    const SparseQBlock& blk, int64_t c, int64_t b) {
+  const uint16_t* s = call.scales + int64_t(blk.kb) * call.n;
+  for (; c < b; c += 32) {
+    int32_t acc[32] = {};
+    for (int32_t g = 0; g < blk.ng; ++g) {
+      for (int k = 0; k < 4; ++k) {
+        const int32_t xq = static_cast<int8_t>(static_cast<uint32_t>(call.xq4[blk.g0 + g]) >> (8 * k));
+        if (xq == 0) continue;
+        const uint8_t* r = base + call.rows4[4 * (blk.g0 + g) + k] * stride;
+        if constexpr (Bits == 8) {
+          const int8_t* q = reinterpret_cast<const int8_t*>(r + (c - first));
+          for (int j = 0; j < 32; ++j) acc[j] += xq * int32_t(q[j]);
+        } else {
+          // byte j of the 32-column block: in a whole 64-byte chunk at 16 (j / 4) + 4 q + j % 4 (q the
+          // block's place in the chunk), in a row's last partial chunk at j
+          const int64_t off = (c - first) / 2, chunk = off / 64 * 64;
+          const bool whole = chunk + 64 <= stride;
+          const uint8_t* q = r + chunk;
+          const int64_t qb = (off - chunk) / 16;
+          for (int j = 0; j < 16; ++j) {
+            const uint8_t byte = whole ? q[16 * (j / 4) + 4 * qb + j % 4] : q[16 * qb + j];
+            acc[j] += xq * (int32_t(byte & 15) - 8);
+            acc[j + 16] += xq * (int32_t(byte >> 4) - 8);
+          }
+        }
+      }
+    }
+    float* y = call.y + c;
+    for (int j = 0; j < 32; ++j) {
+      const float m = half_to_float(s[c + j]) * blk.dx;
+      y[j] = y[j] + static_cast<float>(acc[j]) * m;
+    }
+  }
+}
+
+#if LZ_SQ_AVX2
+// AVX2 without VNNI: 2 kept rows a step, their bytes interleaved by unpacks and multiplied against the pair's two x
+// codes by vpmaddubsw (unsigned x signed bytes, pairs summed to int16).
+//
+// q4: the nibbles as unsigned codes (code + 8) against the signed x codes: a pair's int16 is at most 2 x 15 x 127
+// = 3810, so 4 groups (8 pairs) sum in int16 (<= 30480) before they are widened and added to int32 lanes that
+// start at -8 times the block's x code sum (the offset taken back exactly). A 32-byte half h of a whole 64-byte
+// chunk holds bytes 4 L + m of every block q for L = 2 h, 2 h + 1 (sparse_linear.h); unpacklo / unpackhi of a
+// pair take blocks (0, 1) / (2, 3), and one 64-bit permutation per int16 vector puts each block's 8 columns
+// 32 q + 16 nibble + 8 h + (0 .. 7) in order in a 128-bit half: widened, they meet y and the scales in order.
+// q8: the signed codes sign-extended to int16, a pair's products summed by vpmaddwd into exact int32 lanes.
+// The float step as every build: y + float(isum) * (d_w * d_x), a multiply, a multiply and an add (no FMA).
+inline void apply8(__m256i acc, const uint16_t* s, __m256 dx, float* y) {
+  const __m256 m = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s))), dx);
+  _mm256_storeu_ps(y, _mm256_add_ps(_mm256_loadu_ps(y), _mm256_mul_ps(_mm256_cvtepi32_ps(acc), m)));
+}
+
+// r (nibble n, unpack u at n * 2 + u) widened into acc32[2 (n * 2 + u) + t], t the block 2 u + t's 8 columns.
+inline void widen_q4(__m256i r0, __m256i r1, __m256i r2, __m256i r3, __m256i* acc32) {
+  const __m256i r[4] = {r0, r1, r2, r3};
+  for (int j = 0; j < 4; ++j) {
+    const __m256i p = _mm256_permute4x64_epi64(r[j], 0xD8);  // 64-bit pieces 0, 2, 1, 3
+    acc32[2 * j] = _mm256_add_epi32(acc32[2 * j], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(p)));
+    acc32[2 * j + 1] = _mm256_add_epi32(acc32[2 * j + 1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(p, 1)));
+  }
+}
+
+// One block over one whole q4 chunk (128 columns from c): rows[k] + o its kept rows' bytes there.
+inline void q4_chunk(const uint8_t* const* rows, int64_t o, const int32_t* xq4, int32_t ng, int32_t sum,
+                     const uint16_t* s, __m256 dx, float* y) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int h = 0; h < 2; ++h) {
+    __m256i acc32[8];
+    for (int j = 0; j < 8; ++j) acc32[j] = _mm256_set1_epi32(-8 * sum);
+    for (int32_t g0 = 0; g0 < ng; g0 += 4) {  // 4 groups (8 pairs) in int16, then widened
+      __m256i r0 = _mm256_setzero_si256(), r1 = r0, r2 = r0, r3 = r0;
+      const int32_t g1 = g0 + 4 < ng ? g0 + 4 : ng;
+      for (int32_t g = g0; g < g1; ++g) {
+        const uint32_t x4 = static_cast<uint32_t>(xq4[g]);
+        for (int pr = 0; pr < 2; ++pr) {
+          const __m256i xp = _mm256_set1_epi16(static_cast<int16_t>(x4 >> (16 * pr)));
+          const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[4 * g + 2 * pr] + o + 32 * h));
+          const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[4 * g + 2 * pr + 1] + o + 32 * h));
+          // the pair's bytes interleaved, then split into nibbles: (low, unpacklo), (low, unpackhi), (high, ...)
+          const __m256i ul = _mm256_unpacklo_epi8(v0, v1), uh = _mm256_unpackhi_epi8(v0, v1);
+          r0 = _mm256_add_epi16(r0, _mm256_maddubs_epi16(_mm256_and_si256(ul, m4), xp));
+          r1 = _mm256_add_epi16(r1, _mm256_maddubs_epi16(_mm256_and_si256(uh, m4), xp));
+          r2 = _mm256_add_epi16(r2, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(ul, 4), m4), xp));
+          r3 = _mm256_add_epi16(r3, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(uh, 4), m4), xp));
+        }
+      }
+      widen_q4(r0, r1, r2, r3, acc32);
+    }
+    for (int j = 0; j < 4; ++j) {
+      const int n = j / 2, u = j % 2;
+      for (int t = 0; t < 2; ++t) {
+        const int64_t col = 32 * (2 * u + t) + 16 * n + 8 * h;
+        apply8(acc32[2 * j + t], s + col, dx, y + col);
+      }
+    }
+  }
+}
+
+// One block over 32 q8 columns from byte offset o of the rows: 4 int32 accumulators (columns 0-3 | 8-11,
+// 4-7 | 12-15, and the same + 16), put in order by 128-bit permutations.
+inline void q8_cols32(const uint8_t* const* rows, int64_t o, const int32_t* xq4, int32_t ng, const uint16_t* s,
+                      __m256 dx, float* y) {
+  __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+  for (int32_t g = 0; g < ng; ++g) {
+    for (int pr = 0; pr < 2; ++pr) {
+      const uint32_t x2 = static_cast<uint32_t>(xq4[g]) >> (16 * pr);
+      const int32_t x0 = static_cast<int8_t>(x2 & 0xFF), x1 = static_cast<int8_t>((x2 >> 8) & 0xFF);
+      const __m256i xp = _mm256_set1_epi32(static_cast<int32_t>((static_cast<uint32_t>(x1) << 16) |
+                                                                (static_cast<uint32_t>(x0) & 0xFFFF)));
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[4 * g + 2 * pr] + o));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[4 * g + 2 * pr + 1] + o));
+      for (int hf = 0; hf < 2; ++hf) {
+        const __m256i a0 = _mm256_cvtepi8_epi16(hf ? _mm256_extracti128_si256(v0, 1) : _mm256_castsi256_si128(v0));
+        const __m256i a1 = _mm256_cvtepi8_epi16(hf ? _mm256_extracti128_si256(v1, 1) : _mm256_castsi256_si128(v1));
+        acc[2 * hf] = _mm256_add_epi32(acc[2 * hf], _mm256_madd_epi16(_mm256_unpacklo_epi16(a0, a1), xp));
+        acc[2 * hf + 1] = _mm256_add_epi32(acc[2 * hf + 1], _mm256_madd_epi16(_mm256_unpackhi_epi16(a0, a1), xp));
+      }
+    }
+  }
+  for (int hf = 0; hf < 2; ++hf) {
+    apply8(_mm256_permute2x128_si256(acc[2 * hf], acc[2 * hf + 1], 0x20), s + 16 * hf, dx, y + 16 * hf);
+    apply8(_mm256_permute2x128_si256(acc[2 * hf], acc[2 * hf + 1], 0x31), s + 16 * hf + 8, dx, y + 16 * hf + 8);
+  }
+}
+
+// A block's kept rows (4 a group) at the start of the tile: the row addresses, as many as it has.
+inline int block_rows(const SparseQRows& call, int64_t bi, const uint8_t* base, int64_t stride, const uint8_t** out) {
+  if (bi >= call.nblocks) return 0;
+  const SparseQBlock& blk = call.blocks[bi];
+  const int32_t* r4 = call.rows4 + 4 * int64_t(blk.g0);
+  for (int32_t k = 0; k < 4 * blk.ng; ++k) out[k] = base + r4[k] * stride;
+  return 4 * blk.ng;
+}
+
 template <int Bits>
 void qrows(const SparseQRows& call, int64_t c0, int64_t c1) {
-  const int64_t n = call.n;
+  // The current block's rows and the next one's, whose lines at the current columns are prefetched (into L2) as
+  // the current block passes them: its pass over the tile comes next.
+  const uint8_t* cur[32];
+  const uint8_t* nxt[32];
   for (int64_t a = c0; a < c1;) {
     int64_t stride = 0, first = 0;
     const uint8_t* base = tile_base<Bits>(call, a, &stride, &first);
     const int64_t b = first + kSparseQTile < c1 ? first + kSparseQTile : c1;
+    block_rows(call, 0, base, stride, cur);
     for (int64_t bi = 0; bi < call.nblocks; ++bi) {
       const SparseQBlock& blk = call.blocks[bi];
-      const uint16_t* s = call.scales + int64_t(blk.kb) * n;
-      for (int64_t c = a; c < b; c += 32) {
-        int32_t acc[32] = {};
-        for (int32_t g = 0; g < blk.ng; ++g) {
-          for (int k = 0; k < 4; ++k) {
-            const int32_t xq = static_cast<int8_t>(static_cast<uint32_t>(call.xq4[blk.g0 + g]) >> (8 * k));
-            if (xq == 0) continue;
-            const uint8_t* r = base + call.rows4[4 * (blk.g0 + g) + k] * stride;
-            if constexpr (Bits == 8) {
-              const int8_t* q = reinterpret_cast<const int8_t*>(r + (c - first));
-              for (int j = 0; j < 32; ++j) acc[j] += xq * int32_t(q[j]);
-            } else {
-              // byte j of the 32-column block: in a whole 64-byte chunk at 16 (j / 4) + 4 q + j % 4 (q the
-              // block's place in the chunk), in a row's last partial chunk at j
-              const int64_t off = (c - first) / 2, chunk = off / 64 * 64;
-              const bool whole = chunk + 64 <= stride;
-              const uint8_t* q = r + chunk;
-              const int64_t qb = (off - chunk) / 16;
-              for (int j = 0; j < 16; ++j) {
-                const uint8_t byte = whole ? q[16 * (j / 4) + 4 * qb + j % 4] : q[16 * qb + j];
-                acc[j] += xq * (int32_t(byte & 15) - 8);
-                acc[j + 16] += xq * (int32_t(byte >> 4) - 8);
-              }
-            }
-          }
+      const int nn = block_rows(call, bi + 1, base, stride, nxt);
+      const uint16_t* s = call.scales + int64_t(blk.kb) * call.n;
+      const __m256 dx = _mm256_set1_ps(blk.dx);
+      int64_t c = a;
+      if constexpr (Bits == 4) {
+        const int64_t whole = first + (stride / 64) * 128;  // the end of the tile's whole chunks (a column)
+        for (; c + 128 <= b && c + 128 <= whole; c += 128) {
+          const int64_t o = (c - first) / 2;
+          q4_chunk(cur, o, call.xq4 + blk.g0, blk.ng, blk.sum, s + c, dx, call.y + c);
+          for (int k = 0; k < nn; ++k) _mm_prefetch(reinterpret_cast<const char*>(nxt[k] + o), _MM_HINT_T1);
         }
-        float* y = call.y + c;
-        for (int j = 0; j < 32; ++j) {
-          const float m = half_to_float(s[c + j]) * blk.dx;
-          y[j] = y[j] + static_cast<float>(acc[j]) * m;
+      } else {
+        for (; c + 32 <= b; c += 32) {
+          q8_cols32(cur, c - first, call.xq4 + blk.g0, blk.ng, s + c, dx, call.y + c);
+          if ((c - a) % 64 == 0)
+            for (int k = 0; k < nn; ++k) _mm_prefetch(reinterpret_cast<const char*>(nxt[k] + (c - first)), _MM_HINT_T1);
         }
       }
+      block_columns<Bits>(call, base, stride, first, blk, c, b);  // a partial chunk / the last columns
+      std::memcpy(cur, nxt, sizeof(cur[0]) * static_cast<size_t>(nn));
     }
+    a = b;
+  }
+}
+#elif !LZ_SQ_VNNI
+// Portable: block_columns over the whole range, block after block.
+template <int Bits>
+void qrows(const SparseQRows& call, int64_t c0, int64_t c1) {
+  for (int64_t a = c0; a < c1;) {
+    int64_t stride = 0, first = 0;
+    const uint8_t* base = tile_base<Bits>(call, a, &stride, &first);
+    const int64_t b = first + kSparseQTile < c1 ? first + kSparseQTile : c1;
+    for (int64_t bi = 0; bi < call.nblocks; ++bi) block_columns<Bits>(call, base, stride, first, call.blocks[bi], a, b);
     a = b;
   }
 }
