@@ -348,6 +348,14 @@ def quantized_dense_reference(
         LowerMoE(lowering=lowering, enabled=True, native_present=native)(model)
     if compiled is not None:
         from layerzero.passes.quantize_weights import as_dense_sparse_linear, sparse_linear_projections
+        from layerzero.passes.rotate_heads import RotateHeads, read_rotations
+
+        # The compile's head rotations (--activation-rotation): quantized after the same rotation, the reference
+        # holds the compiled model's codes (a rotated o_proj's blocks are not the rotation of the unrotated ones).
+        rotations = read_rotations(compiled)
+        if rotations:
+            InferShapes()(model)
+            RotateHeads(rotations)(model)
 
         # SparseLinear in the reference already (a source compiled in the native form) is quantized as compiled
         have = sparse_linear_projections(model)

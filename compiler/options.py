@@ -28,6 +28,9 @@ WEIGHTS = ("float", "int4", "int8")
 STABILITY_UNITS = ("requests", "tokens")
 #: ``activation_method``: the per-channel criterion of the activation thresholds (``activation_calibration.CRITERIA``).
 ACTIVATION_METHODS = ("wina", "magnitude")
+#: ``activation_rotation``: an exact rotation folded into the weights before the calibration (passes/rotate_heads.py):
+#: "heads" (each attention's value heads, o_proj's input), "none".
+ACTIVATION_ROTATIONS = ("heads", "none")
 #: Who runs the dense quantized MatMuls (passes/native_linear.py): ONNX Runtime's MatMulNBits, or
 #: liblayerzero_ort.so's QLinear (the MoE experts' row kernels on the same codes); "native" also puts each layer's
 #: attention into liblayerzero_ort.so's Attention (passes/native_attention.py).
@@ -114,6 +117,10 @@ class CompileOptions:
     # step (0.05) up and one down measured on the calibration requests (2 x groups + at most 3 runs of them a round),
     # sparsity moved from the groups that cost most to those that cost least, the model-wide level held. 0: none.
     activation_refine: int = 0
+    # An exact rotation folded into the weights before the calibration, chosen on the calibration inputs so that the
+    # thresholds drop more entries at less error (passes/rotate_heads.py: "heads", o_proj's input per value head);
+    # "none": the weights as they are. Not with a profile's activations (they were recorded unrotated).
+    activation_rotation: str = "heads"  # one of ACTIVATION_ROTATIONS
 
     def __post_init__(self) -> None:
         # Cases: 1. flags are bools; 2. counts are ints (not bools) in range; 3. tolerances and thresholds are
@@ -157,6 +164,7 @@ class CompileOptions:
         # Case 8: the sparsity a finite number in [0, MAX_ACTIVATION_SPARSITY]; the method a known one; a calibration
         # file only with a sparsity; a verified compile with sparsity needs max_deviation (never a silent pass).
         _check_choice("activation_method", self.activation_method, ACTIVATION_METHODS)
+        _check_choice("activation_rotation", self.activation_rotation, ACTIVATION_ROTATIONS)
         self.activation_calibration = _path("activation_calibration", self.activation_calibration)
         if self.activation_sparsity is not None:
             s = _finite("activation_sparsity", self.activation_sparsity)

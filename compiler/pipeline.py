@@ -473,14 +473,16 @@ def sparsify_activations(
             f"{where}: the model has no float MatMul with a constant 2-D weight inside a layer (model.layers.<i>...), "
             "so nothing to sparsify"
         )
-    if profiled is not None:
+    rotation = None
+    if profiled is not None:  # recorded on the unrotated model: no rotation
         samples = profiled_groups(groups, profiled, f"--profile {options.profile}")
         rows = max((g.rows for g in samples), default=0)
     else:
-        samples, rows = _calibrate_on(model, groups, requests)
+        samples, rows, groups, rotation = _calibrate_on(model, groups, requests, options.activation_rotation)
     experts = {g.name for g in groups if g.experts}
     record = _sparsify(model, options, samples, rows, target, after_pass, requests, experts)
     record["refused"] = [r.to_json() for r in unknown] + record["refused"]
+    record["rotation"] = rotation
     return record
 
 
@@ -505,24 +507,36 @@ def _native_activation_form(options: CompileOptions, target: str) -> bool:
     return find_ort_library() is not None
 
 
-def _calibrate_on(model: ir.Model, groups: list, requests: list[dict]) -> tuple[list, int]:
-    """``--activation-sparsity``'s own calibration: the groups' inputs on ``requests``, and their row count."""
+def _calibrate_on(
+    model: ir.Model, groups: list, requests: list[dict], rotation: str = "none"
+) -> tuple[list, int, list, dict | None]:
+    """``--activation-sparsity``'s own calibration: the groups' inputs on ``requests`` (after ``rotation``, folded
+    into ``model`` here: ``activation_rotation.rotate_heads``), their row count, the groups (found again after a
+    rotation) and the rotation's manifest record (None: none asked for)."""
     from layerzero.activation_calibration import collect_activations, group_samples
     from layerzero.errors import InvalidInputError
 
-    try:
-        activations = collect_activations(model, groups, requests)
-    except LayerZeroError:
-        raise
-    except Exception as exc:  # ONNX Runtime refusing the feeds: the calibration inputs' fault, said in one line
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise InvalidInputError(
-            f"--activation-sparsity: the calibration inputs do not run on the model: {first}"
-        ) from None
+    def collect(groups: list) -> dict:
+        try:
+            return collect_activations(model, groups, requests)
+        except LayerZeroError:
+            raise
+        except Exception as exc:  # ONNX Runtime refusing the feeds: the calibration inputs' fault, in one line
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise InvalidInputError(
+                f"--activation-sparsity: the calibration inputs do not run on the model: {first}"
+            ) from None
+
+    activations = collect(groups)
+    record = None
+    if rotation == "heads" and activations:
+        from layerzero.activation_rotation import rotate_heads
+
+        groups, activations, record = rotate_heads(model, groups, activations, collect)
     samples = group_samples(groups, activations)
     if not samples:
         raise InvalidInputError("--activation-sparsity: the calibration inputs gave no activations")
-    return samples, int(max((len(v) for v in activations.values()), default=0))
+    return samples, int(max((len(v) for v in activations.values()), default=0)), groups, record
 
 
 #: The lowest level at which a MoE block's experts are sparsified: below it liblayerzero_ort.so's input-major float

@@ -136,7 +136,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_activation_arguments(p: argparse.ArgumentParser) -> None:
     """``--activation-sparsity`` and its calibration (``CompileOptions.activation_*``)."""
-    from layerzero.options import ACTIVATION_METHODS, MAX_ACTIVATION_SPARSITY
+    from layerzero.options import ACTIVATION_METHODS, ACTIVATION_ROTATIONS, MAX_ACTIVATION_SPARSITY
 
     a = p.add_argument_group("activation sparsity (--activation-sparsity)")
     a.add_argument(
@@ -165,6 +165,13 @@ def add_activation_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="N rounds moving sparsity between groups at the allocation by their measured marginal deviation "
         "(each round ~2 x groups runs of the calibration requests; default 0)",
+    )
+    a.add_argument(
+        "--activation-rotation",
+        choices=ACTIVATION_ROTATIONS,
+        default="heads",
+        help="an exact rotation folded into the weights before the calibration: heads (each attention's value "
+        "heads by the PCA of o_proj's input, so fewer entries carry its energy) or none (default heads)",
     )
 
 
@@ -273,6 +280,7 @@ def options_from(args: argparse.Namespace) -> CompileOptions:
         activation_calibration=getattr(args, "activation_calibration", None),
         activation_method=getattr(args, "activation_method", "wina"),
         activation_refine=getattr(args, "activation_refine", 0) if getattr(args, "activation_sparsity", None) else 0,
+        activation_rotation=getattr(args, "activation_rotation", "heads"),
         fuse=not getattr(args, "no_fuse", False),
         activation_impact_tolerance=tolerance if getattr(args, "activation_sparsity", None) else None,
     )

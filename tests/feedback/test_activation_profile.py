@@ -49,8 +49,9 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "--impact-samples", "0", "-o", str(tmp / "p.json")]  # fmt: skip
     assert main(args) == 0
     common = ["--activation-sparsity", str(TARGET), "--max-deviation", "100"]
+    # Unrotated, as a compile from a profile is (its distributions are the dense bundle's, recorded unrotated).
     args = ["compile", str(tmp / "m.onnx"), "-o", str(tmp / "direct.lz"), "--activation-calibration",
-            str(tmp / "calibration.npz"), *common]  # fmt: skip
+            str(tmp / "calibration.npz"), "--activation-rotation", "none", *common]  # fmt: skip
     assert main(args) == 0
     # The groups' probes are measured on --activation-calibration's request in both (the profile's distributions
     # replace only the samples).
@@ -96,6 +97,7 @@ def test_compile_from_the_profile_equals_direct_calibration(built: Path) -> None
                                        f"{built / 'calibration.npz'})")  # fmt: skip
     assert direct["probes"] == profiled["probes"] == [0.3, 0.5, 0.7]
     assert profiled["calibration_rows"] == direct["calibration_rows"] == SEQ
+    assert profiled["rotation"] is None and direct["rotation"] is None  # the default rotation needs the samples
     assert profiled["groups"].keys() == direct["groups"].keys()
     for name, level in direct["groups"].items():
         assert profiled["groups"][name] == pytest.approx(level, abs=1e-9), name
@@ -135,7 +137,7 @@ def _impact(built: Path, tolerance: float, cap: float = 0.9) -> dict:
     from layerzero.options import CompileOptions
 
     options = CompileOptions(activation_sparsity=cap, activation_impact_tolerance=tolerance, verify=False,
-                             activation_calibration=built / "calibration.npz")  # fmt: skip
+                             activation_calibration=built / "calibration.npz", activation_rotation="none")  # fmt: skip
     return compile_model(built / "m.onnx", options).activation_sparsity
 
 
@@ -160,8 +162,10 @@ def test_impact_tolerance_on_the_command_line(built: Path, tmp_path: Path, capsy
 
     out = tmp_path / "t.lz"
     capsys.readouterr()
+    # Unrotated: compared with the profile's allocation below.
     args = ["compile", str(built / "m.onnx"), "-o", str(out), "--activation-sparsity", "0.9", "--impact-tolerance",
-            "0.05", "--activation-calibration", str(built / "calibration.npz"), "--no-verify"]  # fmt: skip
+            "0.05", "--activation-calibration", str(built / "calibration.npz"), "--no-verify",
+            "--activation-rotation", "none"]  # fmt: skip
     assert main(args) == 0
     record = _record(out)
     assert record["impact_tolerance"] == 0.05 and record["chosen"] == _impact(built, 0.05)["chosen"]
