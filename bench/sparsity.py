@@ -315,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--centers", nargs="+", default=["median"], help="with --centered: the centers, "
                     f"<center>[:<kind>,...], <center> one of {', '.join(CENTERS)}")  # fmt: skip
     ap.add_argument("--centered-levels", type=float, nargs="*", default=None, help="default: --levels")
+    ap.add_argument("--rotation", choices=("none", "heads"), default="none",
+                    help="heads: the compile's --activation-rotation heads first (rotated_model)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: its own)")
     ap.add_argument("--cache", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
@@ -329,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     codec = TextCodec(onnx_path.parent / "tokenizer.json")
     evaluation, calibration = texts(args.tokens, calibration_tokens, codec)
     with tempfile.TemporaryDirectory() as tmp:
+        if args.rotation == "heads":
+            onnx_path = rotated_model(onnx_path, Path(tmp), windows(calibration, args.window), args.threads)
         bench = Bench(onnx_path, Path(tmp), centered=args.centered, threads=args.threads)
         print(f"{len(bench.groups)} projection groups, {sum(bench.params.values()):,} projection parameters; "
               f"load {os.getloadavg()[0]:.2f}")  # fmt: skip
@@ -393,6 +397,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokens < 1024:
         return 0
     return 0 if check_targets(results) else 1
+
+
+def rotated_model(onnx_path: Path, tmp: Path, cal_windows: list[list[int]], threads: int | None) -> Path:
+    """``--rotation heads``: the compile path's ``--activation-rotation heads`` (passes/rotate_heads.py) on the
+    model, its rotations from the dense model's o_proj inputs on the calibration windows; the rotated model's path
+    (under ``tmp``). Exact: the dense perplexity printed next is the unrotated model's to rounding."""
+    from layerzero.passes.rotate_heads import RotateHeads, find_head_pairs, head_rotations
+
+    (tmp / "plain").mkdir()
+    bench = Bench(onnx_path, tmp / "plain", threads=threads)
+    xs: dict[str, list[np.ndarray]] = {}
+    for w in cal_windows:
+        for g, v in bench.run(w, {}, samples=True)[2].items():
+            xs.setdefault(g, []).append(v)
+    del bench
+    model = ir.load(onnx_path)
+    InferShapes()(model)
+    pairs, refused = find_head_pairs(model)
+    o_group = {g.projections[0]: g.name for g in find_groups(model) if len(g.projections) == 1}
+    step = RotateHeads({p.layer: head_rotations(p, np.concatenate(xs[o_group[p.o]])) for p in pairs if p.o in o_group})
+    step(model)
+    out = tmp / "rotated"
+    out.mkdir()
+    ir.save(model, out / "model.onnx", external_data="model.onnx.data")
+    print(f"rotated the heads of {len(step.rotated)} attentions ({len(refused)} refused: "
+          f"{[r.reason for r in refused][:1]})", flush=True)  # fmt: skip
+    return out / "model.onnx"
 
 
 def centered_variants(bench: Bench, raw: dict[str, np.ndarray], samples: list[GroupSamples], evaluate,
