@@ -55,7 +55,14 @@ def rotate_heads(
     step(model)
     names = {g.name for g in groups}
     new_groups = [g for g in find_groups(model) if g.name in names]
-    got = collect(new_groups)
+    try:
+        got = collect(new_groups)
+    except Exception as exc:  # the rotated model does not run (a layout the pass misread): the weights back
+        _restore(model, weights)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        record["refused"].append({"path": "", "reason": f"the rotated model does not run ({first}): not rotated",
+                                  "kind": "rotation"})  # fmt: skip
+        return [g for g in find_groups(model) if g.name in names], dict(activations), record
     worst, where = 0.0, ""
     for name, before in activations.items():
         if name not in got:
@@ -84,9 +91,10 @@ def _restore(model: ir.Model, weights: Mapping[ir.Node, ir.Value]) -> None:
             continue
         rotate = join.inputs[0].producer()
         split = rotate.inputs[0].producer()
-        constants = [v for node in (split, rotate, join) for v in node.inputs[1:] if v is not None]
+        shape = join.inputs[1].producer()
+        constants = [v for node in (split, rotate) for v in node.inputs[1:] if v is not None]
         o.replace_input_with(0, split.inputs[0])
-        graph.remove([join, rotate, split], safe=True)
+        graph.remove([join, rotate, split, shape], safe=True)
         for value in constants:
             if not value.uses():
                 graph.initializers.pop(value.name, None)

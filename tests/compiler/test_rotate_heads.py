@@ -167,3 +167,34 @@ def test_a_rotation_that_is_not_the_graphs_layout_is_undone(exported: Path, monk
     assert record["layers"] == LAYERS and record["check"] < activation_rotation.TOLERANCE, record
     assert after.keys() == activations.keys()  # collected again on the rotated model
     np.testing.assert_allclose(_run(model, feeds)["logits"], want["logits"], rtol=1e-5, atol=2e-5)
+
+
+def test_a_rotated_model_that_does_not_run_is_undone(exported: Path) -> None:
+    """Where the rotated model fails in ONNX Runtime (a layout misread into a shape it refuses), the compile keeps
+    the model's own weights and records why, instead of failing the compile."""
+    from layerzero import activation_rotation
+    from layerzero.activation_calibration import collect_activations
+    from layerzero.passes.sparsify_activations import find_groups
+
+    feeds = _feeds()
+    model = _loaded(exported)
+    want = _run(model, feeds)
+    names = sorted(model.graph.initializers)
+    groups = find_groups(model)
+    activations = collect_activations(model, groups, [feeds])
+
+    def collect(gs):
+        assert any("head_rotation" in (n.name or "") for n in model.graph)  # called on the rotated model
+        raise RuntimeError("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Reshape refused\nmore lines")
+
+    back, same, record = activation_rotation.rotate_heads(model, groups, activations, collect)
+    assert record["layers"] == 0 and record["refused"][-1]["kind"] == "rotation", record
+    reason = record["refused"][-1]["reason"]
+    assert "does not run ([ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Reshape refused)" in reason
+    assert same is not activations and same.keys() == activations.keys() and [g.name for g in back] == [
+        g.name for g in groups
+    ]
+    assert sorted(model.graph.initializers) == names
+    got = _run(model, feeds)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
