@@ -525,6 +525,11 @@ def _headline(m: ActivationMap) -> str:
             f"; impact tolerance {_fmt(r['impact_tolerance'])}: chose {_fmt(r.get('chosen'))} "
             f"(deviation {_fmt(r.get('impact'))})"
         )
+    rotation = r.get("rotation")
+    if isinstance(rotation, dict):
+        text += f"; {rotation.get('kind', '?')} rotated in {rotation.get('layers', 0)} attentions"
+        if rotation.get("refused"):
+            text += f" ({len(rotation['refused'])} left: {rotation['refused'][0].get('reason', '?')})"
     return text
 
 

@@ -424,6 +424,7 @@ def test_report_draws_the_sparsity_map_and_the_curve(bundles: Path, tmp_path: Pa
     assert main(["report", str(sparse)]) == 0
     text = capsys.readouterr().out
     assert f"realized {record['realized_on_calibration']:.3g}" in text
+    assert f"; heads rotated in {LAYERS} attentions" in text  # --activation-rotation heads, the default
     lines = text.splitlines()
     for i in range(LAYERS):
         row = next(line for line in lines if line.strip().startswith(f"model.layers.{i} "))
