@@ -198,6 +198,10 @@ def _no_matmul(path: Path) -> Path:
         (["--activation-sparsity", "-0.1", "--max-deviation", "1"], "must be >= 0"),
         (["--activation-sparsity", "0.3"], "give max_deviation (--max-deviation)"),
         (["--activation-calibration", "x.npz"], "needs activation_sparsity > 0"),
+        (
+            ["--activation-sparsity", "0.3", "--max-deviation", "1", "--activation-rotation", "spin"],
+            "invalid choice: 'spin'",
+        ),
     ],
 )
 def test_bad_values_are_one_line_exit_2(bundles: Path, capsys, extra, needle) -> None:
@@ -206,6 +210,15 @@ def test_bad_values_are_one_line_exit_2(bundles: Path, capsys, extra, needle) ->
     err = capsys.readouterr().err.strip()
     assert needle in err and "Traceback" not in err, err
     assert not out.exists()
+
+
+def test_an_unknown_rotation_is_refused_by_the_options() -> None:
+    from layerzero.errors import InvalidInputError
+    from layerzero.options import CompileOptions
+
+    with pytest.raises(InvalidInputError, match="activation_rotation"):
+        CompileOptions(activation_sparsity=0.3, max_deviation=1.0, activation_rotation="spin")
+    assert CompileOptions().activation_rotation == "heads"
 
 
 def test_no_float_matmul_is_one_line_exit_2(tmp_path: Path, capsys) -> None:
@@ -323,6 +336,7 @@ def test_json_calibration_requests(bundles: Path, tmp_path: Path) -> None:
     from layerzero.options import CompileOptions
 
     path = tmp_path / "c.json"
+
     def encode(v: np.ndarray):  # nested lists, or shape + flat values where a dim is empty (the past)
         return v.tolist() if v.size else {"shape": list(v.shape), "values": []}
 
