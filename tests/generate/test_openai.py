@@ -21,6 +21,7 @@ from layerzero.cli import main  # noqa: E402
 from layerzero.runtime import Engine  # noqa: E402
 from layerzero.runtime.generate_server import GenerateServer, GenerateServerConfig  # noqa: E402
 from layerzero.runtime.text import TextCodec  # noqa: E402
+from tests.tiny_bundle import free_ports  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
@@ -230,7 +231,6 @@ def _raw(server: GenerateServer, path: str, body: bytes) -> tuple[int, dict]:
 
 def test_layerzero_serve_answers_the_openai_client(bundle: Path, tmp_path: Path) -> None:
     # The real `layerzero serve` process (Triton for KServe, the generate port with the OpenAI routes).
-    import socket
     import subprocess
     import sys
     import time
@@ -239,12 +239,9 @@ def test_layerzero_serve_answers_the_openai_client(bundle: Path, tmp_path: Path)
 
     if not pytriton_available():
         pytest.skip("PyTriton is not importable (pip install 'layerzero[serve]')")
-    ports = []
-    for _ in range(4):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    http_port, grpc_port, control_port, generate_port = ports
+    # Distinct ports: all four held open while picked (one socket at a time could get the same port twice, and
+    # serve refused "the HTTP, gRPC and control ports must differ": a CI flake).
+    http_port, grpc_port, control_port, generate_port = free_ports(4)
     log = tmp_path / "serve.log"
     command = [sys.executable, "-m", "layerzero", "serve", str(bundle), "--port-http", str(http_port),
                "--port-grpc", str(grpc_port), "--port-metrics", str(control_port), "--port-generate",
