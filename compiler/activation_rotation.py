@@ -1,7 +1,7 @@
 """``--activation-rotation heads`` (issue 23): fold ``RotateHeads``' exact rotations into the model before the
 activation calibration, chosen on the calibration activations, and check them numerically.
 
-``rotate_heads(model, groups, activations, collect)``: ``R`` per KV head from o_proj's input samples
+``rotate_heads(model, groups, activations, collect)``: ``R`` per query head from o_proj's input samples
 (``head_rotations``), folded (``RotateHeads``), then the calibration activations collected again on the rotated
 model (``collect``). The rotation is exact, so every group's input must come back as it was, o_proj's rotated by
 the same ``R`` (relative L2 within ``TOLERANCE``): a graph whose head layout is not the one the pass reads off
@@ -55,14 +55,18 @@ def rotate_heads(
     step(model)
     names = {g.name for g in groups}
     new_groups = [g for g in find_groups(model) if g.name in names]
+
+    def undo(path: str, reason: str) -> tuple[list[ActivationGroup], dict[str, np.ndarray], dict]:
+        """The model's own weights back, the refusal recorded, the activations as collected before."""
+        _restore(model, weights)
+        record["refused"].append({"path": path, "reason": reason, "kind": "rotation"})
+        return [g for g in find_groups(model) if g.name in names], dict(activations), record
+
     try:
         got = collect(new_groups)
-    except Exception as exc:  # the rotated model does not run (a layout the pass misread): the weights back
-        _restore(model, weights)
+    except Exception as exc:  # the rotated model does not run (a layout the pass misread)
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        record["refused"].append({"path": "", "reason": f"the rotated model does not run ({first}): not rotated",
-                                  "kind": "rotation"})  # fmt: skip
-        return [g for g in find_groups(model) if g.name in names], dict(activations), record
+        return undo("", f"the rotated model does not run ({first}): not rotated")
     worst, where = 0.0, ""
     for name, before in activations.items():
         if name not in got:
@@ -70,12 +74,9 @@ def rotate_heads(
         d = _relative(got[name][: len(before)], expected.get(name, before)[: len(got[name])])
         if d > worst:
             worst, where = d, name
-    if worst > TOLERANCE:  # not the layout read off the graph: the model's own weights back
-        _restore(model, weights)
-        record["refused"].append({"path": where, "reason": f"the rotated model's input of {where} is {worst:.2g} "
-                                  f"(relative L2) from the rotation's, above {TOLERANCE:g}: not rotated",
-                                  "kind": "rotation"})  # fmt: skip
-        return [g for g in find_groups(model) if g.name in names], dict(activations), record
+    if worst > TOLERANCE:  # not the layout read off the graph
+        return undo(where, f"the rotated model's input of {where} is {worst:.2g} (relative L2) from the rotation's, "
+                    f"above {TOLERANCE:g}: not rotated")  # fmt: skip
     record["layers"] = len(step.rotated)
     record["check"] = worst
     return new_groups, got, record

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 import numpy as np
 import onnx_ir as ir
 
-from layerzero.passes._graph import const_array, layer_of, scope_of
+from layerzero.passes._graph import NameFactory, const_array, layer_of, make_constant, scope_of
 from layerzero.passes._match import Refusal
 
 __all__ = ["HeadPair", "RotateHeads", "find_head_pairs", "head_rotations", "read_rotations", "rotated_inputs"]
@@ -164,20 +164,12 @@ def rotated_inputs(pair: HeadPair, o_input: np.ndarray, rotations: np.ndarray) -
     return np.einsum("thi,hij->thj", x, rotations).reshape(np.shape(o_input)).astype(np.float32)
 
 
-def _set_weight(graph: ir.Graph, node: ir.Node, index: int, array: np.ndarray, name: str) -> ir.Value:
-    """A new initializer for ``node``'s input ``index`` (the old one may have other readers)."""
+def _set_weight(graph: ir.Graph, names: NameFactory, node: ir.Node, index: int, array: np.ndarray, hint: str) -> None:
+    """A new float32 initializer for ``node``'s input ``index`` (the old one may have other readers; dropped if not)."""
     old = node.inputs[index]
-    base, n = name, 1
-    while name in graph.initializers:
-        n += 1
-        name = f"{base}_{n}"
-    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(_FLOAT),
-                     const_value=ir.tensor(np.ascontiguousarray(array, np.float32), name=name))  # fmt: skip
-    graph.register_initializer(value)
-    node.replace_input_with(index, value)
+    node.replace_input_with(index, make_constant(graph, names, hint, np.ascontiguousarray(array, np.float32)))
     if old is not None and not old.uses() and old.name in graph.initializers and not old.is_graph_input():
         graph.initializers.pop(old.name)
-    return value
 
 
 class RotateHeads(ir.passes.InPlacePass):
@@ -192,6 +184,7 @@ class RotateHeads(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         pairs, _ = find_head_pairs(model)
         graph = model.graph
+        names = NameFactory(graph)
         for pair in pairs:
             r = self.rotations.get(pair.layer)
             if r is None:
@@ -202,14 +195,14 @@ class RotateHeads(ir.passes.InPlacePass):
                 raise ValueError(f"{pair.layer}: rotations of shape {r.shape}, not {(h, d, d)}")
             wo = np.asarray(_weight(pair.o), np.float64).reshape(h, d, -1)
             wo = np.einsum("hji,hjn->hin", r, wo).reshape(h * d, -1)  # R_iᵀ W_o[i]
-            _set_weight(graph, pair.o, 1, wo, f"{pair.layer}.o_proj.rotated_weight")
+            _set_weight(graph, names, pair.o, 1, wo, f"{pair.layer}.o_proj.rotated_weight")
             x = pair.o.inputs[0]
             assert x is not None
             prefix = f"{pair.layer}.o_proj.rotation"
             path = "/" + "/".join(pair.layer.split(".")) + "/head_rotation"
             # [..., h·d] -> [N, h, 1, d] (any leading dims), times R [h, d, d], back to x's own shape.
-            split = _constant(graph, f"{prefix}.heads_shape", np.array([-1, h, 1, d], np.int64))
-            rot = _constant(graph, pair.layer + ROTATION_SUFFIX, r.astype(np.float32))
+            split = make_constant(graph, names, f"{prefix}.heads_shape", np.array([-1, h, 1, d], np.int64))
+            rot = make_constant(graph, names, pair.layer + ROTATION_SUFFIX, r.astype(np.float32))
             nodes = [ir.node("Shape", [x], name=f"{path}/Shape")]
             nodes.append(ir.node("Reshape", [x, split], name=f"{path}/Reshape"))
             nodes.append(ir.node("MatMul", [nodes[1].outputs[0], rot], name=f"{path}/MatMul"))
@@ -222,17 +215,6 @@ class RotateHeads(ir.passes.InPlacePass):
             pair.o.replace_input_with(0, nodes[3].outputs[0])
             self.rotated.append(pair.layer)
         return ir.passes.PassResult(model, modified=bool(self.rotated))
-
-
-def _constant(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    base, n = name, 1
-    while name in graph.initializers:
-        n += 1
-        name = f"{base}_{n}"
-    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
-                     const_value=ir.tensor(array, name=name))  # fmt: skip
-    graph.register_initializer(value)
-    return value
 
 
 def read_rotations(model: ir.Model) -> dict[str, np.ndarray]:
