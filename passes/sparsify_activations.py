@@ -28,7 +28,8 @@ a layer scope, ``model.layers.<i>...``; ``lm_head`` and embeddings are outside e
 - **Reference form** (``native=False``, plain ONNX Runtime): ``xm = Where(Not(LessOrEqual(Abs(x), t * scale)), x,
   0)`` once per group, the group's MatMuls then read ``xm``.
 - **Native form** (``native=True``): each group becomes one ``ai.layerzero::SparseLinear(x, W, t, scale)``
-  (``weight_format "f"``: row i = input channel i) from ``liblayerzero_ort.so``; only for float32 ``x``. A group of
+  (``weight_format "f"``: row i = input channel i) from ``liblayerzero_ort.so``; a float16 / bfloat16 ``x`` is cast
+  to float32 for it and its output back (the kernel computes in float32; the weights keep their type). A group of
   several projections (q/k/v, gate/up) is fused (``fuse_projections``): W = their weights side by side
   (``<group>.weight``, ``[K, N_1 + ... + N_p]``), ``path`` = the group's name, ``projections`` = their scopes in
   column order, and a ``Split`` gives each its columns: x is thresholded and quantized once, one parallel section
@@ -41,7 +42,7 @@ a layer scope, ``model.layers.<i>...``; ``lm_head`` and embeddings are outside e
   ``"activation"`` whose one subpath's parameters are the group's weights.
 - **No rewrite**: a group that ``thresholds`` does not name, or whose thresholds are all zero (the dense model
   exactly), or that is recorded as sparsified already (a second run); in the native form a group whose input is
-  not float32 is refused (``Refusal``, kind ``"activation"``, in ``REFUSED_META_KEY``).
+  not a float type is refused (``Refusal``, kind ``"activation"``, in ``REFUSED_META_KEY``).
 
 Bad thresholds (a name no group has, a shape other than ``[]`` / ``[K]``, a negative or non-finite value) are an
 ``InvalidInputError`` naming the group.
@@ -290,7 +291,7 @@ def group_refusal(group: ActivationGroup, native: bool) -> Refusal | None:
     try:
         need(group.x.shape is not None and len(group.x.shape) >= 1, "its input's rank is unknown", *group.projections)
         if native and not group.experts:
-            need(group.x.dtype == ir.DataType.FLOAT, "SparseLinear takes a float32 input", *group.projections)
+            need(group.x.dtype in _FLOATS, "SparseLinear takes a float input", *group.projections)
     except NoMatch as failure:
         return Refusal.of(group.name, failure, KIND)
     return None
@@ -421,12 +422,28 @@ def fuse_projections(
     sparse_linear.h), so each output is bitwise the separate node's. The compile's form (``SparsifyActivations``)
     and the quantized-dense reference's (``as_dense_sparse_linear``, thresholds 0) are both made here."""
     x = inputs[0]
+    # The kernel takes float32 x and writes float32 y: a float16 / bfloat16 model's x is cast in and y back out (the
+    # weights keep their type: the kernel reads float16 / bfloat16 rows as they are).
+    wide = x is not None and x.dtype not in (None, ir.DataType.FLOAT)
+    xin = b.op1("Cast", [x], to=ir.DataType.FLOAT) if wide else x
+    if wide:
+        xin.dtype, xin.shape = ir.DataType.FLOAT, x.shape
+
+    def narrow(y: ir.Value, like: ir.Value) -> ir.Value:
+        y.dtype = ir.DataType.FLOAT
+        if not wide:
+            return y
+        out = b.op1("Cast", [y], to=like.dtype)
+        out.dtype, out.shape = like.dtype, y.shape
+        return out
+
     if len(nodes) == 1:
         (node,) = nodes
         attrs = {"weight_format": "f", "block_size": 32, "path": path}
-        op = b.node(SPARSE_LINEAR_OP, [x, node.inputs[1], *inputs[1:]], attrs, domain=MOE_DOMAIN, outputs=2)
+        op = b.node(SPARSE_LINEAR_OP, [xin, node.inputs[1], *inputs[1:]], attrs, domain=MOE_DOMAIN, outputs=2)
         y, kept = op.outputs
-        y.dtype, y.shape = node.outputs[0].dtype, node.outputs[0].shape
+        y.shape = node.outputs[0].shape
+        y = narrow(y, node.outputs[0])
         kept.dtype = ir.DataType.INT64
         model.graph.insert_before(node, b.take())
         replace_value(node.outputs[0], y, b.names)
@@ -441,11 +458,11 @@ def fuse_projections(
         "path": path,
         "projections": ir.AttrStrings("projections", [scope_of(n) or n.name or path for n in nodes]),
     }
-    op = b.node(SPARSE_LINEAR_OP, [x, w, *inputs[1:]], attrs, domain=MOE_DOMAIN, outputs=2)
+    op = b.node(SPARSE_LINEAR_OP, [xin, w, *inputs[1:]], attrs, domain=MOE_DOMAIN, outputs=2)
     y, kept = op.outputs
-    y.dtype = nodes[0].outputs[0].dtype
     if x is not None and x.shape is not None:
         y.shape = ir.Shape([*list(x.shape)[:-1], sum(widths)])
+    y = narrow(y, nodes[0].outputs[0])
     kept.dtype = ir.DataType.INT64
     parts = b.split(y, widths, axis=-1)
     for node, part in zip(nodes, parts):
