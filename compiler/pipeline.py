@@ -289,6 +289,10 @@ def native_linear(model: ir.Model, options: CompileOptions) -> list[str]:
     step = NativeLinear()
     if run_pass(step, model).modified:
         RemoveDeadCode()(model)
+    if step.kept:  # said, not silent: the user asked for the native kernel
+        name, why = step.kept[0]
+        _warn_once(f"--linear-kernel native: {len(step.kept)} of {len(step.kept) + len(step.rewritten)} quantized "
+                   f"MatMuls stay ONNX Runtime's MatMulNBits (the first, {name!r}: {why})")  # fmt: skip
     return list(step.rewritten)
 
 

@@ -116,3 +116,22 @@ def test_requests_realize_the_sparsity_and_scale_0_is_the_dense_model(bundles: P
             np.testing.assert_allclose(got, want.astype(np.float32), rtol=8 * 2**-10, atol=8 * 2**-10 * scale,
                                        err_msg=name)  # fmt: skip
         assert not np.allclose(result.outputs["logits"], dense["logits"], rtol=1e-2, atol=1e-2)
+
+
+def test_native_linear_says_what_it_left(bundles: Path, caplog, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--linear-kernel native on a float16 model: QLinear takes float32 x, so the MatMulNBits stay ONNX Runtime's;
+    the compile said nothing of it. Now a warning names how many stayed and why."""
+    import logging
+
+    from layerzero import pipeline
+    from layerzero.cli import main
+    from tests.plugins.native_build import build_ort_test_library
+
+    monkeypatch.setenv("LAYERZERO_PLUGIN_DIR", str(build_ort_test_library().parent))
+    monkeypatch.setattr(pipeline, "_WARNED", set())
+    out = bundles / "int4-native.lz"
+    with caplog.at_level(logging.WARNING, logger="layerzero.pipeline"):
+        assert main(["compile", str(bundles / "m.onnx"), "-o", str(out), "--weights", "int4", "--linear-kernel",
+                     "native"]) == 0  # fmt: skip
+    said = [r.getMessage() for r in caplog.records if "--linear-kernel native" in r.getMessage()]
+    assert len(said) == 1 and "stay ONNX Runtime's MatMulNBits" in said[0] and "A is not float32" in said[0], said
