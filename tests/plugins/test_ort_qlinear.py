@@ -86,6 +86,27 @@ def test_chunk16_matches_qdot_rows(ort_lib, K, tokens, threads):
     assert np.all(np.abs(y - plain) <= 2e-6 * scale + 1e-7)
 
 
+@pytest.mark.parametrize("code_byte", [0xFF, 0x00, 0x0F])
+@pytest.mark.parametrize("x_value", [1.0, -1.0])
+@pytest.mark.parametrize("layout", ["chunk16", "rows"])
+def test_extreme_codes_and_x_sum_exactly(ort_lib, code_byte, x_value, layout):
+    # Every nibble at an end of its range (0xFF: code +7, stored 15; 0x00: code -8, stored 0; 0x0F: both) against
+    # x codes all +-127: the AVX2 kernels sum unsigned-nibble x x-code products in int16 lanes before widening (a
+    # chunk half's 4 steps: 4 x 2 x 2 x 15 x 127 = 30480 at most). A kernel that summed more steps in int16 would
+    # wrap here; the result is then far from the exact one (qdot_rows in float64 on the same codes).
+    K, N = 2048, 64
+    codes = np.full((N, K // 2), code_byte, np.uint8)
+    scales = np.ones((N, K // 32), np.float16)
+    stored = chunk_q4_rows(codes) if layout == "chunk16" else codes
+    attrs = {"code_layout": "chunk16"} if layout == "chunk16" else {}
+    x = np.full((1, K), x_value, np.float32)
+    (y,) = session(ort_lib, _qlinear(stored, scales, None, "q4", **attrs), 1).run(None, {"x": x})
+    ref = qdot_rows(codes, scales, 4, x)
+    lo, hi = (code_byte & 15) - 8, (code_byte >> 4) - 8
+    assert np.allclose(ref, x_value * K / 2 * (lo + hi), rtol=1e-6)  # x codes +-127 at d = 1/127: exact
+    np.testing.assert_allclose(y, ref, rtol=1e-6)
+
+
 def test_rank3_batched_equals_alone_at_any_threads(ort_lib):
     rng = np.random.default_rng(3)
     K, N = 256, 4096  # several row ranges at 2 threads
