@@ -361,6 +361,7 @@ class SparsifyActivations(ir.passes.InPlacePass):
                         "channels": group.channels,
                         "projections": group.scopes,
                         "form": "native" if self.native and not group.experts else "reference",
+                        "x_dtype": str(np.dtype(group.x.dtype.numpy())),
                         "scale_input": ACTIVATION_SCALE_INPUT,
                     },
                 ),
