@@ -1,5 +1,6 @@
 // Quantized row-dot micro-kernels (see qdot_rows.h). Compiled once per instruction set; LZ_ISA_NS names the
 // namespace (avx512vnni, avx2, generic).
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -223,6 +224,94 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// One step's int32 lanes of row w (madd of the exact int16 products): q4 4 a block of its 2 blocks, q8 8 of its one.
+template <int Bits>
+inline __m256i step_lanes(const uint8_t* wp, __m256i xe, __m256i xo) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+  __m256i s16;
+  if constexpr (Bits == 4) {
+    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
+  } else {
+    s16 = _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(xe, v));
+  }
+  return _mm256_madd_epi16(s16, ones);
+}
+
+// Blocks g0 .. g0 + N * (Bits == 4 ? 2 : 1) - 1 (at most 8; g0 a multiple of 8) of R rows outside the chunks:
+// each step's lanes summed by hadds to one exact int32 per block (q4: 3 hadds for 4 steps, the blocks left as
+// [0 2 4 6 | 1 3 5 7]; q8: 3 per 4 steps, [lo lanes of 4 blocks | hi lanes of them], the halves then added
+// across), q4's offset added as an integer, then one conversion and multiply-add per 8 blocks (was a conversion,
+// a permutation and an FMA a step, plus a float offset correction: the K = 384 rows of a Qwen3-MoE-style expert's
+// down projection ran at half the chunked rows' rate per byte). The steps past N are zero lanes; a group of fewer
+// than 8 blocks loads its scales masked (x's blocks are padded to kQPad with zero scales: 8 always load).
+template <int Bits, int R, int N>
+inline void group8(const uint8_t* w, int64_t rs, const uint16_t* s, int64_t ss, int64_t g0, const int8_t* xq,
+                   const float* xd, const int32_t* xoff, __m256* acc) {
+  constexpr int64_t kBlocks = Bits == 4 ? 2 : 1;
+  constexpr int kSteps = Bits == 4 ? 4 : 8, kLeft = N * static_cast<int>(kBlocks);
+  const int64_t i0 = g0 / kBlocks;
+  const __m256i p4 = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  __m256i quad[R], pair[R], part[R], first4[R];
+#pragma GCC unroll 8
+  for (int st = 0; st < kSteps; ++st) {
+    __m256i xe = _mm256_setzero_si256(), xo = xe;
+    if (st < N) {
+      if constexpr (Bits == 4) {
+        const int64_t b0 = g0 + st * 2, g = b0 / 4, hf = (b0 % 4) / 2;
+        xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 128 + hf * 32));
+        xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 128 + 64 + hf * 32));
+      } else {
+        xe = xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (i0 + st) * 32));
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      __m256i lanes = _mm256_setzero_si256();
+      if (st < N) {
+        const uint8_t* wp = w + r * rs + (i0 + st) * 32;
+        if ((i0 + st) % 2 == 0) prefetch_codes(wp);
+        lanes = step_lanes<Bits>(wp, xe, xo);
+      }
+      if (st % 2 == 0) {
+        part[r] = lanes;
+      } else if (st % 4 == 1) {
+        pair[r] = _mm256_hadd_epi32(part[r], lanes);
+      } else {
+        quad[r] = _mm256_hadd_epi32(pair[r], _mm256_hadd_epi32(part[r], lanes));
+        if (st == 3) first4[r] = quad[r];
+      }
+    }
+  }
+  const __m256 dx = Bits == 4 ? _mm256_permutevar8x32_ps(_mm256_loadu_ps(xd + g0), p4) : _mm256_loadu_ps(xd + g0);
+  __m256i off = _mm256_setzero_si256();
+  if constexpr (Bits == 4)
+    off = _mm256_permutevar8x32_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xoff + g0)), p4);
+  const __m128i smask = _mm_cmpgt_epi32(_mm_set1_epi32(kLeft / 2), _mm_setr_epi32(0, 1, 2, 3));
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    __m256i dot;
+    if constexpr (Bits == 4) {
+      dot = _mm256_add_epi32(first4[r], off);
+    } else {
+      dot = _mm256_add_epi32(_mm256_permute2x128_si256(first4[r], quad[r], 0x20),
+                             _mm256_permute2x128_si256(first4[r], quad[r], 0x31));
+    }
+    const uint16_t* sp = s + r * ss + g0;
+    __m128i h;
+    if constexpr (kLeft == 8) {
+      h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sp));
+    } else {  // the scales' pairs as int32 lanes, masked (kLeft odd: the last one inserted)
+      h = _mm_maskload_epi32(reinterpret_cast<const int*>(sp), smask);
+      if constexpr (kLeft % 2 == 1) h = _mm_insert_epi16(h, static_cast<int>(sp[kLeft - 1]), kLeft - 1);
+    }
+    __m256 sw = _mm256_cvtph_ps(h);
+    if constexpr (Bits == 4) sw = _mm256_permutevar8x32_ps(sw, p4);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw, dx), acc[r]);
+  }
+}
+
 // R rows against one token. q4: a step is 2 blocks (32 code bytes): low / high nibbles as unsigned (code + 8)
 // against the token's even / odd codes (maddubs: at most 2 x 15 x 127 per int16, no saturation), madd to 8 int32
 // lanes (4 per block), times d_w * d_x of the block, float; the + 8 is taken back per row in float as
@@ -273,71 +362,35 @@ inline void micro(const uint8_t* w, int64_t rs, const uint16_t* s, int64_t ss, i
   } else {
     (void)chunked;
   }
-  const int64_t first_step = (Bits == 4 ? chunked : 0) / kBlocks;
-  if (first_step >= steps) {  // every block in whole chunks: no per-step tail (its accumulators never set up)
-    for (int r = 0; r < R; ++r)
-      out[r * os] = hsum(acc[r]) + tail_blocks<Bits>(w + r * rs, s + r * ss, nv, nb, xq, xd);  // (chunked <= nv)
-    return;
+  // The blocks after the chunks (every block for q8), 8 at a time (group8); the last group's steps as many as
+  // are left.
+  int64_t g0 = Bits == 4 ? chunked : 0;
+  for (; g0 + 8 <= nv; g0 += 8) group8<Bits, R, 8 / kBlocks>(w, rs, s, ss, g0, xq, xd, xoff, acc);
+  switch ((nv - g0) / kBlocks) {
+#define LZ_GROUP(n) \
+  case n:           \
+    if constexpr (n < 8 / kBlocks) group8<Bits, R, n>(w, rs, s, ss, g0, xq, xd, xoff, acc); \
+    break;
+    LZ_GROUP(1)
+    LZ_GROUP(2)
+    LZ_GROUP(3)
+    LZ_GROUP(4)
+    LZ_GROUP(5)
+    LZ_GROUP(6)
+    LZ_GROUP(7)
+#undef LZ_GROUP
+    default:
+      break;
   }
-  __m256 corr[R], d8[R];
-  for (int r = 0; r < R; ++r) corr[r] = d8[r] = _mm256_setzero_ps();
-  for (int64_t i = first_step; i < steps; ++i) {
-    const int64_t b0 = i * kBlocks;
-    if (b0 % 8 == 0) {
-      const int64_t left = nv - b0;
-      alignas(16) uint16_t sb[R][8];
-      alignas(32) float db[8];
-      alignas(32) int32_t ob[8];
-      const bool whole = left >= 8;
-      if (!whole) {
-        std::memset(sb, 0, sizeof(sb));
-        std::memset(db, 0, sizeof(db));
-        std::memset(ob, 0, sizeof(ob));
-        for (int64_t b = 0; b < left; ++b) {
-          for (int r = 0; r < R; ++r) sb[r][b] = s[r * ss + b0 + b];
-          db[b] = xd[b0 + b];
-          ob[b] = xoff[b0 + b];
-        }
-      }
-      const __m256 dx = whole ? _mm256_loadu_ps(xd + b0) : _mm256_load_ps(db);
-      for (int r = 0; r < R; ++r) {
-        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(whole ? s + r * ss + b0 : sb[r]));
-        d8[r] = _mm256_mul_ps(_mm256_cvtph_ps(h), dx);
-        if constexpr (Bits == 4) {
-          const __m256 off = _mm256_cvtepi32_ps(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(whole ? xoff + b0 : ob)));
-          corr[r] = _mm256_fmadd_ps(d8[r], off, corr[r]);
-        }
-      }
-    }
-    const int first = static_cast<int>(b0 % 8);
-    if constexpr (Bits == 4) {
-      const __m256i ix = _mm256_setr_epi32(first, first, first, first, first + 1, first + 1, first + 1, first + 1);
-      const int64_t g = b0 / 4, half = (b0 % 4) / 2;
-      const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 128 + half * 32));
-      const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 128 + 64 + half * 32));
-      for (int r = 0; r < R; ++r) {
-        if (i % 2 == 0) prefetch_codes(w + r * rs + i * 32);
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * rs + i * 32));
-        const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
-        const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
-        acc[r] = _mm256_fmadd_ps(f, _mm256_permutevar8x32_ps(d8[r], ix), acc[r]);
-      }
-    } else {
-      const __m256i ix = _mm256_set1_epi32(first);
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * 32));
-      for (int r = 0; r < R; ++r) {
-        if (i % 2 == 0) prefetch_codes(w + r * rs + i * 32);
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * rs + i * 32));
-        const __m256i s16 = _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(xv, v));
-        const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
-        acc[r] = _mm256_fmadd_ps(f, _mm256_permutevar8x32_ps(d8[r], ix), acc[r]);
-      }
-    }
+  alignas(16) float sums[R];
+  if constexpr (R == 4) {  // 4 rows' sums at once: 3 hadds and the 128-bit halves added (was 4 separate sums)
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    _mm_store_ps(sums, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  } else {
+    for (int r = 0; r < R; ++r) sums[r] = hsum(acc[r]);
   }
   for (int r = 0; r < R; ++r)
-    out[r * os] = hsum(acc[r]) + hsum(corr[r]) + tail_blocks<Bits>(w + r * rs, s + r * ss, nv, nb, xq, xd);
+    out[r * os] = nv < nb ? sums[r] + tail_blocks<Bits>(w + r * rs, s + r * ss, nv, nb, xq, xd) : sums[r];
 }
 #else
 // Portable: block by block, the signed codes' exact integer dot times d_w * d_x, in float.
@@ -424,6 +477,64 @@ void quantize_blocks_t(const float* x, int64_t b0, int64_t b1, int bits, const Q
       } else {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(e), ce);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(e + 64), co);
+      }
+    }
+  }
+#elif LZ_Q_AVX2
+  // The same arithmetic in four 8-lane vectors (round half to even: _mm256_round_ps' nearest, nearbyint's), the
+  // int32 codes packed to bytes (packs interleave the 128-bit lanes: a permutation puts them back in order); q4
+  // then splits each 128-bit lane's bytes into even and odd elements and gathers the halves (QTokens' order).
+  // Bitwise the scalar codes, scales and offsets; was scalar on AVX2 (~5 % of a Qwen3-MoE-style block's time).
+  const __m256 lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12,
+                                         14, 1, 3, 5, 7, 9, 11, 13, 15);
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* xb = x + b * kQBlock;
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
+    const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
+                                   _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const __m256 unord = _mm256_or_ps(_mm256_cmp_ps(v[0], v[1], _CMP_UNORD_Q), _mm256_cmp_ps(v[2], v[3], _CMP_UNORD_Q));
+    const float inv1 = 127.0f / amax;
+    if (_mm256_movemask_ps(unord) != 0 || !(amax > 0.0f && amax <= 3.4028234663852886e38f) ||
+        !(inv1 <= 3.4028234663852886e38f)) {  // NaN, zero or infinite maximum, or 127 / max overflowing: scalar
+      quantize_block_scalar(xb, bits, xq.chunked, q, d, off, b);
+      continue;
+    }
+    d[b] = amax / 127.0f;
+    const __m256 inv = _mm256_set1_ps(inv1);
+    __m256i c[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      c[i] = _mm256_cvttps_epi32(_mm256_max_ps(_mm256_min_ps(r, lim), nlim));
+    }
+    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    off[b] = -(bits == 4 ? 8 : 128) * _mm_cvtsi128_si32(s4);
+    const __m256i bytes = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3])), order);
+    if (bits == 8) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kQBlock), bytes);
+    } else {  // [even 0..14, odd 1..15 | even 16..30, odd 17..31] -> [even 0..30 | odd 1..31]
+      const __m256i eo = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(bytes, split), 0xD8);
+      int8_t* e = q + q_position(4, xq.chunked, b, 0);
+      if (b < xq.chunked) {  // 4 bytes of each to each of the chunk's 4 steps (128 apart)
+        alignas(32) int8_t eb[32];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(eb), eo);
+        for (int st = 0; st < 4; ++st) {
+          std::memcpy(e + st * 128, eb + st * 4, 4);
+          std::memcpy(e + st * 128 + 64, eb + 16 + st * 4, 4);
+        }
+      } else {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(e), _mm256_castsi256_si128(eo));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(e + 64), _mm256_extracti128_si256(eo, 1));
       }
     }
   }
