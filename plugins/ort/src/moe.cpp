@@ -1,6 +1,7 @@
 // The native ai.layerzero::MoE computation (see moe.h).
 #include "moe.h"
 
+#include "fast_exp.h"
 #include "sparse_linear.h"
 
 #include <algorithm>
@@ -314,6 +315,18 @@ inline float glu(float g, float u, const MoEConfig& cfg) {
   return g * u;
 }
 
+// h[r] = silu(g[r]) * u[r] for the quantized experts (their h is quantized next): sigmoid from exp_nonpositive
+// of -|g| (e / (1 + e) below 0, 1 / (1 + e) above), branch-free so that the loop vectorises; relative error ~1e-7
+// against glu's libm exp (NaN stays NaN). A Qwen3-MoE-style block (E32 k4 F384, 1 token): the scalar glu's expf
+// calls were ~8 % of its time.
+void silu_glu(const float* __restrict g, const float* __restrict u, int64_t rows, float* __restrict h) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float x = g[r], e = exp_nonpositive(-std::fabs(x));
+    const float sig = (x >= 0.0f ? 1.0f : e) / (1.0f + e);
+    h[r] = x * sig * u[r];
+  }
+}
+
 size_t element_size(WeightType t) { return t == WeightType::f32 ? 4 : 2; }
 
 // Work items are contiguous row ranges of one expert's matrices: the longer a range, the longer the sequential
@@ -436,10 +449,14 @@ void run_experts_quant(const float* x, int64_t tokens, const MoEWeights& w, cons
     dot(gate + row * rbH, w.s_gate + row * (H / kQBlock), rows, H, a.x, n, g.data(), rows);
     dot(up + row * rbH, w.s_up + row * (H / kQBlock), rows, H, a.x, n, u.data(), rows);
     float* h = hbuf.data() + a.h_offset * F;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float bg = w.b_gate != nullptr ? load_element(w.b_gate, w.b_gate_type, row + r) : 0.0f;
-      const float bu = w.b_up != nullptr ? load_element(w.b_up, w.b_up_type, row + r) : 0.0f;
-      for (int64_t i = 0; i < n; ++i) h[i * F + f0 + r] = glu(g[i * rows + r] + bg, u[i * rows + r] + bu, cfg);
+    if (cfg.activation == Activation::silu && w.b_gate == nullptr && w.b_up == nullptr) {
+      for (int64_t i = 0; i < n; ++i) silu_glu(g.data() + i * rows, u.data() + i * rows, rows, h + i * F + f0);
+    } else {
+      for (int64_t r = 0; r < rows; ++r) {
+        const float bg = w.b_gate != nullptr ? load_element(w.b_gate, w.b_gate_type, row + r) : 0.0f;
+        const float bu = w.b_up != nullptr ? load_element(w.b_up, w.b_up_type, row + r) : 0.0f;
+        for (int64_t i = 0; i < n; ++i) h[i * F + f0 + r] = glu(g[i * rows + r] + bg, u[i * rows + r] + bu, cfg);
+      }
     }
     for (int64_t i = 0; i < n; ++i)  // (the padding after F stays as allocated: zero)
       quantize_token_blocks(h + i * F, f0 / kQBlock, (f0 + rows) / kQBlock, bits, hall, a.h_offset + i);
