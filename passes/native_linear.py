@@ -9,9 +9,11 @@ codes in blocks of 32 along K) on the same codes.
 
 What it rewrites, in every graph: a MatMulNBits with ``bits`` 4 or 8, ``block_size`` 32, ``accuracy_level`` 4 (x
 rounded to int8 per block: what QLinear does, with llama.cpp's rounding, not MLAS'), a constant ``B``, constant
-float32 ``scales`` that float16 holds exactly (``QuantizeWeights``' symmetric scales are float16 values), no zero
-points (the default ``2^(bits-1)``, the symmetric format), no ``g_idx``, a float32 ``A``, an optional constant
-float32 bias. ``B``'s bytes are QLinear's q4 codes (``[N, K/2]``: element ``2j`` of a block in the low nibble of
+``scales`` that float16 holds exactly (``QuantizeWeights``' symmetric scales are float16 values), no zero points
+(the default ``2^(bits-1)``, the symmetric format), no ``g_idx``, an optional constant bias. ``A`` float32, or
+float16 / bfloat16 (a model saved in half precision; its scales and bias have A's type): cast to float32 for QLinear
+and the output back, one Cast per x shared by the projections that read it (so they still merge, below), the bias
+made float32. ``B``'s bytes are QLinear's q4 codes (``[N, K/2]``: element ``2j`` of a block in the low nibble of
 byte ``j``, code + 8), each row's bytes permuted into 16-block chunks (``code_layout="chunk16"``,
 ``plugins/quant.py`` ``chunk_q4_rows``: one 32-bit lane per block in the row kernel's 64-byte steps, an exact
 integer dot per block over a chunk; the lm_head of the Qwen3-MoE decode bench 16 % faster than the plain rows in a
@@ -50,6 +52,7 @@ from layerzero.passes._quantized import MS_DOMAIN
 __all__ = ["NativeLinear"]
 
 _MERGE_MIN = 2  # QLinear nodes reading one x, merged into one
+_X_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)  # MatMulNBits' A types
 
 
 def _attr(node: ir.Node, name: str, default: int) -> int:
@@ -90,6 +93,7 @@ class NativeLinear(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.rewritten, self.kept, self.merged = [], [], []
+        self._casts: dict[tuple[int, int], ir.Value] = {}
         names = NameFactory(model.graph)
         self._root, self._opset = model.graph, model_opset(model)
         graphs = list(model.graphs())
@@ -179,43 +183,55 @@ class NativeLinear(ir.passes.InPlacePass):
         a, b, s = node.inputs[0], _input(node, 1), _input(node, 2)
         if any(_input(node, i) is not None for i in (3, 4)):
             return "zero points or g_idx (QLinear: the symmetric format)"
-        if a is None or a.dtype != ir.DataType.FLOAT:
-            return "A is not float32"
+        if a is None or a.dtype not in _X_TYPES:
+            return "A is not float32, float16 or bfloat16"
+        half = a.dtype != ir.DataType.FLOAT
         codes, scales = const_array(b), const_array(s)
         if codes is None or scales is None or K <= 0 or N <= 0 or K % 32:
             return "B or scales not constant, or K not a multiple of 32"
         if codes.dtype != np.uint8 or codes.size != N * K * bits // 8 or scales.size != N * K // 32:
             return "B / scales not of MatMulNBits' shapes"
-        scales = np.asarray(scales)
-        if scales.dtype != np.float32:
-            return "scales are not float32"
-        half = scales.astype(np.float16)
-        if not np.all(np.isfinite(half)) or not np.array_equal(half.astype(np.float32), scales):
+        if s is None or s.dtype != a.dtype:
+            return "scales are not of A's type"
+        scales = np.asarray(scales).astype(np.float32)  # (exact from float16 / bfloat16)
+        s16 = scales.astype(np.float16)
+        if not np.all(np.isfinite(s16)) or not np.array_equal(s16.astype(np.float32), scales):
             return "scales are not float16 values"
         bias = _input(node, 5)
         bias_array = const_array(bias) if bias is not None else None
-        if bias is not None and (bias_array is None or bias_array.dtype != np.float32 or bias_array.size != N):
-            return "the bias is not a constant float32 [N]"
+        if bias is not None and (bias_array is None or bias.dtype != a.dtype or bias_array.size != N):
+            return "the bias is not a constant [N] of A's type"
         path = node.name or "matmul"
         if bits == 4:
             code_array = chunk_q4_rows(codes.reshape(N, K // 2))
         else:
             code_array = (codes.reshape(N, K).astype(np.int16) - 128).astype(np.int8)
         builder = Builder(self._root, names, self._opset, metadata=node.metadata_props)
+        x = a
+        if half:  # one Cast of each x to float32, shared by its readers (so that they still merge)
+            key = (id(graph), id(a))
+            if key not in self._casts:
+                self._casts[key] = builder.op1("Cast", [a], to=ir.DataType.FLOAT)
+            x = self._casts[key]
         inputs: list[ir.Value | None] = [
-            a,
+            x,
             builder.initializer(f"{path}.codes", code_array),
-            builder.initializer(f"{path}.scales", half.reshape(N, K // 32)),
+            builder.initializer(f"{path}.scales", s16.reshape(N, K // 32)),
         ]
         if bias is not None:
-            inputs.append(bias)
+            inputs.append(bias if not half else builder.initializer(f"{path}.bias", bias_array.astype(np.float32)))
         attrs: dict = {"weight_format": f"q{bits}", "block_size": 32}
         if bits == 4:
             attrs["code_layout"] = "chunk16"
         new = builder.node(QLINEAR_OP, inputs, attrs, domain=MOE_DOMAIN, name=f"{path}__qlinear")
+        y = new.outputs[0]
+        if half:
+            shape = node.outputs[0].shape
+            y.dtype, y.shape = ir.DataType.FLOAT, None if shape is None else ir.Shape(list(shape))
+            y = builder.op1("Cast", [y], to=a.dtype)
         graph.insert_before(node, builder.take())
-        _take_over(node.outputs[0], new.outputs[0])
-        name = new.outputs[0].name
+        _take_over(node.outputs[0], y)
+        name = y.name
         graph.remove(node, safe=True)
         if node.name:  # the MatMul keeps its name (profiles and reports address nodes by it)
             new.name = node.name

@@ -118,20 +118,64 @@ def test_requests_realize_the_sparsity_and_scale_0_is_the_dense_model(bundles: P
         assert not np.allclose(result.outputs["logits"], dense["logits"], rtol=1e-2, atol=1e-2)
 
 
-def test_native_linear_says_what_it_left(bundles: Path, caplog, monkeypatch: pytest.MonkeyPatch) -> None:
-    """--linear-kernel native on a float16 model: QLinear takes float32 x, so the MatMulNBits stay ONNX Runtime's;
-    the compile said nothing of it. Now a warning names how many stayed and why."""
-    import logging
-
-    from layerzero import pipeline
+def _compile_int4(bundles: Path, monkeypatch: pytest.MonkeyPatch, out: str, *extra: str) -> Path:
     from layerzero.cli import main
     from tests.plugins.native_build import build_ort_test_library
 
     monkeypatch.setenv("LAYERZERO_PLUGIN_DIR", str(build_ort_test_library().parent))
+    path = bundles / out
+    if not path.exists():
+        assert main(["compile", str(bundles / "m.onnx"), "-o", str(path), "--weights", "int4", *extra]) == 0
+    return path
+
+
+def test_native_linear_runs_a_float16_model(bundles: Path, caplog, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--linear-kernel native on a float16 model: every MatMulNBits became QLinear, x cast to float32 once per
+    projection input (q / k / v and gate / up still merge) and the output back. Before, QLinear refused float16 x
+    and every projection stayed ONNX Runtime's MatMulNBits (then with a warning saying so)."""
+    import logging
+
+    from layerzero import pipeline
+
     monkeypatch.setattr(pipeline, "_WARNED", set())
-    out = bundles / "int4-native.lz"
     with caplog.at_level(logging.WARNING, logger="layerzero.pipeline"):
-        assert main(["compile", str(bundles / "m.onnx"), "-o", str(out), "--weights", "int4", "--linear-kernel",
-                     "native"]) == 0  # fmt: skip
+        native = _compile_int4(bundles, monkeypatch, "int4-native.lz", "--linear-kernel", "native")
+    assert not [r.getMessage() for r in caplog.records if "--linear-kernel native" in r.getMessage()]
+    model = onnx.load(native / "model.onnx", load_external_data=False)
+    ops = [n.op_type for n in model.graph.node]
+    assert "MatMulNBits" not in ops
+    qlinear = [n for n in model.graph.node if n.op_type == "QLinear"]
+    assert len(qlinear) == 4 * LAYERS + 1  # q/k/v merged, o, gate/up merged, down; the lm_head
+    assert sum(len(n.output) for n in qlinear) == 7 * LAYERS + 1
+    casts = {n.output[0]: n for n in model.graph.node if n.op_type == "Cast"}
+    assert all(n.input[0] in casts for n in qlinear)  # x cast to float32 ...
+    readers = {i for n in model.graph.node if n.op_type == "Cast" for i in n.input}
+    assert all(o in readers for n in qlinear for o in n.output)  # ... and each output back
+    manifest = json.loads((native / "manifest.json").read_text())
+    assert manifest["verification"]["passed"]
+    # The same quantized weights through ONNX Runtime's float16 MatMulNBits: the same model to the rounding of x
+    # (QLinear's int8 x per block, MatMulNBits' own) and of float16.
+    ort_form = _compile_int4(bundles, monkeypatch, "int4-ort.lz", "--linear-kernel", "ort")
+    feeds = _feeds(seq=6, seed=9)
+    got = Engine.load(native).run(feeds).outputs
+    want = Engine.load(ort_form).run(feeds).outputs
+    assert got["logits"].dtype == np.float16
+    for name, w in want.items():
+        g, w32 = got[name].astype(np.float32), w.astype(np.float32)
+        rel = float(np.linalg.norm(g - w32) / max(np.linalg.norm(w32), 1e-30))
+        assert rel < 2e-2, (name, rel)
+    assert np.array_equal(got["logits"][0, -1].argmax(), want["logits"][0, -1].argmax())
+
+
+def test_native_linear_says_what_it_left(bundles: Path, caplog, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Quantized MatMuls QLinear does not run (blocks of 64 here) stay ONNX Runtime's MatMulNBits, with one warning
+    naming how many and why (before, the compile was silent)."""
+    import logging
+
+    from layerzero import pipeline
+
+    monkeypatch.setattr(pipeline, "_WARNED", set())
+    with caplog.at_level(logging.WARNING, logger="layerzero.pipeline"):
+        _compile_int4(bundles, monkeypatch, "int4-b64.lz", "--linear-kernel", "native", "--quant-block", "64")
     said = [r.getMessage() for r in caplog.records if "--linear-kernel native" in r.getMessage()]
-    assert len(said) == 1 and "stay ONNX Runtime's MatMulNBits" in said[0] and "A is not float32" in said[0], said
+    assert len(said) == 1 and "stay ONNX Runtime's MatMulNBits" in said[0] and "block_size=64" in said[0], said
