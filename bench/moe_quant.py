@@ -197,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     if found is None:
         return 2
     lib, cdll, stream = found
-    print(f"kernels: {cdll.LayerZeroOrtQuantIsa().decode()}; load {os.getloadavg()[0]:.2f}/{os.cpu_count()} at start")
+    prefetch = "on" if cdll.LayerZeroOrtQuantPrefetch() else "off"
+    print(f"kernels: {cdll.LayerZeroOrtQuantIsa().decode()}, row prefetch {prefetch} (LAYERZERO_ORT_PREFETCH); "
+          f"load {os.getloadavg()[0]:.2f}/{os.cpu_count()} at start")  # fmt: skip
     ok = True
     misses: list[str] = []
     for experts in args.experts:

@@ -488,21 +488,47 @@ def test_threshold_input_overrides_the_attribute(ort_lib):
     assert counts[0] == 36 and counts[0] > counts[1] > counts[2] >= 9
 
 
-@pytest.mark.parametrize("isa", ["generic", "avx2"])
-def test_other_kernels_match_reference(ort_lib, isa):
-    # LAYERZERO_ORT_ISA=generic: the portable build; =avx2: the AVX2 build on a CPU that has AVX-512 VNNI.
-    if isa == "avx2":
-        flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-        if " avx2" not in flags:
-            pytest.skip("this CPU has no AVX2")
+def _cpu_flags() -> str:
+    return Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+
+
+@pytest.mark.parametrize(("isa", "prefetch"), [("generic", ""), ("avx2", "1"), ("avx2", "0"), ("", "1"), ("", "0")])
+def test_other_kernels_match_reference(ort_lib, isa, prefetch):
+    # LAYERZERO_ORT_ISA=generic: the portable build; =avx2: the AVX2 build on a CPU that has AVX-512 VNNI; each
+    # vector build with and without its rows' software prefetch (LAYERZERO_ORT_PREFETCH: one is this CPU's default).
+    if isa == "avx2" and " avx2" not in _cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    if isa == "" and " avx512_vnni" not in _cpu_flags():
+        pytest.skip("this CPU has no AVX-512 VNNI (the best kernels are the AVX2 build's, run above)")
+    args = ["--expect-isa", isa or "avx512vnni"]
     proc = subprocess.run(
-        [sys.executable, __file__, str(ort_lib), "--quick", "--expect-isa", isa],
+        [sys.executable, __file__, str(ort_lib), "--quick", *args],
         capture_output=True,
         text=True,
-        env=ort_moe.script_env(LAYERZERO_ORT_ISA=isa),
+        env=ort_moe.script_env(LAYERZERO_ORT_ISA=isa, LAYERZERO_ORT_PREFETCH=prefetch),
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("forced", ["", "0", "1"])
+def test_the_prefetch_choice(ort_lib, forced):
+    """The rows' software prefetch: off for the AVX2 build on AMD CPUs (it cost 10-40 % on a Zen 3 host), on
+    elsewhere, and LAYERZERO_ORT_PREFETCH forces it (the generic kernels have none)."""
+    flags = _cpu_flags()
+    vector = " avx2" in flags and " f16c" in flags and " fma" in flags
+    vnni = " avx512_vnni" in flags
+    script = "import ctypes, sys; print(ctypes.CDLL(sys.argv[1]).LayerZeroOrtQuantPrefetch())"
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(ort_lib)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=ort_moe.script_env(LAYERZERO_ORT_PREFETCH=forced),
+        timeout=120,
+    ).stdout.strip()
+    want = (forced == "1") if forced else (vnni or "AuthenticAMD" not in flags)
+    assert out == str(int(want and vector)), (forced, out)
 
 
 def test_best_and_portable_kernels_agree(ort_lib, tmp_path):

@@ -598,6 +598,10 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
 extern "C" __attribute__((visibility("default"))) const char* LayerZeroOrtIsa() { return lz::dot_kernels().isa; }
 // The quantized (q8 / q4) kernels' ISA: avx512vnni, avx2 or generic.
 extern "C" __attribute__((visibility("default"))) const char* LayerZeroOrtQuantIsa() { return lz::qdot_kernels().isa; }
+// 1 when the quantized row kernels prefetch their rows' codes (LAYERZERO_ORT_PREFETCH; off for AVX2 on AMD CPUs).
+extern "C" __attribute__((visibility("default"))) int LayerZeroOrtQuantPrefetch() {
+  return lz::qdot_kernels().prefetch ? 1 : 0;
+}
 
 // Benchmarks (bench/moe.py): the kernels' read pattern over n regions without their arithmetic, i.e. how fast this
 // core streams the bytes a call reads at best; and huge pages for a buffer, as the kernel gives the weights.

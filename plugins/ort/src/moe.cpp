@@ -100,13 +100,30 @@ std::string parse_code_layout(const std::string& value, const std::string& forma
   return "";
 }
 
+// The row kernels' software prefetch (qdot_rows.cpp): measured to help on Intel (an AVX-512 host, one core, cold
+// experts: q4 0.35 -> 0.27 ms, its AVX2 build 0.52 -> 0.38) and to cost 10-40 % in the AVX2 build on an AMD EPYC
+// Zen 3 host (the cold rows read faster without it), so off by default for the AVX2 build on AMD CPUs; the AVX-512
+// build keeps it everywhere (an AMD Zen 4 host's figures were taken with it; not measured without).
+// LAYERZERO_ORT_PREFETCH=0 / 1 forces it.
 const QDotKernels& qdot_kernels() {
   static const QDotKernels* chosen = [] {
     const char* isa = std::getenv("LAYERZERO_ORT_ISA");
     const std::string want = isa != nullptr ? isa : "";
+    const char* forced = std::getenv("LAYERZERO_ORT_PREFETCH");
+    const auto prefetch = [forced](bool fallback) {
+      return forced != nullptr && *forced != '\0' ? std::strcmp(forced, "0") != 0 : fallback;
+    };
     if (want == "generic") return &generic::kQKernels;
-    if (want != "avx2" && avx512vnni::q_available()) return &avx512vnni::kQKernels;
-    return avx2::q_available() ? &avx2::kQKernels : &generic::kQKernels;
+    if (want != "avx2" && avx512vnni::q_available())
+      return prefetch(true) ? &avx512vnni::kQKernels : &avx512vnni::kQKernelsNoPrefetch;
+    if (!avx2::q_available()) return &generic::kQKernels;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    const bool amd = __builtin_cpu_is("amd");
+#else
+    const bool amd = false;
+#endif
+    return prefetch(!amd) ? &avx2::kQKernels : &avx2::kQKernelsNoPrefetch;
   }();
   return *chosen;
 }

@@ -43,10 +43,19 @@ namespace {
 // E8 k2 H1024 F1536 q4 0.35 -> 0.27 ms, q8 0.83 -> 0.70 ms; E32 k4 H1024 F384 q4 unchanged; 512-4096 bytes alike
 // within the noise; prefetching the scales as well brought nothing. Into L2 (T1), as the sparse row kernels: there
 // T0 was the slower hint on the Zen 4 host (bench/README.md, sparse_linear.py); on this one T0 and T1 measure alike.
+// On an AMD EPYC Zen 3 host (AVX2) the same prefetch costs instead: without it the AVX2 row kernels read cold rows
+// 10-40 % faster (5 alternating runs per shape, one core: the lm_head [32000, 1024] 0.72-0.91 of the time, the
+// Qwen3-MoE-style experts' gate / up 0.60-0.83, a Llama-1B [8192, 2048] 0.58-0.70, the K = 384 down 0.90-1.02),
+// so each build has both forms (PF) and qdot_kernels() picks one per CPU.
 constexpr int64_t kPrefetchBytes = 2048;
 
+template <bool PF>
 inline void prefetch_codes(const void* p) {
-  _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T1);
+  if constexpr (PF) {
+    _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T1);
+  } else {
+    (void)p;
+  }
 }
 #endif
 
@@ -114,7 +123,7 @@ inline void reduce_rows(const __m512* acc, float* sums) {
 }
 
 // One 64-byte step of R rows: `i` the step, `ix` the lanes' blocks in d16 (see micro).
-template <int Bits, int R>
+template <int Bits, int R, bool PF>
 inline void step(const uint8_t* w, int64_t rs, int64_t i, const int8_t* xq, const int32_t* xoff, __m512i ix,
                  const __m512* d16, __m512* acc) {
   const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -123,7 +132,7 @@ inline void step(const uint8_t* w, int64_t rs, int64_t i, const int8_t* xq, cons
     const __m512i c = _mm512_maskz_expand_epi32(
         0x1111, _mm512_zextsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xoff + i * 4))));
     for (int r = 0; r < R; ++r) {
-      prefetch_codes(w + r * rs + i * 64);
+      prefetch_codes<PF>(w + r * rs + i * 64);
       const __m512i v = _mm512_loadu_si512(w + r * rs + i * 64);
       const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
       const __m512i dp = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c, lo, xe), hi, xo);
@@ -134,7 +143,7 @@ inline void step(const uint8_t* w, int64_t rs, int64_t i, const int8_t* xq, cons
     const __m512i c = _mm512_maskz_expand_epi32(
         0x0101, _mm512_zextsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(xoff + i * 2))));
     for (int r = 0; r < R; ++r) {
-      prefetch_codes(w + r * rs + i * 64);
+      prefetch_codes<PF>(w + r * rs + i * 64);
       const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(w + r * rs + i * 64), flip);
       const __m512i dp = _mm512_dpbusd_epi32(c, v, xv);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_permutexvar_ps(ix, d16[r]), acc[r]);
@@ -149,7 +158,7 @@ inline void step(const uint8_t* w, int64_t rs, int64_t i, const int8_t* xq, cons
 // 16 blocks' products, computed once per 16 blocks), accumulated in float. q8: a step is 2 blocks, the codes
 // XOR 0x80 (= code + 128 as unsigned), the lanes from -128 x the sum. Whole chunks of 16 blocks run their steps
 // unrolled (constant permutations); the last chunk step by step, the blocks after the last whole step in scalar.
-template <int Bits, int R>
+template <int Bits, int R, bool PF>
 inline void micro(const uint8_t* w, int64_t rs, const uint16_t* s, int64_t ss, int64_t nb, const int8_t* xq,
                   const float* xd, const int32_t* xoff, float* out, int64_t os, int64_t chunked) {
   constexpr int64_t kBlocks = Bits == 4 ? 4 : 2;  // blocks per 64-byte step
@@ -176,7 +185,7 @@ inline void micro(const uint8_t* w, int64_t rs, const uint16_t* s, int64_t ss, i
       for (int st = 0; st < 4; ++st) {
         const __m512i xe = _mm512_loadu_si512(xc + st * 128), xo = _mm512_loadu_si512(xc + st * 128 + 64);
         for (int r = 0; r < R; ++r) {
-          prefetch_codes(wc + r * rs + st * 64);
+          prefetch_codes<PF>(wc + r * rs + st * 64);
           const __m512i v = _mm512_loadu_si512(wc + r * rs + st * 64);
           lo[r] = _mm512_dpbusd_epi32(lo[r], _mm512_and_si512(v, m4), xe);
           hi[r] = _mm512_dpbusd_epi32(hi[r], _mm512_and_si512(v, mh), xo);
@@ -203,11 +212,11 @@ inline void micro(const uint8_t* w, int64_t rs, const uint16_t* s, int64_t ss, i
     const int64_t i0 = b0 / kBlocks;
     if (left >= 16) {
       for (int64_t j = 0; j < kSteps; ++j)  // (unrolled: the permutations are constants)
-        step<Bits, R>(w, rs, i0 + j, xq, xoff, _mm512_add_epi32(lanes, _mm512_set1_epi32(int(j * kBlocks))), d16,
+        step<Bits, R, PF>(w, rs, i0 + j, xq, xoff, _mm512_add_epi32(lanes, _mm512_set1_epi32(int(j * kBlocks))), d16,
                       acc);
     } else {
       for (int64_t j = 0; j < left / kBlocks; ++j)
-        step<Bits, R>(w, rs, i0 + j, xq, xoff, _mm512_add_epi32(lanes, _mm512_set1_epi32(int(j * kBlocks))), d16,
+        step<Bits, R, PF>(w, rs, i0 + j, xq, xoff, _mm512_add_epi32(lanes, _mm512_set1_epi32(int(j * kBlocks))), d16,
                       acc);
     }
   }
@@ -246,7 +255,7 @@ inline __m256i step_lanes(const uint8_t* wp, __m256i xe, __m256i xo) {
 // a permutation and an FMA a step, plus a float offset correction: the K = 384 rows of a Qwen3-MoE-style expert's
 // down projection ran at half the chunked rows' rate per byte). The steps past N are zero lanes; a group of fewer
 // than 8 blocks loads its scales masked (x's blocks are padded to kQPad with zero scales: 8 always load).
-template <int Bits, int R, int N>
+template <int Bits, int R, int N, bool PF>
 inline void group8(const uint8_t* w, int64_t rs, const uint16_t* s, int64_t ss, int64_t g0, const int8_t* xq,
                    const float* xd, const int32_t* xoff, __m256* acc) {
   constexpr int64_t kBlocks = Bits == 4 ? 2 : 1;
@@ -271,7 +280,7 @@ inline void group8(const uint8_t* w, int64_t rs, const uint16_t* s, int64_t ss, 
       __m256i lanes = _mm256_setzero_si256();
       if (st < N) {
         const uint8_t* wp = w + r * rs + (i0 + st) * 32;
-        if ((i0 + st) % 2 == 0) prefetch_codes(wp);
+        if ((i0 + st) % 2 == 0) prefetch_codes<PF>(wp);
         lanes = step_lanes<Bits>(wp, xe, xo);
       }
       if (st % 2 == 0) {
@@ -317,7 +326,7 @@ inline void group8(const uint8_t* w, int64_t rs, const uint16_t* s, int64_t ss, 
 // lanes (4 per block), times d_w * d_x of the block, float; the + 8 is taken back per row in float as
 // sum_b d_w d_x off_b. q8: a step is one block, the sign trick (|w| unsigned x (x with w's sign): at most
 // 2 x 128 x 127 per int16).
-template <int Bits, int R>
+template <int Bits, int R, bool PF>
 inline void micro(const uint8_t* w, int64_t rs, const uint16_t* s, int64_t ss, int64_t nb, const int8_t* xq,
                   const float* xd, const int32_t* xoff, float* out, int64_t os, int64_t chunked) {
   constexpr int64_t kBlocks = Bits == 4 ? 2 : 1;
@@ -343,7 +352,7 @@ inline void micro(const uint8_t* w, int64_t rs, const uint16_t* s, int64_t ss, i
           const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs));
           const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + 64));
           for (int r = 0; r < R; ++r) {
-            if (half == 0) prefetch_codes(w + r * rs + b0 * 16 + st * 64);
+            if (half == 0) prefetch_codes<PF>(w + r * rs + b0 * 16 + st * 64);
             const __m256i v =
                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * rs + b0 * 16 + st * 64 + half * 32));
             const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
@@ -365,11 +374,11 @@ inline void micro(const uint8_t* w, int64_t rs, const uint16_t* s, int64_t ss, i
   // The blocks after the chunks (every block for q8), 8 at a time (group8); the last group's steps as many as
   // are left.
   int64_t g0 = Bits == 4 ? chunked : 0;
-  for (; g0 + 8 <= nv; g0 += 8) group8<Bits, R, 8 / kBlocks>(w, rs, s, ss, g0, xq, xd, xoff, acc);
+  for (; g0 + 8 <= nv; g0 += 8) group8<Bits, R, 8 / kBlocks, PF>(w, rs, s, ss, g0, xq, xd, xoff, acc);
   switch ((nv - g0) / kBlocks) {
 #define LZ_GROUP(n) \
   case n:           \
-    if constexpr (n < 8 / kBlocks) group8<Bits, R, n>(w, rs, s, ss, g0, xq, xd, xoff, acc); \
+    if constexpr (n < 8 / kBlocks) group8<Bits, R, n, PF>(w, rs, s, ss, g0, xq, xd, xoff, acc); \
     break;
     LZ_GROUP(1)
     LZ_GROUP(2)
@@ -394,7 +403,7 @@ inline void micro(const uint8_t* w, int64_t rs, const uint16_t* s, int64_t ss, i
 }
 #else
 // Portable: block by block, the signed codes' exact integer dot times d_w * d_x, in float.
-template <int Bits, int R>
+template <int Bits, int R, bool PF>
 inline void micro(const uint8_t* w, int64_t rs, const uint16_t* s, int64_t ss, int64_t nb, const int8_t* xq,
                   const float* xd, const int32_t* xoff, float* out, int64_t os, int64_t chunked) {
   (void)xoff;
@@ -548,7 +557,7 @@ void quantize_blocks_t(const float* x, int64_t b0, int64_t b1, int bits, const Q
 // (then in L1) before the next rows stream in, so each weight byte comes from memory once per call.
 constexpr int kSegments = 4;
 
-template <int Bits>
+template <int Bits, bool PF>
 void qdot_rows_t(const void* codes, const uint16_t* scales, int64_t rows, int64_t k, const QTokens& x,
                  int64_t tokens, float* out, int64_t ldo) {
   const uint8_t* w = static_cast<const uint8_t*>(codes);
@@ -556,28 +565,28 @@ void qdot_rows_t(const void* codes, const uint16_t* scales, int64_t rows, int64_
   const int64_t seg = rows / kSegments;
   for (int64_t i = 0; i < seg; ++i)
     for (int64_t t = 0; t < tokens; ++t)
-      micro<Bits, kSegments>(w + i * rb, seg * rb, scales + i * nb, seg * nb, nb, x.q + t * x.kp, x.d + t * x.nb,
+      micro<Bits, kSegments, PF>(w + i * rb, seg * rb, scales + i * nb, seg * nb, nb, x.q + t * x.kp, x.d + t * x.nb,
                              x.off + t * x.nb, out + t * ldo + i, seg, x.chunked);
   for (int64_t r = seg * kSegments; r < rows; ++r)
     for (int64_t t = 0; t < tokens; ++t)
-      micro<Bits, 1>(w + r * rb, rb, scales + r * nb, nb, nb, x.q + t * x.kp, x.d + t * x.nb, x.off + t * x.nb,
+      micro<Bits, 1, PF>(w + r * rb, rb, scales + r * nb, nb, nb, x.q + t * x.kp, x.d + t * x.nb, x.off + t * x.nb,
                      out + t * ldo + r, 1, x.chunked);
 }
 
 }  // namespace
 
-const QDotKernels kQKernels = {
 #if LZ_Q_VNNI
-    "avx512vnni",
+#define LZ_Q_ISA "avx512vnni"
 #elif LZ_Q_AVX2
-    "avx2",
+#define LZ_Q_ISA "avx2"
 #else
-    "generic",
+#define LZ_Q_ISA "generic"
 #endif
-    &qdot_rows_t<8>,
-    &qdot_rows_t<4>,
-    &quantize_blocks_t,
-};
+const QDotKernels kQKernels = {LZ_Q_ISA, LZ_Q_VNNI || LZ_Q_AVX2, &qdot_rows_t<8, true>, &qdot_rows_t<4, true>,
+                               &quantize_blocks_t};
+const QDotKernels kQKernelsNoPrefetch = {LZ_Q_ISA, false, &qdot_rows_t<8, false>, &qdot_rows_t<4, false>,
+                                         &quantize_blocks_t};
+#undef LZ_Q_ISA
 
 bool q_available() {
 #if LZ_Q_VNNI

@@ -64,23 +64,26 @@ using QuantizeBlocksFn = void (*)(const float* x, int64_t b0, int64_t b1, int bi
 
 struct QDotKernels {
   const char* isa;
+  bool prefetch;  // the row kernels prefetch each row's codes ahead (qdot_rows.cpp kPrefetchBytes)
   QDotRowsFn q8, q4;
   QuantizeBlocksFn quantize;
 };
 
 namespace avx512vnni {
-extern const QDotKernels kQKernels;
+extern const QDotKernels kQKernels, kQKernelsNoPrefetch;
 bool q_available();
 }  // namespace avx512vnni
 namespace avx2 {
-extern const QDotKernels kQKernels;
+extern const QDotKernels kQKernels, kQKernelsNoPrefetch;
 bool q_available();
 }  // namespace avx2
 namespace generic {
-extern const QDotKernels kQKernels;
+extern const QDotKernels kQKernels, kQKernelsNoPrefetch;
 bool q_available();
 }  // namespace generic
 
+// The best kernels this CPU runs (LAYERZERO_ORT_ISA=generic / avx2 forces one), with or without the rows' software
+// prefetch (LAYERZERO_ORT_PREFETCH=0 / 1; by default off for the AVX2 build on AMD CPUs: moe.cpp says why).
 const QDotKernels& qdot_kernels();
 
 }  // namespace lz
