@@ -435,6 +435,25 @@ inline void quantize_block_scalar(const float* xb, int bits, int64_t chunked, in
   off[b] = -(bits == 4 ? 8 : 128) * sum;
 }
 
+#if LZ_Q_VNNI || LZ_Q_AVX2
+// A q4 block's 16 even and 16 odd codes at e (its place in the token's row, q_position): together for a plain block,
+// 4 bytes of each to each of the chunk's 4 steps (128 apart) for a block in a chunk.
+inline void store_q4_block(int8_t* e, __m128i even, __m128i odd, bool chunked) {
+  if (!chunked) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(e), even);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(e + 64), odd);
+    return;
+  }
+  alignas(16) int8_t eb[16], ob[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(eb), even);
+  _mm_store_si128(reinterpret_cast<__m128i*>(ob), odd);
+  for (int st = 0; st < 4; ++st) {
+    std::memcpy(e + st * 128, eb + st * 4, 4);
+    std::memcpy(e + st * 128 + 64, ob + st * 4, 4);
+  }
+}
+#endif
+
 void quantize_blocks_t(const float* x, int64_t b0, int64_t b1, int bits, const QTokens& xq, int64_t t) {
   int8_t* q = xq.q + t * xq.kp;
   float* d = xq.d + t * xq.nb;
@@ -474,19 +493,7 @@ void quantize_blocks_t(const float* x, int64_t b0, int64_t b1, int bits, const Q
     } else {
       const __m128i ce = _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(c0, even, c1));
       const __m128i co = _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(c0, odd, c1));
-      int8_t* e = q + q_position(4, xq.chunked, b, 0);
-      if (b < xq.chunked) {  // 4 bytes of each to each of the chunk's 4 steps (128 apart)
-        alignas(16) int8_t eb[16], ob[16];
-        _mm_store_si128(reinterpret_cast<__m128i*>(eb), ce);
-        _mm_store_si128(reinterpret_cast<__m128i*>(ob), co);
-        for (int st = 0; st < 4; ++st) {
-          std::memcpy(e + st * 128, eb + st * 4, 4);
-          std::memcpy(e + st * 128 + 64, ob + st * 4, 4);
-        }
-      } else {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(e), ce);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(e + 64), co);
-      }
+      store_q4_block(q + q_position(4, xq.chunked, b, 0), ce, co, b < xq.chunked);
     }
   }
 #elif LZ_Q_AVX2
@@ -533,18 +540,8 @@ void quantize_blocks_t(const float* x, int64_t b0, int64_t b1, int bits, const Q
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kQBlock), bytes);
     } else {  // [even 0..14, odd 1..15 | even 16..30, odd 17..31] -> [even 0..30 | odd 1..31]
       const __m256i eo = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(bytes, split), 0xD8);
-      int8_t* e = q + q_position(4, xq.chunked, b, 0);
-      if (b < xq.chunked) {  // 4 bytes of each to each of the chunk's 4 steps (128 apart)
-        alignas(32) int8_t eb[32];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(eb), eo);
-        for (int st = 0; st < 4; ++st) {
-          std::memcpy(e + st * 128, eb + st * 4, 4);
-          std::memcpy(e + st * 128 + 64, eb + 16 + st * 4, 4);
-        }
-      } else {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(e), _mm256_castsi256_si128(eo));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(e + 64), _mm256_extracti128_si256(eo, 1));
-      }
+      store_q4_block(q + q_position(4, xq.chunked, b, 0), _mm256_castsi256_si128(eo),
+                     _mm256_extracti128_si256(eo, 1), b < xq.chunked);
     }
   }
 #else
